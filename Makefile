@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# Keep JIT-built DeepSpeed ops (cpu_adam for offload tests) cached between runs.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: venv demo test test-fast lint clean
+
+venv: $(STAMP)
+
+# CPU torch is pinned through constraints-cpu.txt only here, so GPU users keep their own torch build.
+$(STAMP): pyproject.toml constraints-cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q -c constraints-cpu.txt torch==2.13.0
+	$(PIP) install -q -c constraints-cpu.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ulyssesd demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check daemon remediation training migrations ulyssesd_pkg tests bench
+	$(VENV)/bin/mypy -p ulyssesd
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

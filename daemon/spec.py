@@ -1,0 +1,136 @@
+"""The whole run spec: the job's sections (ulyssesd.training.spec) plus the daemon's own.
+
+`load_run_spec(path)` is the one entry point; it raises `SpecError` with one message per problem.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
+from ulyssesd.training.spec import (
+    DAEMON_SECTIONS,
+    JobSpec,
+    SpecError,
+    format_validation_error,
+    job_spec_from_dict,
+    read_toml,
+)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def default_state_dir() -> str:
+    """$ULYSSESD_STATE_DIR, else $XDG_STATE_HOME/ulyssesd, else ~/.local/state/ulyssesd (no root, no /etc)."""
+    if os.environ.get("ULYSSESD_STATE_DIR"):
+        return os.environ["ULYSSESD_STATE_DIR"]
+    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(xdg) / "ulyssesd")
+
+
+class RunSection(_Section):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Run name; the run id is derived from it.")
+    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,96}$", description="Fixed run id (default: name + timestamp).")
+
+
+class LauncherSection(_Section):
+    kind: Literal["torchrun", "deepspeed", "srun"] = Field("torchrun", description="Existing launcher that starts the ranks.")
+    nnodes: int = Field(1, ge=1, description="Nodes.")
+    nproc_per_node: int = Field(1, ge=1, description="Ranks per node (GPUs per node).")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile (kind=deepspeed, multi-node).")
+    rdzv_endpoint: str | None = Field(None, description="torchrun c10d rendezvous host:port for multi-node.")
+    master_port: int | None = Field(None, ge=1024, le=65535, description="Fixed rendezvous port (default: a free one).")
+    python: str | None = Field(None, description="Python interpreter of the ranks (default: the daemon's).")
+    extra_args: list[str] = Field(default_factory=list, description="Extra launcher arguments, verbatim.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the ranks.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @model_validator(mode="after")
+    def _check(self) -> LauncherSection:
+        if self.kind == "deepspeed" and self.nnodes > 1 and not self.hostfile:
+            raise ValueError("launcher.hostfile is required for launcher.kind='deepspeed' with launcher.nnodes > 1")
+        if self.kind == "torchrun" and self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("launcher.rdzv_endpoint is required for launcher.kind='torchrun' with launcher.nnodes > 1")
+        return self
+
+
+class DaemonSection(_Section):
+    state_dir: str = Field(default_factory=default_state_dir, description="Runs, database and socket live here.")
+    db_path: str | None = Field(None, description="SQLite file; default {state_dir}/ulyssesd.db.")
+    socket_path: str | None = Field(None, description="Control socket; default {state_dir}/ulyssesd.sock.")
+    tick_s: float = Field(1.0, gt=0, le=60, description="Main-loop tick.")
+    stop_grace_s: float = Field(120.0, gt=0, description="SIGTERM -> SIGKILL grace for the job's process group.")
+    launch_retries: int = Field(3, ge=0, le=20, description="Retries of a launch that fails to start (tenacity).")
+    preflight: bool = Field(True, description="Refuse a run the memory planner says cannot fit.")
+    prometheus_port: int | None = Field(None, ge=1024, le=65535, description="Expose metrics on 127.0.0.1:PORT (off by default).")
+    webhook_url: str | None = Field(None, description="Slack-compatible webhook for escalations and failures (off by default).")
+
+    def resolved_db_path(self) -> Path:
+        return Path(self.db_path) if self.db_path else Path(self.state_dir) / "ulyssesd.db"
+
+    def resolved_socket_path(self) -> Path:
+        return Path(self.socket_path) if self.socket_path else Path(self.state_dir) / "ulyssesd.sock"
+
+
+class DaemonSpec(_Section):
+    run: RunSection = Field(default_factory=RunSection)
+    launcher: LauncherSection = Field(default_factory=LauncherSection)
+    detectors: DetectorsConfig = Field(default_factory=DetectorsConfig)
+    remediation: RemediationConfig = Field(default_factory=RemediationConfig)
+    daemon: DaemonSection = Field(default_factory=DaemonSection)
+
+
+class RunSpec(BaseModel):
+    """A parsed run spec: `job` goes to the training ranks, the rest drives the daemon."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    source: str
+    raw: dict[str, Any]
+    job: JobSpec
+    run: RunSection
+    launcher: LauncherSection
+    detectors: DetectorsConfig
+    remediation: RemediationConfig
+    daemon: DaemonSection
+
+
+def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: Path | None = None) -> RunSpec:
+    problems: list[str] = []
+    daemon_part = {k: v for k, v in data.items() if k in DAEMON_SECTIONS}
+    dspec: DaemonSpec | None = None
+    job: JobSpec | None = None
+    try:
+        dspec = DaemonSpec.model_validate(daemon_part)
+    except ValidationError as exc:
+        problems.extend(format_validation_error(exc))
+    try:
+        job = job_spec_from_dict(data, source, base_dir)
+    except SpecError as exc:
+        problems.extend(exc.problems)
+    if dspec is not None and job is not None:
+        world = job.parallel.world_size or dspec.launcher.world_size
+        if job.parallel.world_size is not None and job.parallel.world_size != dspec.launcher.world_size:
+            problems.append(f"parallel.world_size={job.parallel.world_size} does not match launcher.nnodes × "
+                            f"launcher.nproc_per_node={dspec.launcher.world_size}")
+        sp = job.parallel.sequence_parallel_size
+        if world % sp:
+            problems.append(f"launcher world size {world} (launcher.nnodes × launcher.nproc_per_node) is not "
+                            f"divisible by parallel.sequence_parallel_size={sp}")
+    if problems:
+        raise SpecError(source, problems)
+    assert dspec is not None and job is not None
+    return RunSpec(source=source, raw=data, job=job, **{k: getattr(dspec, k) for k in DAEMON_SECTIONS})
+
+
+def load_run_spec(path: str | Path) -> RunSpec:
+    path = Path(path)
+    return run_spec_from_dict(read_toml(path), str(path), path.parent)

@@ -1,0 +1,333 @@
+"""Typed, validated configuration of the training job (the job's half of a run spec).
+
+A run spec is one TOML file. The sections defined here describe the job itself; the daemon adds
+`[run]`, `[launcher]`, `[detectors]`, `[remediation]` and `[daemon]` (see `ulyssesd.daemon.spec`).
+The effective job config of each config version is this model dumped to JSON
+(`{run_dir}/configs/v{N}.json`), so everything here must round-trip through `model_dump(mode="json")`.
+
+Every field has a one-line doc; cross-field rules live in `JobSpec._cross_checks` and name both key
+paths in their message, e.g. `model.num_attention_heads=96 is not divisible by
+parallel.sequence_parallel_size=5`.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# Sections that belong to the daemon's part of a run spec; the job ignores them.
+DAEMON_SECTIONS = ("run", "launcher", "detectors", "remediation", "daemon")
+
+
+class SpecError(ValueError):
+    """A run spec is invalid. `problems` holds one message per problem, each naming its key path."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid run spec {source}: {len(problems)} problem(s)\n{lines}")
+
+
+class _Section(BaseModel):
+    # Unknown keys are typos until proven otherwise: reject them with their path.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------- model
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU tests and the demo: byte-level vocabulary, seconds per run on 2 cores.
+    "tiny": dict(hidden_size=64, num_layers=4, num_attention_heads=4, vocab_size=256, max_seq_len=1024,
+                 mlp="gelu", ffn_hidden_size=256, tie_embeddings=True),
+    "gpt-1b": dict(hidden_size=2048, num_layers=24, num_attention_heads=16, vocab_size=50304,
+                   max_seq_len=32768, mlp="gelu", ffn_hidden_size=8192, tie_embeddings=False),
+    # The reference probe's 6.86B GPT (../shared/gpu/README.md): h 4096, L 32, 32 heads, GELU 4h, no bias.
+    "gpt-7b": dict(hidden_size=4096, num_layers=32, num_attention_heads=32, vocab_size=50304,
+                   max_seq_len=1 << 20, mlp="gelu", ffn_hidden_size=16384, tie_embeddings=False),
+    # The seed's 176B: h 12288, L 96, 96 heads, 32K context, vocab 50257, tied head (P = 174.6B, FACTS.md).
+    "gpt-176b": dict(hidden_size=12288, num_layers=96, num_attention_heads=96, vocab_size=50257,
+                     max_seq_len=32768, mlp="gelu", ffn_hidden_size=49152, tie_embeddings=True),
+}
+
+
+class ModelSpec(_Section):
+    preset: Literal["tiny", "gpt-1b", "gpt-7b", "gpt-176b"] | None = Field(
+        "tiny", description="Named preset; explicit fields below override its values.")
+    hidden_size: int | None = Field(None, gt=0, description="Model width h.")
+    num_layers: int | None = Field(None, gt=0, description="Number of transformer blocks L.")
+    num_attention_heads: int | None = Field(None, gt=0, description="Attention heads; must divide h and be divisible by SP.")
+    vocab_size: int | None = Field(None, gt=0, description="Vocabulary size V (256 = raw bytes).")
+    max_seq_len: int | None = Field(None, gt=0, description="Longest sequence the run may use (rotary table size).")
+    mlp: Literal["gelu", "swiglu"] | None = Field(None, description="MLP kind: GELU (4h) or SwiGLU.")
+    ffn_hidden_size: int | None = Field(None, gt=0, description="MLP inner width; default 4h (GELU) or 8h/3 rounded (SwiGLU).")
+    tie_embeddings: bool | None = Field(None, description="Share the input embedding with the output head.")
+    bias: bool = Field(False, description="Linear layers carry a bias.")
+    rope_theta: float = Field(10000.0, gt=0, description="Rotary base frequency.")
+    init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
+
+    def resolved(self) -> ResolvedModel:
+        base = dict(PRESETS[self.preset]) if self.preset else {}
+        for key in ("hidden_size", "num_layers", "num_attention_heads", "vocab_size", "max_seq_len",
+                    "mlp", "ffn_hidden_size", "tie_embeddings"):
+            value = getattr(self, key)
+            if value is not None:
+                base[key] = value
+        missing = [k for k in ("hidden_size", "num_layers", "num_attention_heads", "vocab_size") if k not in base]
+        if missing:
+            raise ValueError(f"model: no preset given and {', '.join('model.' + m for m in missing)} missing")
+        base.setdefault("max_seq_len", 4096)
+        base.setdefault("mlp", "gelu")
+        base.setdefault("tie_embeddings", False)
+        if "ffn_hidden_size" not in base or (self.mlp is not None and self.ffn_hidden_size is None):
+            h = base["hidden_size"]
+            base["ffn_hidden_size"] = 4 * h if base["mlp"] == "gelu" else 256 * ((8 * h // 3 + 255) // 256)
+        return ResolvedModel(bias=self.bias, rope_theta=self.rope_theta, init_std=self.init_std, **base)
+
+
+class ResolvedModel(BaseModel):
+    """Concrete model dimensions after applying the preset."""
+
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    max_seq_len: int
+    mlp: Literal["gelu", "swiglu"]
+    ffn_hidden_size: int
+    tie_embeddings: bool
+    bias: bool
+    rope_theta: float
+    init_std: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        h, f, v, n = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
+        b = 1 if self.bias else 0
+        attn = 4 * h * h + b * 4 * h
+        mlp = (3 if self.mlp == "swiglu" else 2) * h * f + b * (f + h) * (2 if self.mlp == "gelu" else 1)
+        norms = 2 * 2 * h
+        blocks = n * (attn + mlp + norms) + 2 * h  # + final norm
+        if not include_embedding:
+            return blocks
+        emb = v * h * (1 if self.tie_embeddings else 2)
+        return blocks + emb
+
+
+# ------------------------------------------------------------------------------------ parallel
+class ParallelSpec(_Section):
+    sequence_parallel_size: int = Field(1, ge=1, description="Ulysses SP degree; ranks per SP group.")
+    world_size: int | None = Field(None, ge=1, description="Total ranks; default = launcher nnodes × nproc_per_node.")
+
+
+# ----------------------------------------------------------------------------------- precision
+class LossScaleSpec(_Section):
+    initial_scale_power: int = Field(16, ge=0, le=32, description="fp16 initial loss scale = 2**power (seed: 16).")
+    loss_scale_window: int = Field(1000, ge=1, description="Steps without overflow before the scale grows.")
+    hysteresis: int = Field(2, ge=1, description="Overflows tolerated before the scale shrinks.")
+    min_loss_scale: float = Field(1.0, gt=0, description="Floor of the dynamic scale; reaching it ends the run upstream.")
+
+
+class PrecisionSpec(_Section):
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("bf16", description="Compute/parameter dtype.")
+    fp32_layers: int = Field(0, ge=0, description="Run the first N blocks' compute in fp32 (a loss-ladder remediation).")
+    loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec, description="fp16 dynamic loss scaling.")
+
+
+# ----------------------------------------------------------------------------------- attention
+class AttentionSpec(_Section):
+    backend: Literal["auto", "cudnn", "flash", "efficient", "math", "flash_attn"] = Field(
+        "auto", description="auto = fastest measured (cuDNN SDPA on Hopper, math on CPU); flash_attn needs the extra.")
+
+
+# ---------------------------------------------------------------------------------------- train
+class TrainSpec(_Section):
+    steps: int = Field(100, ge=1, description="Optimizer steps of the whole run.")
+    seq_len: int = Field(256, ge=2, description="Tokens per sequence (global, before the SP split).")
+    micro_batch_size: int = Field(1, ge=1, description="Sequences per GPU per micro-step.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    min_lr: float = Field(3e-5, ge=0, description="Floor of the cosine decay.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    gradient_clipping: float = Field(1.0, ge=0, description="Global grad-norm clip (seed ladder: 1.0 -> 0.5); 0 = off.")
+    seed: int = Field(1234, description="Seed of weights, data order and dropout.")
+    activation_checkpoint_every: int = Field(0, ge=0, description="Recompute every k-th block: 0 none, 1 every layer, 4 seed.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda when available unless cpu is forced.")
+    compile: bool = Field(False, description="torch.compile each block (GPU only).")
+    log_every: int = Field(1, ge=1, description="Write a telemetry step record every N steps.")
+
+
+# ------------------------------------------------------------------------------------ deepspeed
+class DeepSpeedSpec(_Section):
+    config_path: str | None = Field(None, description="User's own ds_config.json used as the base (relative to the spec).")
+    config: dict[str, Any] = Field(default_factory=dict, description="Inline DeepSpeed config merged over the base.")
+
+
+# ----------------------------------------------------------------------------------------- data
+class DataSpec(_Section):
+    kind: Literal["synthetic", "text", "tokens"] = Field("synthetic", description="synthetic | byte-level text file | token memmap.")
+    path: str | None = Field(None, description="Text or token file (text/tokens kinds).")
+    token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of a token file.")
+    seed: int | None = Field(None, description="Order seed; default train.seed.")
+    skip_ranges: list[tuple[int, int]] = Field(default_factory=list,
+                                               description="Half-open [start, end) global sample ranges never trained on.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSpec:
+        if self.kind != "synthetic" and not self.path:
+            raise ValueError(f"data.path is required when data.kind={self.kind!r}")
+        for start, end in self.skip_ranges:
+            if not 0 <= start < end:
+                raise ValueError(f"data.skip_ranges entry [{start}, {end}] must satisfy 0 <= start < end")
+        return self
+
+
+# ----------------------------------------------------------------------------------- checkpoint
+class CheckpointSpec(_Section):
+    dir: str | None = Field(None, description="Checkpoint root; default {run_dir}/checkpoints.")
+    interval_steps: int = Field(50, ge=1, description="Save every N steps (and at the end / on SIGTERM).")
+    keep_last: int = Field(3, ge=1, description="Retention keeps the last K valid tags plus known-good anchors.")
+    load: str = Field("latest", description="'latest' (newest valid), 'none', or an explicit tag such as step-00000100.")
+    verify_checksums: bool = Field(True, description="Check manifest sha256 of every file on load.")
+
+
+# ------------------------------------------------------------------------------------ telemetry
+class TelemetrySpec(_Section):
+    path: str | None = Field(None, description="Telemetry JSONL; default {run_dir}/telemetry.jsonl.")
+    gather_per_rank: bool = Field(True, description="All-reduce per-rank step time and memory each step.")
+
+
+# --------------------------------------------------------------------------------------- faults
+class FaultSpec(_Section):
+    kind: Literal["raise", "sigkill", "hang", "nan_loss", "loss_spike", "memory_spike", "slow_rank", "cuda_oom",
+                  "enospc_on_save", "corrupt_checkpoint", "exit_at_start"] = Field(..., description="What to inject.")
+    at_step: int | None = Field(None, ge=0, description="Step at which it fires (None = every step, by probability).")
+    probability: float = Field(1.0, ge=0, le=1, description="Chance per eligible step.")
+    rank: int = Field(0, ge=0, description="Global rank that misbehaves.")
+    steps: int = Field(1, ge=1, description="Duration in steps (loss_spike, slow_rank, memory_spike).")
+    magnitude: float = Field(10.0, gt=0, description="Loss multiplier, GiB held, or seconds slept, by kind.")
+    attempts: list[int] | None = Field(None, description="Only on these attempt numbers (None = first attempt only).")
+
+
+# ------------------------------------------------------------------------------------------ job
+class JobSpec(_Section):
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
+    attention: AttentionSpec = Field(default_factory=AttentionSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
+    faults: list[FaultSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobSpec:
+        problems = self.cross_problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def cross_problems(self) -> list[str]:
+        problems: list[str] = []
+        try:
+            m = self.model.resolved()
+        except ValueError as exc:
+            return [str(exc)]
+        sp = self.parallel.sequence_parallel_size
+        if m.hidden_size % m.num_attention_heads:
+            problems.append(f"model.hidden_size={m.hidden_size} is not divisible by "
+                            f"model.num_attention_heads={m.num_attention_heads}")
+        if m.num_attention_heads % sp:
+            problems.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                            f"parallel.sequence_parallel_size={sp}")
+        # Upstream #7384: DistributedAttention silently computes garbage when seq % sp != 0.
+        if self.train.seq_len % sp:
+            problems.append(f"train.seq_len={self.train.seq_len} is not divisible by "
+                            f"parallel.sequence_parallel_size={sp} (Ulysses would be silently wrong)")
+        if self.train.seq_len > m.max_seq_len:
+            problems.append(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        if self.precision.fp32_layers > m.num_layers:
+            problems.append(f"precision.fp32_layers={self.precision.fp32_layers} exceeds "
+                            f"model.num_layers={m.num_layers}")
+        if self.parallel.world_size is not None and self.parallel.world_size % sp:
+            problems.append(f"parallel.world_size={self.parallel.world_size} is not divisible by "
+                            f"parallel.sequence_parallel_size={sp}")
+        if self.train.min_lr > self.train.lr:
+            problems.append(f"train.min_lr={self.train.min_lr} is above train.lr={self.train.lr}")
+        if (m.head_dim % 2) and m.hidden_size % m.num_attention_heads == 0:
+            problems.append(f"model head_dim={m.head_dim} must be even for rotary embeddings")
+        return problems
+
+    def resolved_model(self) -> ResolvedModel:
+        return self.model.resolved()
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+# --------------------------------------------------------------------------------------- errors
+def format_validation_error(exc: ValidationError) -> list[str]:
+    """One readable line per pydantic error: `key.path=value: what is allowed`."""
+    problems = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            problems.append(f"{loc}: unknown key (typo? see the field list of that section)")
+        elif err["type"] == "missing":
+            problems.append(f"{loc}: required key missing")
+        elif loc and "input" in err and not isinstance(err["input"], dict):
+            problems.append(f"{loc}={err['input']!r}: {msg}")
+        elif loc:
+            for part in msg.split("; "):
+                problems.append(part if "=" in part or "." in part.split(" ")[0] else f"{loc}: {part}")
+        else:
+            problems.extend(msg.split("; "))
+    return problems
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise SpecError(str(path), ["file not found"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(str(path), [f"not valid TOML: {exc}"]) from None
+
+
+def job_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: Path | None = None) -> JobSpec:
+    job_part = {k: v for k, v in data.items() if k not in DAEMON_SECTIONS}
+    try:
+        spec = JobSpec.model_validate(job_part)
+    except ValidationError as exc:
+        raise SpecError(source, format_validation_error(exc)) from None
+    if base_dir is not None and spec.deepspeed.config_path and not Path(spec.deepspeed.config_path).is_absolute():
+        spec.deepspeed.config_path = str((base_dir / spec.deepspeed.config_path).resolve())
+    if base_dir is not None and spec.data.path and not Path(spec.data.path).is_absolute():
+        spec.data.path = str((base_dir / spec.data.path).resolve())
+    return spec
+
+
+def load_job_spec(path: str | Path) -> JobSpec:
+    """Load the job's sections of a run spec TOML (or an effective-config JSON written by the daemon)."""
+    path = Path(path)
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SpecError(str(path), [f"unreadable JSON config: {exc}"]) from None
+    else:
+        data = read_toml(path)
+    return job_spec_from_dict(data, str(path), path.parent)
