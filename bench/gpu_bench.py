@@ -1,0 +1,153 @@
+"""GPU throughput / memory benchmark of the real training job (run on the lent H200s).
+
+Each case = the base spec + dotted overrides; it is launched exactly as the daemon launches the job
+(torchrun + `python -m ulyssesd.training`), and its own telemetry is the measurement:
+median step time over the steps after warm-up, tokens/s, TF/s per GPU and MFU per
+../shared/gpu/README.md (causal-corrected model FLOPs, recompute not counted, / 989 TF/s), and the
+peak `mem_max_allocated_gib` over ranks. Results: one JSON line per case on stdout and in --out.
+
+    python bench/gpu_bench.py --nproc 2 --steps 12 --out $OUT/bench.jsonl \
+        --case 'name=7b-32k-ckpt1 model.preset=gpt-7b train.seq_len=32768 train.activation_checkpoint_every=1'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+H200_BF16_DENSE_TFLOPS = 989.0
+
+
+def model_flops_per_step(m: dict[str, Any], seq_len: int, tokens_per_step: int) -> float:
+    """(6·N_non-embedding + 6·V·h)·T + 6·L·h·S²·(T/S): the reference README's definition, causal attention."""
+    h, layers, v, f = m["hidden_size"], m["num_layers"], m["vocab_size"], m["ffn_hidden_size"]
+    mlp_mats = 3 if m["mlp"] == "swiglu" else 2
+    n_non_emb = layers * (4 * h * h + mlp_mats * h * f)
+    sequences = tokens_per_step / seq_len
+    return (6 * n_non_emb + 6 * v * h) * tokens_per_step + 6 * layers * h * seq_len * seq_len * sequences
+
+
+def set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+    d[parts[-1]] = value
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def to_toml(d: dict[str, Any], prefix: str = "") -> str:
+    scalars, tables = [], []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            tables.append((k, v))
+        else:
+            scalars.append(f"{k} = {json.dumps(v)}")
+    out = ""
+    if prefix and scalars:
+        out += f"[{prefix}]\n"
+    out += "".join(s + "\n" for s in scalars)
+    for k, v in tables:
+        out += to_toml(v, f"{prefix}.{k}" if prefix else k)
+    return out
+
+
+def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int, workdir: Path,
+             timeout_s: float) -> dict[str, Any]:
+    spec = json.loads(json.dumps(base))
+    name = "case"
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        if key == "name":
+            name = raw
+            continue
+        set_dotted(spec, key, parse_value(raw))
+    set_dotted(spec, "train.steps", steps)
+    set_dotted(spec, "checkpoint.interval_steps", 10**9)
+    run_dir = workdir / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = run_dir / "spec.toml"
+    spec_path.write_text(to_toml(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "ulyssesd.training", "--spec", str(spec_path), "--run-dir", str(run_dir), "--attempt", "1"]
+    t0 = time.time()
+    with open(run_dir / "log.txt", "w") as log:
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.time() - t0
+    steps_rec = []
+    tel = run_dir / "telemetry.jsonl"
+    if tel.exists():
+        for line in tel.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("kind") == "step":
+                steps_rec.append(r)
+    result: dict[str, Any] = {"name": name, "overrides": overrides, "rc": rc, "wall_s": round(wall, 1),
+                              "steps_done": len(steps_rec)}
+    if rc != 0 or len(steps_rec) < 3:
+        result["log_tail"] = (run_dir / "log.txt").read_text()[-3000:]
+    if len(steps_rec) >= 3:
+        from ulyssesd.training.spec import JobSpec
+
+        job = JobSpec.model_validate({k: v for k, v in spec.items()
+                                      if k not in ("run", "launcher", "detectors", "remediation", "daemon")})
+        m = job.resolved_model().model_dump()
+        warm = steps_rec[2:] if len(steps_rec) > 4 else steps_rec[1:]
+        step_s = statistics.median(r.get("step_time_max_s") or r["step_time_s"] for r in warm)
+        tokens = warm[-1]["tokens"]
+        flops = model_flops_per_step(m, job.train.seq_len, tokens)
+        tflops_per_gpu = flops / step_s / nproc / 1e12
+        result.update({
+            "seq_len": job.train.seq_len, "tokens_per_step": tokens, "median_step_s": round(step_s, 3),
+            "tokens_per_s": round(tokens / step_s, 1), "tflops_per_gpu": round(tflops_per_gpu, 1),
+            "mfu_pct": round(100 * tflops_per_gpu / H200_BF16_DENSE_TFLOPS, 1),
+            "peak_mem_gib": max((r.get("mem_max_allocated_gib") or 0) for r in steps_rec),
+            "reserved_gib": max((r.get("mem_reserved_gib") or 0) for r in steps_rec),
+            "final_loss": steps_rec[-1]["loss"],
+        })
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="configs/gpt-7b-2xh200.toml")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--case", action="append", default=[], help="space-separated key=value overrides")
+    ap.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR", "/tmp/ulysses-bench"))
+    ap.add_argument("--timeout-s", type=float, default=240)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    with open(args.base, "rb") as fh:
+        base = tomllib.load(fh)
+    for case in args.case:
+        res = run_case(base, shlex.split(case), args.nproc, args.steps, Path(args.workdir), args.timeout_s)
+        line = json.dumps(res)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as fh:
+                fh.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
