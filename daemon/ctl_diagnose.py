@@ -1,0 +1,86 @@
+"""`ulyssesctl diagnose LOGFILE`: classify a job log with the remediation library's log diagnosis.
+
+Only the last `TAIL_BYTES` of the file are read (seek from the end), so a 50 GB log costs the same as a
+small one. The lead's ulyssesctl calls `register_diagnose(app)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
+from rich.text import Text
+from ulyssesd.remediation.diagnosis import TAIL_BYTES, Diagnosis, diagnose
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2  # missing/unreadable file: same code click uses for usage errors
+
+_STYLE = {"healthy": "green", "loss_scale_overflow": "yellow", "launcher_error": "yellow"}
+
+
+class LogReadError(Exception):
+    """The log file cannot be read; the message names the path and the reason."""
+
+
+def read_log_tail(path: Path, max_bytes: int = TAIL_BYTES) -> str:
+    """The last `max_bytes` of `path`, decoded as UTF-8 (undecodable bytes replaced)."""
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size > max_bytes:
+                fh.seek(size - max_bytes)
+            data = fh.read(max_bytes)
+    except FileNotFoundError:
+        raise LogReadError(f"log file not found: {path}") from None
+    except IsADirectoryError:
+        raise LogReadError(f"not a file (a directory): {path}") from None
+    except PermissionError:
+        raise LogReadError(f"log file not readable (permission denied): {path}") from None
+    except OSError as e:
+        raise LogReadError(f"cannot read log file {path}: {e.strerror or e}") from None
+    return data.decode("utf-8", errors="replace")
+
+
+def render(d: Diagnosis, path: Path, console: Console) -> None:
+    body = Text()
+    body.append(f"{d.reason}\n", style="bold")
+    body.append(f"confidence: {d.confidence}\n")
+    if d.evidence:
+        body.append("\nevidence:\n", style="underline")
+        for line in d.evidence:
+            body.append(f"  {line}\n", style="dim")
+    if d.secondary:
+        body.append(f"\nalso seen: {', '.join(d.secondary)}\n")
+    style = _STYLE.get(d.label, "red")
+    console.print(Panel(body, title=f"[{style}]{d.label}[/{style}]", subtitle=escape(str(path)), expand=True))
+
+
+def register_diagnose(app: typer.Typer) -> None:
+    """Add the `diagnose` command to an ulyssesctl Typer app."""
+
+    @app.command("diagnose")
+    def diagnose_cmd(
+        logfile: Path = typer.Argument(..., help="Job log (stdout+stderr of the launcher); only its tail is read."),
+        exit_code: Optional[int] = typer.Option(
+            None, "--exit-code", help="Launcher exit status: negative = killed by that signal (subprocess), 128+N = shell."),
+        signal: Optional[int] = typer.Option(None, "--signal", help="Signal number that ended the job, when known."),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a panel."),
+    ) -> None:
+        """Diagnose why a job stopped: one label from the fixed set, plus the log lines that decided it."""
+        try:
+            text = read_log_tail(logfile)
+        except LogReadError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+        d = diagnose(text, exit_code=exit_code, signal=signal)
+        if as_json:
+            typer.echo(json.dumps({**d.to_dict(), "file": str(logfile)}))
+        else:
+            render(d, logfile, Console())
+        raise typer.Exit(EXIT_OK)

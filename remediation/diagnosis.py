@@ -1,0 +1,443 @@
+"""Log diagnosis: the tail of a crashed (or running) job's output + exit status -> one label with evidence.
+
+Pure: text in, a `Diagnosis` out; no I/O, no clock. The labels are fixed by DESIGN.md; the precedence,
+patterns and how to add one are documented in docs/DIAGNOSIS.md.
+
+How it decides (root cause beats consequence):
+1. The text is normalised once: only the last `max_bytes` / `max_lines` are kept, ANSI codes stripped,
+   carriage returns (progress bars) become line breaks.
+2. Each label's lowercase key literals find candidate lines (`str.find`, C speed); only those lines meet
+   the label's compiled regex. Lines matching the label's `exclude` pattern (benign noise) and source lines
+   quoted in tracebacks do not count.
+3. The exit status (argument, or torchrun/DeepSpeed launcher summaries in the log) adds signal evidence:
+   SIGKILL -> host_oom_killed, SIGSEGV/SIGBUS -> segfault. In a torchrun summary only the "Root Cause"
+   block counts: the other failures listed there are ranks the agent killed afterwards.
+4. The first label of `PRECEDENCE` that has evidence wins. nccl_error vs nccl_timeout is decided by which
+   appears first in the log (a network error makes peers time out; a hung rank's timeout makes its peers
+   see remote errors). The fp16 overflow label needs a *storm* after warm-up, not a few calibration skips.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import asdict, dataclass, field
+
+LABELS: tuple[str, ...] = (
+    "cuda_oom", "host_oom_killed", "nccl_timeout", "nccl_error", "loss_scale_overflow", "loss_scale_min",
+    "nan_loss", "illegal_memory_access", "gpu_hardware", "disk_full", "checkpoint_corrupt", "dataloader_crash",
+    "launcher_error", "segfault", "healthy",
+)
+
+# Bytes of the log end that callers should pass (and that `diagnose` keeps at most).
+TAIL_BYTES = 512 * 1024
+
+
+@dataclass(frozen=True)
+class DiagnosisConfig:
+    """Knobs of the log diagnosis (defaults suit DeepSpeed fp16 defaults: initial scale 2^16, window 1000)."""
+
+    max_bytes: int = TAIL_BYTES  # only this many characters of the end of the text are scanned
+    max_lines: int = 20_000  # ...and at most this many lines of it
+    max_line_chars: int = 4_000  # longer lines (minified JSON, progress bars) are cut before matching
+    max_evidence: int = 5  # evidence lines reported for the primary label
+    overflow_warmup_steps: int = 100  # OVERFLOW lines at or before this step are loss-scale calibration
+    overflow_storm_min: int = 8  # a storm needs at least this many post-warm-up OVERFLOW lines...
+    overflow_storm_span_steps: int = 200  # ...within this many steps of each other
+    overflow_storm_min_nostep: int = 24  # without step numbers in the log: this many OVERFLOW lines in the tail
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One primary label, the verbatim (ANSI-stripped) lines that decided it, and why."""
+
+    label: str  # one of LABELS
+    evidence: list[str] = field(default_factory=list)  # the deciding lines, in log order
+    confidence: str = "high"  # high | medium | low
+    reason: str = ""  # one sentence naming the evidence
+    secondary: list[str] = field(default_factory=list)  # other labels seen in the log, in precedence order
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Rule:
+    label: str
+    patterns: tuple[str, ...]
+    keys: tuple[str, ...]  # lowercase literals; every hit line contains one (cheap prefilter before the regex)
+    exclude: str | None = None  # a hit line that also matches this is benign for this label
+    what: str = ""  # short phrase for the reason sentence
+
+
+# An exception's final line, optionally rank-prefixed ("[rank0]:", "[default0]:", "0: ").
+_EXC = r"^(?:\[[^\]\n]*\]:?|\d+:)?\s*(?:\w+\.)*"
+
+# Patterns are matched per line, case-insensitively. Sources: FACTS.md and the public issue threads cited in
+# the .json sidecar of each fixture under tests/fixtures/logs/.
+_RULES: tuple[_Rule, ...] = (
+    _Rule("gpu_hardware", (
+        r"\bXid\b[^\n]{0,80}?\b(?:13|31|43|45|48|61|62|63|64|74|79|92|94|95|119|120|123|140)\b",
+        r"fallen off the bus",
+        r"uncorrectable ECC error",
+        r"cudaErrorECCUncorrectable",
+        r"uncorrectable NVLink error",
+        r"NVML_ERROR_GPU_IS_LOST|\bGPU is lost\b",
+        r"Unable to determine the device handle for GPU",
+        r"CUDA error: (?:unknown error|GPU is lost)",
+    ), ("xid", "fallen off the bus", "ecc", "nvlink error", "gpu is lost", "gpu_is_lost", "device handle for gpu", "cuda error: unknown error"), what="a GPU reported a hardware fault (Xid, uncorrectable ECC, or a lost GPU)"),
+    _Rule("disk_full", (
+        r"No space left on device",
+        r"\[Errno 28\]|\bENOSPC\b|errno: 28\b",
+        r"Disk quota exceeded|\bEDQUOT\b|\[Errno 122\]",
+        r"PytorchStreamWriter failed writing file",
+    ), ("no space left", "errno 28", "enospc", "errno: 28", "disk quota", "edquot", "errno 122", "pytorchstreamwriter"), exclude=r"/dev/shm|shared memory", what="a write failed because the disk or quota is full"),
+    _Rule("checkpoint_corrupt", (
+        r"PytorchStreamReader failed reading (?:zip archive|file)",
+        r"failed finding central directory",
+        r"UnpicklingError",
+        r"invalid load key",
+        r"(?:checkpoint|manifest)[^\n]{0,80}(?:checksum mismatch|is corrupt|corrupted)",
+        r"no valid checkpoint",
+        r"SafetensorError: Error while deserializing",
+        r"EOFError: Ran out of input",
+    ), ("pytorchstreamreader", "central directory", "unpicklingerror", "invalid load key", "corrupt", "checksum mismatch", "no valid checkpoint", "safetensorerror", "ran out of input"), what="a checkpoint file could not be read (truncated or corrupt)"),
+    _Rule("cuda_oom", (
+        r"OutOfMemoryError",
+        r"CUDA out of memory",
+        r"CUDA error: out of memory",
+        r"cudaErrorMemoryAllocation",
+        r"CUBLAS_STATUS_ALLOC_FAILED",
+        r"Cuda failure '?out of memory",
+    ), ("outofmemoryerror", "out of memory", "cudaerrormemoryallocation", "cublas_status_alloc_failed"), what="CUDA ran out of device memory"),
+    _Rule("illegal_memory_access", (
+        r"illegal memory access",
+        r"cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS",
+        r"CUDA error: misaligned address",
+        r"CUDA error: an illegal instruction",
+        r"device-side assert(?:ion)? triggered",
+    ), ("illegal memory access", "illegaladdress", "illegal_address", "misaligned address", "illegal instruction", "device-side assert"), what="a CUDA kernel faulted (illegal memory access or device-side assert)"),
+    _Rule("host_oom_killed", (
+        r"DefaultCPUAllocator: can't allocate memory",
+        r"Out of memory: Kill(?:ed)? process",
+        r"\boom-kill(?:er)?\b|\boom_reaper\b|invoked oom-killer",
+        r"^\s*MemoryError\b|\bMemoryError: ",
+        r"std::bad_alloc",
+        r"Cannot allocate memory",
+    ), ("defaultcpuallocator", "out of memory: kill", "oom-kill", "oom_reaper", "memoryerror", "bad_alloc", "cannot allocate memory"), exclude=r"DataLoader worker", what="the host ran out of memory"),
+    _Rule("dataloader_crash", (
+        r"DataLoader worker \(pid",
+        r"Caught \w+ in DataLoader worker process",
+        r"(?:bus error|Bus error) encountered in worker",
+        r"DataLoader timed out after",
+    ), ("dataloader worker", "encountered in worker", "dataloader timed out"), what="a DataLoader worker died"),
+    _Rule("segfault", (
+        r"Segmentation fault",
+        r"\bSIGSEGV\b",
+        r"\bBus error\b",
+        r"\bSIGBUS\b",
+        r"Fatal Python error: (?:Segmentation fault|Bus error)",
+    ), ("segmentation fault", "sigsegv", "bus error", "sigbus"), exclude=r"encountered in worker", what="a process crashed with a memory fault (SIGSEGV/SIGBUS)"),
+    _Rule("loss_scale_min", (
+        r"loss scale already at minimum",
+    ), ("loss scale already at minimum",), what="the fp16 loss scale hit its minimum"),
+    _Rule("nan_loss", (
+        r"\bloss (?:is|became|was) (?:nan|inf|-inf|non-finite|not finite)\b",
+        r"\bloss\b['\"]?\s*[:=]\s*['\"]?[-+]?(?:nan|inf)\b",
+        r"\bnon-finite loss\b",
+        r"returned nan values in its \d+\w* output",
+    ), ("loss", "returned nan values"), exclude=r"\bgoes to nan\b|\bif the loss\b", what="the loss became NaN/Inf"),
+    _Rule("nccl_error", (
+        r"NCCL error in:",
+        r"\bnccl(?:InternalError|SystemError|RemoteError|UnhandledCudaError|InvalidUsage|InvalidArgument)\b",
+        r"remote process exited or there was a network error",
+        r"NET/IB\s*:[^\n]*(?:completion|error)[^\n]*(?:error|status)",
+        r"gloo[^\n]*(?:Connection closed by peer|Connection reset by peer|Broken pipe)",
+        r"(?:Connection closed by peer|Connection reset by peer)[^\n]*gloo",
+    ), ("nccl error in:", "ncclinternalerror", "ncclsystemerror", "ncclremoteerror", "ncclunhandledcudaerror", "ncclinvalidusage", "ncclinvalidargument", "remote process exited", "net/ib", "connection closed by peer", "connection reset by peer", "broken pipe"), exclude=r"NCCL INFO|collective operation timeout|timed out", what="a collective communication call failed (NCCL/gloo error)"),
+    _Rule("nccl_timeout", (
+        r"Watchdog caught collective operation timeout",
+        r"collective operation timeout",
+        r"Timed out waiting \d+ms for (?:recv|send) operation",
+        r"gloo[^\n]*Timed out",
+    ), ("collective operation timeout", "timed out waiting", "timed out"), what="a collective timed out (a rank hung or fell behind)"),
+    _Rule("launcher_error", (
+        r"Rendezvous\w*Error",
+        r"The server socket has failed to (?:listen|bind)",
+        r"Address already in use|EADDRINUSE|errno: 98\b",
+        r"DistNetworkError",
+        r"can't open file [^\n]*No such file or directory",
+        r"\b(?:torchrun|deepspeed|launch\.py|run\.py): error:",
+        _EXC + r"(?:ModuleNotFoundError|ImportError): No module named",
+        r"\bcommand not found\b",
+        r"\bSpecError\b|invalid run spec",
+        r"srun: error:|ssh: connect to host|pdsh@[^\n]*exited with exit code",
+        r"Timed out initializing process group in store based barrier",
+        _EXC + r"FileNotFoundError:",
+    ), ("rendezvous", "server socket has failed", "address already in use", "eaddrinuse", "errno: 98", "distnetworkerror", "can't open file", ": error:", "no module named", "command not found", "specerror", "invalid run spec", "srun: error", "ssh: connect", "pdsh@", "store based barrier", "filenotfounderror"), what="the launcher or the job setup failed"),
+)
+_RULE_BY_LABEL = {r.label: r for r in _RULES}
+
+# Root cause first. Hardware, disk and corrupt inputs cause everything downstream; device faults beat the
+# NCCL errors they trigger on peers; a killed/segfaulted rank beats its peers' NCCL errors; the loss family
+# only matters when nothing crashed it; launcher errors are the outermost layer.
+PRECEDENCE: tuple[str, ...] = (
+    "gpu_hardware", "disk_full", "checkpoint_corrupt", "cuda_oom", "illegal_memory_access",
+    "host_oom_killed", "dataloader_crash", "segfault", "loss_scale_min", "nan_loss",
+    "nccl_error", "nccl_timeout", "loss_scale_overflow", "launcher_error",
+)
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+_NEWLINES = re.compile(r"\r\n|\r")
+_FLAGS = re.IGNORECASE
+_COMPILED = {r.label: re.compile("|".join(f"(?:{p})" for p in r.patterns), _FLAGS) for r in _RULES}
+_EXCLUDE = {r.label: re.compile(r.exclude, re.IGNORECASE) for r in _RULES if r.exclude}
+# Source lines quoted in a traceback ("    raise RuntimeError(f'DataLoader ...')", '  File "x.py"') are not
+# evidence: the exception's own final line is.
+_CODE_LINE = re.compile(r"""^(?:\[[^\]\n]*\]:?|\d+:)?\s+(?:raise\b|File ")""")
+
+# Exit status written in the log by torchrun / DeepSpeed's launcher / Python's subprocess.
+_SIGNAL_IN_LOG = re.compile(
+    r"Signal (\d+) \(SIG\w+\) received by PID"
+    r"|exitcode\s*:\s*-(\d+)"
+    r"|failed \(exitcode: -(\d+)\)"
+    r"|exits with return code = -(\d+)"
+    r"|died with <Signals\.SIG\w+: (\d+)>",
+    re.IGNORECASE,
+)
+_SIGNAL_KEYS = ("received by pid", "exitcode", "return code =", "died with <signals")
+# The shell's report of a SIGKILLed child: a bare "Killed" (maybe rank-prefixed) or "1234 Killed  python ...".
+_SHELL_KILLED = re.compile(r"^[^\S\n]*(?:\S+:[^\S\n]*)?Killed[^\S\n]*$|\b\d+[^\S\n]+Killed[^\S\n]+\S", re.MULTILINE)
+_CHILD_FAILED = re.compile(r"ChildFailedError|exits with return code = [1-9]|failed \(exitcode: [1-9]", re.IGNORECASE)
+_OVERFLOW = re.compile(
+    r"OVERFLOW! Rank \d+ Skipping step|Gradient overflow\.\s+Skipping step|Grad overflow on iteration",
+    re.IGNORECASE,
+)
+# Applied to lowercased lines (case-sensitive is much faster than IGNORECASE in `re`).
+_STEP = re.compile(r"\b(?:global_step|steps?|iteration|iter)\b['\"]?\s*[=:]?\s*(\d+)\b|\bloss is nan at step (\d+)")
+# Rank/host/time prefixes removed only for de-duplicating evidence ("same message on 8 ranks").
+_DIGITS = re.compile(r"\d+")
+_PREFIX = re.compile(r"^(?:\s*(?:\[[^\]]*\]|\S+:\d*:?\d*|\d+:)\s*:?)+")
+
+SIGKILL, SIGSEGV, SIGBUS, SIGTERM = 9, 11, 7, 15
+
+
+def _normalise(text: str, cfg: DiagnosisConfig) -> list[str]:
+    if len(text) > cfg.max_bytes:
+        text = text[-cfg.max_bytes:]
+        text = text[text.find("\n") + 1:] if "\n" in text else text  # drop the cut first line
+    if "\x1b" in text:
+        text = _ANSI.sub("", text)
+    text = _NEWLINES.sub("\n", text)
+    lines = text.split("\n")
+    if len(lines) > cfg.max_lines:
+        lines = lines[-cfg.max_lines:]
+    return [ln[: cfg.max_line_chars].rstrip() for ln in lines]
+
+
+def _signal_from_exit(exit_code: int | None, signal: int | None) -> int | None:
+    if signal:
+        return signal
+    if exit_code is None:
+        return None
+    if exit_code < 0:
+        return -exit_code
+    if 128 < exit_code <= 128 + 64:  # shell convention: 128 + signal number
+        return exit_code - 128
+    return None
+
+
+class _Scan:
+    """Hits of every rule over one normalised tail.
+
+    Python's `re` has no multi-pattern automaton: an alternation is tried at every position of the text.
+    So each rule first finds candidate lines with `str.find` over the lowercased tail (C speed), and only
+    those lines meet the regex — a 512 KiB tail diagnoses in tens of milliseconds.
+    """
+
+    def __init__(self, lines: list[str], cfg: DiagnosisConfig):
+        self.lines = lines
+        self.cfg = cfg
+        self.lowered = lowered = [ln.lower() for ln in lines]  # per line: lower() may change a line's length
+        self.lower = "\n".join(lowered)
+        self.starts = [0]
+        pos = 0
+        for ln in lowered[:-1]:
+            pos += len(ln) + 1
+            self.starts.append(pos)
+        self.hits: dict[str, list[int]] = {}
+        for rule in _RULES:
+            idx = self.match(_COMPILED[rule.label], rule.keys)
+            excl = _EXCLUDE.get(rule.label)
+            if excl is not None:
+                idx = [i for i in idx if not excl.search(lines[i])]
+            idx = [i for i in idx if not _CODE_LINE.match(lines[i])]
+            if idx:
+                self.hits[rule.label] = idx
+
+    def candidates(self, keys: tuple[str, ...]) -> list[int]:
+        found: set[int] = set()
+        text, starts = self.lower, self.starts
+        for key in keys:
+            pos = text.find(key)
+            while pos != -1:
+                i = bisect.bisect_right(starts, pos) - 1
+                found.add(i)
+                nxt = starts[i + 1] if i + 1 < len(starts) else len(text)
+                pos = text.find(key, nxt)  # one hit per line is enough
+        return sorted(found)
+
+    def match(self, rx: re.Pattern, keys: tuple[str, ...]) -> list[int]:
+        return [i for i in self.candidates(keys) if rx.search(self.lines[i])]
+
+    def evidence(self, idx: list[int]) -> list[str]:
+        seen: set[str] = set()
+        out: list[str] = []
+        for i in idx:
+            line = self.lines[i].strip()
+            key = _DIGITS.sub("#", _PREFIX.sub("", line))
+            if key in seen or not line:
+                continue
+            seen.add(key)
+            out.append(line)
+            if len(out) >= self.cfg.max_evidence:
+                break
+        return out
+
+    def signal_lines(self) -> list[tuple[int, int]]:
+        """(line index, signal number) for every exit-by-signal the launcher reported as a cause.
+
+        torchrun's summary lists "Failures:" (ranks it killed after the first one failed) before
+        "Root Cause (first observed failure):"; signals inside the Failures block are consequences.
+        """
+        failures = self.candidates(("failures:",))
+        roots = self.candidates(("root cause (first observed failure)",))
+        out = []
+        for i in self.candidates(_SIGNAL_KEYS):
+            k = bisect.bisect_right(failures, i) - 1  # the Failures: header above this line, if any
+            if k >= 0:
+                r = bisect.bisect_right(roots, failures[k])  # the Root Cause header after that header
+                if r < len(roots) and i < roots[r]:
+                    continue  # inside the Failures: block
+            for m in _SIGNAL_IN_LOG.finditer(self.lines[i]):
+                out.append((i, int(next(g for g in m.groups() if g is not None))))
+        return out
+
+    def overflow_storm(self) -> tuple[list[int], int, int]:
+        """(post-warm-up overflow line indexes if they form a storm else [], total overflows, early ones)."""
+        over = self.match(_OVERFLOW, ("overflow",))
+        if not over:
+            return [], 0, 0
+        step_at: list[tuple[int, int]] = []  # (line index, last step number on that line), in line order
+        for i in self.candidates(("step", "iter")):
+            found = _STEP.findall(self.lowered[i])
+            if found:
+                a, b = found[-1]
+                step_at.append((i, int(a or b)))
+        if not step_at:
+            # No step numbers: only a long run of OVERFLOW lines in the tail counts as a storm.
+            if len(over) >= self.cfg.overflow_storm_min_nostep:
+                return over, len(over), 0
+            return [], len(over), len(over)
+        step_lines = [li for li, _ in step_at]
+        late: list[tuple[int, int]] = []
+        early = 0
+        for li in over:
+            k = bisect.bisect_right(step_lines, li) - 1  # the last step reported at or before this line
+            step = step_at[k][1] if k >= 0 else 0
+            if step <= self.cfg.overflow_warmup_steps:
+                early += 1
+            else:
+                late.append((li, step))
+        n = self.cfg.overflow_storm_min
+        for j in range(len(late) - n + 1):  # n late overflows inside one span of steps
+            if late[j + n - 1][1] - late[j][1] <= self.cfg.overflow_storm_span_steps:
+                return [li for li, _ in late[j:]], len(over), early
+        return [], len(over), early
+
+
+def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = None,
+             config: DiagnosisConfig | None = None) -> Diagnosis:
+    """Classify the end of a job's output. `exit_code` follows subprocess (negative = signal) or shell (128+N)
+    conventions; `signal` is the terminating signal when known. Exit 0 is always `healthy`."""
+    cfg = config or DiagnosisConfig()
+    scan = _Scan(_normalise(log_tail or "", cfg), cfg)
+    hits = dict(scan.hits)
+
+    storm, n_over, n_early = scan.overflow_storm()
+    if storm:
+        hits["loss_scale_overflow"] = storm
+
+    # Exit by signal: from the caller, or as reported by the launcher inside the log.
+    sig = _signal_from_exit(exit_code, signal)
+    sig_lines = scan.signal_lines()
+    killed_lines = scan.match(_SHELL_KILLED, ("killed",))
+    kill_idx = [i for i, s in sig_lines if s == SIGKILL] + killed_lines
+    segv_idx = [i for i, s in sig_lines if s in (SIGSEGV, SIGBUS)]
+    signal_only: dict[str, bool] = {}
+    if kill_idx or sig == SIGKILL:
+        if "host_oom_killed" not in hits:
+            signal_only["host_oom_killed"] = not killed_lines
+        hits["host_oom_killed"] = sorted(set(hits.get("host_oom_killed", []) + kill_idx))
+    if segv_idx or sig in (SIGSEGV, SIGBUS):
+        hits["segfault"] = sorted(set(hits.get("segfault", []) + segv_idx))
+
+    seen = [lb for lb in PRECEDENCE if lb in hits]
+
+    if exit_code == 0 and not signal:
+        return Diagnosis("healthy", [], "high",
+                         "The job exited 0" + (f"; also seen in the log: {', '.join(seen)}." if seen else "."),
+                         seen)
+
+    primary = _pick(seen, hits)
+    if primary is None:
+        return _no_pattern(scan, exit_code, sig, n_over, n_early)
+
+    idx = hits[primary]
+    ev = scan.evidence(idx)  # may be empty when the exit status alone decided (SIGKILL/SIGSEGV)
+    confidence = "high"
+    if primary == "host_oom_killed" and signal_only.get("host_oom_killed"):
+        confidence = "medium"  # SIGKILL without an oom-killer/"Killed" hint: the OOM killer is only the usual sender
+    reason = _reason(primary, ev, sig, exit_code)
+    return Diagnosis(primary, ev, confidence, reason, [lb for lb in seen if lb != primary])
+
+
+def _pick(seen: list[str], hits: dict[str, list[int]]) -> str | None:
+    if not seen:
+        return None
+    primary = seen[0]
+    if primary in ("nccl_error", "nccl_timeout") and "nccl_error" in hits and "nccl_timeout" in hits:
+        # Both comm failures: the one that happened first in the log is the cause of the other.
+        primary = "nccl_error" if hits["nccl_error"][0] <= hits["nccl_timeout"][0] else "nccl_timeout"
+    return primary
+
+
+def _no_pattern(scan: _Scan, exit_code: int | None, sig: int | None, n_over: int, n_early: int) -> Diagnosis:
+    benign = f" ({n_over} OVERFLOW line(s) seen, {n_early} during loss-scale warm-up, not a storm)" if n_over else ""
+    child = scan.match(_CHILD_FAILED, ("childfailederror", "return code =", "failed (exitcode"))
+    crashed = (exit_code not in (None, 0)) or (sig not in (None, SIGTERM)) or bool(child)
+    if sig == SIGTERM and not child:
+        return Diagnosis("healthy", [], "medium", f"The job was stopped by SIGTERM and no failure pattern was found{benign}.")
+    if not crashed:
+        return Diagnosis("healthy", [], "high", f"No failure pattern in the log tail{benign}.")
+    ev = scan.evidence(child)
+    status = f"exit code {exit_code}" if exit_code is not None else (f"signal {sig}" if sig else "a failed child")
+    return Diagnosis(
+        "launcher_error", ev, "low",
+        f"The job failed ({status}) with no recognised root cause"
+        + (f"; the launcher reported: {ev[0]!r}." if ev else "; no launcher summary in the tail."),
+    )
+
+
+def _reason(label: str, ev: list[str], sig: int | None, exit_code: int | None) -> str:
+    what = _RULE_BY_LABEL[label].what if label in _RULE_BY_LABEL else ""
+    if label == "loss_scale_overflow":
+        what = "fp16 overflows kept skipping steps long after loss-scale warm-up (an overflow storm)"
+    if label == "host_oom_killed" and not any(_COMPILED["host_oom_killed"].search(e) for e in ev):
+        what = "a rank was killed by SIGKILL, most likely by the kernel OOM killer"
+    if label == "segfault" and not ev:
+        what = f"the job died with signal {sig} (SIGSEGV/SIGBUS)"
+    if ev:
+        line = ev[0] if len(ev[0]) <= 200 else ev[0][:197] + "..."
+        return f"{label}: {what}; deciding line: {line!r}."
+    return f"{label}: {what} (exit code {exit_code}, signal {sig}); the log tail has no message about it."
