@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
 from rich.text import Text
+
 from ulyssesd.remediation.diagnosis import TAIL_BYTES, Diagnosis, diagnose
 
 EXIT_OK = 0

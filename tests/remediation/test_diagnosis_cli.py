@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import typer
 from typer.testing import CliRunner
+
 from ulyssesd.daemon.ctl_diagnose import read_log_tail, register_diagnose
 from ulyssesd.remediation.diagnosis import TAIL_BYTES
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from ulyssesd.remediation.diagnosis import LABELS, diagnose
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "logs"

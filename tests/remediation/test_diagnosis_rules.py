@@ -8,6 +8,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ulyssesd.remediation.diagnosis import LABELS, PRECEDENCE, Diagnosis, DiagnosisConfig, diagnose
 
 NCCL_INFO = "\n".join(
