@@ -1,0 +1,36 @@
+"""`open_store`: the one way to get a Store (writer for the daemon, read-only for ulyssesctl)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .engine import make_engine
+from .errors import NoDatabaseError, SchemaMismatchError
+from .migrate import current_revision, head_revision, known_revisions, upgrade_to_head
+from .repository import Store
+
+
+def open_store(db_path: str | Path, readonly: bool = False, *, migrate: bool = True) -> Store:
+    """Open the store at `db_path`.
+
+    Writer (daemon): creates the file if needed and, with `migrate`, upgrades it to head first.
+    Read-only (ulyssesctl): the file must exist and be at this code's head revision; works while the
+    daemon writes (WAL) and while it is down. Errors name the path and what to do.
+    """
+    path = Path(db_path).expanduser().resolve()
+    if readonly:
+        if not path.exists():
+            raise NoDatabaseError(f"no database at {path} — has ulyssesd run?")
+    elif migrate:
+        upgrade_to_head(path)
+    rev, head = current_revision(path), head_revision()
+    if rev is None:
+        raise NoDatabaseError(f"database at {path} has no schema yet — has ulyssesd run? "
+                              f"(or run `ulyssesctl db upgrade`)")
+    if rev != head:
+        if rev in known_revisions():
+            hint = "run `ulyssesctl db upgrade` (or start ulyssesd, which upgrades at start)"
+        else:
+            hint = "it was written by a newer ulyssesd; upgrade this installation"
+        raise SchemaMismatchError(f"database at {path} is at revision {rev}, this code expects {head}: {hint}")
+    return Store(make_engine(path, readonly=readonly), path, readonly=readonly)
