@@ -14,6 +14,7 @@ Why each setting:
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,12 @@ def _json_dumps(obj: Any) -> str:
 def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
     if readonly:
         uri = f"file:{quote(str(path))}?mode=ro"
+        # An operator in the ulyssesd group who cannot write the state dir cannot create the -shm file
+        # SQLite needs for a WAL database once the daemon has shut down cleanly (no -wal/-shm left):
+        # then no writer exists, so opening the file as immutable is safe and is the only way to read it.
+        wal = path.with_name(path.name + "-wal")
+        if not wal.exists() and not os.access(path.parent, os.W_OK):
+            uri += "&immutable=1"
         conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False)
     else:
         conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False)
