@@ -111,9 +111,10 @@ class ResolvedModel(BaseModel):
         h, f, v, n = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
         b = 1 if self.bias else 0
         attn = 4 * h * h + b * 4 * h
-        mlp = (3 if self.mlp == "swiglu" else 2) * h * f + b * (f + h) * (2 if self.mlp == "gelu" else 1)
-        norms = 2 * 2 * h
-        blocks = n * (attn + mlp + norms) + 2 * h  # + final norm
+        ffn_in = (2 if self.mlp == "swiglu" else 1) * f  # SwiGLU's gate and up projections
+        mlp = h * ffn_in + f * h + b * (ffn_in + h)
+        norm = (2 if self.bias else 1) * h  # LayerNorm weight (+ bias when the model has biases)
+        blocks = n * (attn + mlp + 2 * norm) + norm  # + final norm
         if not include_embedding:
             return blocks
         emb = v * h * (1 if self.tie_embeddings else 2)
@@ -215,6 +216,8 @@ class FaultSpec(_Section):
     steps: int = Field(1, ge=1, description="Duration in steps (loss_spike, slow_rank, memory_spike).")
     magnitude: float = Field(10.0, gt=0, description="Loss multiplier, GiB held, or seconds slept, by kind.")
     attempts: list[int] | None = Field(None, description="Only on these attempt numbers (None = first attempt only).")
+    corruption: Literal["truncate", "flip"] = Field(
+        "truncate", description="corrupt_checkpoint: truncate a shard to half its size, or flip bytes (same size).")
 
 
 # ------------------------------------------------------------------------------------------ job

@@ -1,0 +1,145 @@
+"""`ulyssesctl plan` and the daemon's launch preflight, both on top of `ulyssesd.training.planner`.
+
+- `register_plan(app)` adds `plan --spec run.toml [--gpu PRESET] [--gpus N] [--nodes N] [--gpu-mem GiB]
+  [--host-mem GiB] [--nvme GiB] [--json]`; exit 0 = fits, 1 = does not fit, 2 = bad input.
+- `preflight(run_spec, cluster=None) -> (ok, plan)`: the supervisor calls it before launching and refuses
+  the run when `ok` is False (unless the operator overrides). CPU runs are not planned. Raises SpecError
+  or PlanInputError for input the job itself would reject.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ulyssesd.training.ds_config import build_ds_config
+from ulyssesd.training.planner import ALLOCATOR_HEADROOM, GPU_PRESETS, Cluster, Plan, PlanInputError, plan
+from ulyssesd.training.spec import SpecError
+
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
+DEFAULT_GPU = "a100-80g"
+NVIDIA_SMI_TIMEOUT_S = 10.0
+DRIVER_RESERVED_GIB = 0.8   # nvidia-smi's memory.total minus what torch reports as total_memory
+EXPANDABLE_HEADROOM = 0.03  # fragmentation allowance with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+
+
+@dataclass
+class SkippedPlan:
+    """Stands in for a Plan when none is computed (CPU runs, no GPU found); same reporting surface."""
+
+    notes: list[str]
+    fits: bool = True
+    problems: list[str] = field(default_factory=list)
+    suggestions: list[Any] = field(default_factory=list)
+
+    def render(self) -> str:
+        return "VERDICT: not planned\n" + "\n".join(f"  - {n}" for n in self.notes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fits": True, "verdict": "not planned", "notes": self.notes, "problems": [], "suggestions": []}
+
+
+def effective_ds_config(run_spec: Any, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config the job will actually run with (the training job's own builder)."""
+    cfg, _warnings = build_ds_config(run_spec.job, world_size)
+    return cfg
+
+
+def detect_local_cluster(nnodes: int, nproc_per_node: int) -> Cluster | None:
+    """GPU memory from nvidia-smi and host RAM from /proc/meminfo of this machine; None without a GPU."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [r.rsplit(",", 1) for r in out.strip().splitlines() if "," in r]
+    if not rows:
+        return None
+    name, mib = rows[0][0].strip(), min(float(r[1]) for r in rows)
+    host_gib = 0.0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                host_gib = int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return Cluster(gpus_per_node=nproc_per_node, nodes=nnodes, gpu_mem_gib=mib / 1024 - DRIVER_RESERVED_GIB,
+                   host_mem_gib=host_gib or 1024.0, gpu_name=name)
+
+
+def allocator_headroom(run_spec: Any) -> float:
+    """Fragmentation allowance: smaller when the launcher sets expandable_segments (the memory ladder's 2nd step)."""
+    conf = (run_spec.launcher.env or {}).get("PYTORCH_CUDA_ALLOC_CONF", "")
+    return EXPANDABLE_HEADROOM if "expandable_segments:true" in conf.replace(" ", "").lower() else ALLOCATOR_HEADROOM
+
+
+def _is_cpu_run(run_spec: Any) -> bool:
+    return run_spec.job.train.device == "cpu"
+
+
+def preflight(run_spec: Any, cluster: Cluster | None = None) -> tuple[bool, Plan | SkippedPlan]:
+    """Plan the run before launch. ok=False only when the planner says it does not fit."""
+    if _is_cpu_run(run_spec):
+        return True, SkippedPlan(["CPU run: no GPU memory plan"])
+    launcher = run_spec.launcher
+    if cluster is None:
+        cluster = detect_local_cluster(launcher.nnodes, launcher.nproc_per_node)
+        if cluster is None:
+            if run_spec.job.train.device == "auto":
+                return True, SkippedPlan(["CPU run: no GPU memory plan (device=auto and no GPU found)"])
+            return True, SkippedPlan(["no GPU detected on this host (nvidia-smi): memory plan skipped; "
+                                      "pass a cluster to plan for other hardware"])
+    result = plan(run_spec.job, cluster, effective_ds_config(run_spec, cluster.world_size),
+                  allocator_headroom=allocator_headroom(run_spec))
+    return result.fits, result
+
+
+def _cluster_from_flags(run_spec: Any, gpu: str, gpus: int | None, nodes: int | None, gpu_mem: float | None,
+                        host_mem: float | None, nvme: float | None) -> Cluster:
+    launcher = run_spec.launcher
+    name = None if gpu_mem is None else f"{gpu_mem:g} GiB GPU"
+    return Cluster.preset(gpu, gpus_per_node=gpus or launcher.nproc_per_node, nodes=nodes or launcher.nnodes,
+                          gpu_mem_gib=gpu_mem, host_mem_gib=host_mem, nvme_gib=nvme, gpu_name=name)
+
+
+def register_plan(app: typer.Typer) -> None:
+    """Add the `plan` command to an ulyssesctl Typer app."""
+
+    @app.command("plan")
+    def plan_cmd(
+        spec: Path = typer.Option(..., "--spec", help="Run spec TOML."),
+        gpu: str = typer.Option(DEFAULT_GPU, "--gpu", help=f"GPU preset: {', '.join(sorted(GPU_PRESETS))} "
+                                "(sets GPU memory and the usual host RAM)."),
+        gpus: int | None = typer.Option(None, "--gpus", help="GPUs per node (default launcher.nproc_per_node)."),
+        nodes: int | None = typer.Option(None, "--nodes", help="Nodes (default launcher.nnodes)."),
+        gpu_mem: float | None = typer.Option(None, "--gpu-mem", help="GPU memory per GPU, GiB (overrides --gpu)."),
+        host_mem: float | None = typer.Option(None, "--host-mem", help="Host RAM per node, GiB."),
+        nvme: float | None = typer.Option(None, "--nvme", help="NVMe per node for ZeRO-Infinity swap, GiB."),
+        as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    ) -> None:
+        """Will this run fit? Per-GPU/per-host memory, verdict, and the smallest changes that would fit.
+        Exit 0 fits, 1 does not fit, 2 bad input."""
+        from ulyssesd.daemon.spec import load_run_spec
+
+        try:
+            run_spec = load_run_spec(spec)
+            cluster = _cluster_from_flags(run_spec, gpu, gpus, nodes, gpu_mem, host_mem, nvme)
+            result = plan(run_spec.job, cluster, effective_ds_config(run_spec, cluster.world_size),
+                          allocator_headroom=allocator_headroom(run_spec))
+        except SpecError as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+        except (PlanInputError, ValueError) as exc:
+            typer.echo(f"cannot plan {spec}: {exc}", err=True)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+        typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.render())
+        raise typer.Exit(EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT)
