@@ -1,7 +1,7 @@
 """Detector thresholds and remediation policy: the `[detectors]` and `[remediation]` sections of a run spec.
 
-Owned by the remediation library (pure; no I/O). The remediation issue extends these models; every field
-keeps a one-line doc and a sensible default.
+Owned by the remediation library (pure; no I/O). Every field keeps a one-line doc and a sensible default;
+docs/REMEDIATION.md explains how to tune them with `ulyssesctl replay`.
 """
 
 from __future__ import annotations
@@ -16,15 +16,60 @@ class _Section(BaseModel):
 
 
 class DetectorsConfig(_Section):
+    # --- shared
     warmup_steps: int = Field(20, ge=0, description="Steps after each (re)start during which statistical detectors stay quiet.")
     window: int = Field(100, ge=5, description="Rolling window (steps) of the robust baselines.")
-    loss_spike_mad: float = Field(8.0, gt=0, description="Loss spike = loss above median + k·MAD of the window.")
+    refire_steps: int = Field(50, ge=1, description="While an anomaly persists, its finding is repeated every N steps.")
+    clear_steps: int = Field(3, ge=1, description="Consecutive normal steps that end an anomaly episode.")
+    # --- loss spike
+    loss_spike_mad: float = Field(8.0, gt=0, description="Loss spike = loss above median + k·sigma (sigma = 1.4826·MAD of the window).")
+    loss_spike_min_rel: float = Field(0.10, ge=0, description="...and at least this fraction above the window median (ignores tiny-noise baselines).")
+    # --- loss oscillation
+    loss_osc_window: int = Field(20, ge=4, description="Short window (steps) over which the step-to-step loss swing is measured.")
+    loss_osc_ratio: float = Field(4.0, gt=1, description="Oscillation = median absolute Δloss of the short window above ratio × the run's own baseline swing.")
+    loss_osc_min_direction_changes: float = Field(0.75, ge=0, le=1, description="...and at least this fraction of steps reverse direction (iid noise: ~2/3).")
+    # --- memory
     memory_spike_ratio: float = Field(1.5, gt=1, description="Memory spike = step max-allocated above ratio × baseline.")
+    memory_min_delta_gib: float = Field(1.0, ge=0, description="...and at least this many GiB above the baseline (ignores tiny CPU runs).")
+    device_memory_gib: float | None = Field(None, gt=0, description="Device capacity per GPU; None = unknown (capacity check off).")
+    memory_capacity_frac: float = Field(0.95, gt=0, le=1, description="Memory spike when max-allocated reaches this fraction of capacity.")
+    # --- fp16 overflow
+    overflow_window: int = Field(100, ge=5, description="Window (steps) of the skipped-step rate.")
+    overflow_max_rate: float = Field(0.2, gt=0, le=1, description="Overflow storm = skipped-step rate above this over the window.")
+    overflow_startup_steps: int = Field(100, ge=0, description="Skipped steps this early after each start are healthy loss-scale calibration.")
+    # --- speed
     slow_step_ratio: float = Field(2.0, gt=1, description="Slow step = step time above ratio × rolling median (seed: 2×).")
+    slow_step_min_consecutive: int = Field(3, ge=1, description="Consecutive slow steps before a slow_step finding (one GC/save step is normal).")
+    straggler_ratio: float = Field(1.25, gt=1, description="Straggler = slowest rank's step time above ratio × rank 0's.")
+    straggler_persist_steps: int = Field(10, ge=1, description="...with the same slowest rank for this many consecutive steps.")
+    throughput_drop_frac: float = Field(0.25, gt=0, lt=1, description="Throughput drop = tokens/s below (1 - frac) × baseline median.")
+    throughput_persist_steps: int = Field(20, ge=1, description="...sustained for this many consecutive steps.")
+    # --- hang
     hang_timeout_floor_s: float = Field(60.0, gt=0, description="The hang timeout is never shorter than this.")
+    hang_step_multiplier: float = Field(10.0, gt=1, description="Hang timeout = max(floor, multiplier × p99 recent step time).")
+    hang_checkpoint_timeout_s: float = Field(1800.0, gt=0, description="Timeout while a checkpoint save/load is in progress (at least the step-based one).")
+    hang_startup_timeout_s: float = Field(1800.0, gt=0, description="Timeout from start until the first step record (model build, load).")
 
 
 class RemediationConfig(_Section):
     mode: Literal["act", "observe"] = Field("act", description="observe = record what would be done, do nothing.")
     max_restarts_per_hour: int = Field(6, ge=0, description="Restart budget; beyond it the run ends FAILED.")
     no_progress_restarts: int = Field(3, ge=1, description="Restarts without checkpoint advance before FAILED.")
+    grace_steps: int = Field(20, ge=0, description="A spike that recovers by itself within this many steps costs nothing.")
+    verify_steps: int = Field(200, ge=1, description="Steps after an action during which a recurrence escalates to the next ladder step.")
+    revert_throughput_drop: float = Field(0.10, gt=0, lt=1, description="Revert an action whose verification window lost this fraction of tokens/s for no gain.")
+    known_good_steps: int = Field(100, ge=1, description="A checkpoint becomes known-good after this many anomaly-free steps.")
+    rollback_steps_back: int = Field(100, ge=0, description="Roll back to a known-good tag at least this many steps before the anomaly (PaLM: ~100).")
+    skip_min_batches: int = Field(200, ge=1, description="Rollback-and-skip skips at least this many batches (steps) of data.")
+    skip_max_batches: int = Field(500, ge=1, description="...and at most this many.")
+    max_rollbacks: int = Field(3, ge=1, description="Rollbacks a ladder may take in a row (no verified window between) before it stops the run.")
+    max_crash_restarts: int = Field(3, ge=1, description="Plain restarts in a row per crash kind (NCCL, segfault, hang, ...) before stop + alert.")
+    clip_floor: float = Field(0.1, gt=0, description="Gradient clipping is never lowered below this.")
+    lr_floor_frac: float = Field(0.5, gt=0, le=1, description="LR is never lowered below this fraction of the run's initial LR.")
+    lr_step_frac: float = Field(0.10, gt=0, lt=1, description="Each LR step lowers the LR by this fraction.")
+    fp32_layers: int = Field(10, ge=1, description="Loss ladder: run the first N blocks in fp32 (capped at the model's layers).")
+    persistence_threshold_min: float = Field(1e6, gt=0, description="Memory ladder raises stage3_param_persistence_threshold to this if below.")
+    max_live_parameters_floor: float = Field(1e7, gt=0, description="Halving stage3_max_live_parameters stops at this floor.")
+    prefetch_bucket_floor: float = Field(1e6, gt=0, description="Halving stage3_prefetch_bucket_size stops at this floor.")
+    reduce_bucket_ceiling: float = Field(1e8, gt=0, description="Comm-bound slow steps double reduce_bucket_size up to this ceiling (seed: 5e7 → 1e8).")
+    bf16_supported: bool = Field(True, description="The hardware runs bf16 (NaN ladder may switch fp16 → bf16).")

@@ -1,0 +1,129 @@
+"""`ulyssesctl replay TELEMETRY.jsonl [--spec run.toml] [--json]`: what the daemon would have found and
+decided on a recorded run, step by step, without running anything.
+
+`register(app)` adds the command to ulyssesctl's typer app. The only I/O of the replay path lives here:
+the file is read line by line; garbage lines are reported with their line number and skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
+from ulyssesd.remediation.detectors import Finding
+from ulyssesd.remediation.records import Record, RecordError, parse_line
+from ulyssesd.remediation.replay import ReplayItem, replay
+
+
+@dataclasses.dataclass
+class BadLine:
+    line: int
+    error: str
+
+
+def read_records(path: Path, bad: list[BadLine]) -> Iterator[Record]:
+    """Stream records from a telemetry file; each unparsable line is appended to `bad` and skipped."""
+    with path.open("rb") as fh:  # bytes: no decode step (orjson takes bytes; bad UTF-8 is reported per line)
+        for no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield parse_line(line)
+            except RecordError as exc:
+                bad.append(BadLine(no, str(exc)))
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def item_to_dict(it: ReplayItem) -> dict[str, Any]:
+    body = dataclasses.asdict(it.item)
+    return _jsonable({"type": it.kind, "step": it.step, "time": it.time, **body})
+
+
+def load_configs(spec: Path | None) -> tuple[DetectorsConfig, RemediationConfig, Any]:
+    if spec is None:
+        return DetectorsConfig(), RemediationConfig(), None
+    from ulyssesd.daemon.spec import load_run_spec  # imported lazily: pulls in the job's spec models
+
+    rs = load_run_spec(spec)
+    return rs.detectors, rs.remediation, rs
+
+
+def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,
+               out: Any = None, err: Any = None) -> int:
+    """The command's body (callable from tests): returns the exit code."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if not telemetry.is_file():
+        print(f"error: telemetry file {telemetry} does not exist", file=err)
+        return 2
+    try:
+        det, pol, job = load_configs(spec)
+    except Exception as exc:  # noqa: BLE001 - SpecError or a pydantic error: show it, exit 2
+        print(f"error: cannot load run spec {spec}: {exc}", file=err)
+        return 2
+    bad: list[BadLine] = []
+    items = replay(read_records(telemetry, bad), det, pol, job)
+    if as_json:
+        collected = [item_to_dict(it) for it in items]
+        json.dump({"telemetry": str(telemetry), "items": collected,
+                   "bad_lines": [dataclasses.asdict(b) for b in bad]}, out, indent=1)
+        out.write("\n")
+    else:
+        _print_table(items, out)
+    for b in bad:
+        print(f"warning: {telemetry}:{b.line}: skipped: {b.error}", file=err)
+    return 0
+
+
+def _print_table(items: Iterator[ReplayItem], out: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="replay: findings and decisions", show_lines=False)
+    for col in ("step", "type", "symptom", "action", "apply", "detail"):
+        table.add_column(col, overflow="fold")
+    n = 0
+    for it in items:
+        n += 1
+        o = it.item
+        if isinstance(o, Finding):
+            table.add_row(str(it.step), "finding", o.symptom, "", o.severity, o.message)
+        else:
+            apply = o.apply if o.would_apply is None else f"none (would: {o.would_apply})"
+            detail = o.reason + (f" [patch: {o.diff()}]" if o.config_patch else "")
+            table.add_row(str(it.step), "decision", o.symptom, o.action_kind, apply, detail)
+    console = Console(file=out, width=200 if not getattr(out, "isatty", lambda: False)() else None)
+    if n:
+        console.print(table)
+    else:
+        console.print("replay: no findings, no decisions")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `replay` to ulyssesctl."""
+
+    @app.command("replay")
+    def replay_cmd(
+        telemetry: Path = typer.Argument(..., help="telemetry.jsonl of a run (DESIGN.md telemetry contract)."),
+        spec: Path | None = typer.Option(None, "--spec", help="Run spec TOML: its [detectors], [remediation] and job values."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    ) -> None:
+        """Show the findings and decisions the daemon would have taken on a recorded run, step by step."""
+        raise typer.Exit(run_replay(telemetry, spec, as_json))

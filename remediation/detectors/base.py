@@ -1,0 +1,132 @@
+"""Shared pieces of the detectors: the Finding, a rolling median, and anomaly episodes."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from ulyssesd.remediation.records import Record
+
+# Exactly the store's symptom names that detectors emit (the store's enum also has crash-side ones).
+SYMPTOMS = ("memory_spike", "loss_spike", "loss_oscillation", "nan_loss", "overflow_storm", "slow_step",
+            "straggler", "throughput_drop", "hang")
+
+Severity = Literal["warning", "critical"]
+
+
+@dataclass(slots=True)
+class Finding:
+    symptom: str
+    step: int | None
+    severity: Severity
+    evidence: dict[str, Any] = field(default_factory=dict)
+    message: str = ""
+    time: float | None = None
+
+
+class Detector(Protocol):
+    symptom: str
+    active: bool
+
+    def observe(self, record: Record, now: float) -> list[Finding]: ...
+
+    def reset(self) -> None: ...
+
+
+class RollingMedian:
+    """Median of the last `size` values, as the attribute `med` (None until `min_count` values).
+
+    Adding is O(1); the sorted snapshot is rebuilt every `refresh` additions (default size/4) once the window
+    is full: a baseline over ~100 steps does not need to move on every step, and replay of millions of
+    records must stay fast."""
+
+    __slots__ = ("size", "refresh", "min_count", "_fifo", "_sorted", "_stale", "med")
+
+    def __init__(self, size: int, refresh: int | None = None, min_count: int = 10):
+        self.size = size
+        self.refresh = refresh or max(1, size // 4)
+        self.min_count = min(min_count, size)
+        self._fifo: deque[float] = deque(maxlen=size)
+        self._sorted: list[float] = []
+        self._stale = 0
+        self.med: float | None = None
+
+    def add(self, x: float) -> None:
+        fifo = self._fifo
+        fifo.append(x)
+        self._stale += 1
+        if self._stale >= self.refresh or len(fifo) < self.size:
+            self._sync()
+
+    def __len__(self) -> int:
+        return len(self._fifo)
+
+    def _sync(self) -> None:
+        s = self._sorted = sorted(self._fifo)
+        n = len(s)
+        mid = n // 2
+        self.med = (s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])) if n >= self.min_count else None
+        self._stale = 0
+
+    def median(self) -> float:
+        return math.nan if self.med is None else self.med
+
+    def values(self) -> list[float]:
+        """Sorted values (fresh)."""
+        if self._stale:
+            self._sync()
+        return self._sorted
+
+    def quantile(self, q: float) -> float:
+        s = self.values()
+        return s[min(len(s) - 1, int(q * len(s)))]
+
+    def clear(self) -> None:
+        self._fifo.clear()
+        self._sorted = []
+        self._stale = 0
+        self.med = None
+
+
+class Episode:
+    """Turns a per-step anomalous/normal signal into findings: one at onset, one every `refire` steps while
+    it persists; `clear` consecutive normal steps end it. `active` tells the engine whether it persists."""
+
+    __slots__ = ("refire", "clear", "active", "_since_fire", "_normal_run", "started_step", "length")
+
+    def __init__(self, refire: int, clear: int):
+        self.refire, self.clear = refire, clear
+        self.reset()
+
+    def reset(self) -> None:
+        self.active = False
+        self._since_fire = 0
+        self._normal_run = 0
+        self.started_step: int | None = None
+        self.length = 0
+
+    def anomalous(self, step: int) -> bool:
+        """Record an anomalous step; True when a finding should be emitted now."""
+        self._normal_run = 0
+        if not self.active:
+            self.active, self._since_fire, self.started_step, self.length = True, 0, step, 1
+            return True
+        self.length += 1
+        self._since_fire += 1
+        if self._since_fire >= self.refire:
+            self._since_fire = 0
+            return True
+        return False
+
+    def normal(self) -> None:
+        if self.active:
+            self._normal_run += 1
+            if self._normal_run >= self.clear:
+                self.active = False
+                self.length = 0
+
+
+def fmt(x: float) -> str:
+    return f"{x:.4g}"

@@ -1,0 +1,87 @@
+"""Loss oscillation: the step-to-step loss swing (median |Δloss| over a short window, robust to a single
+spike) is several times the run's own baseline swing, and the loss keeps reversing direction."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from ulyssesd.remediation.config import DetectorsConfig
+from ulyssesd.remediation.detectors.base import Episode, Finding, fmt
+from ulyssesd.remediation.records import Record, StepRecord
+
+
+class LossOscillationDetector:
+    symptom = "loss_oscillation"
+
+    def __init__(self, cfg: DetectorsConfig):
+        self.cfg = cfg
+        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
+        self.reset()
+
+    @property
+    def active(self) -> bool:
+        return self._ep.active
+
+    def reset(self) -> None:
+        n = self.cfg.loss_osc_window
+        self._ep.reset()
+        self._prev: float | None = None
+        self._deltas: deque[float] = deque(maxlen=n)
+        self._signs: deque[int] = deque(maxlen=n)
+        self._flips = 0
+        # Baseline swing: one sample per short window, the last `window / short` samples (≥ 5).
+        self._baseline: deque[float] = deque(maxlen=max(5, self.cfg.window // n * 4))
+        self._since_sample = 0
+        self._seen = 0
+        self._base: float | None = None
+
+    def observe(self, rec: Record, now: float) -> list[Finding]:
+        if not isinstance(rec, StepRecord) or not math.isfinite(rec.loss):
+            return []
+        loss, prev = rec.loss, self._prev
+        self._prev = loss
+        if prev is None:
+            return []
+        d = loss - prev
+        sign = (d > 0) - (d < 0)
+        if self._signs and len(self._signs) == self._signs.maxlen:
+            # Keep the count of direction reversals inside the window up to date in O(1).
+            first, second = self._signs[0], self._signs[1]
+            if first and second and first != second:
+                self._flips -= 1
+        if self._signs and sign and self._signs[-1] and sign != self._signs[-1]:
+            self._flips += 1
+        self._signs.append(sign)
+        self._deltas.append(abs(d))
+        self._seen += 1
+        n = self.cfg.loss_osc_window
+        if len(self._deltas) < n:
+            return []
+        flip_frac = self._flips / (n - 1)
+        self._since_sample += 1
+        sample = self._since_sample >= n
+        ready = self._seen > self.cfg.warmup_steps + n and len(self._baseline) >= 3
+        flipping = ready and flip_frac >= self.cfg.loss_osc_min_direction_changes
+        if not (flipping or sample):  # the O(n) swing is only needed when it can matter
+            if self._ep.active:
+                self._ep.normal()
+            return []
+        swing = sorted(self._deltas)[n // 2]
+        base = self._base if self._base is not None else math.nan
+        anomalous = flipping and swing > self.cfg.loss_osc_ratio * max(base, 1e-12)
+        if not anomalous:
+            if self._ep.active:
+                self._ep.normal()
+            if sample:
+                self._since_sample = 0
+                self._baseline.append(swing)
+                self._base = sorted(self._baseline)[len(self._baseline) // 2]
+            return []
+        if not self._ep.anomalous(rec.step):
+            return []
+        ev = {"swing": swing, "baseline_swing": base, "direction_changes": round(flip_frac, 3), "window": n,
+              "since_step": self._ep.started_step}
+        msg = (f"step {rec.step}: median step-to-step loss swing {fmt(swing)} over {n} steps is "
+               f"{swing / base:.1f}x the run's baseline {fmt(base)}, with {flip_frac:.0%} direction changes.")
+        return [Finding(self.symptom, rec.step, "warning", ev, msg, now)]

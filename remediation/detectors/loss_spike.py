@@ -1,0 +1,76 @@
+"""Loss spike: the loss is a real outlier of its own recent window (median + k·robust sigma, and a minimum
+relative jump), so a noisy but healthy curve does not trip it."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from ulyssesd.remediation.config import DetectorsConfig
+from ulyssesd.remediation.detectors.base import Episode, Finding, fmt
+from ulyssesd.remediation.records import Record, StepRecord
+
+_MAD_TO_SIGMA = 1.4826
+
+
+class LossSpikeDetector:
+    symptom = "loss_spike"
+
+    def __init__(self, cfg: DetectorsConfig):
+        self.cfg = cfg
+        self._win: deque[float] = deque(maxlen=cfg.window)
+        self._min = min(10, cfg.window)
+        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
+        self.reset()
+
+    @property
+    def active(self) -> bool:
+        return self._ep.active
+
+    def reset(self) -> None:
+        self._win.clear()
+        self._ep.reset()
+        self._seen = 0
+        self._median = math.nan
+        self._sigma = math.nan
+        self._threshold = math.inf
+        # The MAD is O(window) in Python and the threshold moves slowly: refresh it every window/4 steps
+        # (and whenever a value crosses it, to confirm against fresh statistics).
+        self._every = max(1, self.cfg.window // 4)
+        self._age = self._every
+
+    def _refresh(self) -> None:
+        vals = sorted(self._win)
+        n = len(vals)
+        med = vals[n // 2] if n % 2 else 0.5 * (vals[n // 2 - 1] + vals[n // 2])
+        dev = sorted([abs(x - med) for x in vals])
+        mad = dev[len(dev) // 2]
+        # A perfectly flat window would make any wiggle a spike: floor sigma at 0.1 % of the level.
+        sigma = max(_MAD_TO_SIGMA * mad, 1e-3 * abs(med), 1e-12)
+        self._median, self._sigma = med, sigma
+        self._threshold = max(med + self.cfg.loss_spike_mad * sigma, med + self.cfg.loss_spike_min_rel * abs(med))
+        self._age = 0
+
+    def observe(self, rec: Record, now: float) -> list[Finding]:
+        if not isinstance(rec, StepRecord) or not math.isfinite(rec.loss):
+            return []
+        loss = rec.loss
+        self._seen += 1
+        ready = self._seen > self.cfg.warmup_steps and len(self._win) >= self._min
+        if ready:
+            self._age += 1
+            if self._age >= self._every or loss > self._threshold:
+                self._refresh()
+        if ready and loss > self._threshold:
+            # Spikes stay out of the baseline so a multi-step spike keeps being measured against healthy data.
+            if not self._ep.anomalous(rec.step):
+                return []
+            ev = {"loss": loss, "median": self._median, "sigma": self._sigma, "threshold": self._threshold,
+                  "window": len(self._win), "since_step": self._ep.started_step}
+            msg = (f"step {rec.step}: loss {fmt(loss)} is {(loss - self._median) / self._sigma:.1f} sigma above "
+                   f"the {len(self._win)}-step median {fmt(self._median)} (threshold {fmt(self._threshold)}).")
+            return [Finding(self.symptom, rec.step, "warning", ev, msg, now)]
+        if self._ep.active:
+            self._ep.normal()
+        self._win.append(loss)
+        return []

@@ -1,0 +1,59 @@
+"""Memory spike: a step's max-allocated memory (max over ranks) jumps above ratio × its rolling baseline,
+or reaches a fraction of the device capacity; names the rank that holds the peak."""
+
+from __future__ import annotations
+
+from ulyssesd.remediation.config import DetectorsConfig
+from ulyssesd.remediation.detectors.base import Episode, Finding, RollingMedian, fmt
+from ulyssesd.remediation.records import Record, StepRecord
+
+
+class MemorySpikeDetector:
+    symptom = "memory_spike"
+
+    def __init__(self, cfg: DetectorsConfig):
+        self.cfg = cfg
+        self._win = RollingMedian(cfg.window)
+        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
+        self.reset()
+
+    @property
+    def active(self) -> bool:
+        return self._ep.active
+
+    def reset(self) -> None:
+        self._win.clear()
+        self._ep.reset()
+        self._seen = 0
+
+    def observe(self, rec: Record, now: float) -> list[Finding]:
+        if not isinstance(rec, StepRecord):
+            return []
+        mem = rec.mem_max_allocated_gib
+        if mem is None or mem != mem:
+            return []
+        self._seen += 1
+        cfg = self.cfg
+        cap = cfg.device_memory_gib
+        near_cap = cap is not None and mem >= cfg.memory_capacity_frac * cap
+        base = self._win.med
+        over_base = (base is not None and self._seen > cfg.warmup_steps
+                     and mem > cfg.memory_spike_ratio * base and mem - base >= cfg.memory_min_delta_gib)
+        if not (near_cap or over_base):
+            if self._ep.active:
+                self._ep.normal()
+            self._win.add(mem)
+            return []
+        if not self._ep.anomalous(rec.step):
+            return []
+        rank = rec.mem_max_rank
+        ev = {"mem_max_allocated_gib": mem, "baseline_gib": base, "rank": rank, "capacity_gib": cap,
+              "mem_reserved_gib": rec.mem_reserved_gib, "since_step": self._ep.started_step}
+        who = f"rank {rank}" if rank is not None else "a rank"
+        parts = []
+        if over_base:
+            parts.append(f"{mem / base:.2f}x its {len(self._win)}-step baseline {fmt(base)} GiB")
+        if near_cap:
+            parts.append(f"{mem / cap:.0%} of the {fmt(cap)} GiB device")
+        msg = f"step {rec.step}: {who} peaked at {fmt(mem)} GiB allocated, {' and '.join(parts)}."
+        return [Finding(self.symptom, rec.step, "critical" if near_cap else "warning", ev, msg, now)]

@@ -1,0 +1,48 @@
+"""NaN/Inf loss, a non-finite grad norm on a step that was not skipped, or the fp16 loss scale at its floor."""
+
+from __future__ import annotations
+
+import math
+
+from ulyssesd.remediation.config import DetectorsConfig
+from ulyssesd.remediation.detectors.base import Episode, Finding
+from ulyssesd.remediation.records import Record, StepRecord
+
+
+class NanLossDetector:
+    symptom = "nan_loss"
+
+    def __init__(self, cfg: DetectorsConfig, min_loss_scale: float | None = None):
+        self.cfg = cfg
+        self.min_loss_scale = min_loss_scale
+        self._ep = Episode(cfg.refire_steps, 1)  # any finite step ends a NaN episode
+
+    @property
+    def active(self) -> bool:
+        return self._ep.active
+
+    def reset(self) -> None:
+        self._ep.reset()
+
+    def observe(self, rec: Record, now: float) -> list[Finding]:
+        if not isinstance(rec, StepRecord):
+            return []
+        loss, gn = rec.loss, rec.grad_norm
+        what = None
+        if not math.isfinite(loss):
+            what = f"loss is {loss}"
+        elif gn is not None and not math.isfinite(gn) and not rec.skipped:
+            # fp16 overflow steps report inf grad norm but are skipped: that is not a NaN.
+            what = f"grad_norm is {gn} on a step that was not skipped"
+        elif (rec.skipped and rec.loss_scale is not None and self.min_loss_scale is not None
+              and rec.loss_scale <= self.min_loss_scale):
+            what = f"fp16 loss scale reached its minimum {rec.loss_scale:g} and the step still overflowed"
+        if what is None:
+            if self._ep.active:
+                self._ep.normal()
+            return []
+        if not self._ep.anomalous(rec.step):
+            return []
+        ev = {"loss": str(loss) if not math.isfinite(loss) else loss, "grad_norm": gn if gn is None or math.isfinite(gn) else str(gn),
+              "loss_scale": rec.loss_scale, "skipped": rec.skipped, "since_step": self._ep.started_step}
+        return [Finding(self.symptom, rec.step, "critical", ev, f"step {rec.step}: {what}.", now)]

@@ -1,0 +1,66 @@
+"""Slow steps: the step time (slowest rank's when known) stays above ratio × its rolling median for a few
+consecutive steps; single slow steps (GC, checkpoint) are normal. Steps right after a checkpoint event are
+not counted."""
+
+from __future__ import annotations
+
+from ulyssesd.remediation.config import DetectorsConfig
+from ulyssesd.remediation.detectors.base import Episode, Finding, RollingMedian, fmt
+from ulyssesd.remediation.records import EventRecord, Record, StepRecord
+
+
+def step_time(rec: StepRecord) -> float | None:
+    t = rec.step_time_max_s if rec.step_time_max_s is not None else rec.step_time_s
+    return t if t is not None and t == t and t > 0 else None
+
+
+class SlowStepDetector:
+    symptom = "slow_step"
+
+    def __init__(self, cfg: DetectorsConfig):
+        self.cfg = cfg
+        self._win = RollingMedian(cfg.window)
+        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
+        self.reset()
+
+    @property
+    def active(self) -> bool:
+        return self._ep.active
+
+    def reset(self) -> None:
+        self._win.clear()
+        self._ep.reset()
+        self._seen = 0
+        self._run = 0
+        self._skip_next = False
+
+    def observe(self, rec: Record, now: float) -> list[Finding]:
+        if isinstance(rec, EventRecord):
+            if rec.event.startswith("checkpoint_") or rec.event == "control_applied":
+                self._skip_next = True
+            return []
+        t = step_time(rec)
+        if t is None:
+            return []
+        if self._skip_next:
+            self._skip_next = False
+            return []
+        self._seen += 1
+        cfg = self.cfg
+        med = self._win.med
+        if med is None or self._seen <= cfg.warmup_steps or t <= cfg.slow_step_ratio * med:
+            self._run = 0
+            if self._ep.active:
+                self._ep.normal()
+            self._win.add(t)
+            return []
+        self._run += 1
+        if self._run < cfg.slow_step_min_consecutive or not self._ep.anomalous(rec.step):
+            return []
+        spread = (rec.step_time_max_s / rec.step_time_s
+                  if rec.step_time_max_s and rec.step_time_s else None)
+        ev = {"step_time_s": t, "median_s": med, "consecutive": self._run, "rank_spread": spread,
+              "slowest_rank": rec.slowest_rank, "since_step": self._ep.started_step}
+        msg = (f"step {rec.step}: step time {fmt(t)} s is {t / med:.1f}x the {len(self._win)}-step median "
+               f"{fmt(med)} s for {self._run} consecutive steps.")
+        return [Finding(self.symptom, rec.step, "warning", ev, msg, now)]

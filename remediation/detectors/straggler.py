@@ -1,0 +1,55 @@
+"""Straggler: the slowest rank's step time is well above rank 0's and the same rank is the slowest for
+many consecutive steps."""
+
+from __future__ import annotations
+
+from ulyssesd.remediation.config import DetectorsConfig
+from ulyssesd.remediation.detectors.base import Episode, Finding, fmt
+from ulyssesd.remediation.records import Record, StepRecord
+
+
+class StragglerDetector:
+    symptom = "straggler"
+
+    def __init__(self, cfg: DetectorsConfig):
+        self.cfg = cfg
+        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
+        self.reset()
+
+    @property
+    def active(self) -> bool:
+        return self._ep.active
+
+    def reset(self) -> None:
+        self._ep.reset()
+        self._seen = 0
+        self._rank: int | None = None
+        self._run = 0
+        self._spread_sum = 0.0
+
+    def observe(self, rec: Record, now: float) -> list[Finding]:
+        if not isinstance(rec, StepRecord):
+            return []
+        t, tmax, rank = rec.step_time_s, rec.step_time_max_s, rec.slowest_rank
+        if not t or tmax is None or t != t or tmax != tmax:
+            return []
+        self._seen += 1
+        spread = tmax / t
+        if self._seen <= self.cfg.warmup_steps or spread <= self.cfg.straggler_ratio:
+            self._run, self._rank, self._spread_sum = 0, None, 0.0
+            if self._ep.active:
+                self._ep.normal()
+            return []
+        if rank != self._rank:
+            self._rank, self._run, self._spread_sum = rank, 0, 0.0
+        self._run += 1
+        self._spread_sum += spread
+        if self._run < self.cfg.straggler_persist_steps or not self._ep.anomalous(rec.step):
+            return []
+        mean_spread = self._spread_sum / self._run
+        ev = {"slowest_rank": rank, "consecutive": self._run, "mean_spread": round(mean_spread, 3),
+              "step_time_s": t, "step_time_max_s": tmax, "since_step": self._ep.started_step}
+        who = f"rank {rank}" if rank is not None else "one rank"
+        msg = (f"step {rec.step}: {who} has been the slowest for {self._run} consecutive steps, "
+               f"{mean_spread:.2f}x rank 0's step time on average (now {fmt(tmax)} s vs {fmt(t)} s).")
+        return [Finding(self.symptom, rec.step, "warning", ev, msg, now)]

@@ -1,0 +1,71 @@
+"""Throughput drop: tokens/s stays below (1 - frac) × its rolling baseline for many consecutive steps.
+Low steps stay out of the baseline, so a lasting drop keeps being measured against healthy speed."""
+
+from __future__ import annotations
+
+from ulyssesd.remediation.config import DetectorsConfig
+from ulyssesd.remediation.detectors.base import Episode, Finding, RollingMedian, fmt
+from ulyssesd.remediation.records import EventRecord, Record, StepRecord
+
+
+def tokens_per_s(rec: StepRecord) -> float | None:
+    if rec.tokens_per_s is not None:
+        v = rec.tokens_per_s
+    elif rec.tokens and rec.step_time_s:
+        v = rec.tokens / rec.step_time_s
+    else:
+        return None
+    return v if v == v and v > 0 else None
+
+
+class ThroughputDropDetector:
+    symptom = "throughput_drop"
+
+    def __init__(self, cfg: DetectorsConfig):
+        self.cfg = cfg
+        self._win = RollingMedian(cfg.window)
+        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
+        self.reset()
+
+    @property
+    def active(self) -> bool:
+        return self._ep.active
+
+    def baseline(self) -> float | None:
+        return self._win.med
+
+    def reset(self) -> None:
+        self._win.clear()
+        self._ep.reset()
+        self._seen = 0
+        self._run = 0
+        self._skip_next = False
+
+    def observe(self, rec: Record, now: float) -> list[Finding]:
+        if isinstance(rec, EventRecord):
+            if rec.event.startswith("checkpoint_"):
+                self._skip_next = True
+            return []
+        v = tokens_per_s(rec)
+        if v is None:
+            return []
+        if self._skip_next:
+            self._skip_next = False
+            return []
+        self._seen += 1
+        cfg = self.cfg
+        base = self.baseline()
+        if base is None or self._seen <= cfg.warmup_steps or v >= (1 - cfg.throughput_drop_frac) * base:
+            self._run = 0
+            if self._ep.active:
+                self._ep.normal()
+            self._win.add(v)
+            return []
+        self._run += 1
+        if self._run < cfg.throughput_persist_steps or not self._ep.anomalous(rec.step):
+            return []
+        ev = {"tokens_per_s": v, "baseline_tokens_per_s": base, "consecutive": self._run,
+              "since_step": self._ep.started_step}
+        msg = (f"step {rec.step}: throughput {fmt(v)} tokens/s is {1 - v / base:.0%} below the baseline "
+               f"{fmt(base)} tokens/s for {self._run} consecutive steps.")
+        return [Finding(self.symptom, rec.step, "warning", ev, msg, now)]

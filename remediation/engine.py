@@ -1,0 +1,470 @@
+"""The remediation engine: detectors → findings → ladder decisions, with grace, verification, revert,
+restart budget, no-progress rule, known-good tracking and observe-only mode.
+
+Pure: every call takes the clock value `now`; nothing here reads files or the system clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
+from ulyssesd.remediation.detectors import Finding, HangDetector, build_detectors
+from ulyssesd.remediation.detectors.throughput_drop import tokens_per_s
+from ulyssesd.remediation.playbook import (
+    DEFAULTS,
+    K_CLIP,
+    K_GA,
+    K_LR,
+    K_MB,
+    K_SKIP,
+    LADDERS,
+    NON_FATAL,
+    RESTARTING,
+    ROLLBACK,
+    STOP,
+    SYMPTOM_LADDER,
+    Apply,
+    Context,
+    Proposal,
+    RollbackPlan,
+    ladder_for_crash,
+)
+from ulyssesd.remediation.records import EventRecord, Record, StepRecord
+
+# Symptoms that may recover by themselves: act only if they persist or recur past the grace window.
+GRACE_SYMPTOMS = frozenset({"loss_spike", "loss_oscillation", "memory_spike", "slow_step", "straggler",
+                            "throughput_drop"})
+# Symptoms whose presence means the weights after that point are not trustworthy (known-good tracking).
+WEIGHT_SYMPTOMS = frozenset({"loss_spike", "loss_oscillation", "nan_loss", "overflow_storm"})
+# A consequence is not reported while its cause is active (a straggler slows steps and throughput).
+EXPLAINED_BY = {"throughput_drop": ("slow_step", "straggler"), "slow_step": ("straggler",)}
+
+
+@dataclass(slots=True)
+class Decision:
+    action_kind: str
+    symptom: str
+    apply: Apply
+    reason: str
+    ladder: str
+    ladder_step: int
+    step: int | None = None
+    time: float | None = None
+    config_patch: dict[str, Any] = field(default_factory=dict)
+    previous: dict[str, Any] = field(default_factory=dict)
+    hot_control: dict[str, Any] = field(default_factory=dict)
+    rollback_to_step: int | None = None
+    rollback_tag: str | None = None
+    skip_ranges: list[tuple[int, int]] = field(default_factory=list)
+    procedure: tuple[str, ...] = ()
+    would_apply: Apply | None = None   # observe-only: what would have been applied
+    reverted: dict[str, Any] = field(default_factory=dict)
+
+    def diff(self) -> str:
+        return ", ".join(f"{k}: {self.previous.get(k)!r} -> {v!r}" for k, v in self.config_patch.items())
+
+
+@dataclass
+class _LadderState:
+    position: int = 0
+    uses: int = 0
+    verify_left: int = 0
+    last: Decision | None = None
+    tps_before: float | None = None
+    tps_after: list[float] = field(default_factory=list)
+    exhausted: bool = False
+    await_left: int = 0   # steps to wait for the restart a decision asked for; findings meanwhile are expected
+
+
+@dataclass
+class _Pending:
+    finding: Finding
+    steps: int = 0
+
+
+def job_values(job: Any) -> dict[str, Any]:
+    """Flatten a JobSpec / RunSpec / nested dict / dotted dict into dotted keys (lists stay leaves)."""
+    if job is None:
+        return {}
+    out: dict[str, Any] = {}
+    if hasattr(job, "job") and hasattr(job, "launcher"):   # RunSpec
+        out.update(job_values(job.job))
+        for k, v in job.launcher.env.items():
+            out[f"launcher.env.{k}"] = v
+        return out
+    if hasattr(job, "model_dump"):
+        data = job.model_dump(mode="json")
+        try:
+            data.setdefault("model", {})["num_layers"] = job.resolved_model().num_layers
+        except Exception:  # noqa: BLE001 - a partial spec still gives the other values
+            pass
+    else:
+        data = dict(job)
+        model = data.get("model")
+        if isinstance(model, dict) and model.get("num_layers") is None:
+            # A dumped JobSpec (the daemon's configs/vN.json) leaves preset dimensions unresolved.
+            try:
+                from ulyssesd.training.spec import JobSpec  # pydantic models only; no torch
+
+                data["model"] = {**model, "num_layers": JobSpec.model_validate(data).resolved_model().num_layers}
+            except Exception:  # noqa: BLE001 - not a full JobSpec: the playbook default applies
+                pass
+
+    def walk(prefix: str, d: dict[str, Any]) -> None:
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict) and v:
+                walk(key + ".", v)
+            else:
+                out[key] = v
+
+    walk("", data)
+    return out
+
+
+class RemediationEngine:
+    def __init__(self, config: DetectorsConfig | None = None, policy: RemediationConfig | None = None,
+                 job: Any = None, *, start_time: float | None = None, attempt: int | None = None):
+        self.config = config or DetectorsConfig()
+        self.policy = policy or RemediationConfig()
+        vals = job_values(job)
+        self.values: dict[str, Any] = {k: (vals[k] if vals.get(k) is not None else v) for k, v in DEFAULTS.items()}
+        self.values.update({k: v for k, v in vals.items() if v is not None})
+        self.initial = dict(self.values)
+        self.launched = dict(self.values)
+        min_scale = vals.get("precision.loss_scale.min_loss_scale")
+        self.detectors = build_detectors(self.config, min_loss_scale=min_scale
+                                         if vals.get("precision.dtype") == "fp16" else None)
+        self._by_symptom = {d.symptom: d for d in self.detectors}
+        self.hang = HangDetector(self.config, start_time)
+        self.ladders: dict[str, _LadderState] = {}
+        self.pending: dict[str, _Pending] = {}
+        self.suppressed = 0
+        # Restart budget / progress.
+        self.restart_times: deque[float] = deque()
+        self.restarts_without_progress = 0
+        self._ckpt_step_at_restart: int | None = None
+        self.max_ckpt_step: int | None = None
+        self.attempt: int | None = attempt
+        # Known-good tracking: candidates (tag, step, clean steps seen after it).
+        self.candidates: list[list[Any]] = []
+        self.known_good: list[tuple[str, int]] = []
+        self.saved: list[tuple[str, int]] = []
+        # Recent sample ranges for rollback-and-skip.
+        self._samples: deque[tuple[int, tuple[int, int]]] = deque(
+            maxlen=4 * self.policy.skip_max_batches + self.policy.rollback_steps_back)
+        self.last_step: int | None = None
+        self.failed = False
+
+    # ------------------------------------------------------------------------------------ inputs
+    def observe(self, record: Record, now: float) -> list[Finding | Decision]:
+        """Feed one telemetry record; returns the findings it raised and the decisions they led to."""
+        out: list[Finding | Decision] = []
+        self.hang.observe(record, now)
+        if isinstance(record, EventRecord):
+            ev = record.event
+            if ev == "started":
+                self.on_restart(now, attempt=record.attempt)
+            elif ev == "checkpoint_saved" and record.step is not None:
+                self.checkpoint_saved(str(record.fields.get("tag") or f"step-{record.step:08d}"), record.step)
+            for det in self.detectors:
+                det.observe(record, now)
+            return out
+        self.last_step = record.step
+        self._track_samples(record)
+        findings: list[Finding] = []
+        for det in self.detectors:
+            f = det.observe(record, now)
+            if f:
+                findings.extend(f)
+        weight_anomaly = False
+        if findings:  # rare: the quiet path stays cheap for replaying millions of records
+            weight_anomaly = any(f.symptom in WEIGHT_SYMPTOMS for f in findings)
+            for f in findings:
+                causes = EXPLAINED_BY.get(f.symptom)
+                if causes and any(self._by_symptom[c].active for c in causes):
+                    self.suppressed += 1
+                    continue
+                out.append(f)
+                out.extend(self._on_finding(f, record.step, now))
+        self._step_bookkeeping(record, now, weight_anomaly, out)
+        return out
+
+    def on_finding(self, finding: Finding, now: float) -> list[Decision]:
+        """Feed a finding from elsewhere (e.g. the daemon's own probes) through grace and the ladders."""
+        return self._on_finding(finding, finding.step if finding.step is not None else (self.last_step or 0), now)
+
+    def tick(self, now: float) -> list[Finding | Decision]:
+        """Clock-driven checks (hang)."""
+        f = self.hang.check(now)
+        if f is None:
+            return []
+        return [f, *self._decide("hang", f.symptom, f, f.step, now, f"{f.message}")]
+
+    def on_crash(self, label: str, evidence: list[str] | dict[str, Any] | None, now: float) -> list[Decision]:
+        """The job exited abnormally; `label` is the log diagnosis (DESIGN.md's fixed set)."""
+        ladder, symptom = ladder_for_crash(label)
+        if isinstance(evidence, dict):
+            first = next(iter(evidence.values()), "")
+        else:
+            first = (evidence or [""])[0]
+        ev = f" ({str(first).strip()[:160]!r})" if first else ""
+        st = self.ladders.get(ladder)
+        if st is not None and st.verify_left <= 0 and st.position < len(LADDERS[ladder]) \
+                and LADDERS[ladder][st.position].max_uses(self.policy) > 1:
+            st.uses = 0  # a crash long after the last one starts the restart count afresh
+        return self._decide(ladder, symptom, None, self.last_step, now, f"the job crashed with {label}{ev}")
+
+    def on_restart(self, now: float, attempt: int | None = None) -> None:
+        """A new attempt started: all patches are now launched, detectors warm up again."""
+        if attempt is not None and attempt == self.attempt:
+            return  # the daemon's call and the telemetry `started` event describe the same restart
+        # The run's very first start is not a restart (a re-adopting daemon passes `attempt` to the constructor).
+        first = (self.attempt is None and self.last_step is None and not self.restart_times
+                 and (attempt is None or attempt <= 1))
+        self.attempt = attempt if attempt is not None else (self.attempt or 0) + 1
+        self.launched = dict(self.values)
+        for det in self.detectors:
+            det.reset()
+        self.hang.reset(now)
+        self.pending.clear()
+        for st in self.ladders.values():
+            st.await_left = 0
+        if first:
+            return
+        self.restart_times.append(now)
+        if self.max_ckpt_step is not None and (self._ckpt_step_at_restart is None
+                                               or self.max_ckpt_step > self._ckpt_step_at_restart):
+            self.restarts_without_progress = 1
+        else:
+            self.restarts_without_progress += 1
+        self._ckpt_step_at_restart = self.max_ckpt_step
+
+    def checkpoint_saved(self, tag: str, step: int) -> None:
+        self.saved.append((tag, step))
+        self.saved = self.saved[-64:]
+        if self.max_ckpt_step is None or step > self.max_ckpt_step:
+            self.max_ckpt_step = step
+            if self._ckpt_step_at_restart is None or step > self._ckpt_step_at_restart:
+                self.restarts_without_progress = 0
+        self.candidates.append([tag, step, 0])
+
+    @property
+    def known_good_tag(self) -> tuple[str, int] | None:
+        return self.known_good[-1] if self.known_good else None
+
+    # ------------------------------------------------------------------------------- bookkeeping
+    def _track_samples(self, rec: StepRecord) -> None:
+        if rec.samples is not None:
+            self._samples.append((rec.step, rec.samples))
+
+    def _step_bookkeeping(self, rec: StepRecord, now: float, weight_anomaly: bool,
+                          out: list[Finding | Decision]) -> None:
+        if weight_anomaly:
+            self.candidates.clear()
+        elif self.candidates:
+            for cand in self.candidates:
+                if rec.step > cand[1]:
+                    cand[2] += 1
+            while self.candidates and self.candidates[0][2] >= self.policy.known_good_steps:
+                tag, step, _ = self.candidates.pop(0)
+                self.known_good.append((tag, step))
+                self.known_good = self.known_good[-16:]
+        tps = tokens_per_s(rec) if self.ladders else None
+        for name, st in self.ladders.items():
+            if st.await_left > 0:
+                st.await_left -= 1
+            if st.verify_left > 0:
+                st.verify_left -= 1
+                if tps is not None and len(st.tps_after) < 1000:
+                    st.tps_after.append(tps)
+                if st.verify_left == 0 and st.position < len(LADDERS[name]) \
+                        and LADDERS[name][st.position].max_uses(self.policy) > 1:
+                    st.uses = 0  # verified: a repeatable rung (restart, rollback) is fresh again
+        if not self.pending:
+            return
+        for ladder, p in list(self.pending.items()):
+            if p.finding.step == rec.step:
+                continue  # the grace window starts after the finding's own step
+            p.steps += 1
+            if p.steps >= self.policy.grace_steps:
+                del self.pending[ladder]
+                det = self._by_symptom.get(p.finding.symptom)
+                if det is not None and det.active:
+                    why = (f"{p.finding.symptom} persisted for {p.steps} steps since step {p.finding.step}: "
+                           f"{p.finding.message}")
+                    out.extend(self._decide(ladder, p.finding.symptom, p.finding, rec.step, now, why))
+
+    # ---------------------------------------------------------------------------------- deciding
+    def _on_finding(self, f: Finding, step: int, now: float) -> list[Decision]:
+        ladder = SYMPTOM_LADDER.get(f.symptom)
+        if ladder is None:
+            raise ValueError(f"unknown symptom {f.symptom!r}; expected one of {sorted(SYMPTOM_LADDER)}")
+        st = self.ladders.get(ladder)
+        if st is not None and st.await_left > 0:
+            return []  # the job is about to restart/roll back for this ladder: the symptom is still expected
+        if st is not None and st.verify_left > 0:
+            return self._decide(ladder, f.symptom, f, step, now,
+                                f"{f.symptom} recurred within the verification window of "
+                                f"{st.last.action_kind if st.last else 'the last action'}: {f.message}")
+        if f.symptom in GRACE_SYMPTOMS and self.policy.grace_steps > 0:
+            if ladder in self.pending:
+                del self.pending[ladder]
+                return self._decide(ladder, f.symptom, f, step, now,
+                                    f"{f.symptom} recurred within the {self.policy.grace_steps}-step grace window: "
+                                    f"{f.message}")
+            self.pending[ladder] = _Pending(f)
+            return []
+        return self._decide(ladder, f.symptom, f, step, now, f.message)
+
+    def _rollback_plan(self, anomaly_step: int | None) -> RollbackPlan:
+        pol = self.policy
+        a = anomaly_step if anomaly_step is not None else (self.last_step or 0)
+        target: tuple[str | None, int] | None = None
+        for tag, s in reversed(self.known_good):
+            if s <= a - pol.rollback_steps_back:
+                target = (tag, s)
+                break
+        if target is None:
+            earlier = [(t, s) for t, s in self.known_good if s < a]
+            target = earlier[-1] if earlier else (None, 0)
+        tag, to_step = target
+        n = max(pol.skip_min_batches, min(pol.skip_max_batches, 2 * (a - to_step)))
+        first = max(to_step + 1, a - n // 2)
+        last = first + n  # exclusive
+        start, est1 = self._sample_start(first)
+        end, est2 = self._sample_start(last)
+        return RollbackPlan(to_step=to_step, tag=tag, skip_ranges=[(start, end)], skip_steps=(first, last),
+                            estimated=est1 or est2)
+
+    def _sample_start(self, step: int) -> tuple[int, bool]:
+        """First global sample index of `step`: recorded when seen recently, else extrapolated."""
+        known = dict(self._samples)
+        if step in known:
+            return known[step][0], False
+        last = self._samples[-1][1] if self._samples else None
+        sps = (last[1] - last[0]) if last else float(int(self.values.get(K_MB) or 1) * int(self.values.get(K_GA) or 1)
+                                 * max(1, int(self.values.get("parallel.world_size") or 1)
+                                       // int(self.values.get("parallel.sequence_parallel_size") or 1)))
+        if known:
+            k = min(known, key=lambda s: abs(s - step))
+            return int(known[k][0] + (step - k) * sps), True
+        return int((step - 1) * sps) if step > 0 else 0, True
+
+    def _budget_stop(self, now: float) -> tuple[str, str] | None:
+        while self.restart_times and self.restart_times[0] < now - 3600.0:
+            self.restart_times.popleft()
+        pol = self.policy
+        if len(self.restart_times) >= pol.max_restarts_per_hour:
+            return "crash_loop", (f"{len(self.restart_times)} restarts in the last hour reached the budget of "
+                                  f"{pol.max_restarts_per_hour} (remediation.max_restarts_per_hour)")
+        if self.restarts_without_progress >= pol.no_progress_restarts:
+            return "no_progress", (f"{self.restarts_without_progress} restarts without a checkpoint advancing past "
+                                   f"step {self.max_ckpt_step} (remediation.no_progress_restarts="
+                                   f"{pol.no_progress_restarts})")
+        return None
+
+    def _decide(self, ladder: str, symptom: str, finding: Finding | None, step: int | None, now: float,
+                why: str) -> list[Decision]:
+        if self.failed:
+            return []
+        rungs = LADDERS[ladder]
+        st = self.ladders.setdefault(ladder, _LadderState())
+        if st.exhausted:
+            return []
+        in_verify = st.verify_left > 0
+        reverted, revert_note = self._maybe_revert(st) if in_verify else ({}, "")
+        anomaly_step = finding.evidence.get("since_step", finding.step) if finding else step
+        ctx = Context(self.values, self.initial, self.launched, self.policy, self._rollback_plan(anomaly_step),
+                      finding.evidence if finding else {})
+        skipped: list[str] = []
+        while True:
+            action = rungs[st.position] if st.position < len(rungs) else STOP
+            if st.uses >= action.max_uses(self.policy) and action is not STOP:
+                st.position += 1
+                st.uses = 0
+                continue
+            built = action.build(ctx)
+            if isinstance(built, str):
+                skipped.append(f"{action.kind} skipped: {built}")
+                st.position += 1
+                st.uses = 0
+                continue
+            break
+        apply: Apply = built.apply or action.apply
+        patch = dict(built.patch)
+        plan = built.rollback
+        if apply == "rollback_skip" and plan is None:
+            plan = ctx.rollback
+            extra = ROLLBACK.build(ctx)  # the skip-range patch of a plain rollback
+            if isinstance(extra, Proposal):
+                patch.update(extra.patch)
+        if action.kind == "alert" and ladder in NON_FATAL:
+            st.exhausted = True
+        stop_why = self._budget_stop(now) if apply in RESTARTING else None
+        if stop_why is not None:
+            symptom, budget = stop_why
+            action, apply, patch, plan = STOP, "stop", {}, None
+            built = Proposal(what="stop the run and alert (keep everything)")
+            why = f"{why}; but {budget}"
+        previous = {k: self.values.get(k) for k in patch}
+        reason = f"{built.what} because {why[0].lower() + why[1:] if why else 'of ' + symptom}"
+        if revert_note:
+            reason += f"; reverting the last action: {revert_note}"
+        if skipped:
+            reason += f" ({'; '.join(skipped)})"
+        hot = dict(built.hot_control)
+        if action.procedure:
+            hot["dump_stacks"] = True
+        if apply == "rollback_skip":
+            hot["suspect"] = True  # the weights are bad: a SIGTERM must not save them
+        if reverted and apply == "hot":
+            if K_CLIP in reverted and "gradient_clipping" not in hot:
+                hot["gradient_clipping"] = reverted[K_CLIP]
+            if K_LR in reverted and "lr_scale" not in hot:
+                hot["lr_scale"] = reverted[K_LR] / float(self.launched.get(K_LR) or reverted[K_LR])
+        d = Decision(action_kind=action.kind, symptom=symptom, apply=apply, reason=reason, ladder=ladder,
+                     ladder_step=min(st.position, len(rungs) - 1), step=step, time=now, config_patch=patch,
+                     previous=previous, hot_control=hot, procedure=action.procedure, reverted=reverted)
+        if reverted:
+            d.config_patch = {**reverted, **patch}
+            d.previous = {**{k: self.values.get(k) for k in reverted}, **previous}
+        if plan is not None and apply == "rollback_skip":
+            d.rollback_to_step, d.rollback_tag, d.skip_ranges = plan.to_step, plan.tag, list(plan.skip_ranges)
+        # Bookkeeping happens in both modes, so observe-only shows the whole escalation it would have run.
+        self.values.update(d.config_patch)
+        st.uses += 1
+        st.last = d
+        st.verify_left = self.policy.verify_steps
+        st.tps_before = self._by_symptom["throughput_drop"].baseline()  # type: ignore[attr-defined]
+        st.tps_after = []
+        if apply == "stop":
+            self.failed = True
+        if apply in RESTARTING:
+            st.await_left = self.policy.verify_steps
+        self.pending.pop(ladder, None)
+        if self.policy.mode == "observe":
+            d.would_apply, d.apply = apply, "none"
+            d.reason = f"observe-only: would have {action.kind} ({apply}): {reason}"
+        return [d]
+
+    def _maybe_revert(self, st: _LadderState) -> tuple[dict[str, Any], str]:
+        last = st.last
+        if last is None or not last.config_patch or st.tps_before is None or len(st.tps_after) < 10:
+            return {}, ""
+        after = sorted(st.tps_after)[len(st.tps_after) // 2]
+        if after >= (1 - self.policy.revert_throughput_drop) * st.tps_before:
+            return {}, ""
+        revert = {k: v for k, v in last.previous.items() if k != K_SKIP}
+        if not revert:
+            return {}, ""
+        note = (f"{last.action_kind} cost {1 - after / st.tps_before:.0%} throughput "
+                f"({after:.4g} vs {st.tps_before:.4g} tokens/s) and the symptom came back")
+        return revert, note
+
+
+# The hot-control keys a decision may set (CONTRACTS.md control.json), for the daemon's writer.
+HOT_KEYS = ("lr_scale", "gradient_clipping", "dump_stacks", "suspect")

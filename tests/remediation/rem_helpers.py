@@ -1,0 +1,40 @@
+"""Helpers of the remediation tests (imported by name; not a conftest, the folder is shared): noisy healthy step records and a way to run one detector over them."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable
+
+from ulyssesd.remediation.records import Record, StepRecord
+
+
+def healthy(n: int, seed: int = 0, start: int = 1, t0: float = 1000.0, *, loss_noise: float = 0.02,
+            time_noise: float = 0.03, mem_noise: float = 0.005,
+            mutate: Callable[[int, StepRecord], None] | None = None) -> list[StepRecord]:
+    """A noisy but healthy run: power-law loss decay with multiplicative noise, jittery step times,
+    small per-rank spread with a random slowest rank, steady memory and throughput."""
+    rng = random.Random(seed)
+    out: list[StepRecord] = []
+    t = t0
+    for step in range(start, start + n):
+        loss = (2.0 + 8.0 * (step + 10) ** -0.35) * (1 + rng.gauss(0, loss_noise))
+        st = math.exp(rng.gauss(0, time_noise))
+        st_max = st * (1 + rng.uniform(0, 0.08))
+        mem = 40.0 * (1 + rng.gauss(0, mem_noise))
+        t += st_max
+        rec = StepRecord(step=step, loss=loss, time=t, attempt=1, grad_norm=abs(rng.gauss(0.8, 0.1)), lr=1e-4,
+                         skipped=False, step_time_s=st, step_time_max_s=st_max, slowest_rank=rng.randrange(8),
+                         tokens=32768, tokens_per_s=32768 / st_max, mem_max_allocated_gib=mem,
+                         mem_max_rank=rng.randrange(8), samples=((step - 1) * 16, step * 16))
+        if mutate is not None:
+            mutate(step, rec)
+        out.append(rec)
+    return out
+
+
+def run_detector(det, records: Iterable[Record]) -> list:
+    found = []
+    for r in records:
+        found.extend(det.observe(r, r.time or 0.0))
+    return found
