@@ -1,13 +1,86 @@
-"""`ulysses-train` / `python -m ulyssesd.training` (filled in by the training issue)."""
+"""`ulysses-train` / `python -m ulyssesd.training`: the job's command line (docs/CONTRACTS.md).
+
+Exit codes: 0 completed or stopped by SIGTERM after saving; 2 spec/config invalid; 3 no checkpoint to
+resume from; anything else a crash (the traceback is on stderr for the daemon's log diagnosis).
+"""
 
 from __future__ import annotations
 
+import argparse
+import faulthandler
+import logging
+import os
+import signal
 import sys
+import traceback
+import warnings
+from pathlib import Path
+
+EXIT_OK, EXIT_CRASH, EXIT_SPEC, EXIT_NO_CHECKPOINT = 0, 1, 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ulysses-train", description="Run the ZeRO-3 + Ulysses GPT training job "
+                                "(launch one process per rank with torchrun / deepspeed / srun).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="effective job config JSON (JobSpec.to_json(), written by the daemon)")
+    src.add_argument("--spec", help="run spec TOML (manual use; daemon sections are ignored)")
+    p.add_argument("--run-dir", default=os.environ.get("ULYSSESD_RUN_DIR"),
+                   help="run directory: telemetry.jsonl, control.json, checkpoints/ (default $ULYSSESD_RUN_DIR or .)")
+    p.add_argument("--attempt", type=int, default=int(os.environ.get("ULYSSESD_ATTEMPT", "1")),
+                   help="attempt number (faults fire on attempt 1 by default; recorded in telemetry)")
+    p.add_argument("--config-version", type=int,
+                   default=int(os.environ["ULYSSESD_CONFIG_VERSION"]) if os.environ.get("ULYSSESD_CONFIG_VERSION")
+                   else None, help="config version recorded in telemetry and checkpoints")
+    return p
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
+    # SIGUSR1 -> every thread's stack on stderr (the daemon's hang diagnosis); does not stop the job.
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    except (AttributeError, ValueError, OSError):  # stderr without a file descriptor (embedded use)
+        logging.getLogger("ulyssesd.training").warning("SIGUSR1 stack dumps unavailable: stderr has no fileno")
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("usage: ulysses-train --spec RUN.toml --run-dir DIR\n\nNot implemented yet (issue 3).")
-    return 2
+    args = _parser().parse_args(argv)
+    _setup_logging()
+    # DeepSpeed's ZeRO-3 calls torch's renamed collectives every step; keep the log readable.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    from .spec import SpecError, load_job_spec
+
+    try:
+        spec = load_job_spec(args.config or args.spec)
+    except SpecError as exc:
+        print(f"ulysses-train: {exc}", file=sys.stderr)
+        return EXIT_SPEC
+    if spec.train.device == "cpu" or (spec.train.device == "auto" and not _cuda_available()):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
+    from .train import CheckpointLoadError, Trainer
+
+    run_dir = Path(args.run_dir or ".").resolve()
+    try:
+        return Trainer(spec, run_dir, args.attempt, args.config_version).run()
+    except SpecError as exc:
+        print(f"ulysses-train: {exc}", file=sys.stderr)
+        return EXIT_SPEC
+    except CheckpointLoadError as exc:
+        print(f"ulysses-train: checkpoint load failed: {exc}", file=sys.stderr)
+        return EXIT_NO_CHECKPOINT
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        return EXIT_CRASH
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -13,11 +13,16 @@ parallel.sequence_parallel_size=5`.
 from __future__ import annotations
 
 import json
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
 
 # Sections that belong to the daemon's part of a run spec; the job ignores them.
 DAEMON_SECTIONS = ("run", "launcher", "detectors", "remediation", "daemon")
@@ -68,6 +73,8 @@ class ModelSpec(_Section):
     bias: bool = Field(False, description="Linear layers carry a bias.")
     rope_theta: float = Field(10000.0, gt=0, description="Rotary base frequency.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
+    norm_fp32_copy: bool = Field(True, description="LayerNorm upcasts its input to an fp32 copy; false = the fused "
+                                                   "bf16 kernel (still accumulates in fp32, saves memory and time on GPU).")
 
     def resolved(self) -> ResolvedModel:
         base = dict(PRESETS[self.preset]) if self.preset else {}
@@ -85,7 +92,8 @@ class ModelSpec(_Section):
         if "ffn_hidden_size" not in base or (self.mlp is not None and self.ffn_hidden_size is None):
             h = base["hidden_size"]
             base["ffn_hidden_size"] = 4 * h if base["mlp"] == "gelu" else 256 * ((8 * h // 3 + 255) // 256)
-        return ResolvedModel(bias=self.bias, rope_theta=self.rope_theta, init_std=self.init_std, **base)
+        return ResolvedModel(bias=self.bias, rope_theta=self.rope_theta, init_std=self.init_std,
+                             norm_fp32_copy=self.norm_fp32_copy, **base)
 
 
 class ResolvedModel(BaseModel):
@@ -102,6 +110,7 @@ class ResolvedModel(BaseModel):
     bias: bool
     rope_theta: float
     init_std: float
+    norm_fp32_copy: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -161,6 +170,9 @@ class TrainSpec(_Section):
     gradient_clipping: float = Field(1.0, ge=0, description="Global grad-norm clip (seed ladder: 1.0 -> 0.5); 0 = off.")
     seed: int = Field(1234, description="Seed of weights, data order and dropout.")
     activation_checkpoint_every: int = Field(0, ge=0, description="Recompute every k-th block: 0 none, 1 every layer, 4 seed.")
+    activation_checkpoint_layers: int | None = Field(
+        None, ge=0, description="Selective recompute: checkpoint only the first N blocks (one per chunk) and keep "
+                                "the others' activations; overrides activation_checkpoint_every when set.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda when available unless cpu is forced.")
     compile: bool = Field(False, description="torch.compile each block (GPU only).")
     log_every: int = Field(1, ge=1, description="Write a telemetry step record every N steps.")
@@ -198,6 +210,8 @@ class CheckpointSpec(_Section):
     keep_last: int = Field(3, ge=1, description="Retention keeps the last K valid tags plus known-good anchors.")
     load: str = Field("latest", description="'latest' (newest valid), 'none', or an explicit tag such as step-00000100.")
     verify_checksums: bool = Field(True, description="Check manifest sha256 of every file on load.")
+    save_at_end: bool = Field(True, description="Save when the last step completes (benchmarks turn it off: "
+                                                "a 7B ZeRO-3 checkpoint is ~96 GB of writes).")
 
 
 # ------------------------------------------------------------------------------------ telemetry
@@ -259,6 +273,9 @@ class JobSpec(_Section):
                             f"parallel.sequence_parallel_size={sp} (Ulysses would be silently wrong)")
         if self.train.seq_len > m.max_seq_len:
             problems.append(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        n_ck = self.train.activation_checkpoint_layers
+        if n_ck is not None and n_ck > m.num_layers:
+            problems.append(f"train.activation_checkpoint_layers={n_ck} exceeds model.num_layers={m.num_layers}")
         if self.precision.fp32_layers > m.num_layers:
             problems.append(f"precision.fp32_layers={self.precision.fp32_layers} exceeds "
                             f"model.num_layers={m.num_layers}")

@@ -1,0 +1,76 @@
+"""The GPT model on one process (no DeepSpeed): checkpointing, fp32 blocks, rotary positions, presets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ulyssesd.training.model import GPT, apply_rotary, rotary_cos_sin
+from ulyssesd.training.spec import ModelSpec
+
+
+def _model(**kw) -> GPT:
+    torch.manual_seed(0)
+    cfg = ModelSpec(preset="tiny", **kw.pop("model", {})).resolved()
+    return GPT(cfg, "math", **kw)
+
+
+def _batch(b=2, s=32, vocab=256):
+    g = torch.Generator().manual_seed(1)
+    tok = torch.randint(0, vocab, (b, s + 1), generator=g)
+    pos = torch.arange(s).expand(b, s)
+    return tok[:, :-1], pos, tok[:, 1:]
+
+
+def test_activation_checkpointing_gives_identical_loss_and_grads():
+    ref, ck = _model(), _model(checkpoint_every=2)
+    x, pos, y = _batch()
+    l1, l2 = ref(x, pos, y), ck(x, pos, y)
+    l1.backward()
+    l2.backward()
+    assert torch.equal(l1, l2)
+    for (n, p1), (_, p2) in zip(ref.named_parameters(), ck.named_parameters(), strict=True):
+        assert torch.allclose(p1.grad, p2.grad, atol=1e-7), n
+
+
+def test_tied_head_shares_the_embedding_and_untied_has_a_head():
+    assert _model().head is None
+    untied = _model(model={"tie_embeddings": False})
+    assert untied.head is not None and untied.head.weight.shape == (256, 64)
+
+
+def test_swiglu_and_bias_variants_run():
+    m = _model(model={"mlp": "swiglu", "bias": True})
+    x, pos, y = _batch()
+    assert torch.isfinite(m(x, pos, y))
+
+
+def test_fp32_layers_compute_in_fp32_in_a_bf16_model():
+    x, pos, y = _batch()
+    m = _model(fp32_layers=2).to(torch.bfloat16)
+    seen = []
+    m.blocks[0].attn.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    with torch.no_grad():
+        assert torch.isfinite(m(x, pos, y))
+    # One attention module serves all blocks: first two calls fp32, the rest bf16.
+    assert seen == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
+    assert [b.fp32 for b in m.blocks] == [True, True, False, False]
+    m.set_fp32_layers(0)
+    assert not any(b.fp32 for b in m.blocks)
+
+
+def test_rotary_uses_global_positions():
+    # A shard's rotary must equal the slice of the full sequence's rotary: positions are global.
+    q = torch.randn(1, 16, 2, 8)
+    cos, sin = rotary_cos_sin(torch.arange(16)[None], 8, 10000.0)
+    full = apply_rotary(q, cos, sin)
+    cos2, sin2 = rotary_cos_sin(torch.arange(8, 16)[None], 8, 10000.0)
+    assert torch.allclose(apply_rotary(q[:, 8:], cos2, sin2), full[:, 8:])
+    cos_local, sin_local = rotary_cos_sin(torch.arange(8)[None], 8, 10000.0)
+    assert not torch.allclose(apply_rotary(q[:, 8:], cos_local, sin_local), full[:, 8:])
+
+
+@pytest.mark.parametrize("preset, billions", [("gpt-7b", 6.86), ("gpt-176b", 174.6)])
+def test_presets_parameter_counts(preset, billions):
+    cfg = ModelSpec(preset=preset).resolved()
+    assert cfg.num_params() / 1e9 == pytest.approx(billions, rel=0.01)

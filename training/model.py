@@ -1,0 +1,175 @@
+"""Pre-LayerNorm GPT decoder with rotary positions, written to run under ZeRO-3 and Ulysses.
+
+- Every rank holds a sequence shard `[b, s/sp]`; rotary angles come from the GLOBAL position ids the
+  data slicer supplies, so the math is identical to SP=1.
+- LayerNorm, rotary angles, softmax and the loss are computed in fp32 whatever the parameter dtype.
+- `fp32_layers=N`: the first N blocks upcast their input and weights and compute in fp32 (a remediation
+  for unstable loss, seed 000 §6.3), then cast back.
+- Activation checkpointing recomputes chunks of `checkpoint_every` blocks (Megatron semantics: only the
+  chunk input is kept); torch's non-reentrant checkpoint cooperates with ZeRO-3's parameter hooks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .attention import UlyssesAttention
+from .spec import ResolvedModel
+
+
+class _Linear(nn.Linear):
+    """nn.Linear with GPT's normal(0, std) init (runs inside __init__, i.e. before zero.Init partitions)."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, std: float):
+        self._std = std
+        super().__init__(n_in, n_out, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, 0.0, self._std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    # Weights follow the activation dtype: a no-op normally, an upcast inside fp32 blocks.
+    w = layer.weight if layer.weight.dtype == x.dtype else layer.weight.to(x.dtype)
+    b = layer.bias
+    if b is not None and b.dtype != x.dtype:
+        b = b.to(x.dtype)
+    return F.linear(x, w, b)
+
+
+class LayerNorm32(nn.LayerNorm):
+    """LayerNorm computed in fp32, output in the input's dtype.
+
+    `fp32_copy=False` (GPU lever `model.norm_fp32_copy=false`): call the fused kernel on the half-precision
+    input directly; CUDA's layer_norm accumulates mean/variance in fp32 internally, so only the saved
+    input (half instead of an fp32 copy) and two cast kernels go away."""
+
+    fp32_copy = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp32_copy and x.is_cuda and x.dtype == self.weight.dtype:
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(),
+                            None if self.bias is None else self.bias.float(), self.eps).to(x.dtype)
+
+
+class TokenEmbedding(nn.Module):
+    """Input embedding; also the output head when tied (called through forward so ZeRO-3 gathers it)."""
+
+    def __init__(self, vocab: int, hidden: int, std: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden))
+        nn.init.normal_(self.weight, 0.0, std)
+
+    def forward(self, x: torch.Tensor, as_head: bool = False) -> torch.Tensor:
+        if as_head:
+            return F.linear(x, self.weight.to(x.dtype))
+        return F.embedding(x, self.weight)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[b, s, 1, head_dim/2]` in fp32 for absolute (global) positions."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
+                                              dtype=torch.float32) / head_dim))
+    angles = position_ids.to(torch.float32)[..., None] * inv_freq  # [b, s, d/2]
+    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of `[b, s, h, d]` in fp32 (GPT-NeoX layout)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ResolvedModel, attn: UlyssesAttention, fp32: bool, layer_index: int):
+        super().__init__()
+        h, f, std = cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std
+        # GPT-2 style scaled init of the residual projections keeps deep stacks stable.
+        out_std = std / math.sqrt(2 * cfg.num_layers)
+        self.n_heads, self.head_dim, self.theta = cfg.num_attention_heads, cfg.head_dim, cfg.rope_theta
+        self.fp32 = fp32
+        self.layer_index = layer_index
+        self.ln1 = LayerNorm32(h, bias=cfg.bias)
+        self.qkv = _Linear(h, 3 * h, cfg.bias, std)
+        self.proj = _Linear(h, h, cfg.bias, out_std)
+        self.ln2 = LayerNorm32(h, bias=cfg.bias)
+        self.swiglu = cfg.mlp == "swiglu"
+        self.fc_in = _Linear(h, (2 if self.swiglu else 1) * f, cfg.bias, std)
+        self.fc_out = _Linear(f, h, cfg.bias, out_std)
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        if self.fp32:
+            x = x.float()
+        b, s, _ = x.shape
+        q, k, v = _linear(self.ln1(x), self.qkv).view(b, s, 3, self.n_heads, self.head_dim).unbind(2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        a = self.attn(q.contiguous(), k.contiguous(), v.contiguous()).reshape(b, s, -1)
+        x = x + _linear(a, self.proj)
+        u = _linear(self.ln2(x), self.fc_in)
+        if self.swiglu:
+            gate, up = u.chunk(2, dim=-1)
+            u = F.silu(gate) * up
+        else:
+            u = F.gelu(u, approximate="tanh")
+        x = x + _linear(u, self.fc_out)
+        return x.to(in_dtype)
+
+
+class GPT(nn.Module):
+    """Decoder-only LM; `forward(input_ids, position_ids, labels)` returns the mean token loss (fp32)."""
+
+    def __init__(self, cfg: ResolvedModel, attention_backend: str = "sdpa", sp_group=None, sp_size: int = 1,
+                 fp32_layers: int = 0, checkpoint_every: int = 0, checkpoint_layers: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.checkpoint_every = checkpoint_every
+        # Selective recompute: the first N blocks are checkpointed one by one, the rest keep activations.
+        self.checkpoint_layers = checkpoint_layers
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std)
+        # One attention wrapper shared by all blocks: it has no parameters.
+        attn = UlyssesAttention(attention_backend, sp_group, sp_size)
+        self.blocks = nn.ModuleList(Block(cfg, attn, i < fp32_layers, i) for i in range(cfg.num_layers))
+        self.ln_f = LayerNorm32(cfg.hidden_size, bias=cfg.bias)
+        self.head = None if cfg.tie_embeddings else _Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_std)
+        for mod in self.modules():
+            if isinstance(mod, LayerNorm32):
+                mod.fp32_copy = cfg.norm_fp32_copy
+
+    def set_fp32_layers(self, n: int) -> None:
+        for blk in self.blocks:
+            blk.fp32 = blk.layer_index < n
+
+    def _run_chunk(self, start: int, end: int, x, cos, sin):
+        for blk in self.blocks[start:end]:
+            x = blk(x, cos, sin)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        cos, sin = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        n, k = len(self.blocks), self.checkpoint_every
+        if self.checkpoint_layers is not None and self.training and torch.is_grad_enabled():
+            for i in range(n):
+                if i < self.checkpoint_layers:
+                    x = checkpoint(self._run_chunk, i, i + 1, x, cos, sin, use_reentrant=False)
+                else:
+                    x = self.blocks[i](x, cos, sin)
+        elif k > 0 and self.training and torch.is_grad_enabled():
+            for start in range(0, n, k):
+                x = checkpoint(self._run_chunk, start, min(n, start + k), x, cos, sin, use_reentrant=False)
+        else:
+            x = self._run_chunk(0, n, x, cos, sin)
+        x = self.ln_f(x)
+        logits = self.embed(x, as_head=True) if self.head is None else _linear(x, self.head)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))

@@ -1,0 +1,439 @@
+"""The training job: ZeRO-3 + Ulysses GPT, checkpoints, telemetry, live control, signals, faults.
+
+One `Trainer` per rank. Everything that several ranks must agree on (control updates, the resume tag,
+whether to stop) is decided on rank 0 or gathered in one collective, then acted on by all ranks at the
+same point of the loop, so no rank ever waits in a collective the others skipped.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import math
+import os
+import random
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import checkpoint as ckpt
+from .control import ControlPoller, engine_clip, set_engine_clip
+from .data import DataCursor, SampleSource, batch_indices, slice_for_sp
+from .ds_config import build_ds_config
+from .faults import FaultInjector
+from .model import GPT
+from .spec import JobSpec, SpecError
+from .telemetry import TelemetryWriter, gather_step_stats, memory_gib
+
+log = logging.getLogger("ulyssesd.training")
+
+# Test/debug hook: directory where rank 0 writes the full fp32 gradients of step 1 (grads-step1.pt).
+DUMP_GRADS_ENV = "ULYSSESD_DEBUG_DUMP_GRADS"
+
+
+class CheckpointLoadError(RuntimeError):
+    """No usable checkpoint to resume from (exit code 3)."""
+
+
+def lr_at(step: int, spec: JobSpec) -> float:
+    """Scheduled LR of 1-based `step`: linear warm-up, then cosine decay to min_lr at train.steps."""
+    tr = spec.train
+    if tr.warmup_steps and step <= tr.warmup_steps:
+        return tr.lr * step / tr.warmup_steps
+    span = max(1, tr.steps - tr.warmup_steps)
+    progress = min(1.0, (step - tr.warmup_steps) / span)
+    return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def pick_device(spec: JobSpec) -> torch.device:
+    want = spec.train.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device='cuda' but torch sees no CUDA device")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    # No decay on norms, biases and embeddings (standard GPT practice).
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.dim() < 2 or name.startswith("embed.") else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+class Trainer:
+    def __init__(self, spec: JobSpec, run_dir: Path, attempt: int, config_version: int | None):
+        self.spec, self.run_dir, self.attempt, self.config_version = spec, run_dir, attempt, config_version
+        self.stop_signal = False
+        self.last_loss: float | None = None
+        self.step = 0
+
+    # ---------------------------------------------------------------------------- setup
+    def _init_distributed(self) -> None:
+        if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(_free_port())  # no launcher: a fixed port would collide
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(key, value)  # plain `python -m ulyssesd.training` = one rank
+        import deepspeed
+        import deepspeed.ops
+
+        # Otherwise the CPU accelerator JIT-compiles deepspeed_shm_comm (~60 s), used only by inference.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        sp = self.spec.parallel.sequence_parallel_size
+        if self.world % sp:
+            raise SpecError("launcher", [f"world size {self.world} is not divisible by "
+                                         f"parallel.sequence_parallel_size={sp}"])
+        if self.spec.parallel.world_size is not None and self.spec.parallel.world_size != self.world:
+            raise SpecError("launcher", [f"parallel.world_size={self.spec.parallel.world_size} but the launcher "
+                                         f"started {self.world} ranks"])
+        self.sp, self.dp = sp, self.world // sp
+        # parallel_state_sp puts consecutive ranks in one SP group.
+        self.sp_rank, self.dp_rank = self.rank % sp, self.rank // sp
+        self.mpu, self.sp_group = None, None
+        if sp > 1:
+            from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+            parallel_state_sp.initialize_sequence_parallel(sp)
+            self.mpu = parallel_state_sp
+            self.sp_group = parallel_state_sp.get_sequence_parallel_group()
+
+    def _build(self) -> None:
+        import deepspeed
+
+        from .attention import resolve_backend
+
+        spec = self.spec
+        self.ds_config, warnings = build_ds_config(spec, self.world, self.run_dir)
+        if self.rank == 0:
+            for w in warnings:
+                log.warning("ds_config: %s", w)
+        try:
+            backend = resolve_backend(spec.attention.backend, self.device)
+        except ValueError as exc:
+            raise SpecError("attention.backend", [str(exc)]) from None
+        if spec.precision.dtype == "fp16" and self.device.type == "cpu":
+            from deepspeed.accelerator import get_accelerator
+
+            if not get_accelerator().is_fp16_supported():
+                raise SpecError("precision.dtype", ["precision.dtype='fp16' is not supported by this CPU "
+                                                    "(DeepSpeed's CPU accelerator needs mkldnn fp16); use bf16 or fp32"])
+        # Same seed on every rank: identical initial weights whatever the partitioning.
+        random.seed(spec.train.seed)
+        np.random.seed(spec.train.seed % (1 << 32))
+        torch.manual_seed(spec.train.seed)
+        with deepspeed.zero.Init(config_dict_or_path=self.ds_config, mpu=self.mpu):
+            model = GPT(spec.resolved_model(), backend, self.sp_group, self.sp,
+                        fp32_layers=spec.precision.fp32_layers,
+                        checkpoint_every=spec.train.activation_checkpoint_every,
+                        checkpoint_layers=spec.train.activation_checkpoint_layers)
+        self.engine, _, _, _ = deepspeed.initialize(model=model,
+                                                    model_parameters=_param_groups(model, spec.train.weight_decay),
+                                                    config=self.ds_config, mpu=self.mpu)
+        if spec.train.compile and self.device.type == "cuda":
+            self.engine.compile()
+        m = spec.resolved_model()
+        self.source = SampleSource(spec.data, spec.train.seq_len, m.vocab_size, spec.train.seed)
+        self.cursor = DataCursor(0, list(spec.data.skip_ranges))
+
+    # --------------------------------------------------------------------------- telemetry
+    def _event(self, name: str, **fields: Any) -> None:
+        self.tele.event(name, self.step, **fields)
+
+    def _fault_event(self, kind: str, step: int | None, **fields: Any) -> None:
+        self.tele.event("fault_injected", step, fault=kind, **fields)
+
+    # ------------------------------------------------------------------------- checkpoints
+    @property
+    def ckpt_dir(self) -> Path:
+        d = self.spec.checkpoint.dir
+        return Path(d) if d else self.run_dir / "checkpoints"
+
+    def _choose_tag(self) -> tuple[str | None, str | None]:
+        """Rank 0: (tag to load or None, fatal error or None). Quarantines invalid tags it skips."""
+        cs = self.spec.checkpoint
+        root = self.ckpt_dir
+        if cs.load == "none" or not root.is_dir():
+            return None, None
+
+        def invalid(tag: str, reason: str) -> None:
+            moved = ckpt.quarantine(root / tag)
+            log.warning("checkpoint %s is invalid (%s); quarantined as %s", tag, reason, moved.name)
+            self._event("checkpoint_invalid", tag=tag, reason=reason, quarantined_as=moved.name)
+
+        if cs.load == "latest":
+            had_tags = bool(ckpt.list_tags(root))
+            tag = ckpt.latest_valid_tag(root, cs.verify_checksums, on_invalid=invalid)
+            if tag is None and had_tags:
+                return None, f"no valid checkpoint left in {root} (all tags failed validation)"
+        else:
+            tag = cs.load
+            ok, reason = ckpt.validate_tag(root / tag, cs.verify_checksums)
+            if not ok:
+                if (root / tag).is_dir():
+                    invalid(tag, reason)
+                return None, f"checkpoint.load={tag!r} is not loadable: {reason}"
+        if tag is not None:
+            # Upstream #8499: ZeRO-3 may load what `latest` names rather than the tag asked for.
+            ckpt.point_latest_to(root, tag)
+        return tag, None
+
+    def _agree_on_tag(self) -> str | None:
+        """Collective, before the model is built: a run that cannot resume fails fast (exit 3)."""
+        box: list[Any] = [self._choose_tag() if self.rank == 0 else None]
+        self.dist.broadcast_object_list(box, src=0)
+        tag, error = box[0]
+        if error:
+            raise CheckpointLoadError(error)
+        return tag
+
+    def _resume(self, tag: str | None) -> tuple[str | None, float]:
+        t0 = time.time()
+        if tag is None:
+            return None, 0.0
+        try:
+            path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag, load_optimizer_states=True,
+                                                       load_lr_scheduler_states=False)
+        except Exception as exc:  # a shard the manifest vouched for still failed to load
+            if self.rank == 0 and (self.ckpt_dir / tag).is_dir():
+                ckpt.quarantine(self.ckpt_dir / tag)
+                self._event("checkpoint_invalid", tag=tag, reason=f"load failed: {exc}")
+            raise CheckpointLoadError(f"loading checkpoint {tag} failed: {exc}") from exc
+        if path is None or client is None:
+            raise CheckpointLoadError(f"DeepSpeed found no checkpoint {tag} in {self.ckpt_dir}")
+        self.step = int(client["ulyssesd_step"])
+        self.cursor.load_state_dict(client["data_cursor"])
+        for start, end in self.spec.data.skip_ranges:  # ranges added by a later config version
+            self.cursor.add_skip(start, end)
+        rng = client.get("rng", {}).get(self.rank)
+        if rng is not None:
+            _set_rng_state(rng)
+        self.last_loss = client.get("loss")
+        self._reapply_config_after_load()
+        return tag, time.time() - t0
+
+    def _reapply_config_after_load(self) -> None:
+        # FACTS.md: the checkpoint wins for lr (we set it every step anyway) and the whole fp16 loss
+        # scaler; the current config must win for everything the operator or the daemon changed.
+        set_engine_clip(self.engine, self.spec.train.gradient_clipping)
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        ls = self.spec.precision.loss_scale
+        if self.spec.precision.dtype == "fp16" and scaler is not None and hasattr(scaler, "min_scale"):
+            scaler.min_scale = ls.min_loss_scale
+            scaler.scale_window = ls.loss_scale_window
+            scaler.delayed_shift = ls.hysteresis
+            scaler.cur_hysteresis = min(getattr(scaler, "cur_hysteresis", ls.hysteresis), ls.hysteresis)
+        self._set_lr(self.step + 1)
+
+    def _save(self) -> None:
+        tag = ckpt.tag_for_step(self.step)
+        tag_dir = self.ckpt_dir / tag
+        self._event("checkpoint_saving", tag=tag)
+        t0 = time.time()
+        if self.rank == 0:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            if tag_dir.exists():
+                # A tag from a timeline that was rolled back (or a partial save): keep it as evidence.
+                moved = ckpt.quarantine(tag_dir)
+                log.warning("checkpoint %s already existed; moved aside to %s", tag, moved.name)
+        self.dist.barrier()
+        self.faults.before_save(self.step, tag_dir)
+        client = {"ulyssesd_step": self.step, "data_cursor": self.cursor.state_dict(),
+                  "config_version": self.config_version, "loss": self.last_loss,
+                  "rng": {self.rank: _rng_state()}, "attempt": self.attempt}
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
+        self.dist.barrier()  # every rank's shards are on disk before the manifest vouches for them
+        nbytes = 0
+        if self.rank == 0:
+            manifest = ckpt.write_manifest(tag_dir, self.step, self.last_loss, self.cursor.next_sample,
+                                           self.config_version)
+            nbytes = sum(f["size"] for f in manifest["files"].values())
+        self.dist.barrier()
+        self.faults.after_save(self.step, tag_dir)
+        self._event("checkpoint_saved", tag=tag, seconds=round(time.time() - t0, 3), bytes=nbytes)
+        # Under the daemon, retention is the daemon's (it keeps the known-good anchors a rollback needs);
+        # a job run by hand keeps the last K valid tags itself.
+        if self.rank == 0 and not os.environ.get("ULYSSESD_RUN_DIR"):
+            removed = ckpt.prune(self.ckpt_dir, self.spec.checkpoint.keep_last)
+            if removed:
+                log.info("retention removed %s", ", ".join(removed))
+        self.dist.barrier()
+
+    # ------------------------------------------------------------------------------- control
+    def _set_lr(self, step: int) -> float:
+        lr = lr_at(step, self.spec) * self.control.state.lr_scale
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _poll_control(self) -> None:
+        update = self.control.poll()
+        if update is None:
+            return
+        st = self.control.state
+        if "gradient_clipping" in update:
+            set_engine_clip(self.engine, st.gradient_clipping)
+        if update.get("dump_stacks"):
+            faulthandler.dump_traceback(all_threads=True)
+        self._event("control_applied", control_version=st.version, lr_scale=st.lr_scale,
+                    gradient_clipping=engine_clip(self.engine), suspect=st.suspect)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        # Only set a flag: the step in flight finishes, then all ranks agree through the step gather.
+        self.stop_signal = True
+
+    # ----------------------------------------------------------------------------------- run
+    def run(self) -> int:
+        self.device = pick_device(self.spec)
+        self._init_distributed()
+        tele_path = self.spec.telemetry.path or self.run_dir / "telemetry.jsonl"
+        self.tele = TelemetryWriter(tele_path, self.attempt, self.config_version, enabled=self.rank == 0)
+        try:
+            return self._run()
+        except BaseException as exc:
+            self._event("exiting", reason="error", error=f"{type(exc).__name__}: {exc}"[:500])
+            raise
+        finally:
+            self.tele.close()
+
+    def _run(self) -> int:
+        spec = self.spec
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.faults = FaultInjector(spec.faults, self.rank, int(os.environ.get("LOCAL_RANK", "0")),
+                                    self.attempt, spec.train.seed, self.device, self._fault_event)
+        self.faults.at_start()
+        tag = self._agree_on_tag()
+        self._build()
+        self.control = ControlPoller(self.run_dir / "control.json", self.rank, self.world)
+        resumed_from, load_s = self._resume(tag)
+        if resumed_from:
+            self._event("checkpoint_loaded", tag=resumed_from, seconds=round(load_s, 3))
+        self._event("started", world_size=self.world, sp=self.sp, dp=self.dp, config_version=self.config_version,
+                    resumed_from=resumed_from, start_step=self.step, samples_seen=self.cursor.next_sample,
+                    device=str(self.device), dtype=spec.precision.dtype)
+        tr = spec.train
+        tokens_per_step = tr.micro_batch_size * tr.gradient_accumulation_steps * self.dp * tr.seq_len
+        saved_at = self.step if resumed_from else -1
+        while self.step < tr.steps:
+            self._poll_control()
+            step = self.step + 1
+            stop = self._train_step(step, tokens_per_step)
+            self.step = step
+            if step % spec.checkpoint.interval_steps == 0 or (step == tr.steps and spec.checkpoint.save_at_end):
+                self._save()
+                saved_at = step
+            if stop:
+                if self.control.state.suspect:
+                    log.warning("SIGTERM with control suspect=true: exiting WITHOUT saving")
+                elif saved_at != step:
+                    self._save()
+                self._event("exiting", reason="sigterm", saved=not self.control.state.suspect)
+                return 0
+        if saved_at != self.step and spec.checkpoint.save_at_end:
+            self._save()
+        self._event("exiting", reason="completed")
+        return 0
+
+    def _train_step(self, step: int, tokens_per_step: int) -> bool:
+        tr, eng = self.spec.train, self.engine
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.faults.before_step(step)
+        t0 = time.perf_counter()
+        per_micro, samples = batch_indices(self.cursor, self.dp_rank, self.dp, tr.micro_batch_size,
+                                           tr.gradient_accumulation_steps)
+        lr = self._set_lr(step)
+        factor = self.faults.loss_factor(step)
+        losses = []
+        for indices in per_micro:
+            tokens = self.source.batch(indices).to(self.device, non_blocking=True)
+            inputs, labels, positions = slice_for_sp(tokens, self.sp_rank, self.sp)
+            loss = eng(inputs, positions, labels)
+            if factor != 1.0:
+                loss = loss * factor
+            eng.backward(loss)
+            losses.append(loss.detach().float())
+        if step == 1 and os.environ.get(DUMP_GRADS_ENV):
+            self._dump_grads(Path(os.environ[DUMP_GRADS_ENV]))
+        eng.step()
+        local_loss = float(torch.stack(losses).mean())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        step_time = time.perf_counter() - t0
+        alloc, max_alloc, reserved = memory_gib(self.device, self.faults.extra_mem_gib)
+        stats = gather_step_stats(local_loss, step_time, max_alloc, self.stop_signal, self.device)
+        self.last_loss = stats.loss
+        if step % tr.log_every == 0 or stats.stop_requested or step == tr.steps:
+            self._record_step(step, stats, lr, step_time, tokens_per_step, samples, alloc, max_alloc, reserved)
+        return stats.stop_requested
+
+    def _record_step(self, step, stats, lr, step_time, tokens, samples, alloc, max_alloc, reserved) -> None:
+        eng = self.engine
+        grad_norm = eng.get_global_grad_norm()
+        fp16 = self.spec.precision.dtype == "fp16"
+        rec: dict[str, Any] = dict(
+            grad_norm=None if grad_norm is None else float(grad_norm), lr=lr,
+            loss_scale=float(eng.optimizer.loss_scale) if fp16 else None,
+            skipped=(not eng.was_step_applied()) if fp16 else False,
+            step_time_s=round(step_time, 6), tokens=tokens,
+            tokens_per_s=round(tokens / max(stats.step_time_max_s, 1e-9), 3),
+            mem_allocated_gib=round(alloc, 4), mem_reserved_gib=round(reserved, 4),
+            clip=engine_clip(eng), samples=list(samples))
+        if self.spec.telemetry.gather_per_rank:
+            rec.update(step_time_max_s=round(stats.step_time_max_s, 6), slowest_rank=stats.slowest_rank,
+                       mem_max_allocated_gib=round(stats.mem_max_allocated_gib, 4), mem_max_rank=stats.mem_max_rank)
+        else:
+            rec.update(mem_max_allocated_gib=round(max_alloc, 4))
+        self.tele.step(step, stats.loss, **rec)
+        if self.rank == 0:
+            log.info("step %d loss %.6f lr %.3e grad_norm %s %.3fs", step, stats.loss, lr, rec["grad_norm"],
+                     stats.step_time_max_s)
+
+    def _dump_grads(self, out_dir: Path) -> None:
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = {}
+        for name, p in self.engine.module.named_parameters():
+            g = safe_get_full_grad(p)  # collective under ZeRO-3: every rank calls it
+            grads[name] = None if g is None else g.detach().float().cpu().clone()
+        if self.rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(grads, out_dir / "grads-step1.pt")
