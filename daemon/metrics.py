@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Gauge, Info, start_http_server
+
 from ulyssesd.daemon.logging import get_logger
 
 

@@ -9,6 +9,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
 from ulyssesd.daemon.alerts import AlertConfig, AlertSender, redact
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from ulyssesd.daemon.control_socket import (
     ControlPermissionError,
     ControlServer,

@@ -7,6 +7,7 @@ import socket
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
+
 from ulyssesd.daemon.metrics import Metrics
 
 

@@ -7,6 +7,7 @@ import socket
 import uuid
 
 from structlog.testing import capture_logs
+
 from ulyssesd.daemon.sdnotify import SdNotifier
 
 
