@@ -34,6 +34,8 @@ log = logging.getLogger("ulyssesd.training")
 
 # Test/debug hook: directory where rank 0 writes the full fp32 gradients of step 1 (grads-step1.pt).
 DUMP_GRADS_ENV = "ULYSSESD_DEBUG_DUMP_GRADS"
+# Performance debug hook: profile this step (torch.profiler); each rank writes {run_dir}/profile-rank{R}.txt.
+PROFILE_STEP_ENV = "ULYSSESD_PROFILE_STEP"
 
 
 class CheckpointLoadError(RuntimeError):
@@ -84,7 +86,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     # No decay on norms, biases and embeddings (standard GPT practice).
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -310,6 +313,8 @@ class Trainer:
             return
         st = self.control.state
         if "gradient_clipping" in update:
+            # parse_control drops null fields, so a present key always carries a number.
+            assert st.gradient_clipping is not None
             set_engine_clip(self.engine, st.gradient_clipping)
         if update.get("dump_stacks"):
             faulthandler.dump_traceback(all_threads=True)
@@ -373,6 +378,24 @@ class Trainer:
         return 0
 
     def _train_step(self, step: int, tokens_per_step: int) -> bool:
+        if os.environ.get(PROFILE_STEP_ENV) == str(step):
+            return self._profiled_step(step, tokens_per_step)
+        return self._train_step_inner(step, tokens_per_step)
+
+    def _profiled_step(self, step: int, tokens_per_step: int) -> bool:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            stop = self._train_step_inner(step, tokens_per_step)
+        ka = prof.key_averages()
+        sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        text = (ka.table(sort_by=sort, row_limit=45, max_name_column_width=70)
+                + "\n\n" + ka.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
+        (self.run_dir / f"profile-rank{self.rank}.txt").write_text(text)
+        return stop
+
+    def _train_step_inner(self, step: int, tokens_per_step: int) -> bool:
         tr, eng = self.spec.train, self.engine
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -383,7 +406,7 @@ class Trainer:
         lr = self._set_lr(step)
         factor = self.faults.loss_factor(step)
         losses = []
-        for indices in per_micro:
+        for micro, indices in enumerate(per_micro):
             tokens = self.source.batch(indices).to(self.device, non_blocking=True)
             inputs, labels, positions = slice_for_sp(tokens, self.sp_rank, self.sp)
             loss = eng(inputs, positions, labels)
@@ -391,6 +414,10 @@ class Trainer:
                 loss = loss * factor
             eng.backward(loss)
             losses.append(loss.detach().float())
+            # DeepSpeed counts micro-steps inside step(): it must be called after every backward and only
+            # applies the optimizer at the accumulation boundary (the final call below).
+            if micro < len(per_micro) - 1:
+                eng.step()
         if step == 1 and os.environ.get(DUMP_GRADS_ENV):
             self._dump_grads(Path(os.environ[DUMP_GRADS_ENV]))
         eng.step()
