@@ -33,7 +33,7 @@ def read_records(path: Path, bad: list[BadLine]) -> Iterator[Record]:
     """Stream records from a telemetry file; each unparsable line is appended to `bad` and skipped."""
     with path.open("rb") as fh:  # bytes: no decode step (orjson takes bytes; bad UTF-8 is reported per line)
         for no, line in enumerate(fh, 1):
-            if not line.strip():
+            if line.isspace():  # blank lines are no records (an empty `line` never comes from the loop)
                 continue
             try:
                 yield parse_line(line)

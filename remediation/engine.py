@@ -139,6 +139,8 @@ class RemediationEngine:
         self.detectors = build_detectors(self.config, min_loss_scale=min_scale
                                          if vals.get("precision.dtype") == "fp16" else None)
         self._by_symptom = {d.symptom: d for d in self.detectors}
+        # Bound once: observe() calls each of them for every step record.
+        self._step_observers = tuple(d.observe for d in self.detectors)
         self.hang = HangDetector(self.config, start_time)
         self.ladders: dict[str, _LadderState] = {}
         self.pending: dict[str, _Pending] = {}
@@ -174,12 +176,16 @@ class RemediationEngine:
                 det.observe(record, now)
             return out
         self.last_step = record.step
-        self._track_samples(record)
-        findings: list[Finding] = []
-        for det in self.detectors:
-            f = det.observe(record, now)
+        if record.samples is not None:  # recent sample ranges, for rollback-and-skip
+            self._samples.append((record.step, record.samples))
+        findings: list[Finding] | None = None
+        for observe in self._step_observers:
+            f = observe(record, now)
             if f:
-                findings.extend(f)
+                if findings is None:
+                    findings = list(f)
+                else:
+                    findings.extend(f)
         weight_anomaly = False
         if findings:  # rare: the quiet path stays cheap for replaying millions of records
             weight_anomaly = any(f.symptom in WEIGHT_SYMPTOMS for f in findings)
@@ -190,7 +196,9 @@ class RemediationEngine:
                     continue
                 out.append(f)
                 out.extend(self._on_finding(f, record.step, now))
-        self._step_bookkeeping(record, now, weight_anomaly, out)
+        # Bookkeeping has nothing to do without a finding, a checkpoint candidate, a ladder or a pending symptom.
+        if weight_anomaly or self.candidates or self.ladders or self.pending:
+            self._step_bookkeeping(record, now, weight_anomaly, out)
         return out
 
     def on_finding(self, finding: Finding, now: float) -> list[Decision]:
@@ -199,7 +207,11 @@ class RemediationEngine:
 
     def tick(self, now: float) -> list[Finding | Decision]:
         """Clock-driven checks (hang)."""
-        f = self.hang.check(now)
+        h = self.hang
+        # HangDetector.check's own first test, inlined: replay ticks before every record and this is the answer.
+        if h._last_progress is None or h._fired or now - h._last_progress <= h.cfg.hang_timeout_floor_s:
+            return []
+        f = h.check(now)
         if f is None:
             return []
         return [f, *self._decide("hang", f.symptom, f, f.step, now, f"{f.message}")]
@@ -257,10 +269,6 @@ class RemediationEngine:
         return self.known_good[-1] if self.known_good else None
 
     # ------------------------------------------------------------------------------- bookkeeping
-    def _track_samples(self, rec: StepRecord) -> None:
-        if rec.samples is not None:
-            self._samples.append((rec.step, rec.samples))
-
     def _step_bookkeeping(self, rec: StepRecord, now: float, weight_anomaly: bool,
                           out: list[Finding | Decision]) -> None:
         if weight_anomaly:

@@ -35,6 +35,7 @@ def replay(records: Iterable[Record], detectors_cfg: DetectorsConfig | None = No
     synth_next = 0.0
     last_now = 0.0
     attempt: int | None = None
+    tick, observe = eng.tick, eng.observe
     for rec in records:
         if rec.time is not None and rec.time == rec.time:
             now = rec.time
@@ -54,7 +55,11 @@ def replay(records: Iterable[Record], detectors_cfg: DetectorsConfig | None = No
         if rec.attempt is not None:
             attempt = rec.attempt
         if not new_attempt:
-            for item in eng.tick(now):
+            out = tick(now)
+            if out:  # rare: most ticks and records produce nothing
+                for item in out:
+                    yield ReplayItem(item.step, now, item)
+        out = observe(rec, now)
+        if out:
+            for item in out:
                 yield ReplayItem(item.step, now, item)
-        for item in eng.observe(rec, now):
-            yield ReplayItem(item.step, now, item)

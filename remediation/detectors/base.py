@@ -42,7 +42,7 @@ class RollingMedian:
     is full: a baseline over ~100 steps does not need to move on every step, and replay of millions of
     records must stay fast."""
 
-    __slots__ = ("size", "refresh", "min_count", "_fifo", "_sorted", "_stale", "med")
+    __slots__ = ("size", "refresh", "min_count", "_fifo", "_sorted", "_stale", "_trigger", "med")
 
     def __init__(self, size: int, refresh: int | None = None, min_count: int = 10):
         self.size = size
@@ -51,13 +51,14 @@ class RollingMedian:
         self._fifo: deque[float] = deque(maxlen=size)
         self._sorted: list[float] = []
         self._stale = 0
+        # Additions that trigger the next rebuild: 1 while the window is filling, `refresh` once it is full.
+        self._trigger = 1 if 1 < size else self.refresh
         self.med: float | None = None
 
     def add(self, x: float) -> None:
-        fifo = self._fifo
-        fifo.append(x)
+        self._fifo.append(x)
         self._stale += 1
-        if self._stale >= self.refresh or len(fifo) < self.size:
+        if self._stale >= self._trigger:
             self._sync()
 
     def __len__(self) -> int:
@@ -69,6 +70,8 @@ class RollingMedian:
         mid = n // 2
         self.med = (s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])) if n >= self.min_count else None
         self._stale = 0
+        # The next addition rebuilds if the window will still not be full after it (as `add` did before).
+        self._trigger = 1 if n + 1 < self.size else self.refresh
 
     def median(self) -> float:
         return math.nan if self.med is None else self.med
@@ -87,6 +90,7 @@ class RollingMedian:
         self._fifo.clear()
         self._sorted = []
         self._stale = 0
+        self._trigger = 1 if 1 < self.size else self.refresh
         self.med = None
 
 

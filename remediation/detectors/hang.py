@@ -52,9 +52,10 @@ class HangDetector:
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if isinstance(rec, StepRecord):
-            if rec.step_time_s is not None and rec.step_time_s == rec.step_time_s and rec.step_time_s > 0:
-                t = rec.step_time_max_s if rec.step_time_max_s and rec.step_time_max_s == rec.step_time_max_s else rec.step_time_s
-                self._times.append(t)
+            st = rec.step_time_s
+            if st is not None and st > 0:  # NaN is not > 0
+                mx = rec.step_time_max_s
+                self._times.append(mx if mx and mx == mx else st)
             self._last_step = rec.step
             self._phase = "training"
         elif rec.event in ("checkpoint_saving", "checkpoint_loading"):

@@ -37,32 +37,40 @@ class LossOscillationDetector:
         self._base: float | None = None
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
-        if not isinstance(rec, StepRecord) or not math.isfinite(rec.loss):
+        if not isinstance(rec, StepRecord):
             return []
-        loss, prev = rec.loss, self._prev
+        loss = rec.loss
+        if loss - loss != 0.0:  # nan or ±inf (math.isfinite without the call)
+            return []
+        prev = self._prev
         self._prev = loss
         if prev is None:
             return []
         d = loss - prev
         sign = (d > 0) - (d < 0)
-        if self._signs and len(self._signs) == self._signs.maxlen:
-            # Keep the count of direction reversals inside the window up to date in O(1).
-            first, second = self._signs[0], self._signs[1]
-            if first and second and first != second:
-                self._flips -= 1
-        if self._signs and sign and self._signs[-1] and sign != self._signs[-1]:
-            self._flips += 1
-        self._signs.append(sign)
-        self._deltas.append(abs(d))
+        signs = self._signs
+        if signs:
+            if len(signs) == signs.maxlen:
+                # Keep the count of direction reversals inside the window up to date in O(1).
+                first, second = signs[0], signs[1]
+                if first and second and first != second:
+                    self._flips -= 1
+            last = signs[-1]
+            if sign and last and sign != last:
+                self._flips += 1
+        signs.append(sign)
+        deltas = self._deltas
+        deltas.append(abs(d))
         self._seen += 1
         n = self.cfg.loss_osc_window
-        if len(self._deltas) < n:
+        if len(deltas) < n:
             return []
         flip_frac = self._flips / (n - 1)
         self._since_sample += 1
         sample = self._since_sample >= n
-        ready = self._seen > self.cfg.warmup_steps + n and len(self._baseline) >= 3
-        flipping = ready and flip_frac >= self.cfg.loss_osc_min_direction_changes
+        # Same value as `ready and flip_frac >= min`, the cheap test first.
+        flipping = (flip_frac >= self.cfg.loss_osc_min_direction_changes
+                    and self._seen > self.cfg.warmup_steps + n and len(self._baseline) >= 3)
         if not (flipping or sample):  # the O(n) swing is only needed when it can matter
             if self._ep.active:
                 self._ep.normal()

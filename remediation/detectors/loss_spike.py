@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import repeat
+from operator import sub
 
 from ulyssesd.remediation.config import DetectorsConfig
 from ulyssesd.remediation.detectors.base import Episode, Finding, fmt
@@ -31,6 +33,7 @@ class LossSpikeDetector:
         self._win.clear()
         self._ep.reset()
         self._seen = 0
+        self._ready = False
         self._median = math.nan
         self._sigma = math.nan
         self._threshold = math.inf
@@ -39,11 +42,15 @@ class LossSpikeDetector:
         self._every = max(1, self.cfg.window // 4)
         self._age = self._every
 
+    def _check_ready(self) -> bool:
+        self._ready = self._seen > self.cfg.warmup_steps and len(self._win) >= self._min
+        return self._ready
+
     def _refresh(self) -> None:
         vals = sorted(self._win)
         n = len(vals)
         med = vals[n // 2] if n % 2 else 0.5 * (vals[n // 2 - 1] + vals[n // 2])
-        dev = sorted([abs(x - med) for x in vals])
+        dev = sorted(map(abs, map(sub, vals, repeat(med, n))))  # |x - med| without a Python-level loop
         mad = dev[len(dev) // 2]
         # A perfectly flat window would make any wiggle a spike: floor sigma at 0.1 % of the level.
         sigma = max(_MAD_TO_SIGMA * mad, 1e-3 * abs(med), 1e-12)
@@ -52,11 +59,14 @@ class LossSpikeDetector:
         self._age = 0
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
-        if not isinstance(rec, StepRecord) or not math.isfinite(rec.loss):
+        if not isinstance(rec, StepRecord):
             return []
         loss = rec.loss
+        if loss - loss != 0.0:  # nan or ±inf (math.isfinite without the call)
+            return []
         self._seen += 1
-        ready = self._seen > self.cfg.warmup_steps and len(self._win) >= self._min
+        # Once ready, ready until reset (seen and the window only grow): skip the test then.
+        ready = self._ready or self._check_ready()
         if ready:
             self._age += 1
             if self._age >= self._every or loss > self._threshold:

@@ -37,8 +37,14 @@ class OverflowStormDetector:
         flags = self._flags
         if len(flags) == flags.maxlen and flags[0]:
             self._skips -= 1
-        flags.append(rec.skipped)
-        self._skips += rec.skipped
+        skipped = rec.skipped
+        flags.append(skipped)
+        if skipped:
+            self._skips += 1
+        elif not self._skips:  # no skip in the window: rate 0 is never above overflow_max_rate (> 0)
+            if self._ep.active:
+                self._ep.normal()
+            return []
         n = len(flags)
         rate = self._skips / n
         if n < flags.maxlen or rate <= self.cfg.overflow_max_rate:

@@ -39,20 +39,23 @@ class SlowStepDetector:
             if rec.event.startswith("checkpoint_") or rec.event == "control_applied":
                 self._skip_next = True
             return []
-        t = step_time(rec)
+        t = rec.step_time_max_s  # step_time(), inlined: this runs for every step record
         if t is None:
+            t = rec.step_time_s
+        if t is None or not t > 0:  # NaN is not > 0
             return []
         if self._skip_next:
             self._skip_next = False
             return []
-        self._seen += 1
+        seen = self._seen = self._seen + 1
         cfg = self.cfg
-        med = self._win.med
-        if med is None or self._seen <= cfg.warmup_steps or t <= cfg.slow_step_ratio * med:
+        win = self._win
+        med = win.med
+        if med is None or seen <= cfg.warmup_steps or t <= cfg.slow_step_ratio * med:
             self._run = 0
             if self._ep.active:
                 self._ep.normal()
-            self._win.add(t)
+            win.add(t)
             return []
         self._run += 1
         if self._run < cfg.slow_step_min_consecutive or not self._ep.anomalous(rec.step):

@@ -46,20 +46,25 @@ class ThroughputDropDetector:
             if rec.event.startswith("checkpoint_"):
                 self._skip_next = True
             return []
-        v = tokens_per_s(rec)
+        v = rec.tokens_per_s
         if v is None:
+            v = tokens_per_s(rec)
+            if v is None:
+                return []
+        elif not v > 0:  # tokens_per_s(): NaN and non-positive rates are no measurement
             return []
         if self._skip_next:
             self._skip_next = False
             return []
-        self._seen += 1
+        seen = self._seen = self._seen + 1
         cfg = self.cfg
-        base = self.baseline()
-        if base is None or self._seen <= cfg.warmup_steps or v >= (1 - cfg.throughput_drop_frac) * base:
+        win = self._win
+        base = win.med  # = self.baseline()
+        if base is None or seen <= cfg.warmup_steps or v >= (1 - cfg.throughput_drop_frac) * base:
             self._run = 0
             if self._ep.active:
                 self._ep.normal()
-            self._win.add(v)
+            win.add(v)
             return []
         self._run += 1
         if self._run < cfg.throughput_persist_steps or not self._ep.anomalous(rec.step):
