@@ -265,6 +265,9 @@ LADDERS: dict[str, tuple[Action, ...]] = {
     "host_memory": (
         Action("halve_micro_batch", "restart_latest", _halve_micro_batch),
         Action("optimizer_offload_off", "restart_latest", _offload_off),
+        # Nothing left to shrink: the pressure may have been transient (another tenant, a page-cache
+        # spike), so restart within the crash budget before giving up.
+        Action("restart", "restart_latest", _restart, repeat="max_crash_restarts"),
         STOP,
     ),
     # DESIGN.md: loss oscillation / spike (and fp16 overflow storms).
