@@ -29,9 +29,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
+# mypy needs the installed layout (ulyssesd.daemon, ...) on disk, but setuptools maps package-dir, so lint
+# builds a symlink tree .cache/mypy-src/ulyssesd -> the source folders (idempotent: ln -sfn).
+MYPY_SRC := .cache/mypy-src
 lint: $(STAMP)
 	$(VENV)/bin/ruff check daemon remediation training migrations ulyssesd_pkg tests bench
-	$(VENV)/bin/mypy -p ulyssesd
+	mkdir -p $(MYPY_SRC)/ulyssesd
+	for d in daemon remediation training migrations; do ln -sfn ../../../$$d $(MYPY_SRC)/ulyssesd/$$d; done
+	ln -sfn ../../../ulyssesd_pkg/__init__.py $(MYPY_SRC)/ulyssesd/__init__.py
+	MYPYPATH=$(MYPY_SRC) $(VENV)/bin/mypy -p ulyssesd
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

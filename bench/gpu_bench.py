@@ -16,13 +16,15 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 H200_BF16_DENSE_TFLOPS = 989.0
 
@@ -70,14 +72,25 @@ def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int,
              timeout_s: float) -> dict[str, Any]:
     spec = json.loads(json.dumps(base))
     name = "case"
+    env = dict(os.environ)
     for item in overrides:
         key, _, raw = item.partition("=")
         if key == "name":
             name = raw
             continue
+        if key == "steps":  # per-case step count
+            steps = int(raw)
+            continue
+        if key == "timeout":  # per-case wall-clock limit, seconds
+            timeout_s = float(raw)
+            continue
+        if key.startswith("env."):  # process environment, e.g. env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+            env[key[4:]] = raw
+            continue
         set_dotted(spec, key, parse_value(raw))
     set_dotted(spec, "train.steps", steps)
     set_dotted(spec, "checkpoint.interval_steps", 10**9)
+    spec.setdefault("checkpoint", {}).setdefault("save_at_end", False)  # no 96 GB write per case
     run_dir = workdir / name
     run_dir.mkdir(parents=True, exist_ok=True)
     spec_path = run_dir / "spec.toml"
@@ -87,8 +100,11 @@ def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int,
     t0 = time.time()
     with open(run_dir / "log.txt", "w") as log:
         try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: the whole session of this case
+            proc.wait()
             rc = "timeout"
     wall = time.time() - t0
     steps_rec = []
@@ -103,14 +119,19 @@ def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int,
                 steps_rec.append(r)
     result: dict[str, Any] = {"name": name, "overrides": overrides, "rc": rc, "wall_s": round(wall, 1),
                               "steps_done": len(steps_rec)}
+    result.update(_prediction(spec, nproc))
+    started = [r for r in _records(tel) if r.get("event") == "started"]
+    if started and steps_rec:
+        result["first_step_after_start_s"] = round(steps_rec[0]["time"] - started[0]["time"], 1)
     if rc != 0 or len(steps_rec) < 3:
         result["log_tail"] = (run_dir / "log.txt").read_text()[-3000:]
-    if len(steps_rec) >= 3:
+    if len(steps_rec) >= 2:
         from ulyssesd.training.spec import JobSpec
 
         job = JobSpec.model_validate({k: v for k, v in spec.items()
                                       if k not in ("run", "launcher", "detectors", "remediation", "daemon")})
         m = job.resolved_model().model_dump()
+        # Step 1 pays lazy optimizer-state allocation and cuDNN/NCCL warm-up.
         warm = steps_rec[2:] if len(steps_rec) > 4 else steps_rec[1:]
         step_s = statistics.median(r.get("step_time_max_s") or r["step_time_s"] for r in warm)
         tokens = warm[-1]["tokens"]
@@ -127,6 +148,32 @@ def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int,
     return result
 
 
+def _records(tel: Path) -> list[dict[str, Any]]:
+    out = []
+    if tel.exists():
+        for line in tel.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _prediction(spec: dict[str, Any], nproc: int) -> dict[str, Any]:
+    """The planner's predicted peak for this exact case (issue 8: compare with the measured peak)."""
+    try:
+        from ulyssesd.training.ds_config import build_ds_config
+        from ulyssesd.training.planner import Cluster, predict_peak_gib
+        from ulyssesd.training.spec import job_spec_from_dict
+
+        job = job_spec_from_dict(spec)
+        ds, _ = build_ds_config(job, nproc)
+        cluster = Cluster.preset("h200-141g", gpus_per_node=nproc, nodes=1, host_mem_gib=128.0 * nproc / 2)
+        return {"predicted_peak_gib": round(predict_peak_gib(job, cluster, ds), 2)}
+    except Exception as exc:  # the benchmark must not die on a planner problem
+        return {"prediction_error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="configs/gpt-7b-2xh200.toml")
@@ -136,11 +183,23 @@ def main() -> int:
     ap.add_argument("--workdir", default=os.environ.get("BENCH_WORKDIR", "/tmp/ulysses-bench"))
     ap.add_argument("--timeout-s", type=float, default=240)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="epoch seconds; a case is not started unless its timeout ends before this")
     args = ap.parse_args()
     with open(args.base, "rb") as fh:
         base = tomllib.load(fh)
     for case in args.case:
-        res = run_case(base, shlex.split(case), args.nproc, args.steps, Path(args.workdir), args.timeout_s)
+        items = shlex.split(case)
+        case_timeout = next((float(i.split("=", 1)[1]) for i in items if i.startswith("timeout=")), args.timeout_s)
+        if args.deadline is not None and time.time() + min(case_timeout, 90) > args.deadline:
+            res = {"name": next((i[5:] for i in items if i.startswith("name=")), "case"), "skipped": "deadline"}
+            print(json.dumps(res), flush=True)
+            continue
+        if args.deadline is not None:
+            # Never run past the device call's own limit: cut the case short instead.
+            items = [i for i in items if not i.startswith("timeout=")]
+            items.append(f"timeout={max(30.0, min(case_timeout, args.deadline - time.time()))}")
+        res = run_case(base, items, args.nproc, args.steps, Path(args.workdir), args.timeout_s)
         line = json.dumps(res)
         print(line, flush=True)
         if args.out:

@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -28,13 +29,15 @@ from tenacity import (
     stop_after_attempt,
     wait_random_exponential,
 )
+from tenacity.stop import stop_base
 
+from ulyssesd.daemon.logging import get_logger
+
+_stop_delay: Callable[[float], stop_base]  # either class below: same constructor
 try:  # tenacity >= 8.3: also counts the upcoming wait, so an alert never sleeps past its bound
     from tenacity import stop_before_delay as _stop_delay
 except ImportError:  # pragma: no cover
     from tenacity import stop_after_delay as _stop_delay
-
-from ulyssesd.daemon.logging import get_logger
 
 
 @dataclass(frozen=True)

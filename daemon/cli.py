@@ -1,13 +1,184 @@
-"""`ulyssesd`: the supervisor daemon's entry point (filled in by the supervisor issue)."""
+"""`ulyssesd`: the supervisor daemon's entry point.
+
+    ulyssesd run --spec RUN.toml [--state-dir DIR] [--run-id ID] [--no-preflight]
+    ulyssesd demo [--work-dir DIR] [--keep]
+
+Exit codes of `run`: 0 the run COMPLETED or was STOPPED, or the daemon detached on SIGTERM (the job keeps
+running and the next daemon re-adopts it); 2 invalid spec / bad arguments; 10 the run ended FAILED (the
+systemd unit lists 10 in RestartPreventExitStatus, so a failed run is not restarted into a new one);
+11 preflight refused the run; 12 another daemon already serves this state dir.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
+import signal
 import sys
+import time
+from pathlib import Path
+
+from ulyssesd.daemon.job_config import write_json_atomic
+from ulyssesd.daemon.logging import configure_logging, get_logger
+
+DAEMON_INFO = "ulyssesd.daemon.json"
+
+EXIT_OK, EXIT_SPEC, EXIT_FAILED, EXIT_PREFLIGHT, EXIT_BUSY = 0, 2, 10, 11, 12
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ulyssesd", description="Supervisor for long DeepSpeed ZeRO-3 + Ulysses runs.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="supervise one run (create it, or re-adopt the unfinished one)")
+    r.add_argument("--spec", required=True, help="run spec TOML")
+    r.add_argument("--state-dir", help="state directory (overrides [daemon].state_dir)")
+    r.add_argument("--run-id", help="run id (re-adopts it if unfinished)")
+    r.add_argument("--no-preflight", action="store_true", help="skip the memory planner's preflight check")
+    r.add_argument("--log-level", default=None)
+    d = sub.add_parser("demo", help="tiny 2-rank CPU run with scripted faults, live")
+    d.add_argument("--work-dir", help="where to put the demo's state dir (default: a new temp dir)")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("usage: ulyssesd [run --spec RUN.toml | demo]\n\nThe supervisor is not implemented yet (issue 6).")
-    return 2
+    args = _parser().parse_args(argv)
+    if args.cmd == "demo":
+        from ulyssesd.daemon.demo import run_demo
+
+        return run_demo(work_dir=args.work_dir)
+    configure_logging(level=args.log_level)
+    return run_daemon(args.spec, state_dir=args.state_dir, run_id=args.run_id, preflight=not args.no_preflight)
+
+
+def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | None = None, preflight: bool = True,
+               say=None, os_=None) -> int:
+    from ulyssesd.daemon.spec import load_run_spec
+    from ulyssesd.training.spec import SpecError
+
+    log = get_logger("ulyssesd")
+    try:
+        spec = load_run_spec(spec_path)
+    except SpecError as exc:
+        print(f"ulyssesd: {exc}", file=sys.stderr)
+        return EXIT_SPEC
+    except OSError as exc:
+        print(f"ulyssesd: cannot read run spec {spec_path}: {exc}", file=sys.stderr)
+        return EXIT_SPEC
+    if state_dir:
+        spec.daemon.state_dir = state_dir
+    problem = _checkpoint_dir_problem(spec)
+    if problem:
+        print(f"ulyssesd: {problem}; nothing was started or changed", file=sys.stderr)
+        return EXIT_SPEC
+    state = Path(spec.daemon.state_dir)
+    state.mkdir(parents=True, exist_ok=True)
+    if preflight and spec.daemon.preflight:
+        verdict = _preflight(spec)
+        if verdict is not None:
+            print(f"ulyssesd: preflight refused the run: {verdict}\n(use --no-preflight to override)", file=sys.stderr)
+            return EXIT_PREFLIGHT
+
+    from ulyssesd.daemon.control_socket import ControlServer, ControlSocketError
+    from ulyssesd.daemon.metrics import Metrics
+    from ulyssesd.daemon.process import RealOS
+    from ulyssesd.daemon.scheduler import LoopScheduler
+    from ulyssesd.daemon.sdnotify import SdNotifier
+    from ulyssesd.daemon.store import open_store
+    from ulyssesd.daemon.supervisor import Supervisor
+
+    store = open_store(spec.daemon.resolved_db_path())
+    notifier = SdNotifier()
+    metrics = Metrics(spec.daemon.prometheus_port)
+    metrics.start()
+    alerts = None
+    if spec.daemon.webhook_url:
+        from ulyssesd.daemon.alerts import AlertConfig, AlertSender
+
+        alerts = AlertSender(AlertConfig(url=spec.daemon.webhook_url))
+    sup = Supervisor(spec, store, os_ or RealOS(), run_id=run_id, notifier=notifier, scheduler=LoopScheduler(),
+                     say=say or (lambda m: log.info("event", msg=m)), metrics=metrics, alerts=alerts)
+    try:
+        group = spec.daemon.socket_group if spec.daemon.socket_group is not None else "ulyssesd"
+        server = ControlServer(spec.daemon.resolved_socket_path(), sup.handle_command, group=group)
+    except ControlSocketError as exc:
+        print(f"ulyssesd: {exc}", file=sys.stderr)
+        return EXIT_BUSY
+    # Signal handlers only enqueue (and wake the poll); the loop does the work.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: sup.enqueue("signal", signum))
+    try:
+        signal.set_wakeup_fd(server.wakeup_fileno, warn_on_full_buffer=False)
+    except (ValueError, AttributeError):
+        pass
+    info = state / DAEMON_INFO
+    try:
+        try:
+            sup.start()
+        except RuntimeError as exc:  # e.g. --run-id of a run that already ended
+            print(f"ulyssesd: {exc}", file=sys.stderr)
+            return EXIT_SPEC
+        # Tells ulyssesctl where this daemon listens (the spec may put the socket anywhere).
+        write_json_atomic(info, {"pid": os.getpid(), "socket": str(spec.daemon.resolved_socket_path()),
+                                 "run_id": sup.run_id, "db": str(spec.daemon.resolved_db_path()),
+                                 "started": time.time()})
+        final = sup.run_forever(poll=server.poll)
+    finally:
+        try:
+            signal.set_wakeup_fd(-1)  # before the pipe closes: a later signal must not hit a reused fd
+        except ValueError:
+            pass
+        server.close()
+        info.unlink(missing_ok=True)
+        metrics.close()
+        if alerts is not None:
+            alerts.close()
+        notifier.stopping("ulyssesd exiting")
+        store.close()
+    log.info("daemon exiting", run_id=sup.run_id, state=final.value, detached=sup.detach)
+    if sup.detach:
+        return EXIT_OK
+    return EXIT_FAILED if final.value == "FAILED" else EXIT_OK
+
+
+def _checkpoint_dir_problem(spec) -> str | None:
+    """A configured checkpoint dir that exists but cannot be used is refused before anything starts."""
+    d = spec.job.checkpoint.dir
+    if not d:
+        return None
+    p = Path(d)
+    if not p.exists():
+        return None
+    if not p.is_dir():
+        return f"checkpoint.dir {p} exists but is not a directory"
+    if not os.access(p, os.R_OK | os.W_OK | os.X_OK):
+        return f"checkpoint.dir {p} is not readable and writable by uid {os.geteuid()}"
+    try:
+        next(iter(os.scandir(p)), None)
+    except OSError as exc:
+        return f"checkpoint.dir {p} cannot be listed: {exc}"
+    return None
+
+
+def _preflight(spec) -> str | None:
+    """None if the planner says the run fits (or no planner is installed), else its reason."""
+    try:
+        from ulyssesd.daemon.ctl_plan import preflight
+    except ImportError:
+        try:
+            from ulyssesd.training.planner import preflight  # type: ignore[attr-defined,no-redef]
+        except ImportError:
+            return None
+    try:
+        ok, plan = preflight(spec)
+    except Exception as exc:  # noqa: BLE001 - a planner bug must not block a run; say so
+        get_logger("ulyssesd").warning("preflight errored; continuing", error=repr(exc))
+        return None
+    if ok:
+        return None
+    problems = getattr(plan, "problems", None)
+    if problems:
+        return "; ".join(str(p) for p in problems)
+    return plan.render() if hasattr(plan, "render") else str(plan)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,507 @@
-"""`ulyssesctl`: the operator CLI (filled in by the supervisor and remediation issues)."""
+"""`ulyssesctl`: the operator CLI.
+
+Read-only commands (status, incidents, incident, config, db current) read the SQLite store directly, so
+they work while the daemon is down (Monday morning after a FAILED run). Mutating commands (pause, resume,
+stop, restart) go through the daemon's control socket; `ack` does too, and falls back to the database
+when no daemon runs. Every command takes --json.
+
+Exit codes: 0 ok · 1 the run FAILED (status/incident report on a failed run) · 2 usage error ·
+3 daemon not running (mutating commands) · 4 not found (no database, run, incident, config version) ·
+5 refused by the daemon (e.g. resume a run that is not paused) · 6 permission denied on the socket.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE, EXIT_NO_DAEMON, EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_PERM = 0, 1, 2, 3, 4, 5, 6
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Operate ulyssesd: status, incidents, pause/resume/stop/restart, configs.")
+db_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Database schema (Alembic).")
+app.add_typer(db_app, name="db")
+# Piped output (logs, CI) gets a wide fixed width instead of rich's 80-column fallback.
+console = Console() if sys.stdout.isatty() else Console(width=160)
+err = Console(stderr=True)
+
+
+class Ctx:
+    state_dir: Path
+    db: Path | None = None
+    socket: Path | None = None
+    run: str | None = None
+
+
+CTX = Ctx()
+
+
+@app.callback()
+def _global(
+    state_dir: str = typer.Option(None, "--state-dir", envvar="ULYSSESD_STATE_DIR",
+                                  help="daemon state directory (default: XDG state home)"),
+    db: str = typer.Option(None, "--db", help="SQLite file (default {state-dir}/ulyssesd.db)"),
+    socket: str = typer.Option(None, "--socket", envvar="ULYSSESD_SOCKET", help="control socket path"),
+    run: str = typer.Option(None, "--run", help="run id (default: the newest run)"),
+) -> None:
+    from ulyssesd.daemon.spec import default_state_dir
+
+    CTX.state_dir = Path(state_dir or default_state_dir())
+    CTX.db = Path(db) if db else None
+    CTX.socket = Path(socket) if socket else None
+    CTX.run = run
+
+
+# ------------------------------------------------------------------------------------------ plumbing
+def _daemon_info() -> dict[str, Any]:
+    try:
+        return json.loads((CTX.state_dir / "ulyssesd.daemon.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _db_path() -> Path:
+    if CTX.db:
+        return CTX.db
+    info = _daemon_info()
+    return Path(info["db"]) if info.get("db") else CTX.state_dir / "ulyssesd.db"
+
+
+def _socket_path() -> Path:
+    from ulyssesd.daemon.control_socket import resolve_socket_path
+
+    if CTX.socket:
+        return CTX.socket
+    info = _daemon_info()
+    if info.get("socket"):
+        return Path(info["socket"])
+    return resolve_socket_path(CTX.state_dir)
+
+
+def _out(data: Any, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=1, default=str) + "\n")
+
+
+def _die(msg: str, code: int, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps({"ok": False, "error": msg, "exit_code": code}) + "\n")
+    else:
+        err.print(f"[red]error:[/red] {msg}")
+    raise typer.Exit(code)
+
+
+def _store(as_json: bool):
+    from ulyssesd.daemon.store import open_store
+    from ulyssesd.daemon.store.errors import NoDatabaseError, StoreError
+
+    try:
+        return open_store(_db_path(), readonly=True)
+    except NoDatabaseError as exc:
+        _die(str(exc), EXIT_NOT_FOUND, as_json)
+    except StoreError as exc:
+        _die(str(exc), EXIT_NOT_FOUND, as_json)
+
+
+def _run(store, as_json: bool):
+    from ulyssesd.daemon.store.errors import NotFoundError
+
+    if CTX.run:
+        try:
+            return store.get_run(CTX.run)
+        except NotFoundError:
+            _die(f"no run {CTX.run!r} in {_db_path()}", EXIT_NOT_FOUND, as_json)
+    run = store.latest_run()
+    if run is None:
+        _die(f"no runs in {_db_path()} yet", EXIT_NOT_FOUND, as_json)
+    return run
+
+
+def _request(cmd: str, args: dict | None, as_json: bool) -> dict:
+    from ulyssesd.daemon.control_socket import (
+        ControlError,
+        ControlPermissionError,
+        DaemonNotRunning,
+        send_request,
+    )
+
+    try:
+        resp = send_request(_socket_path(), {"cmd": cmd, "args": args or {}}, timeout_s=10.0)
+    except DaemonNotRunning as exc:
+        _die(f"{exc} (this command needs a running daemon)", EXIT_NO_DAEMON, as_json)
+    except ControlPermissionError as exc:
+        _die(str(exc), EXIT_PERM, as_json)
+    except ControlError as exc:
+        _die(str(exc), EXIT_NO_DAEMON, as_json)
+    if not resp.get("ok"):
+        code = EXIT_PERM if resp.get("code") == "permission_denied" else EXIT_REFUSED
+        _die(f"daemon refused {cmd}: {resp.get('error')}", code, as_json)
+    return resp
+
+
+def _last_step_from_telemetry(run_dir: str | None) -> dict[str, Any] | None:
+    """The newest step record in telemetry.jsonl (read from its end; works with the daemon down)."""
+    if not run_dir:
+        return None
+    path = Path(run_dir) / "telemetry.jsonl"
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 256 * 1024))
+            lines = fh.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(d, dict) and d.get("kind") == "step":
+            return d
+    return None
+
+
+def _fmt_time(t: datetime | None) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def _parse_since(since: str | None) -> datetime | None:
+    if not since:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if since[-1] in units and since[:-1].replace(".", "", 1).isdigit():
+        return datetime.now(timezone.utc) - timedelta(seconds=float(since[:-1]) * units[since[-1]])
+    try:
+        dt = datetime.fromisoformat(since)
+    except ValueError:
+        raise typer.BadParameter(f"--since {since!r}: use e.g. 30m, 12h, 2d or an ISO time") from None
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
+# ------------------------------------------------------------------------------------------- status
+def status_data(store, run) -> dict[str, Any]:
+    from ulyssesd.daemon.store import flat_diff
+
+    attempts = store.list_attempts(run.id)
+    cursor = store.get_telemetry_cursor(run.id)
+    latest = store.latest_checkpoint(run.id)
+    good = store.latest_checkpoint(run.id, known_good=True)
+    versions = store.list_config_versions(run.id)
+    cur_v = next((v for v in versions if v.version == run.config_version), versions[-1] if versions else None)
+    diff = flat_diff(versions[0].config, cur_v.config) if versions and cur_v else {}
+    step = _last_step_from_telemetry(run.run_dir) or {}
+    open_inc = store.list_incidents(run.id, status="open") + store.list_incidents(run.id, status="remediating")
+    info = _daemon_info()
+    live = None
+    if info.get("run_id") == run.id:
+        try:
+            from ulyssesd.daemon.control_socket import send_request
+
+            live = send_request(_socket_path(), {"cmd": "status"}, timeout_s=2.0).get("status")
+        except Exception:  # noqa: BLE001 - status must work without the daemon
+            live = None
+    return {
+        "run_id": run.id, "state": run.state.value, "state_reason": run.state_reason,
+        "daemon": "running" if live else "not running",
+        "attempt": attempts[-1].number if attempts else None,
+        "restarts": max(0, len(attempts) - 1),
+        "step": step.get("step", cursor.last_step if cursor else None),
+        "loss": step.get("loss"), "tokens_per_s": step.get("tokens_per_s"), "mfu": step.get("mfu"),
+        "mem_max_allocated_gib": step.get("mem_max_allocated_gib"),
+        "latest_checkpoint": latest.tag if latest else None,
+        "known_good_checkpoint": good.tag if good else None,
+        "config_version": run.config_version, "config_diff_from_v1": diff,
+        "open_incidents": len(open_inc), "run_dir": run.run_dir,
+        "created_at": run.created_at.isoformat(), "ended_at": run.ended_at.isoformat() if run.ended_at else None,
+    }
+
+
+def _render_status(d: dict[str, Any]) -> Table:
+    t = Table(title=f"run {d['run_id']}", show_header=False)
+    t.add_column("key", style="bold")
+    t.add_column("value")
+    color = {"COMPLETED": "green", "FAILED": "red", "RUNNING": "green", "PAUSED": "yellow"}.get(d["state"], "cyan")
+    t.add_row("state", f"[{color}]{d['state']}[/{color}] ({d['state_reason']})")
+    t.add_row("daemon", d["daemon"])
+    t.add_row("attempt / restarts", f"{d['attempt']} / {d['restarts']}")
+    loss = d["loss"]
+    t.add_row("step / loss", f"{d['step']} / {loss if not isinstance(loss, float) else f'{loss:.4f}'}")
+    tps = d["tokens_per_s"]
+    t.add_row("tokens/s", f"{tps:,.0f}" if isinstance(tps, int | float) else "-")
+    t.add_row("MFU", f"{d['mfu']:.1%}" if isinstance(d.get("mfu"), int | float) else "unknown")
+    mem = d["mem_max_allocated_gib"]
+    t.add_row("max memory (GiB)", f"{mem:.2f}" if isinstance(mem, int | float) else "-")
+    t.add_row("checkpoint (latest / known good)", f"{d['latest_checkpoint']} / {d['known_good_checkpoint']}")
+    diff = d["config_diff_from_v1"]
+    t.add_row("config", f"v{d['config_version']}" + ("" if not diff else "; vs v1: " + ", ".join(
+        f"{k}: {b!r} -> {a!r}" for k, (b, a) in diff.items())))
+    t.add_row("open incidents", str(d["open_incidents"]))
+    t.add_row("run dir", str(d["run_dir"]))
+    return t
+
+
+@app.command()
+def status(json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
+           watch: bool = typer.Option(False, "--watch", help="refresh live until Ctrl-C"),
+           interval: float = typer.Option(2.0, "--interval", help="--watch refresh period (s)")) -> None:
+    """State, step, loss, tokens/s, MFU, memory, checkpoints, restarts, config version and its diff from v1."""
+    store = _store(json_out)
+    if watch and not json_out:
+        from rich.live import Live
+
+        with Live(console=console, refresh_per_second=4) as live:
+            try:
+                while True:
+                    live.update(_render_status(status_data(store, _run(store, json_out))))
+                    time.sleep(interval)
+            except KeyboardInterrupt:
+                pass
+        return
+    d = status_data(store, _run(store, json_out))
+    if json_out:
+        _out(d, True)
+    else:
+        console.print(_render_status(d))
+    raise typer.Exit(EXIT_RUN_FAILED if d["state"] == "FAILED" else EXIT_OK)
+
+
+# ---------------------------------------------------------------------------------------- incidents
+@app.command()
+def incidents(json_out: bool = typer.Option(False, "--json"),
+              kind: str = typer.Option(None, "--kind", help="symptom, e.g. hang, nan_loss, crash"),
+              status_: str = typer.Option(None, "--status", help="open|remediating|resolved|escalated|failed"),
+              since: str = typer.Option(None, "--since", help="30m, 12h, 2d or an ISO time"),
+              all_runs: bool = typer.Option(False, "--all-runs", help="every run, not only the newest")) -> None:
+    """List incidents (filter by kind, status, since)."""
+    store = _store(json_out)
+    run_id = None if all_runs else _run(store, json_out).id
+    try:
+        rows = store.list_incidents(run_id, symptom=kind, status=status_, since=_parse_since(since))
+    except ValueError as exc:
+        _die(str(exc), EXIT_USAGE, json_out)
+    if json_out:
+        _out([r.to_dict() for r in rows], True)
+        return
+    console.print(incidents_table(rows, store))
+
+
+def incidents_table(rows, store=None) -> Table:
+    t = Table(title="incidents")
+    for col, kw in (("id", {"no_wrap": True}), ("UTC", {"no_wrap": True}), ("att", {}), ("step", {}),
+                    ("symptom", {"no_wrap": True}), ("status", {"no_wrap": True}), ("action", {"no_wrap": True}),
+                    ("config", {"no_wrap": True}), ("summary", {"overflow": "fold", "ratio": 1})):
+        t.add_column(col, **kw)
+    for r in rows:
+        acts = store.list_actions(incident_id=r.id) if store is not None else []
+        act = ", ".join(f"{a.kind.value}" + (f" ({a.mode.value})" if a.mode.value not in ("none",) else "")
+                        for a in acts) or "-"
+        cfg = ", ".join(f"v{a.from_config_version}->v{a.to_config_version}" for a in acts
+                        if a.to_config_version and a.to_config_version != a.from_config_version) or "-"
+        color = {"resolved": "green", "failed": "red", "escalated": "yellow"}.get(r.status.value, "cyan")
+        t.add_row(str(r.id), r.detected_at.strftime("%H:%M:%S"), str(r.attempt), str(r.step), r.symptom.value,
+                  f"[{color}]{r.status.value}[/{color}]", act, cfg, (r.summary or "")[:90])
+    return t
+
+
+@app.command()
+def incident(incident_id: int = typer.Argument(..., help="incident id"),
+             json_out: bool = typer.Option(False, "--json")) -> None:
+    """One incident: evidence, actions with their config diffs, outcome."""
+    from ulyssesd.daemon.store.errors import NotFoundError
+
+    store = _store(json_out)
+    try:
+        inc = store.get_incident(incident_id)
+    except NotFoundError:
+        _die(f"no incident {incident_id}", EXIT_NOT_FOUND, json_out)
+    if json_out:
+        _out(inc.to_dict(), True)
+        return
+    console.print(f"[bold]incident {inc.id}[/bold]  {inc.symptom.value} ({inc.severity.value})  run {inc.run_id}  "
+                  f"attempt {inc.attempt}  step {inc.step}")
+    console.print(f"detected {_fmt_time(inc.detected_at)}  status [bold]{inc.status.value}[/bold]"
+                  f"{' — ' + inc.status_reason if inc.status_reason else ''}")
+    if inc.acknowledged_by:
+        console.print(f"acknowledged by {inc.acknowledged_by} at {_fmt_time(inc.acknowledged_at)}")
+    console.print(f"summary: {inc.summary}")
+    ev = dict(inc.evidence or {})
+    long_keys = [k for k in ("stacks", "log_tail") if k in ev]
+    console.print_json(json.dumps({k: v for k, v in ev.items() if k not in long_keys}, default=str))
+    for k in long_keys:
+        console.rule(k)
+        console.print(str(ev[k])[-4000:], markup=False, highlight=False)
+    t = Table(title="actions")
+    for col in ("id", "kind", "mode", "config", "diff", "outcome", "parameters"):
+        t.add_column(col, overflow="fold")
+    for a in inc.actions:
+        diff = ", ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in (a.config_diff or {}).items()) or "-"
+        cfg = f"v{a.from_config_version}->v{a.to_config_version}" if a.to_config_version != a.from_config_version else (
+            f"v{a.from_config_version}" if a.from_config_version else "-")
+        t.add_row(str(a.id), a.kind.value + (" (observe-only)" if a.observe_only else ""), a.mode.value, cfg, diff,
+                  a.outcome.value, json.dumps(a.parameters, default=str)[:200])
+    console.print(t)
+
+
+# ----------------------------------------------------------------------------------------- mutating
+def _simple(cmd: str, json_out: bool, args: dict | None = None) -> None:
+    resp = _request(cmd, args, json_out)
+    if json_out:
+        _out(resp, True)
+    else:
+        console.print(f"{cmd}: ok" + (f" (run is now {resp['state']})" if resp.get("state") else ""))
+
+
+@app.command()
+def pause(json_out: bool = typer.Option(False, "--json")) -> None:
+    """Ask the job to save and exit; the run waits in PAUSED until `resume`."""
+    _simple("pause", json_out)
+
+
+@app.command()
+def resume(json_out: bool = typer.Option(False, "--json")) -> None:
+    """Relaunch a PAUSED run from its latest valid checkpoint."""
+    _simple("resume", json_out)
+
+
+@app.command()
+def stop(json_out: bool = typer.Option(False, "--json")) -> None:
+    """Stop the run for good (the job saves and exits; the run ends STOPPED)."""
+    _simple("stop", json_out)
+
+
+@app.command()
+def restart(json_out: bool = typer.Option(False, "--json")) -> None:
+    """Graceful restart of the job (save, exit, relaunch from latest); not counted against the budget."""
+    _simple("restart", json_out)
+
+
+@app.command()
+def ack(incident_id: int = typer.Argument(...), json_out: bool = typer.Option(False, "--json"),
+        by: str = typer.Option(None, "--by", help="operator name (default: $USER)")) -> None:
+    """Acknowledge an incident (through the daemon; directly in the database if no daemon runs)."""
+    from ulyssesd.daemon.control_socket import ControlError, DaemonNotRunning, send_request
+    from ulyssesd.daemon.store import open_store
+    from ulyssesd.daemon.store.errors import NotFoundError
+
+    who = by or os.environ.get("USER") or f"uid:{os.getuid()}"
+    try:
+        resp = send_request(_socket_path(), {"cmd": "ack", "args": {"id": incident_id, "by": who}}, timeout_s=10.0)
+        if not resp.get("ok"):
+            code = EXIT_NOT_FOUND if "no incident" in str(resp.get("error")) else EXIT_REFUSED
+            _die(f"ack refused: {resp.get('error')}", code, json_out)
+        via = "daemon"
+    except DaemonNotRunning:
+        _store(json_out)  # clear error when there is no database at all
+        try:
+            with open_store(_db_path(), migrate=False) as store:
+                store.ack_incident(incident_id, who)
+        except NotFoundError:
+            _die(f"no incident {incident_id}", EXIT_NOT_FOUND, json_out)
+        via = "database (daemon not running)"
+    except ControlError as exc:
+        _die(str(exc), EXIT_NO_DAEMON, json_out)
+    if json_out:
+        _out({"ok": True, "id": incident_id, "by": who, "via": via}, True)
+    else:
+        console.print(f"incident {incident_id} acknowledged by {who} via {via}")
+
+
+# ------------------------------------------------------------------------------------------- config
+@app.command()
+def config(version: int = typer.Option(None, "--version", help="config version (default: current)"),
+           json_out: bool = typer.Option(False, "--json")) -> None:
+    """An effective job config version and its diff from its parent and from v1."""
+    from ulyssesd.daemon.store import flat_diff
+    from ulyssesd.daemon.store.errors import NotFoundError
+
+    store = _store(json_out)
+    run = _run(store, json_out)
+    try:
+        cv = store.get_config_version(run.id, version)
+    except NotFoundError as exc:
+        _die(str(exc), EXIT_NOT_FOUND, json_out)
+    versions = {v.version: v for v in store.list_config_versions(run.id)}
+    parent = versions.get(cv.parent_version) if cv.parent_version else None
+    d = {"run_id": run.id, "version": cv.version, "parent_version": cv.parent_version, "reason": cv.reason,
+         "created_at": cv.created_at.isoformat(),
+         "diff_from_parent": flat_diff(parent.config, cv.config) if parent else {},
+         "diff_from_v1": flat_diff(versions[1].config, cv.config) if 1 in versions else {},
+         "config": cv.config, "versions": sorted(versions)}
+    if json_out:
+        _out(d, True)
+        return
+    console.print(f"[bold]config v{cv.version}[/bold] of run {run.id} (versions {d['versions']}): {cv.reason}")
+    for title, diff in (("diff from parent", d["diff_from_parent"]), ("diff from v1", d["diff_from_v1"])):
+        t = Table(title=title)
+        t.add_column("key")
+        t.add_column("before")
+        t.add_column("after")
+        for k, (b, a) in diff.items():
+            t.add_row(k, repr(b), repr(a))
+        console.print(t)
+    console.print_json(json.dumps(cv.config))
+
+
+# ----------------------------------------------------------------------------------------------- db
+@db_app.command("upgrade")
+def db_upgrade_cmd(json_out: bool = typer.Option(False, "--json")) -> None:
+    """Create or upgrade the database schema to head."""
+    from ulyssesd.daemon.store.cli import db_upgrade
+
+    rev = db_upgrade(_db_path())
+    _out({"ok": True, "path": str(_db_path()), "revision": rev}, json_out) if json_out else console.print(
+        f"{_db_path()}: at revision {rev}")
+
+
+@db_app.command("current")
+def db_current_cmd(json_out: bool = typer.Option(False, "--json")) -> None:
+    """The database's schema revision vs this code's head."""
+    from ulyssesd.daemon.store.cli import db_status
+    from ulyssesd.daemon.store.errors import NoDatabaseError
+
+    try:
+        st = db_status(_db_path())
+    except NoDatabaseError as exc:
+        _die(str(exc), EXIT_NOT_FOUND, json_out)
+    if json_out:
+        _out(st, True)
+    else:
+        console.print(f"{st['path']}: current {st['current']}, head {st['head']}"
+                      f"{'' if st['up_to_date'] else ' — run `ulyssesctl db upgrade`'}")
+
+
+def _register_optional() -> None:
+    """Commands owned by other parts (replay, diagnose, plan), wired when their modules are installed."""
+    for mod, fn in (("ulyssesd.daemon.ctl_offline", "register"), ("ulyssesd.daemon.ctl_diagnose", "register_diagnose"),
+                    ("ulyssesd.daemon.ctl_plan", "register_plan")):
+        try:
+            module = __import__(mod, fromlist=[fn])
+        except ImportError:
+            continue
+        register = getattr(module, fn, None)
+        if register is not None:
+            register(app)
+
+
+_register_optional()
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("usage: ulyssesctl COMMAND\n\nNot implemented yet (issues 5 and 6).")
-    return 2
+    try:
+        app(args=argv, prog_name="ulyssesctl")
+    except SystemExit as exc:  # typer/click standalone mode exits with the command's code
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
+    return EXIT_OK
 
 
 if __name__ == "__main__":

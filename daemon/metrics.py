@@ -8,10 +8,14 @@ no socket is opened. Own registry per instance: no process-wide globals, tests c
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge, Info, start_http_server
 
 from ulyssesd.daemon.logging import get_logger
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 
 class Metrics:
@@ -19,7 +23,7 @@ class Metrics:
         self.port = port
         self.host = host
         self.enabled = False
-        self._server = None
+        self._server: WSGIServer | None = None
         self._states: set[str] = set()
         self._symptoms: set[str] = set()
         self.registry = CollectorRegistry(auto_describe=True)

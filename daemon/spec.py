@@ -40,7 +40,8 @@ class RunSection(_Section):
 
 
 class LauncherSection(_Section):
-    kind: Literal["torchrun", "deepspeed", "srun"] = Field("torchrun", description="Existing launcher that starts the ranks.")
+    kind: Literal["torchrun", "deepspeed", "srun", "local"] = Field(
+        "torchrun", description="Existing launcher that starts the ranks (local = one process, no launcher).")
     nnodes: int = Field(1, ge=1, description="Nodes.")
     nproc_per_node: int = Field(1, ge=1, description="Ranks per node (GPUs per node).")
     hostfile: str | None = Field(None, description="DeepSpeed hostfile (kind=deepspeed, multi-node).")
@@ -49,6 +50,7 @@ class LauncherSection(_Section):
     python: str | None = Field(None, description="Python interpreter of the ranks (default: the daemon's).")
     extra_args: list[str] = Field(default_factory=list, description="Extra launcher arguments, verbatim.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the ranks.")
+    module: str = Field("ulyssesd.training", description="Python module each rank runs (tests swap in a fake job).")
 
     @property
     def world_size(self) -> int:
@@ -73,6 +75,18 @@ class DaemonSection(_Section):
     preflight: bool = Field(True, description="Refuse a run the memory planner says cannot fit.")
     prometheus_port: int | None = Field(None, ge=1024, le=65535, description="Expose metrics on 127.0.0.1:PORT (off by default).")
     webhook_url: str | None = Field(None, description="Slack-compatible webhook for escalations and failures (off by default).")
+    socket_group: str | None = Field(None, description="Group allowed on the control socket besides root (default: ulyssesd if it exists).")
+    hang_grace_s: float = Field(10.0, gt=0, description="SIGTERM -> SIGKILL grace for a hung job (it cannot save; shorter than stop_grace_s).")
+    stack_dump_wait_s: float = Field(3.0, ge=0, description="Seconds to let ranks write their faulthandler stack dumps.")
+    backoff_base_s: float = Field(2.0, ge=0, description="First crash-restart backoff; doubles per consecutive early death.")
+    backoff_max_s: float = Field(60.0, ge=0, description="Upper bound of the crash-restart backoff.")
+    early_death_s: float = Field(30.0, ge=0, description="An attempt that dies sooner than this without progress counts as a start failure.")
+    status_every_s: float = Field(300.0, gt=0, description="Period of the status summary log line (scheduler job).")
+    maintenance_every_s: float = Field(3600.0, gt=0, description="Period of store maintenance (WAL checkpoint, vacuum).")
+    retention_every_s: float = Field(60.0, gt=0, description="Period of checkpoint retention + disk guard.")
+    min_free_gib: float = Field(5.0, ge=0, description="Disk guard: prune old checkpoints when free space falls below this.")
+    verify_max_gib: float = Field(4.0, ge=0, description="Before a relaunch the daemon sha256-checks tags up to this size (larger: sizes only; the job verifies checksums itself) so the loop never blocks for long.")
+    sweep_every_s: float = Field(30.0, gt=0, description="Period of the stale-attempt sweep (attempts marked live whose process is gone).")
 
     def resolved_db_path(self) -> Path:
         return Path(self.db_path) if self.db_path else Path(self.state_dir) / "ulyssesd.db"

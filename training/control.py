@@ -66,12 +66,13 @@ class ControlPoller:
     def _read(self) -> dict[str, Any] | None:
         if self.path is None:
             return None
+        reason: str | None
         try:
             text = self.path.read_text()
         except FileNotFoundError:
             return None
         except OSError as exc:
-            text, reason = None, f"unreadable: {exc}"
+            reason = f"unreadable: {exc}"
         else:
             parsed, reason = parse_control(text)
             if parsed is not None:

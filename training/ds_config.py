@@ -132,6 +132,7 @@ def build_ds_config(spec: JobSpec, world_size: int, run_dir: str | Path | None =
         "train_batch_size": (tr.micro_batch_size * tr.gradient_accumulation_steps * dp,
                              f"train.micro_batch_size x train.gradient_accumulation_steps x dp({dp})"),
     }
+    ours: object  # an int here, a float or list for the optimizer params below
     for key, (ours, where) in owned.items():
         if key in cfg and cfg[key] != ours:
             problems.append(f"{key}={cfg[key]} in {source} conflicts with {where}={ours}; "
@@ -158,6 +159,10 @@ def build_ds_config(spec: JobSpec, world_size: int, run_dir: str | Path | None =
         "torch_adam": True,
     }}
 
+    offloaded = isinstance(zero.get("offload_optimizer"), dict) and \
+        zero["offload_optimizer"].get("device", "none") not in ("none", None)
+    if tr.fused_adam and tr.device != "cpu" and not offloaded:
+        cfg["optimizer"]["params"]["fused"] = True  # passed through to torch.optim.AdamW by DeepSpeed
     _precision(spec, cfg, source, problems)
 
     if run_dir is not None:
@@ -190,7 +195,7 @@ def _precision(spec: JobSpec, cfg: dict[str, Any], source: str, problems: list[s
         ours = {"enabled": True, "loss_scale": 0, "initial_scale_power": ls.initial_scale_power,
                 "loss_scale_window": ls.loss_scale_window, "hysteresis": ls.hysteresis,
                 "min_loss_scale": ls.min_loss_scale}
-        user = cfg.get("fp16") if isinstance(cfg.get("fp16"), dict) else {}
+        user = cfg["fp16"] if isinstance(cfg.get("fp16"), dict) else {}
         for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
             if key in user and user[key] != ours[key]:
                 problems.append(f"fp16.{key}={user[key]} in {source} conflicts with "
@@ -201,7 +206,7 @@ def _precision(spec: JobSpec, cfg: dict[str, Any], source: str, problems: list[s
         cfg["fp16"] = {**user, **ours}
         cfg.pop("bf16", None)
     elif dtype == "bf16":
-        cfg["bf16"] = {**(cfg.get("bf16") if isinstance(cfg.get("bf16"), dict) else {}), "enabled": True}
+        cfg["bf16"] = {**(cfg["bf16"] if isinstance(cfg.get("bf16"), dict) else {}), "enabled": True}
         cfg.pop("fp16", None)
     else:
         cfg.pop("fp16", None)

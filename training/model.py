@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +37,11 @@ class _Linear(nn.Linear):
 
 
 def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    # Weights follow the activation dtype: a no-op normally, an upcast inside fp32 blocks.
+    # Only for fp32 blocks (weights upcast to the activation dtype). Reading `layer.weight` outside the
+    # layer's own forward makes ZeRO-3 gather it synchronously as an "external parameter" with no
+    # prefetch/overlap; the normal path calls the module (see Block._lin), whose hooks prefetch.
     w = layer.weight if layer.weight.dtype == x.dtype else layer.weight.to(x.dtype)
-    b = layer.bias
+    b: torch.Tensor | None = layer.bias
     if b is not None and b.dtype != x.dtype:
         b = b.to(x.dtype)
     return F.linear(x, w, b)
@@ -107,22 +110,27 @@ class Block(nn.Module):
         self.fc_out = _Linear(f, h, cfg.bias, out_std)
         self.attn = attn
 
+    def _lin(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        # Calling the module lets ZeRO-3's module hooks fetch (and prefetch) its weight; measured on
+        # 2xH200 this is what overlaps parameter all-gathers with compute (bench/RESULTS.md).
+        return _linear(x, layer) if self.fp32 else layer(x)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
         if self.fp32:
             x = x.float()
         b, s, _ = x.shape
-        q, k, v = _linear(self.ln1(x), self.qkv).view(b, s, 3, self.n_heads, self.head_dim).unbind(2)
+        q, k, v = self._lin(self.ln1(x), self.qkv).view(b, s, 3, self.n_heads, self.head_dim).unbind(2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         a = self.attn(q.contiguous(), k.contiguous(), v.contiguous()).reshape(b, s, -1)
-        x = x + _linear(a, self.proj)
-        u = _linear(self.ln2(x), self.fc_in)
+        x = x + self._lin(a, self.proj)
+        u = self._lin(self.ln2(x), self.fc_in)
         if self.swiglu:
             gate, up = u.chunk(2, dim=-1)
             u = F.silu(gate) * up
         else:
             u = F.gelu(u, approximate="tanh")
-        x = x + _linear(u, self.fc_out)
+        x = x + self._lin(u, self.fc_out)
         return x.to(in_dtype)
 
 
@@ -147,7 +155,7 @@ class GPT(nn.Module):
                 mod.fp32_copy = cfg.norm_fp32_copy
 
     def set_fp32_layers(self, n: int) -> None:
-        for blk in self.blocks:
+        for blk in cast("list[Block]", self.blocks):
             blk.fp32 = blk.layer_index < n
 
     def _run_chunk(self, start: int, end: int, x, cos, sin):
@@ -171,5 +179,5 @@ class GPT(nn.Module):
         else:
             x = self._run_chunk(0, n, x, cos, sin)
         x = self.ln_f(x)
-        logits = self.embed(x, as_head=True) if self.head is None else _linear(x, self.head)
+        logits = self.embed(x, as_head=True) if self.head is None else self.head(x)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))

@@ -588,7 +588,7 @@ def _compute(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
     if required > cluster.gpu_mem_gib * GiB:
         problems.append(
             f"GPU: needs {required / GiB:.1f} GiB per GPU (peak allocated {peak / GiB:.1f} GiB at "
-            f"'{max(phase_bytes, key=phase_bytes.get)}' + {allocator_headroom:.0%} allocator headroom + "
+            f"'{max(phase_bytes, key=lambda k: phase_bytes[k])}' + {allocator_headroom:.0%} allocator headroom + "
             f"{cuda_context_gib:g} GiB CUDA context) but the GPU has {cluster.gpu_mem_gib:.1f} GiB: "
             f"short by {required / GiB - cluster.gpu_mem_gib:.1f} GiB")
     if host_required > cluster.host_mem_gib * GiB:
@@ -716,7 +716,9 @@ def _mv_offload(opt: str, par: str) -> Move:
         new_opt = opt if rank[opt] > rank[z.offload_optimizer] else z.offload_optimizer
         new_par = par if rank[par] > rank[z.offload_param] else z.offload_param
         ds = _set_zero(sc.ds, offload_optimizer={"device": new_opt, "pin_memory": True})
-        cost, changes, ov = 0.0, [], {}
+        cost = 0.0
+        changes: list[str] = []
+        ov: dict[str, Any] = {}
         if new_opt != z.offload_optimizer:
             changes.append(f"offload optimizer to {new_opt}")
             ov["deepspeed.config.zero_optimization.offload_optimizer.device"] = new_opt
@@ -791,8 +793,10 @@ MAX_SUGGESTIONS = 8
 
 
 def _search(job: JobSpec, cluster: Cluster, ds: dict[str, Any], base: Plan, **kw: float) -> list[Suggestion]:
-    found: list[tuple[float, frozenset, Suggestion]] = []
+    found: list[tuple[float, frozenset[tuple[str, str]], Suggestion]] = []
     start = _Scenario(job, ds, cluster)
+    changes: list[str]
+    ov: dict[str, Any]
     for size in range(0, 4):
         for groups in itertools.combinations(range(len(_MOVE_GROUPS)), size):
             for moves in itertools.product(*(_MOVE_GROUPS[i] for i in groups)):
@@ -836,7 +840,7 @@ def _dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _finish(sc: _Scenario, changes: list[str], ov: dict[str, Any], cost: float, extra: str | None,
-            **kw: float) -> tuple[float, frozenset[str], Suggestion] | None:
+            **kw: float) -> tuple[float, frozenset[tuple[str, str]], Suggestion] | None:
     def evaluate(s: _Scenario) -> Plan | None:
         try:
             return _compute(s.job, s.cluster, s.ds, **kw)

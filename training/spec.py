@@ -175,6 +175,10 @@ class TrainSpec(_Section):
                                 "the others' activations; overrides activation_checkpoint_every when set.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda when available unless cpu is forced.")
     compile: bool = Field(False, description="torch.compile each block (GPU only).")
+    zero3_leaf_blocks: bool = Field(False, description="Mark each transformer block a ZeRO-3 leaf module: one "
+                                                       "fetch per block and no hooks on its sub-modules (less Python per step).")
+    fused_adam: bool = Field(False, description="GPU, optimizer on GPU: torch AdamW(fused=True), one kernel per step "
+                                                "instead of ~10 foreach passes over the fp32 partitions.")
     log_every: int = Field(1, ge=1, description="Write a telemetry step record every N steps.")
 
 

@@ -168,6 +168,13 @@ class Trainer:
                         fp32_layers=spec.precision.fp32_layers,
                         checkpoint_every=spec.train.activation_checkpoint_every,
                         checkpoint_layers=spec.train.activation_checkpoint_layers)
+        if spec.train.zero3_leaf_blocks:
+            # Must precede deepspeed.initialize, which installs the ZeRO-3 module hooks.
+            from deepspeed.utils import set_z3_leaf_modules
+
+            from .model import Block
+
+            set_z3_leaf_modules(model, [Block])
         self.engine, _, _, _ = deepspeed.initialize(model=model,
                                                     model_parameters=_param_groups(model, spec.train.weight_decay),
                                                     config=self.ds_config, mpu=self.mpu)

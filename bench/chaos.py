@@ -1,0 +1,349 @@
+"""Chaos benchmark: a supervised CPU run (the real 2-rank job under `ulyssesd run`) with a fault every
+N seconds for M minutes. Prints faults survived, lost checkpoints, detection latency and recovery time
+per fault class, and ETTR (productive training time / wall time).
+
+    .venv/bin/python bench/chaos.py --every 40 --minutes 5 [--results bench/RESULTS.md]
+
+Fault classes, injected from outside (round robin, each once the job is training again):
+  rank_sigkill   SIGKILL one training rank (rank 1)              -> crash -> restart from latest
+  rank_hang      SIGSTOP one training rank (a stuck process)     -> hang -> dump, TERM, KILL -> restart
+  ckpt_corrupt   flip bytes in the newest checkpoint, then SIGKILL a rank -> previous valid tag used
+  daemon_kill    SIGKILL the daemon, start a new one             -> re-adoption, job never stops
+  garbage_line   append a garbage line to telemetry.jsonl         -> counted, ignored
+Detection = injection -> the incident's detected_at (daemon_kill: -> the new daemon re-adopted);
+recovery = injection -> the first step record of the next attempt (daemon_kill, garbage_line: next step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+CLASSES = ["rank_sigkill", "rank_hang", "ckpt_corrupt", "daemon_kill", "garbage_line"]
+
+SPEC = """
+[run]
+name = "chaos"
+[launcher]
+kind = "torchrun"
+nproc_per_node = 2
+[model]
+preset = "tiny"
+[parallel]
+sequence_parallel_size = 2
+[precision]
+dtype = "fp32"
+[train]
+steps = 100000
+seq_len = 64
+micro_batch_size = 1
+lr = 1e-3
+warmup_steps = 2
+device = "cpu"
+[deepspeed.config.zero_optimization]
+stage = 3
+overlap_comm = false
+[data]
+kind = "synthetic"
+[checkpoint]
+interval_steps = 10
+keep_last = 4
+[detectors]
+warmup_steps = 5
+window = 20
+hang_timeout_floor_s = 15.0
+[remediation]
+max_restarts_per_hour = 60
+no_progress_restarts = 6
+max_crash_restarts = 50
+[daemon]
+state_dir = "{state}"
+socket_path = "{sock}"
+tick_s = 0.25
+stop_grace_s = 60.0
+hang_grace_s = 5.0
+stack_dump_wait_s = 2.0
+preflight = false
+"""
+
+
+def records(run_dir: Path) -> list[dict]:
+    out = []
+    try:
+        text = (run_dir / "telemetry.jsonl").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(d, dict):
+            out.append(d)
+    return out
+
+
+def valid_tags(run_dir: Path) -> list[str]:
+    from ulyssesd.training.checkpoint import list_valid_tags
+
+    return list_valid_tags(run_dir / "checkpoints")
+
+
+def rank_pids(run_dir: Path) -> list[int]:
+    pids = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "ulyssesd.training" in cmd and str(run_dir) in cmd and "torch.distributed.run" not in cmd \
+                and "job_wrapper" not in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            pids.append(p.pid)
+    return sorted(pids)
+
+
+class Chaos:
+    def __init__(self, work: Path, every: float, minutes: float):
+        self.work, self.every, self.minutes = work, every, minutes
+        self.state = work / "state"
+        self.sock = Path(tempfile.mkdtemp(prefix="uls-chaos-", dir="/tmp")) / "d.sock"
+        self.spec = work / "run.toml"
+        self.spec.write_text(SPEC.format(state=self.state, sock=self.sock))
+        self.log = work / "daemon.log"
+        self.daemon: subprocess.Popen | None = None
+        self.injections: list[dict] = []
+        self.corrupted: set[str] = set()
+        self.stopped: list[int] = []
+
+    def start_daemon(self) -> None:
+        self.daemon = subprocess.Popen([sys.executable, "-m", "ulyssesd.daemon.cli", "run", "--spec", str(self.spec)],
+                                       stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def store(self):
+        from ulyssesd.daemon.store import open_store
+
+        return open_store(self.state / "ulyssesd.db", readonly=True)
+
+    def run_dir(self) -> Path | None:
+        runs = self.state / "runs"
+        return next(runs.iterdir()) if runs.exists() and any(runs.iterdir()) else None
+
+    def current_attempt_training(self, run_dir: Path) -> tuple[int, int] | None:
+        """(attempt, last step) if the newest attempt has written a step record."""
+        recs = records(run_dir)
+        started = [r for r in recs if r.get("event") == "started"]
+        if not started:
+            return None
+        att = started[-1].get("attempt")
+        steps = [r["step"] for r in recs if r.get("kind") == "step" and r.get("attempt") == att]
+        return (att, steps[-1]) if steps else None
+
+    def inject(self, kind: str, run_dir: Path, attempt: int) -> None:
+        now = time.time()
+        ranks = rank_pids(run_dir)
+        if ranks:
+            try:  # the attempt the ranks belong to (telemetry may lag behind a fresh launch)
+                attempt = int(psutil.Process(ranks[-1]).environ().get("ULYSSESD_ATTEMPT", attempt))
+            except (psutil.Error, ValueError):
+                pass
+        entry = {"kind": kind, "time": now, "attempt": attempt}
+        if kind == "rank_hang" and ranks:
+            self.stopped.extend(ranks[-1:])
+        if kind == "rank_sigkill" and ranks:
+            os.kill(ranks[-1], signal.SIGKILL)
+        elif kind == "rank_hang" and ranks:
+            os.kill(ranks[-1], signal.SIGSTOP)
+        elif kind == "ckpt_corrupt":
+            ck = run_dir / "checkpoints"
+            tags = sorted(p for p in ck.iterdir() if p.is_dir() and p.name.startswith("step-") and "." not in p.name)
+            if tags:
+                shard = max((f for f in tags[-1].rglob("*.pt")), key=lambda f: f.stat().st_size, default=None)
+                if shard is not None:
+                    with open(shard, "r+b") as fh:
+                        fh.seek(shard.stat().st_size // 2)
+                        b = fh.read(16)
+                        fh.seek(shard.stat().st_size // 2)
+                        fh.write(bytes(x ^ 0xFF for x in b))
+                    self.corrupted.add(tags[-1].name)
+                    entry["tag"] = tags[-1].name
+            if ranks:
+                os.kill(ranks[-1], signal.SIGKILL)
+        elif kind == "daemon_kill":
+            assert self.daemon is not None
+            self.daemon.send_signal(signal.SIGKILL)
+            self.daemon.wait(10)
+            time.sleep(2.0)
+            self.start_daemon()
+        elif kind == "garbage_line":
+            with open(run_dir / "telemetry.jsonl", "a") as fh:
+                fh.write("}}} chaos: not json {{{\n")
+        self.injections.append(entry)
+        print(f"[{time.strftime('%H:%M:%S')}] injected {kind} (attempt {attempt})", flush=True)
+
+    def run(self) -> dict:
+        t0 = time.time()
+        self.start_daemon()
+        end = t0 + self.minutes * 60
+        last_injection = end - min(self.every, 90.0)  # leave the last fault time to be detected and recovered
+        nxt = t0 + self.every
+        i = 0
+        while time.time() < end:
+            time.sleep(1.0)
+            if self.daemon is not None and self.daemon.poll() is not None:
+                print(f"daemon exited {self.daemon.returncode}; see {self.log}")
+                break
+            rd = self.run_dir()
+            if rd is None or time.time() < nxt or time.time() > last_injection:
+                continue
+            cur = self.current_attempt_training(rd)
+            if cur is None:
+                continue  # wait until the job trains again (faults are injected into a training job)
+            if self.injections and cur[0] == self.injections[-1]["attempt"] and \
+                    self.injections[-1]["kind"] not in ("daemon_kill", "garbage_line") and \
+                    time.time() - self.injections[-1]["time"] < 120:
+                continue  # the previous fault's restart has not happened yet
+            kind = CLASSES[i % len(CLASSES)]
+            if kind == "ckpt_corrupt" and len(valid_tags(rd)) < 2:
+                continue  # corrupt the newest only when a previous valid tag exists to fall back to
+            self.inject(kind, rd, cur[0])
+            i += 1
+            nxt = time.time() + self.every
+        # Let the last fault's recovery finish (bounded) so every injected fault is judged.
+        rd = self.run_dir()
+        if rd is not None and self.injections:
+            last = self.injections[-1]
+            restarts = last["kind"] not in ("daemon_kill", "garbage_line")
+            min_attempt = last["attempt"] + 1 if restarts else last["attempt"]
+            deadline = time.time() + 300
+            while time.time() < deadline and self.daemon is not None and self.daemon.poll() is None:
+                if any(r.get("kind") == "step" and r.get("time", 0) > last["time"]
+                       and (r.get("attempt") or 0) >= min_attempt for r in records(rd)[-50:]):
+                    break
+                time.sleep(1.0)
+        # stop cleanly and collect (a rank still SIGSTOPped could not act on the stop)
+        for pid in self.stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        from ulyssesd.daemon.control_socket import send_request
+
+        try:
+            send_request(self.sock, {"cmd": "stop"}, timeout_s=10)
+        except Exception as exc:  # noqa: BLE001
+            print(f"stop request failed: {exc}")
+        try:
+            self.daemon.wait(180)
+        except subprocess.TimeoutExpired:
+            self.daemon.kill()
+        wall = time.time() - t0
+        return self.report(wall)
+
+    def report(self, wall: float) -> dict:
+        rd = self.run_dir()
+        recs = records(rd)
+        st = self.store()
+        run = st.latest_run()
+        incs = st.list_incidents(run.id)
+        atts = st.list_attempts(run.id)
+        first_step_of = {}
+        for r in recs:
+            if r.get("kind") == "step":
+                first_step_of.setdefault(r.get("attempt"), r.get("time"))
+        per: dict[str, dict[str, list[float]]] = {k: {"detect": [], "recover": []} for k in CLASSES}
+        survived = 0
+        for inj in self.injections:
+            k, t, att = inj["kind"], inj["time"], inj["attempt"]
+            if k in ("rank_sigkill", "rank_hang", "ckpt_corrupt"):
+                want = {"rank_sigkill": ("crash",), "rank_hang": ("hang",), "ckpt_corrupt": ("crash",)}[k]
+                hit = [i for i in incs if i.attempt == att and i.symptom.value in want]
+                if hit:
+                    per[k]["detect"].append(hit[0].detected_at.timestamp() - t)
+                nxt = first_step_of.get(att + 1)
+                if nxt is not None:
+                    per[k]["recover"].append(nxt - t)
+                    survived += 1
+            else:
+                later = [r["time"] for r in recs if r.get("kind") == "step" and r.get("time", 0) > t]
+                if later:
+                    per[k]["recover"].append(later[0] - t)
+                    survived += 1
+                if k == "daemon_kill":
+                    per[k]["detect"].append(float("nan"))
+        last: dict[int, float] = {}
+        for r in recs:
+            if r.get("kind") == "step" and isinstance(r.get("step_time_s"), int | float):
+                last[r["step"]] = r["step_time_s"]
+        productive = sum(last.values())
+        ck = rd / "checkpoints"
+        quarantined = [p.name.split(".corrupt-")[0] for p in ck.iterdir() if ".corrupt-" in p.name] if ck.exists() else []
+        lost = [q for q in quarantined if q not in self.corrupted]
+        corrupt_incs = [i for i in incs if i.symptom.value == "checkpoint_corrupt"]
+        res = {
+            "wall_s": wall, "faults": len(self.injections), "survived": survived,
+            "final_state": run.state.value, "final_step": max(last) if last else None, "attempts": len(atts),
+            "incidents": len(incs), "lost_checkpoints": len(lost), "deliberately_corrupted": len(self.corrupted),
+            "corrupt_fallbacks_recorded": len(corrupt_incs), "ettr": productive / wall if wall else 0.0,
+            "load_avg_end": [round(x, 1) for x in os.getloadavg()],
+            "per_class": {k: {"n": sum(1 for i in self.injections if i["kind"] == k),
+                              "detect_median_s": _med(v["detect"]), "recover_median_s": _med(v["recover"])}
+                          for k, v in per.items()},
+        }
+        return res
+
+
+def _med(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x == x]
+    return round(statistics.median(xs), 1) if xs else None
+
+
+def render(res: dict, cmd: str) -> str:
+    lines = [f"Command: `{cmd}` — {res['wall_s'] / 60:.1f} min wall, 2 CPU cores, real 2-rank job "
+             f"(torchrun, gloo, ZeRO-3, Ulysses SP=2); load average at the end {res['load_avg_end']} "
+             f"(machine shared with other work, so launches and wall times are inflated).", "",
+             f"- faults injected: {res['faults']}, survived (training resumed afterwards): {res['survived']}",
+             f"- final state: {res['final_state']} at step {res['final_step']} after {res['attempts']} attempts, "
+             f"{res['incidents']} incidents",
+             f"- lost checkpoints (quarantined without being deliberately corrupted): {res['lost_checkpoints']}; "
+             f"deliberately corrupted: {res['deliberately_corrupted']}, fallbacks recorded: "
+             f"{res['corrupt_fallbacks_recorded']}",
+             f"- ETTR (productive step time / wall): {res['ettr']:.1%}", "",
+             "| fault class | n | detection (median s) | recovery to next step (median s) |", "|---|---|---|---|"]
+    for k, v in res["per_class"].items():
+        det = "n/a" if v["detect_median_s"] is None else f"{v['detect_median_s']}"
+        if k in ("daemon_kill", "garbage_line"):
+            det = "— (no incident by design)"
+        lines.append(f"| {k} | {v['n']} | {det} | {v['recover_median_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--every", type=float, default=40.0, help="seconds between faults")
+    ap.add_argument("--minutes", type=float, default=5.0, help="duration of the chaos phase")
+    ap.add_argument("--work-dir", default=None)
+    ap.add_argument("--results", default=None, help="append a 'Chaos (CPU)' section to this markdown file")
+    args = ap.parse_args()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="ulyssesd-chaos-"))
+    work.mkdir(parents=True, exist_ok=True)
+    res = Chaos(work, args.every, args.minutes).run()
+    cmd = f"python bench/chaos.py --every {args.every:g} --minutes {args.minutes:g}"
+    text = render(res, cmd)
+    print(text)
+    print(json.dumps(res, indent=1))
+    if args.results:
+        with open(args.results, "a") as fh:
+            fh.write("\n## Chaos (CPU)\n\n" + text)
+    return 0 if res["survived"] == res["faults"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+# Sourced by bench/gpu_call*.sh on the lent H200 machine (or on the CPU with BENCH_CPU=1 for a dry run).
+# Installs the wheels carried in .whl/, sets the NVLS variables, and defines the deadline of this call.
+set -u
+T0=$(date +%s)
+: "${OUT:=/tmp/bench-out}"; mkdir -p "$OUT"
+: "${CALL_BUDGET_S:=540}"           # stop starting work after this many seconds of the device call
+DEADLINE=$((T0 + CALL_BUDGET_S))
+if [ -z "${BENCH_CPU:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+  export PYTHONPATH=/tmp/site
+  PY=python3
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+else
+  PY=${PY:-/work/main/.venv/bin/python}
+  export DS_ACCELERATOR=cpu
+fi
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export BENCH_WORKDIR=/tmp/ulysses-bench
+$PY -c "import torch, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__)" \
+  > "$OUT/versions.txt" 2>/dev/null
+cat "$OUT/versions.txt"
+bench() {  # bench CASE... -> appends JSON lines to $OUT/bench.jsonl
+  $PY bench/gpu_bench.py --base "${BASE:-configs/gpt-7b-2xh200.toml}" --nproc "${NPROC:-2}" \
+      --out "$OUT/bench.jsonl" --deadline "${BENCH_DEADLINE:-$DEADLINE}" "$@"
+}
+collect_logs() {  # copy each case's log tail + telemetry (small) into $OUT
+  for d in "$BENCH_WORKDIR"/*/; do
+    n=$(basename "$d"); mkdir -p "$OUT/cases/$n"
+    [ -f "$d/log.txt" ] && tail -c 20000 "$d/log.txt" > "$OUT/cases/$n/log_tail.txt"
+    [ -f "$d/telemetry.jsonl" ] && cp "$d/telemetry.jsonl" "$OUT/cases/$n/"
+    [ -f "$d/spec.toml" ] && cp "$d/spec.toml" "$OUT/cases/$n/"
+    cp "$d"/profile-rank*.txt "$OUT/cases/$n/" 2>/dev/null
+  done
+  # The device tool brings back only a few files: one tarball of all cases.
+  tar czf "$OUT/cases.tgz" -C "$OUT" cases && rm -rf "$OUT/cases"
+}

@@ -1,0 +1,369 @@
+"""Supervision on the real GPUs (issue 7): overhead, MTTR after a SIGKILLed rank, and a real NCCL hang.
+
+Phase 1 (overhead): the same job twice, side by side in one device call: bare (`torchrun ... -m
+ulyssesd.training`, per-rank telemetry gather off) and under `ulyssesd run` (gather on, daemon tailing
+telemetry). Compared on the median interval between consecutive step records (everything a step costs:
+compute, the per-rank gather, the telemetry write, the control poll).
+
+Phase 2 (faults, one supervised run): checkpoints every K steps; rank 1 is SIGKILLed from outside at the
+first step >= KILL_AT of attempt 1 (MTTR); on attempt 2 rank 1 hangs before step HANG_AT (spec fault
+"hang": rank 0 blocks inside an NCCL all-gather) and the daemon must detect it with its calibrated timeout,
+dump stacks, kill and resume. Raw material (telemetry, store tables, log tails) goes to --out; the figures
+are computed by `--analyze` (also runnable offline on the copied files).
+
+    python bench/gpu_daemon.py --out $OUT/daemon [--preset gpt-1b --seq 16384 --device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import psutil
+
+JOB = """
+[model]
+preset = "{preset}"
+[parallel]
+sequence_parallel_size = 2
+[precision]
+dtype = "{dtype}"
+[attention]
+backend = "auto"
+[train]
+steps = {steps}
+seq_len = {seq}
+micro_batch_size = 1
+lr = 1.5e-4
+min_lr = 1.5e-5
+warmup_steps = 10
+activation_checkpoint_every = 1
+device = "{device}"
+[deepspeed.config.zero_optimization]
+stage = 3
+stage3_param_persistence_threshold = 1e6
+reduce_bucket_size = 1e8
+overlap_comm = true
+[data]
+kind = "synthetic"
+[telemetry]
+gather_per_rank = {gather}
+[checkpoint]
+interval_steps = {interval}
+keep_last = 3
+save_at_end = {save_at_end}
+"""
+
+DAEMON = """
+[run]
+name = "{name}"
+[launcher]
+kind = "torchrun"
+nproc_per_node = 2
+[detectors]
+hang_timeout_floor_s = {hang_floor}
+[remediation]
+max_restarts_per_hour = 20
+[daemon]
+state_dir = "{state}"
+socket_path = "{sock}"
+tick_s = 0.5
+stop_grace_s = 60.0
+hang_grace_s = 10.0
+stack_dump_wait_s = 3.0
+preflight = false
+"""
+
+
+def records(path: Path) -> list[dict]:
+    out = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(d, dict):
+            out.append(d)
+    return out
+
+
+def step_intervals(recs: list[dict], attempt: int | None = None) -> list[float]:
+    steps = [r for r in recs if r.get("kind") == "step" and (attempt is None or r.get("attempt") == attempt)]
+    return [b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False) if b["step"] == a["step"] + 1]
+
+
+def run_dir_of(state: Path) -> Path | None:
+    runs = state / "runs"
+    if not runs.exists():
+        return None
+    dirs = [d for d in runs.iterdir() if d.is_dir()]
+    return dirs[0] if dirs else None
+
+
+def rank_pids(run_dir: Path) -> list[tuple[int, int]]:
+    """(rank, pid) of the training ranks of the run (psutil; ranks carry RANK in their environment)."""
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "ulyssesd.training" in cmd and str(run_dir) in cmd and "torch.distributed.run" not in cmd \
+                and "job_wrapper" not in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            try:
+                out.append((int(p.environ().get("RANK", "-1")), p.pid))
+            except (psutil.Error, ValueError):
+                continue
+    return sorted(out)
+
+
+def dump_store(db: Path) -> dict:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    con.row_factory = sqlite3.Row
+    out = {}
+    for table in ("runs", "attempts", "incidents", "actions", "state_transitions", "checkpoints"):
+        try:
+            out[table] = [dict(r) for r in con.execute(f"SELECT * FROM {table}")]  # noqa: S608 - fixed names
+        except sqlite3.Error as exc:
+            out[table] = f"error: {exc}"
+    con.close()
+    return out
+
+
+def start_daemon(spec: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ulyssesd.daemon.cli", "run", "--spec", str(spec)],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def phase_bare(a, work: Path, out: Path) -> None:
+    d = work / "bare"
+    d.mkdir(parents=True, exist_ok=True)
+    spec = d / "spec.toml"
+    spec.write_text(JOB.format(preset=a.preset, dtype=a.dtype, steps=a.overhead_steps, seq=a.seq, device=a.device,
+                               gather="false", interval=10**9, save_at_end="false"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "ulyssesd.training", "--spec", str(spec), "--run-dir", str(d), "--attempt", "1"]
+    with open(d / "log.txt", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            p.wait(timeout=a.phase_timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(p)
+    (out / "bare_telemetry.jsonl").write_text((d / "telemetry.jsonl").read_text() if (d / "telemetry.jsonl").exists() else "")
+    (out / "bare_log_tail.txt").write_text((d / "log.txt").read_text()[-6000:])
+
+
+def supervised(a, work: Path, out: Path, name: str, steps: int, interval: int, faults: str, save_at_end: bool,
+               kill_at: int | None, timeout: float) -> dict:
+    state = work / f"state-{name}"
+    sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
+    spec = work / f"{name}.toml"
+    spec.write_text(DAEMON.format(name=name, state=state, sock=sock, hang_floor=a.hang_floor)
+                    + JOB.format(preset=a.preset, dtype=a.dtype, steps=steps, seq=a.seq, device=a.device,
+                                 gather="true", interval=interval, save_at_end=str(save_at_end).lower()) + faults)
+    log = out / f"{name}_daemon.log"
+    t0 = time.time()
+    proc = start_daemon(spec, log)
+    events: dict = {"daemon_started": t0}
+    try:
+        while time.time() - t0 < timeout and proc.poll() is None:
+            time.sleep(0.2)
+            rd = run_dir_of(state)
+            if rd is None or kill_at is None or "sigkill_time" in events:
+                continue
+            recs = records(rd / "telemetry.jsonl")
+            steps_a1 = [r["step"] for r in recs if r.get("kind") == "step" and r.get("attempt") == 1]
+            if steps_a1 and steps_a1[-1] >= kill_at:
+                ranks = dict(rank_pids(rd))
+                if 1 in ranks:
+                    os.kill(ranks[1], signal.SIGKILL)
+                    events.update(sigkill_time=time.time(), sigkill_after_step=steps_a1[-1], sigkill_pid=ranks[1])
+    finally:
+        if proc.poll() is None:
+            events["daemon_timeout"] = True
+            proc.send_signal(signal.SIGTERM)  # detach; then the job goes too
+            time.sleep(2)
+            kill_group(proc)
+            rd = run_dir_of(state)
+            if rd is not None:
+                for _, pid in rank_pids(rd):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+    events["daemon_exit"] = proc.returncode
+    events["wall_s"] = time.time() - t0
+    rd = run_dir_of(state)
+    if rd is not None:
+        (out / f"{name}_telemetry.jsonl").write_text((rd / "telemetry.jsonl").read_text()
+                                                    if (rd / "telemetry.jsonl").exists() else "")
+        logs = sorted((rd / "logs").glob("*.log")) if (rd / "logs").exists() else []
+        for lg in logs:
+            text = lg.read_text(errors="replace")
+            (out / f"{name}_{lg.name}_tail.txt").write_text(text[-12000:])
+        ck = rd / "checkpoints"
+        events["checkpoint_dirs"] = sorted(p.name for p in ck.iterdir()) if ck.exists() else []
+    db = state / "ulyssesd.db"
+    if db.exists():
+        (out / f"{name}_store.json").write_text(json.dumps(dump_store(db), indent=1, default=str))
+    (out / f"{name}_events.json").write_text(json.dumps(events, indent=1))
+    return events
+
+
+def _ts(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    s = str(value).replace("Z", "+00:00")
+    dt = datetime.fromisoformat(s)
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def analyze(out: Path) -> dict:
+    res: dict = {}
+    bare = records(out / "bare_telemetry.jsonl")
+    sup = records(out / "overhead_telemetry.jsonl")
+    if bare and sup:
+        warm = 3  # skip warm-up intervals
+        ib, isup = step_intervals(bare)[warm:], step_intervals(sup)[warm:]
+        if ib and isup:
+            mb, ms = statistics.median(ib), statistics.median(isup)
+            res["overhead"] = {"bare_median_interval_s": round(mb, 4), "supervised_median_interval_s": round(ms, 4),
+                               "overhead_pct": round(100 * (ms - mb) / mb, 2), "n_bare": len(ib), "n_supervised": len(isup),
+                               "bare_iqr_s": [round(x, 4) for x in statistics.quantiles(ib, n=4)[::2]],
+                               "supervised_iqr_s": [round(x, 4) for x in statistics.quantiles(isup, n=4)[::2]]}
+    ev_path = out / "faults_events.json"
+    if ev_path.exists():
+        ev = json.loads(ev_path.read_text())
+        recs = records(out / "faults_telemetry.jsonl")
+        store = json.loads((out / "faults_store.json").read_text()) if (out / "faults_store.json").exists() else {}
+        atts = {a["number"]: a for a in store.get("attempts", []) if isinstance(a, dict)}
+        incs = [i for i in store.get("incidents", []) if isinstance(i, dict)]
+        first_step = {}
+        started = {}
+        loaded = {}
+        for r in recs:
+            if r.get("kind") == "step":
+                first_step.setdefault(r["attempt"], r)
+            elif r.get("event") == "started":
+                started.setdefault(r["attempt"], r)
+            elif r.get("event") == "checkpoint_loaded":
+                loaded.setdefault(r["attempt"], r)
+        saves = [r for r in recs if r.get("event") == "checkpoint_saved"]
+        res["checkpoint"] = {
+            "saves": [{"tag": r["tag"], "seconds": r["seconds"], "GB": round(r["bytes"] / 1e9, 2),
+                       "GBps": round(r["bytes"] / 1e9 / max(r["seconds"], 1e-9), 2)} for r in saves],
+            "loads": [{"attempt": a, "tag": r["tag"], "seconds": r["seconds"]} for a, r in loaded.items()]}
+        kill = ev.get("sigkill_time")
+        if kill and 2 in atts:
+            a1, a2 = atts.get(1, {}), atts[2]
+            inc = next((i for i in incs if i["attempt"] == 1), None)
+            t_detect = _ts(inc["detected_at"]) if inc else None
+            t_end1, t_launch2 = _ts(a1.get("ended_at")), _ts(a2.get("started_at"))
+            st2, ld2, fs2 = started.get(2), loaded.get(2), first_step.get(2)
+            m = {"killed_after_step": ev.get("sigkill_after_step"),
+                 "detection_s": None if t_detect is None else round(t_detect - kill, 2),
+                 "teardown_s": None if t_end1 is None else round(t_end1 - (t_detect or kill), 2),
+                 "launch_gap_s": None if t_launch2 is None or t_end1 is None else round(t_launch2 - t_end1, 2)}
+            if st2 and t_launch2:
+                load_s = ld2["seconds"] if ld2 else 0.0
+                m["init_s"] = round(st2["time"] - load_s - t_launch2, 2)  # interpreter+imports+NCCL+DeepSpeed
+                m["checkpoint_load_s"] = load_s
+            if fs2 and st2:
+                m["first_step_s"] = round(fs2["time"] - st2["time"], 2)
+            if fs2:
+                m["mttr_s"] = round(fs2["time"] - kill, 2)
+                m["resumed_at_step"] = fs2["step"]
+            m["diagnosis"] = a1.get("diagnosis")
+            m["incident"] = None if inc is None else {"symptom": inc["symptom"], "summary": inc["summary"][:300]}
+            res["mttr_sigkill"] = m
+        hang_incs = [i for i in incs if i["symptom"] == "hang"]
+        if hang_incs:
+            h = hang_incs[0]
+            att = h["attempt"]
+            steps = [r for r in recs if r.get("kind") == "step" and r.get("attempt") == att]
+            last = steps[-1] if steps else None
+            t_det = _ts(h["detected_at"])
+            nxt = first_step.get(att + 1)
+            ev_h = h.get("evidence") or {}
+            if isinstance(ev_h, str):
+                ev_h = json.loads(ev_h)
+            res["nccl_hang"] = {
+                "attempt": att, "last_step_before_hang": None if last is None else last["step"],
+                "detected_after_last_step_s": None if last is None or t_det is None else round(t_det - last["time"], 2),
+                "summary": h["summary"][:400], "diagnosis_of_attempt": atts.get(att, {}).get("diagnosis"),
+                "stacks_captured": bool(ev_h.get("stacks")),
+                "stack_excerpt": str(ev_h.get("stacks"))[:600],
+                "recovered_first_step_s_after_detection": None if nxt is None or t_det is None
+                else round(nxt["time"] - t_det, 2),
+                "resumed_at_step": None if nxt is None else nxt["step"]}
+        res["final"] = {"run_state": [r.get("state") for r in store.get("runs", []) if isinstance(r, dict)],
+                        "daemon_exit": ev.get("daemon_exit"), "wall_s": round(ev.get("wall_s", 0), 1),
+                        "attempts": [{k: a.get(k) for k in ("number", "returncode", "signal", "diagnosis",
+                                                            "resumed_from")} for a in atts.values()]}
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", default="/tmp/ulysses-daemon-bench")
+    ap.add_argument("--preset", default="gpt-1b")
+    ap.add_argument("--seq", type=int, default=16384)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--overhead-steps", type=int, default=40)
+    ap.add_argument("--fault-steps", type=int, default=34)
+    ap.add_argument("--interval", type=int, default=12)
+    ap.add_argument("--kill-at", type=int, default=16)
+    ap.add_argument("--hang-at", type=int, default=28)
+    ap.add_argument("--hang-floor", type=float, default=20.0)
+    ap.add_argument("--phase-timeout", type=float, default=120.0)
+    ap.add_argument("--fault-timeout", type=float, default=300.0)
+    ap.add_argument("--deadline", type=float, default=None, help="epoch seconds: the fault run is cut to end 20 s before")
+    ap.add_argument("--phases", default="overhead,faults")
+    ap.add_argument("--analyze", action="store_true", help="only analyze the files already in --out")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    phases = a.phases.split(",")
+    if not a.analyze:
+        if "overhead" in phases:
+            phase_bare(a, work, out)
+            supervised(a, work, out, "overhead", a.overhead_steps, 10**9, "", False, None, a.phase_timeout)
+            print(json.dumps(analyze(out).get("overhead")), flush=True)
+        if "faults" in phases:
+            faults = (f"\n[[faults]]\nkind = \"hang\"\nat_step = {a.hang_at}\nrank = 1\nattempts = [2]\n")
+            timeout = a.fault_timeout if a.deadline is None else min(a.fault_timeout, a.deadline - time.time() - 20)
+            supervised(a, work, out, "faults", a.fault_steps, a.interval, faults, True, a.kill_at, max(60.0, timeout))
+    res = analyze(out)
+    (out / "daemon_results.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Effective job configs: patching by dotted key, validating, diffing, and the control file.
+
+A config version is a `JobSpec` dumped to JSON (`{run_dir}/configs/v{N}.json`); remediation patches it by
+dotted key (`train.gradient_clipping`, `data.skip_ranges`, ...). Every patched config is re-validated by
+the job's own model before it is written, so the daemon can never launch a config the job would reject.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ulyssesd.training.spec import JobSpec
+
+_MISSING = object()
+
+
+def get_dotted(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def set_dotted(cfg: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = cfg
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"cannot set {key}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def apply_patch(cfg: dict[str, Any], patch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """Apply {dotted: after | (before, after)}; returns (validated new config, diff {dotted: [before, after]})."""
+    new = copy.deepcopy(cfg)
+    diff: dict[str, list[Any]] = {}
+    for key, val in patch.items():
+        # A tuple is (before, after) as the remediation engine reports it; anything else is the new value.
+        after = val[1] if isinstance(val, tuple) and len(val) == 2 else val
+        before = get_dotted(new, key)
+        if before == after:
+            continue
+        set_dotted(new, key, after)
+        diff[key] = [before, after]
+    validated = JobSpec.model_validate(new).model_dump(mode="json")
+    return validated, diff
+
+
+def diff_configs(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> dict[str, list[Any]]:
+    """Leaf-level differences {dotted: [a_value, b_value]} (lists compared whole)."""
+    out: dict[str, list[Any]] = {}
+    keys = set(a) | set(b)
+    for k in sorted(keys):
+        va, vb = a.get(k, None), b.get(k, None)
+        path = f"{prefix}{k}"
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out.update(diff_configs(va, vb, path + "."))
+        elif va != vb:
+            out[path] = [va, vb]
+    return out
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_control(run_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((run_dir / "control.json").read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_control(run_dir: Path, **changes: Any) -> dict[str, Any]:
+    """Write control.json atomically with version+1. Keys not given are dropped, i.e. "no change"."""
+    cur = read_control(run_dir)
+    version = int(cur.get("version", 0)) + 1
+    data = {"version": version, **{k: v for k, v in changes.items() if v is not None}}
+    write_json_atomic(run_dir / "control.json", data)
+    return data

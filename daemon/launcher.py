@@ -1,0 +1,96 @@
+"""Launcher abstraction: the command line that starts one attempt of the job.
+
+Multi-node always goes through an existing launcher, never a home-made agent:
+- `torchrun` (default): `--standalone` on one node, c10d rendezvous (`--rdzv-endpoint`) across nodes;
+- `deepspeed`: the DeepSpeed launcher with a hostfile (pdsh/ssh fan-out);
+- `srun`: Slurm starts one task per rank inside the allocation;
+- `local`: one process, no launcher (world size 1; fakes and debugging).
+Every attempt runs under `ulyssesd.daemon.job_wrapper`, which records the exit status for re-adoption.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ulyssesd.daemon.spec import LauncherSection
+
+JOB_MARKER_ENV = "ULYSSESD_JOB_ID"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    log_path: Path
+    exit_file: Path
+    marker: tuple[str, str]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_command(launcher: LauncherSection, config_path: Path, run_dir: Path, attempt: int,
+                 config_version: int) -> list[str]:
+    """The per-rank program and its arguments (after the launcher's own flags)."""
+    return ["-m", launcher.module, "--config", str(config_path), "--run-dir", str(run_dir),
+            "--attempt", str(attempt), "--config-version", str(config_version)]
+
+
+def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attempt: int, config_version: int,
+                 base_env: dict[str, str] | None = None) -> LaunchPlan:
+    python = launcher.python or sys.executable
+    config_path = run_dir / "configs" / f"v{config_version}.json"
+    prog = rank_command(launcher, config_path, run_dir, attempt, config_version)
+    kind = launcher.kind
+    if kind == "local":
+        cmd = [python, *prog]
+    elif kind == "torchrun":
+        cmd = [python, "-m", "torch.distributed.run", f"--nnodes={launcher.nnodes}",
+               f"--nproc-per-node={launcher.nproc_per_node}", "--max-restarts=0"]
+        if launcher.nnodes == 1 and not launcher.rdzv_endpoint:
+            port = launcher.master_port or free_port()
+            cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}-{attempt}"]
+        else:
+            cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launcher.rdzv_endpoint}", f"--rdzv-id={run_id}-{attempt}"]
+        cmd += [*launcher.extra_args, *prog]
+    elif kind == "deepspeed":
+        cmd = [python, "-m", "deepspeed.launcher.runner", f"--num_nodes={launcher.nnodes}",
+               f"--num_gpus={launcher.nproc_per_node}"]
+        if launcher.hostfile:
+            cmd += [f"--hostfile={launcher.hostfile}"]
+        if launcher.master_port:
+            cmd += [f"--master_port={launcher.master_port}"]
+        cmd += [*launcher.extra_args, "--module", launcher.module, *prog[2:]]
+    elif kind == "srun":
+        cmd = ["srun", f"--nodes={launcher.nnodes}", f"--ntasks-per-node={launcher.nproc_per_node}",
+               "--kill-on-bad-exit=1", *launcher.extra_args, python, *prog]
+    else:  # pragma: no cover - the spec's Literal forbids it
+        raise ValueError(f"launcher.kind={kind!r} is not supported")
+    exit_file = run_dir / "attempts" / f"{attempt}.exit"
+    log_path = run_dir / "logs" / f"attempt-{attempt}.log"
+    argv = [python, "-m", "ulyssesd.daemon.job_wrapper", "--exit-file", str(exit_file), "--", *cmd]
+    marker = (JOB_MARKER_ENV, f"{run_id}:{attempt}")
+    env = dict(base_env if base_env is not None else os.environ)
+    env.update(launcher.env)
+    env.update({
+        "ULYSSESD_RUN_DIR": str(run_dir),
+        "ULYSSESD_ATTEMPT": str(attempt),
+        "ULYSSESD_CONFIG_VERSION": str(config_version),
+        marker[0]: marker[1],
+        "PYTHONUNBUFFERED": "1",
+        # torchrun would otherwise set OMP_NUM_THREADS=1 with a warning; keep it explicit and quiet.
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+    })
+    if kind == "local":
+        env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launcher.master_port or free_port())})
+    (run_dir / "attempts").mkdir(parents=True, exist_ok=True)
+    return LaunchPlan(argv=argv, env=env, cwd=str(run_dir), log_path=log_path, exit_file=exit_file, marker=marker)

@@ -1,0 +1,345 @@
+"""Fast tests of the state machine and the supervisor's fault logic with a fake OS and a fake clock."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+from uls_daemon_helpers import fake_spec
+
+from ulyssesd.daemon.process import ExitStatus, JobHandle
+from ulyssesd.daemon.spec import load_run_spec
+from ulyssesd.daemon.states import TRANSITIONS, IllegalTransition, can_transition, check_transition
+from ulyssesd.daemon.store import open_store
+from ulyssesd.daemon.store.enums import TERMINAL_RUN_STATES, RunState
+from ulyssesd.daemon.supervisor import Supervisor
+
+S = RunState
+
+
+# ------------------------------------------------------------------------------------ state machine
+def test_every_state_reaches_a_terminal_state_and_terminals_are_final():
+    graph: dict[RunState, set[RunState]] = {}
+    for a, b in TRANSITIONS:
+        graph.setdefault(a, set()).add(b)
+    for st in RunState:
+        if st in TERMINAL_RUN_STATES:
+            assert st not in graph
+            with pytest.raises(IllegalTransition, match="terminal"):
+                check_transition(st, S.RUNNING)
+            continue
+        seen, todo = set(), [st]
+        while todo:
+            cur = todo.pop()
+            for nxt in graph.get(cur, ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        assert seen & TERMINAL_RUN_STATES, st
+
+
+def test_illegal_transition_names_both_states_and_allowed_ones():
+    assert not can_transition(S.PAUSED, S.RUNNING)
+    with pytest.raises(IllegalTransition, match=r"PAUSED -> RUNNING.*allowed from PAUSED: \['STARTING', 'STOPPED'\]"):
+        check_transition(S.PAUSED, S.RUNNING)
+    assert check_transition(S.RUNNING, S.REMEDIATING) == "anomaly detected"
+
+
+def test_transition_table_is_commented_with_a_reason():
+    src = (Path(__file__).parents[2] / "daemon" / "states.py").read_text()
+    for a, b in TRANSITIONS:
+        assert f"# {a.value} -> {b.value} because" in src, (a, b)
+
+
+# ---------------------------------------------------------------------------------------- fake OS
+class FakeOS:
+    def __init__(self):
+        self.t, self.m = 1_000_000.0, 0.0
+        self.jobs: dict[int, dict] = {}
+        self.signals: list[tuple[float, int, int]] = []
+        self.spawns: list[float] = []
+        self.fail_spawn = 0
+        self.next_pid = 1000
+        self.term_behaviour = "ignore"  # "exit0": a SIGTERM'd job saves and exits 0; "ignore": hung
+
+    def time(self):
+        return self.t
+
+    def monotonic(self):
+        return self.m
+
+    def advance(self, s):
+        self.t += s
+        self.m += s
+
+    def spawn(self, argv, env, cwd, log_path):
+        self.spawns.append(self.t)
+        if self.fail_spawn:
+            self.fail_spawn -= 1
+            raise OSError(2, "No such file or directory", argv[0])
+        pid = self.next_pid
+        self.next_pid += 10
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("starting\n")
+        self.jobs[pid] = {"alive": True, "status": None, "ranks": [pid + 1, pid + 2], "log": log_path}
+        return JobHandle(pid, self.t)
+
+    def start_time_of(self, pid):
+        return self.t
+
+    def is_alive(self, job):
+        return self.jobs[job.pid]["alive"]
+
+    def exit_status(self, job, exit_file):
+        j = self.jobs[job.pid]
+        return None if j["alive"] else j["status"]
+
+    def die(self, pid, status):
+        self.jobs[pid].update(alive=False, status=status)
+
+    def job_pids(self, job, marker=None):
+        j = self.jobs.get(job.pid)
+        return [job.pid, *j["ranks"]] if j and j["alive"] else []
+
+    def rank_pids(self, job, module, marker=None):
+        j = self.jobs.get(job.pid)
+        return list(j["ranks"]) if j and j["alive"] else []
+
+    def signal_pids(self, pids, sig):
+        for pid in pids:
+            self.signals.append((self.m, pid, sig))
+            owner = next((p for p, j in self.jobs.items() if pid == p or pid in j["ranks"]), None)
+            if owner is None or not self.jobs[owner]["alive"]:
+                continue
+            if sig == signal.SIGUSR1:
+                with open(self.jobs[owner]["log"], "a") as fh:
+                    fh.write(f'Current thread 0x{pid:x} (most recent call first):\n  File "train.py", line 1 in step\n')
+            elif sig == signal.SIGKILL:
+                self.die(owner, ExitStatus(None, signal.SIGKILL, "wait"))
+            elif sig == signal.SIGTERM and self.term_behaviour == "exit0":
+                self.die(owner, ExitStatus(0, None, "file"))
+        return list(pids)
+
+
+def _sup(tmp_path, fos, **kw):
+    spec = load_run_spec(fake_spec(tmp_path, **kw))
+    store = open_store(spec.daemon.resolved_db_path())
+    return Supervisor(spec, store, fos)
+
+
+def _emit(sup, **rec):
+    rec = {"v": 1, "time": sup.os.time(), "attempt": sup.attempt, **rec}
+    with open(sup.telemetry_path, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")
+
+
+def _steps(sup, a, b, dt=0.5):
+    for s in range(a, b + 1):
+        sup.os.advance(dt)
+        _emit(sup, kind="step", step=s, loss=3.0 - 0.01 * s, step_time_s=dt, samples=[s - 1, s])
+        sup.tick()
+
+
+def test_hang_sequence_dump_then_term_then_kill_then_relaunch(tmp_path):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, daemon={"stack_dump_wait_s": 2.0, "hang_grace_s": 5.0},
+               detectors={"hang_timeout_floor_s": 10.0})
+    sup.start()
+    job1 = sup.job
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 10)
+    assert sup.state == S.RUNNING
+    fos.advance(9.0)
+    sup.tick()
+    assert not fos.signals  # 9 s < 10 s timeout: nothing yet (negative control)
+    fos.advance(2.0)
+    sup.tick()
+    assert [(p, s) for _, p, s in fos.signals] == [(job1.pid + 1, signal.SIGUSR1), (job1.pid + 2, signal.SIGUSR1)]
+    assert sup.state == S.RESTARTING
+    fos.advance(1.0)
+    sup.tick()
+    assert all(s == signal.SIGUSR1 for _, _, s in fos.signals)  # still waiting for the dumps
+    fos.advance(1.5)
+    sup.tick()
+    terms = [p for _, p, s in fos.signals if s == signal.SIGTERM]
+    assert terms == [job1.pid + 1, job1.pid + 2]
+    fos.advance(4.0)
+    sup.tick()
+    assert not any(s == signal.SIGKILL for _, _, s in fos.signals)  # grace not over
+    fos.advance(1.5)
+    sup.tick()
+    assert any(s == signal.SIGKILL for _, _, s in fos.signals)
+    sup.tick()
+    assert sup.attempt == 2 and sup.job.pid != job1.pid and sup.state == S.STARTING
+    inc = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "hang"]
+    assert len(inc) == 1 and "Current thread" in inc[0].evidence["stacks"]
+
+
+def test_early_deaths_back_off_exponentially_then_fail(tmp_path):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, daemon={"backoff_base_s": 2.0, "backoff_max_s": 100.0, "early_death_s": 30.0},
+               remediation={"max_restarts_per_hour": 20, "no_progress_restarts": 20, "max_crash_restarts": 5})
+    sup.start()
+    for _ in range(12):
+        if sup.state == S.FAILED:
+            break
+        if sup.job is not None and fos.is_alive(sup.job):
+            fos.advance(1.0)
+            with open(fos.jobs[sup.job.pid]["log"], "a") as fh:
+                fh.write("Traceback (most recent call last):\nRuntimeError: boom at start\n")
+            fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+        sup.tick()
+        while sup.state == S.BACKOFF:
+            fos.advance(0.25)
+            sup.tick()
+    assert sup.state == S.FAILED
+    gaps = [b - a for a, b in zip(fos.spawns, fos.spawns[1:], strict=False)]
+    assert len(gaps) >= 3
+    # 1 s of runtime + backoff 2, 4, 8 ... (x1..1.25 jitter): strictly growing
+    assert all(g2 > g1 for g1, g2 in zip(gaps, gaps[1:], strict=False)), gaps
+    assert gaps[0] >= 3.0
+
+
+def test_launcher_that_cannot_start_is_retried_then_run_fails(tmp_path, monkeypatch):
+    import tenacity
+
+    monkeypatch.setattr(tenacity.nap, "sleep", lambda s: None)
+    fos = FakeOS()
+    fos.fail_spawn = 99
+    sup = _sup(tmp_path, fos, daemon={"launch_retries": 2})
+    sup.start()
+    assert len(fos.spawns) == 3  # 1 + 2 retries, bounded
+    assert sup.state == S.FAILED
+    inc = sup.store.list_incidents(sup.run_id)
+    assert [i.symptom.value for i in inc] == ["launch_failure"]
+    assert "No such file or directory" in inc[0].summary
+
+
+def test_daemon_signal_detaches_without_touching_the_job(tmp_path):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos)
+    sup.start()
+    sup.enqueue("signal", signal.SIGTERM)
+    sup.tick()
+    assert sup.detach and fos.signals == [] and fos.is_alive(sup.job)
+
+
+def test_readopt_live_job_with_fake_os(tmp_path):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos)
+    sup.start()
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 5)
+    pid = sup.job.pid
+    sup2 = _sup(tmp_path, fos)  # same spec: finds the unfinished run
+    sup2.start()
+    assert sup2.run_id == sup.run_id and sup2.job.pid == pid and sup2.attempt == 1
+    assert len(fos.spawns) == 1  # nothing relaunched
+    assert sup2.last_step == 5
+    fos.die(pid, ExitStatus(0, None, "file"))
+    _emit(sup2, kind="event", event="exiting", reason="completed", step=5)
+    sup2.tick()
+    assert sup2.state == S.COMPLETED
+
+
+def _make_tag(ckdir: Path, step: int) -> None:
+    from ulyssesd.training import checkpoint as ck
+
+    d = ckdir / ck.tag_for_step(step)
+    d.mkdir(parents=True)
+    (d / "state.bin").write_bytes(bytes([step % 256]) * 64)
+    ck.write_manifest(d, step, 1.0, step, 1)
+
+
+def test_rollback_picks_newest_valid_tag_at_or_before_target_and_sets_newer_aside(tmp_path):
+    sup = _sup(tmp_path, FakeOS())
+    sup.start()
+    for s in (5, 10, 15):
+        _make_tag(sup.ckpt_dir, s)
+    tag, notes = sup._choose_checkpoint(rollback_to_step=7)
+    assert tag == "step-00000005" and notes == []
+    names = sorted(p.name for p in sup.ckpt_dir.iterdir())
+    assert any(n.startswith("step-00000010.rolledback-") for n in names)
+    assert any(n.startswith("step-00000015.rolledback-") for n in names)
+    assert (sup.ckpt_dir / "latest").read_text().strip() == "step-00000005"
+
+
+def test_rollback_target_pruned_falls_back_to_oldest_valid_not_scratch(tmp_path):
+    sup = _sup(tmp_path, FakeOS())
+    sup.start()
+    for s in (10, 15):
+        _make_tag(sup.ckpt_dir, s)
+    tag, notes = sup._choose_checkpoint(rollback_to_step=7)
+    assert tag == "step-00000010"
+    assert "no valid checkpoint at or before step 7" in notes[0]
+    assert any(p.name.startswith("step-00000015.rolledback-") for p in sup.ckpt_dir.iterdir())
+
+
+def test_corrupt_newest_tag_quarantined_previous_used(tmp_path):
+    sup = _sup(tmp_path, FakeOS())
+    sup.start()
+    for s in (5, 10):
+        _make_tag(sup.ckpt_dir, s)
+    (sup.ckpt_dir / "step-00000010" / "state.bin").write_bytes(b"\xff" * 64)  # same size, flipped bytes
+    tag, notes = sup._choose_checkpoint(rollback_to_step=None)
+    assert tag == "step-00000005"
+    assert "step-00000010 invalid" in notes[0] and "sha256" in notes[0] and "quarantined" in notes[0]
+
+
+def test_all_checkpoints_corrupt_fails_instead_of_restarting_from_scratch(tmp_path):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos)
+    sup.start()
+    _make_tag(sup.ckpt_dir, 5)
+    (sup.ckpt_dir / "step-00000005" / "state.bin").write_bytes(b"\x00" * 64)
+    fos.die(sup.job.pid, ExitStatus(None, signal.SIGKILL, "wait"))
+    sup.tick()
+    for _ in range(20):  # an early death backs off first
+        fos.advance(1.0)
+        sup.tick()
+    assert sup.state == S.FAILED
+    inc = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "checkpoint_corrupt"]
+    assert inc and inc[-1].status.value == "failed" and "not restarting from scratch" in inc[-1].summary
+    assert len(fos.spawns) == 1
+    assert any(p.name.startswith("step-00000005.corrupt-") for p in sup.ckpt_dir.iterdir())  # kept
+
+
+def test_readopting_daemon_still_resolves_incidents_the_dead_one_opened(tmp_path):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, steps=100, interval=10)
+    sup.start()
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 12)
+    _emit(sup, kind="event", event="checkpoint_saved", step=10, tag="step-00000010")
+    sup.tick()
+    fos.die(sup.job.pid, ExitStatus(None, signal.SIGSEGV, "wait"))
+    sup.tick()
+    for _ in range(5):
+        fos.advance(1.0)
+        sup.tick()
+    crash = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "crash"]
+    assert crash and crash[0].status.value == "remediating" and sup.attempt == 2
+    sup2 = _sup(tmp_path, fos, steps=100, interval=10)  # the first daemon "died"; a new one adopts
+    sup2.start()
+    assert sup2.attempt == 2
+    _emit(sup2, kind="event", event="started", step=10)
+    _steps(sup2, 11, 21)
+    _emit(sup2, kind="event", event="checkpoint_saved", step=20, tag="step-00000020")
+    sup2.tick()
+    assert sup2.store.get_incident(crash[0].id).status.value == "resolved"
+
+
+def test_observe_only_records_the_hang_and_touches_nothing(tmp_path):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, remediation={"mode": "observe"}, detectors={"hang_timeout_floor_s": 10.0})
+    sup.start()
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 10)
+    fos.advance(30.0)
+    sup.tick()
+    assert fos.signals == [] and fos.is_alive(sup.job) and sup.attempt == 1
+    inc = [sup.store.get_incident(i.id) for i in sup.store.list_incidents(sup.run_id)]
+    assert [i.symptom.value for i in inc] == ["hang"]
+    assert inc[0].actions[0].observe_only and inc[0].actions[0].kind.value == "observe_only_noop"
