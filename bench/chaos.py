@@ -48,8 +48,8 @@ dtype = "fp32"
 steps = 100000
 seq_len = 64
 micro_batch_size = 1
-lr = 1e-3
-warmup_steps = 2
+lr = 3e-4
+warmup_steps = 10
 device = "cpu"
 [deepspeed.config.zero_optimization]
 stage = 3
@@ -63,6 +63,7 @@ keep_last = 4
 warmup_steps = 5
 window = 20
 hang_timeout_floor_s = 15.0
+hang_startup_timeout_s = 180.0
 [remediation]
 max_restarts_per_hour = 60
 no_progress_restarts = 6
@@ -137,14 +138,17 @@ class Chaos:
         return next(runs.iterdir()) if runs.exists() and any(runs.iterdir()) else None
 
     def current_attempt_training(self, run_dir: Path) -> tuple[int, int] | None:
-        """(attempt, last step) if the newest attempt has written a step record."""
-        recs = records(run_dir)
-        started = [r for r in recs if r.get("event") == "started"]
-        if not started:
+        """(attempt, last step) if the live ranks' attempt (from their environment) has written a step
+        record: faults go into a job that is training, never into one still starting up."""
+        ranks = rank_pids(run_dir)
+        if not ranks:
             return None
-        att = started[-1].get("attempt")
-        steps = [r["step"] for r in recs if r.get("kind") == "step" and r.get("attempt") == att]
-        return (att, steps[-1]) if steps else None
+        try:
+            att = int(psutil.Process(ranks[-1]).environ().get("ULYSSESD_ATTEMPT", "-1"))
+        except (psutil.Error, ValueError):
+            return None
+        steps = [r["step"] for r in records(run_dir) if r.get("kind") == "step" and r.get("attempt") == att]
+        return (att, steps[-1]) if len(steps) >= 3 else None
 
     def inject(self, kind: str, run_dir: Path, attempt: int) -> None:
         now = time.time()

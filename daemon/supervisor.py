@@ -718,11 +718,14 @@ class Supervisor:
     def _patch_of(self, dec: Any) -> dict[str, Any]:
         """The decision's JobSpec patch (launcher.env.* keys go to the launch environment instead)."""
         patch = dict(getattr(dec, "config_patch", {}) or {})
-        skips = [list(r) for r in (getattr(dec, "skip_ranges", None) or [])]
-        if skips or "data.skip_ranges" in patch:
-            cur = [list(r) for r in (jc.get_dotted(self.config, "data.skip_ranges") or [])]
-            proposed = [list(r) for r in (patch.get("data.skip_ranges") or [])] + skips
-            patch["data.skip_ranges"] = cur + [r for i, r in enumerate(proposed) if r not in cur and r not in proposed[:i]]
+        if "data.skip_ranges" in patch:
+            # The engine's value is the whole new list (it merges ranges itself).
+            patch["data.skip_ranges"] = [list(r) for r in patch["data.skip_ranges"] or []]
+        else:
+            skips = [list(r) for r in (getattr(dec, "skip_ranges", None) or [])]
+            if skips:
+                cur = [list(r) for r in (jc.get_dotted(self.config, "data.skip_ranges") or [])]
+                patch["data.skip_ranges"] = cur + [r for r in skips if r not in cur]
         return patch
 
     def _apply_decision(self, dec: Any, step: int) -> None:
