@@ -209,6 +209,7 @@ def run_demo(work_dir: str | None = None) -> int:
               f"[bold]{good['goodput']:.0%}[/bold]  ({good['unique_steps']} unique steps, "
               f"{good['steps_run']} steps run, {good['steps_run'] - good['unique_steps']} redone after rollbacks)")
     con.print(f"inspect: ulyssesctl --state-dir {state} status | incidents | incident ID | config")
+    configure_logging()  # back to stdout before the file goes away (the demo may run in-process)
     log_file.close()
     return 0 if sup.state.value == "COMPLETED" else 1
 

@@ -16,9 +16,26 @@ import structlog
 _configured = False
 
 
+class _CurrentStdout:
+    """Writes to whatever `sys.stdout` is at the time of the write, not at configure time.
+
+    A daemon that redirects stdout later (or pytest, which swaps and closes it per test) must never be left
+    logging into a closed file.
+    """
+
+    def write(self, text: str) -> int:
+        return sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+    def isatty(self) -> bool:
+        return hasattr(sys.stdout, "isatty") and sys.stdout.isatty()
+
+
 def configure_logging(level: str | None = None, json: bool | None = None, stream=None) -> None:
     global _configured
-    stream = stream or sys.stdout
+    stream = stream or _CurrentStdout()
     level_name = (level or os.environ.get("ULYSSESD_LOG_LEVEL") or "INFO").upper()
     if json is None:
         json = not (hasattr(stream, "isatty") and stream.isatty())

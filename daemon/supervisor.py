@@ -570,7 +570,7 @@ class Supervisor:
         if self.alerts is not None:
             self.alerts.send(f"run {self.run_id}: {text}")
 
-    def run_forever(self, poll: Callable[[float], None] | None = None) -> RunState:
+    def run_forever(self, poll: Callable[[float], object] | None = None) -> RunState:
         """Tick until the run ends or the daemon is told to detach. `poll(timeout)` doubles as the sleep
         (the control socket's poll, which answers requests on this thread)."""
         while not self.detach and self.state not in TERMINAL:

@@ -26,6 +26,7 @@ from ulyssesd.remediation.playbook import (
     ROLLBACK,
     STOP,
     SYMPTOM_LADDER,
+    Action,
     Apply,
     Context,
     Proposal,
@@ -180,12 +181,12 @@ class RemediationEngine:
             self._samples.append((record.step, record.samples))
         findings: list[Finding] | None = None
         for observe in self._step_observers:
-            f = observe(record, now)
-            if f:
+            found = observe(record, now)
+            if found:
                 if findings is None:
-                    findings = list(f)
+                    findings = list(found)
                 else:
-                    findings.extend(f)
+                    findings.extend(found)
         weight_anomaly = False
         if findings:  # rare: the quiet path stays cheap for replaying millions of records
             weight_anomaly = any(f.symptom in WEIGHT_SYMPTOMS for f in findings)
@@ -332,6 +333,7 @@ class RemediationEngine:
         pol = self.policy
         a = anomaly_step if anomaly_step is not None else (self.last_step or 0)
         target: tuple[str | None, int] | None = None
+        tag: str | None
         for tag, s in reversed(self.known_good):
             if s <= a - pol.rollback_steps_back:
                 target = (tag, s)
@@ -389,6 +391,8 @@ class RemediationEngine:
         ctx = Context(self.values, self.initial, self.launched, self.policy, self._rollback_plan(anomaly_step),
                       finding.evidence if finding else {})
         skipped: list[str] = []
+        action: Action  # both set on the iteration that breaks
+        built: Proposal | str
         while True:
             action = rungs[st.position] if st.position < len(rungs) else STOP
             if st.uses >= action.max_uses(self.policy) and action is not STOP:

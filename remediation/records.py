@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
+_fast_loads: Callable[[str | bytes], Any]  # orjson's or the stdlib's: both take str or bytes
 try:  # optional: orjson parses a telemetry line ~3x faster than the stdlib (replay of millions of records)
     from orjson import loads as _fast_loads
 except ImportError:  # pragma: no cover - depends on the environment
@@ -23,7 +25,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 try:  # optional: msgspec decodes a plain step line into a typed struct without building a dict
     import msgspec as _msgspec
 except ImportError:  # pragma: no cover - depends on the environment
-    _msgspec = None
+    _msgspec = None  # type: ignore[assignment]  # absent: the `_msgspec is not None` checks below skip it
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "NaN": math.nan, "Infinity": math.inf,
               "-Infinity": -math.inf}
@@ -135,7 +137,8 @@ _INT_AT = itemgetter(*(_ORDER.index(k) for k in _INTS))
 def _fast_step(d: dict[str, Any]) -> StepRecord | None:
     """The common case (plain numbers): positional construction and C-level type checks. Returns None to
     fall back to the validating path, which names the problem."""
-    vals = tuple(map(d.get, _ORDER))
+    # Any: the checks below establish each field's type before StepRecord(*vals) is built.
+    vals: tuple[Any, ...] = tuple(map(d.get, _ORDER))
     step, loss, sk, smp = vals[0], vals[1], vals[7], vals[17]
     if (type(step) is not int or step < 0 or type(loss) not in _NUM or loss is None
             or not _NUM.issuperset(map(type, _FLOAT_AT(vals))) or not _INT.issuperset(map(type, _INT_AT(vals)))

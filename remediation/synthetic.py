@@ -57,7 +57,7 @@ def trace(spec: TraceSpec) -> Iterator[dict]:
         st_max = st * (1 + rng.uniform(0.0, 0.08))
         slowest = rng.randrange(spec.ranks)
         mem = spec.mem_gib * (1 + rng.gauss(0, 0.005))
-        grad_norm = abs(rng.gauss(0.8, 0.1))
+        grad_norm: float | str = abs(rng.gauss(0.8, 0.1))
         skipped = False
         loss_out: float | str = loss
         for inj in by_step.get(step, ()):

@@ -28,7 +28,9 @@ class Finding:
 
 class Detector(Protocol):
     symptom: str
-    active: bool
+
+    @property
+    def active(self) -> bool: ...  # read-only: detectors derive it from their episode
 
     def observe(self, record: Record, now: float) -> list[Finding]: ...
 

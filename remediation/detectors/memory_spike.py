@@ -52,8 +52,10 @@ class MemorySpikeDetector:
         who = f"rank {rank}" if rank is not None else "a rank"
         parts = []
         if over_base:
+            assert base is not None  # over_base implies a baseline
             parts.append(f"{mem / base:.2f}x its {len(self._win)}-step baseline {fmt(base)} GiB")
         if near_cap:
+            assert cap is not None  # near_cap implies a capacity
             parts.append(f"{mem / cap:.0%} of the {fmt(cap)} GiB device")
         msg = f"step {rec.step}: {who} peaked at {fmt(mem)} GiB allocated, {' and '.join(parts)}."
         return [Finding(self.symptom, rec.step, "critical" if near_cap else "warning", ev, msg, now)]

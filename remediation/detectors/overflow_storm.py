@@ -4,6 +4,7 @@ are the dynamic loss scale calibrating itself (healthy) and are not counted."""
 from __future__ import annotations
 
 from collections import deque
+from typing import cast
 
 from ulyssesd.remediation.config import DetectorsConfig
 from ulyssesd.remediation.detectors.base import Episode, Finding
@@ -47,7 +48,7 @@ class OverflowStormDetector:
             return []
         n = len(flags)
         rate = self._skips / n
-        if n < flags.maxlen or rate <= self.cfg.overflow_max_rate:
+        if n < cast(int, flags.maxlen) or rate <= self.cfg.overflow_max_rate:
             if self._ep.active:
                 self._ep.normal()
             return []
