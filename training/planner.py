@@ -484,12 +484,23 @@ def _model_state_items(c: _Ctx) -> list[Item]:
     return items
 
 
-def _activation_items(c: _Ctx, k: int, fp32_layers: int) -> list[Item]:
+def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None = None) -> list[Item]:
     m, d, t = c.m, c.d, c.tokens
     L = m.num_layers
     blk = [block_saved_bytes_per_token(m, 4 if i < fp32_layers else d, c.sp) for i in range(L)]
     items: list[Item] = []
-    if k == 0:
+    if ck_layers is not None:
+        # Selective recompute (train.activation_checkpoint_layers = N): the first N blocks keep only their
+        # input and are recomputed one at a time; the other L - N blocks keep everything autograd saves.
+        n_ck = min(ck_layers, L)
+        items.append(Item(f"checkpointed block inputs ({n_ck} blocks)", t * d * m.hidden_size * n_ck, "gpu",
+                          f"b·s/sp·{n_ck}·{d}·h", FWD_BWD))
+        items.append(Item(f"activations of {L - n_ck} uncheckpointed blocks", t * sum(blk[n_ck:]), "gpu",
+                          f"b·s/sp·{L - n_ck}·{blk[-1]} B/token", FWD_BWD))
+        if n_ck:
+            items.append(Item("recomputed block (1 block)", t * max(blk[:n_ck]), "gpu",
+                              f"b·s/sp·{blk[0]} B/token", ("backward",)))
+    elif k == 0:
         items.append(Item("activations, all blocks (no checkpointing)", t * sum(blk), "gpu",
                           f"b·s/sp·L·{blk[-1]} B/token", FWD_BWD))
     else:
@@ -575,7 +586,8 @@ def _compute(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
              n=n, shard=math.ceil(st.total / n), gpn=cluster.gpus_per_node, sp=sp,
              tokens=job.train.micro_batch_size * (job.train.seq_len // sp))
     k = job.train.activation_checkpoint_every
-    items = _model_state_items(c) + _activation_items(c, k, min(job.precision.fp32_layers, m.num_layers))
+    items = _model_state_items(c) + _activation_items(c, k, min(job.precision.fp32_layers, m.num_layers),
+                                                      job.train.activation_checkpoint_layers)
     phase_bytes = {ph: sum(it.bytes for it in items if ph in it.phases) for ph in PHASES}
     peak = max(phase_bytes.values())
     required = int(peak * (1 + allocator_headroom) + cuda_context_gib * GiB)
