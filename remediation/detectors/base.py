@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ulyssesd.remediation.records import Record
+
+if TYPE_CHECKING:
+    from ulyssesd.remediation.config import DetectorsConfig
 
 # Exactly the store's symptom names that detectors emit (the store's enum also has crash-side ones).
 SYMPTOMS = ("memory_spike", "loss_spike", "loss_oscillation", "nan_loss", "overflow_storm", "slow_step",
@@ -35,6 +38,30 @@ class Detector(Protocol):
     def observe(self, record: Record, now: float) -> list[Finding]: ...
 
     def reset(self) -> None: ...
+
+
+class EpisodeDetector:
+    """Plumbing every episode-based detector shares: its config, the anomaly `Episode`, `active`, `reset`.
+
+    Subclasses build their own windows before calling `super().__init__(cfg)` (which resets) and extend
+    `reset()` with their own state."""
+
+    symptom: str
+    # Consecutive normal steps that end an episode; None = `cfg.clear_steps`.
+    episode_clear_steps: int | None = None
+
+    def __init__(self, cfg: DetectorsConfig):
+        self.cfg = cfg
+        clear = self.episode_clear_steps if self.episode_clear_steps is not None else cfg.clear_steps
+        self._ep = Episode(cfg.refire_steps, clear)
+        self.reset()
+
+    @property
+    def active(self) -> bool:
+        return self._ep.active
+
+    def reset(self) -> None:
+        self._ep.reset()
 
 
 class RollingMedian:

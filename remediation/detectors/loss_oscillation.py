@@ -6,26 +6,16 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from ulyssesd.remediation.config import DetectorsConfig
-from ulyssesd.remediation.detectors.base import Episode, Finding, fmt
+from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
 from ulyssesd.remediation.records import Record, StepRecord
 
 
-class LossOscillationDetector:
+class LossOscillationDetector(EpisodeDetector):
     symptom = "loss_oscillation"
-
-    def __init__(self, cfg: DetectorsConfig):
-        self.cfg = cfg
-        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
-        self.reset()
-
-    @property
-    def active(self) -> bool:
-        return self._ep.active
 
     def reset(self) -> None:
         n = self.cfg.loss_osc_window
-        self._ep.reset()
+        super().reset()
         self._prev: float | None = None
         self._deltas: deque[float] = deque(maxlen=n)
         self._signs: deque[int] = deque(maxlen=n)

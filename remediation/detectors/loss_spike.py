@@ -9,29 +9,23 @@ from itertools import repeat
 from operator import sub
 
 from ulyssesd.remediation.config import DetectorsConfig
-from ulyssesd.remediation.detectors.base import Episode, Finding, fmt
+from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
 from ulyssesd.remediation.records import Record, StepRecord
 
 _MAD_TO_SIGMA = 1.4826
 
 
-class LossSpikeDetector:
+class LossSpikeDetector(EpisodeDetector):
     symptom = "loss_spike"
 
     def __init__(self, cfg: DetectorsConfig):
-        self.cfg = cfg
         self._win: deque[float] = deque(maxlen=cfg.window)
         self._min = min(10, cfg.window)
-        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
-        self.reset()
-
-    @property
-    def active(self) -> bool:
-        return self._ep.active
+        super().__init__(cfg)
 
     def reset(self) -> None:
         self._win.clear()
-        self._ep.reset()
+        super().reset()
         self._seen = 0
         self._ready = False
         self._median = math.nan

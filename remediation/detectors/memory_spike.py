@@ -4,26 +4,20 @@ or reaches a fraction of the device capacity; names the rank that holds the peak
 from __future__ import annotations
 
 from ulyssesd.remediation.config import DetectorsConfig
-from ulyssesd.remediation.detectors.base import Episode, Finding, RollingMedian, fmt
+from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, RollingMedian, fmt
 from ulyssesd.remediation.records import Record, StepRecord
 
 
-class MemorySpikeDetector:
+class MemorySpikeDetector(EpisodeDetector):
     symptom = "memory_spike"
 
     def __init__(self, cfg: DetectorsConfig):
-        self.cfg = cfg
         self._win = RollingMedian(cfg.window)
-        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
-        self.reset()
-
-    @property
-    def active(self) -> bool:
-        return self._ep.active
+        super().__init__(cfg)
 
     def reset(self) -> None:
         self._win.clear()
-        self._ep.reset()
+        super().reset()
         self._seen = 0
 
     def observe(self, rec: Record, now: float) -> list[Finding]:

@@ -5,24 +5,17 @@ from __future__ import annotations
 import math
 
 from ulyssesd.remediation.config import DetectorsConfig
-from ulyssesd.remediation.detectors.base import Episode, Finding
+from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding
 from ulyssesd.remediation.records import Record, StepRecord
 
 
-class NanLossDetector:
+class NanLossDetector(EpisodeDetector):
     symptom = "nan_loss"
+    episode_clear_steps = 1  # any finite step ends a NaN episode
 
     def __init__(self, cfg: DetectorsConfig, min_loss_scale: float | None = None):
-        self.cfg = cfg
         self.min_loss_scale = min_loss_scale
-        self._ep = Episode(cfg.refire_steps, 1)  # any finite step ends a NaN episode
-
-    @property
-    def active(self) -> bool:
-        return self._ep.active
-
-    def reset(self) -> None:
-        self._ep.reset()
+        super().__init__(cfg)
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if not isinstance(rec, StepRecord):

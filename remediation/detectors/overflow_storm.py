@@ -6,25 +6,15 @@ from __future__ import annotations
 from collections import deque
 from typing import cast
 
-from ulyssesd.remediation.config import DetectorsConfig
-from ulyssesd.remediation.detectors.base import Episode, Finding
+from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding
 from ulyssesd.remediation.records import Record, StepRecord
 
 
-class OverflowStormDetector:
+class OverflowStormDetector(EpisodeDetector):
     symptom = "overflow_storm"
 
-    def __init__(self, cfg: DetectorsConfig):
-        self.cfg = cfg
-        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
-        self.reset()
-
-    @property
-    def active(self) -> bool:
-        return self._ep.active
-
     def reset(self) -> None:
-        self._ep.reset()
+        super().reset()
         self._flags: deque[bool] = deque(maxlen=self.cfg.overflow_window)
         self._skips = 0
         self._seen = 0

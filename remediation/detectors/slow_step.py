@@ -5,7 +5,7 @@ not counted."""
 from __future__ import annotations
 
 from ulyssesd.remediation.config import DetectorsConfig
-from ulyssesd.remediation.detectors.base import Episode, Finding, RollingMedian, fmt
+from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, RollingMedian, fmt
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
 
@@ -14,22 +14,16 @@ def step_time(rec: StepRecord) -> float | None:
     return t if t is not None and t == t and t > 0 else None
 
 
-class SlowStepDetector:
+class SlowStepDetector(EpisodeDetector):
     symptom = "slow_step"
 
     def __init__(self, cfg: DetectorsConfig):
-        self.cfg = cfg
         self._win = RollingMedian(cfg.window)
-        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
-        self.reset()
-
-    @property
-    def active(self) -> bool:
-        return self._ep.active
+        super().__init__(cfg)
 
     def reset(self) -> None:
         self._win.clear()
-        self._ep.reset()
+        super().reset()
         self._seen = 0
         self._run = 0
         self._skip_next = False

@@ -3,25 +3,15 @@ many consecutive steps."""
 
 from __future__ import annotations
 
-from ulyssesd.remediation.config import DetectorsConfig
-from ulyssesd.remediation.detectors.base import Episode, Finding, fmt
+from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
 from ulyssesd.remediation.records import Record, StepRecord
 
 
-class StragglerDetector:
+class StragglerDetector(EpisodeDetector):
     symptom = "straggler"
 
-    def __init__(self, cfg: DetectorsConfig):
-        self.cfg = cfg
-        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
-        self.reset()
-
-    @property
-    def active(self) -> bool:
-        return self._ep.active
-
     def reset(self) -> None:
-        self._ep.reset()
+        super().reset()
         self._seen = 0
         self._rank: int | None = None
         self._run = 0

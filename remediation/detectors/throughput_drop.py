@@ -4,7 +4,7 @@ Low steps stay out of the baseline, so a lasting drop keeps being measured again
 from __future__ import annotations
 
 from ulyssesd.remediation.config import DetectorsConfig
-from ulyssesd.remediation.detectors.base import Episode, Finding, RollingMedian, fmt
+from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, RollingMedian, fmt
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
 
@@ -18,25 +18,19 @@ def tokens_per_s(rec: StepRecord) -> float | None:
     return v if v == v and v > 0 else None
 
 
-class ThroughputDropDetector:
+class ThroughputDropDetector(EpisodeDetector):
     symptom = "throughput_drop"
 
     def __init__(self, cfg: DetectorsConfig):
-        self.cfg = cfg
         self._win = RollingMedian(cfg.window)
-        self._ep = Episode(cfg.refire_steps, cfg.clear_steps)
-        self.reset()
-
-    @property
-    def active(self) -> bool:
-        return self._ep.active
+        super().__init__(cfg)
 
     def baseline(self) -> float | None:
         return self._win.med
 
     def reset(self) -> None:
         self._win.clear()
-        self._ep.reset()
+        super().reset()
         self._seen = 0
         self._run = 0
         self._skip_next = False
