@@ -7,6 +7,7 @@ would cascade into child tables) and end with `PRAGMA foreign_key_check`, which 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from alembic import command
@@ -30,17 +31,19 @@ def alembic_config(connection: Connection | None = None) -> Config:
     return cfg
 
 
+@functools.cache
 def head_revision() -> str:
-    """The newest revision shipped with this code."""
+    """The newest revision shipped with this code (fixed for the process: read the scripts once)."""
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     if head is None:  # pragma: no cover - the package always ships revisions
         raise StoreError(f"no Alembic revisions under {SCRIPT_LOCATION}")
     return head
 
 
-def known_revisions() -> set[str]:
-    """Every revision id shipped with this code."""
-    return {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+@functools.cache
+def known_revisions() -> frozenset[str]:
+    """Every revision id shipped with this code (fixed for the process)."""
+    return frozenset(s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions())
 
 
 def _run(db_path: str | Path, fn, *args) -> None:

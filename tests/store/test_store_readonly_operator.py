@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ulyssesd.daemon.store import open_store
+from ulyssesd.daemon.store.migrate import head_revision, known_revisions
 
 NOBODY = 65534
 
@@ -29,6 +30,10 @@ def test_readonly_open_by_non_owner_after_clean_shutdown() -> None:
     os.chmod(top, 0o755)
     os.chmod(state, 0o755)
     os.chmod(db, 0o644)
+    # The checkout may sit in a directory only root can traverse (a mktemp clone): read the shipped
+    # migration scripts here, so the child (which inherits the cache) needs only the database itself.
+    head_revision()
+    known_revisions()
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: become nobody and read
