@@ -47,7 +47,8 @@ micro_batch_size = 1
 lr = 1.5e-4
 min_lr = 1.5e-5
 warmup_steps = 10
-activation_checkpoint_every = 1
+{ckpt}
+zero3_leaf_blocks = true
 device = "{device}"
 [deepspeed.config.zero_optimization]
 stage = 3
@@ -153,12 +154,17 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def phase_bare(a, work: Path, out: Path) -> None:
-    d = work / "bare"
+def job_toml(a, overhead: bool, **kw) -> str:
+    """The job section: the overhead phase runs its own preset/sequence/checkpointing (gpt-7b by default)."""
+    preset, seq, ckpt = (a.overhead_preset, a.overhead_seq, a.overhead_ckpt) if overhead else (a.preset, a.seq, a.ckpt)
+    return JOB.format(preset=preset, dtype=a.dtype, seq=seq, device=a.device, ckpt=ckpt, **kw)
+
+
+def phase_bare(a, work: Path, out: Path, round_no: int = 1) -> None:
+    d = work / f"bare{round_no}"
     d.mkdir(parents=True, exist_ok=True)
     spec = d / "spec.toml"
-    spec.write_text(JOB.format(preset=a.preset, dtype=a.dtype, steps=a.overhead_steps, seq=a.seq, device=a.device,
-                               gather="false", interval=10**9, save_at_end="false"))
+    spec.write_text(job_toml(a, True, steps=a.overhead_steps, gather="false", interval=10**9, save_at_end="false"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "ulyssesd.training", "--spec", str(spec), "--run-dir", str(d), "--attempt", "1"]
     with open(d / "log.txt", "w") as log:
@@ -167,18 +173,19 @@ def phase_bare(a, work: Path, out: Path) -> None:
             p.wait(timeout=a.phase_timeout)
         except subprocess.TimeoutExpired:
             kill_group(p)
-    (out / "bare_telemetry.jsonl").write_text((d / "telemetry.jsonl").read_text() if (d / "telemetry.jsonl").exists() else "")
-    (out / "bare_log_tail.txt").write_text((d / "log.txt").read_text()[-6000:])
+    tel = (d / "telemetry.jsonl").read_text() if (d / "telemetry.jsonl").exists() else ""
+    (out / f"bare{round_no}_telemetry.jsonl").write_text(tel)
+    (out / f"bare{round_no}_log_tail.txt").write_text((d / "log.txt").read_text()[-6000:])
 
 
 def supervised(a, work: Path, out: Path, name: str, steps: int, interval: int, faults: str, save_at_end: bool,
-               kill_at: int | None, timeout: float) -> dict:
+               kill_at: int | None, timeout: float, overhead: bool = False) -> dict:
     state = work / f"state-{name}"
     sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
     spec = work / f"{name}.toml"
     spec.write_text(DAEMON.format(name=name, state=state, sock=sock, hang_floor=a.hang_floor)
-                    + JOB.format(preset=a.preset, dtype=a.dtype, steps=steps, seq=a.seq, device=a.device,
-                                 gather="true", interval=interval, save_at_end=str(save_at_end).lower()) + faults)
+                    + job_toml(a, overhead, steps=steps, gather="true", interval=interval,
+                               save_at_end=str(save_at_end).lower()) + faults)
     log = out / f"{name}_daemon.log"
     t0 = time.time()
     proc = start_daemon(spec, log)
@@ -242,17 +249,27 @@ def _ts(value) -> float | None:
 
 def analyze(out: Path) -> dict:
     res: dict = {}
-    bare = records(out / "bare_telemetry.jsonl")
-    sup = records(out / "overhead_telemetry.jsonl")
-    if bare and sup:
-        warm = 3  # skip warm-up intervals
-        ib, isup = step_intervals(bare)[warm:], step_intervals(sup)[warm:]
-        if ib and isup:
-            mb, ms = statistics.median(ib), statistics.median(isup)
-            res["overhead"] = {"bare_median_interval_s": round(mb, 4), "supervised_median_interval_s": round(ms, 4),
-                               "overhead_pct": round(100 * (ms - mb) / mb, 2), "n_bare": len(ib), "n_supervised": len(isup),
-                               "bare_iqr_s": [round(x, 4) for x in statistics.quantiles(ib, n=4)[::2]],
-                               "supervised_iqr_s": [round(x, 4) for x in statistics.quantiles(isup, n=4)[::2]]}
+    warm = 3  # skip warm-up intervals
+    rounds = sorted(int(p.name[len("bare"):-len("_telemetry.jsonl")]) for p in out.glob("bare*_telemetry.jsonl"))
+    ib: list[float] = []
+    isup: list[float] = []
+    per_round = []
+    for n in rounds:  # interleaved rounds: bare n, supervised n (the pooled medians are the figure)
+        b = step_intervals(records(out / f"bare{n}_telemetry.jsonl"))[warm:]
+        u = step_intervals(records(out / f"overhead{n}_telemetry.jsonl"))[warm:]
+        ib += b
+        isup += u
+        if b and u:
+            per_round.append({"round": n, "bare_median_s": round(statistics.median(b), 4),
+                              "supervised_median_s": round(statistics.median(u), 4), "n": [len(b), len(u)],
+                              "overhead_pct": round(100 * (statistics.median(u) / statistics.median(b) - 1), 2)})
+    if len(ib) > 1 and len(isup) > 1:
+        mb, ms = statistics.median(ib), statistics.median(isup)
+        res["overhead"] = {"bare_median_interval_s": round(mb, 4), "supervised_median_interval_s": round(ms, 4),
+                           "overhead_pct": round(100 * (ms - mb) / mb, 2), "n_bare": len(ib), "n_supervised": len(isup),
+                           "bare_iqr_s": [round(x, 4) for x in statistics.quantiles(ib, n=4)[::2]],
+                           "supervised_iqr_s": [round(x, 4) for x in statistics.quantiles(isup, n=4)[::2]],
+                           "rounds": per_round}
     ev_path = out / "faults_events.json"
     if ev_path.exists():
         ev = json.loads(ev_path.read_text())
@@ -333,6 +350,11 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--ckpt", default="activation_checkpoint_every = 1", help="[train] line of the fault run")
+    ap.add_argument("--overhead-preset", default="gpt-7b")
+    ap.add_argument("--overhead-seq", type=int, default=32768)
+    ap.add_argument("--overhead-ckpt", default="activation_checkpoint_layers = 8")
+    ap.add_argument("--overhead-rounds", type=int, default=1)
     ap.add_argument("--overhead-steps", type=int, default=40)
     ap.add_argument("--fault-steps", type=int, default=34)
     ap.add_argument("--interval", type=int, default=12)
@@ -352,9 +374,11 @@ def main() -> int:
     phases = a.phases.split(",")
     if not a.analyze:
         if "overhead" in phases:
-            phase_bare(a, work, out)
-            supervised(a, work, out, "overhead", a.overhead_steps, 10**9, "", False, None, a.phase_timeout)
-            print(json.dumps(analyze(out).get("overhead")), flush=True)
+            for n in range(1, a.overhead_rounds + 1):  # bare, supervised, bare, supervised: drift hits both
+                phase_bare(a, work, out, n)
+                supervised(a, work, out, f"overhead{n}", a.overhead_steps, 10**9, "", False, None, a.phase_timeout,
+                           overhead=True)
+                print(json.dumps(analyze(out).get("overhead")), flush=True)
         if "faults" in phases:
             faults = (f"\n[[faults]]\nkind = \"hang\"\nat_step = {a.hang_at}\nrank = 1\nattempts = [2]\n")
             timeout = a.fault_timeout if a.deadline is None else min(a.fault_timeout, a.deadline - time.time() - 20)

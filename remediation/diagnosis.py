@@ -15,6 +15,10 @@ How it decides (root cause beats consequence):
 4. The first label of `PRECEDENCE` that has evidence wins. nccl_error vs nccl_timeout is decided by which
    appears first in the log (a network error makes peers time out; a hung rank's timeout makes its peers
    see remote errors). The fp16 overflow label needs a *storm* after warm-up, not a few calibration skips.
+5. A plain Python exception (no rule matches its message) on the rank that failed first beats the
+   communication errors of its peers, which are its consequences: the label is then `launcher_error` (the
+   fixed set's label for a failure with no specific cause) with the exception line as evidence; see
+   `_first_failure`.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class DiagnosisConfig:
     overflow_storm_min: int = 8  # a storm needs at least this many post-warm-up OVERFLOW lines...
     overflow_storm_span_steps: int = 200  # ...within this many steps of each other
     overflow_storm_min_nostep: int = 24  # without step numbers in the log: this many OVERFLOW lines in the tail
+    root_exception_window: int = 40  # an exception is the first failure only this many unindented lines before a comm error
+    max_tracebacks: int = 64  # only the last this many tracebacks of the tail are read
+    max_traceback_lines: int = 400  # a traceback's exception line is looked for this many lines after its header
 
 
 @dataclass(frozen=True)
@@ -219,7 +226,66 @@ _STEP = re.compile(r"\b(?:global_step|steps?|iteration|iter)\b['\"]?\s*[=:]?\s*(
 _DIGITS = re.compile(r"\d+")
 _PREFIX = re.compile(r"^(?:\s*(?:\[[^\]]*\]|\S+:\d*:?\d*|\d+:)\s*:?)+")
 
+# Python tracebacks. The exception line ends a traceback: "Type: message" (a dotted CapWords name) at the
+# traceback's indentation, after the same rank prefix as its header; a bare name only when it looks like one.
+_TB_HEADER = "Traceback (most recent call last):"
+_EXC_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Z]\w*[a-z]\w*)(?::\s|:$)"
+                       r"|^((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Interrupt|Exit|Iteration|Fault))$")
+# Rank of a line prefix: torch's "[rank3]:" / srun -l "3:" / mpirun "[1,3]<stderr>:" are global ranks; torchrun
+# --tee's "[default3]:" is the local rank.
+_PREFIX_RANK = re.compile(r"\[rank(\d+)\]|^\s*(\d+):|\[\d+,(\d+)\]<std|\[default(\d+)\]")
+# Indented lines after an optional rank prefix (traceback frames, source, carets, summary fields): not counted
+# when measuring how far apart two events are in the log.
+_INDENTED = re.compile(r"^(?:\[[^\]\n]*\]:?\s?|\d+:\s?)?\s")
+# Exceptions that are never a root cause: interrupts, and the launcher agent's own (ChildFailedError, ...).
+_NOT_ROOT = re.compile(r"^(?:KeyboardInterrupt|SystemExit|GeneratorExit|torch\.distributed\.elastic\.)")
+# An exception about communication is a communication failure even when no nccl_* pattern knows its wording.
+_COMM_WORDS = re.compile(r"nccl|gloo|DistBackendError|DistNetworkError|DistStoreError|ProcessGroup|c10d", re.IGNORECASE)
+# torchrun's failure summary: one entry per failed rank, "  field     : value".
+_SUMMARY_ENTRY = re.compile(r"^\[\d+\]:\s*$")
+_SUMMARY_FIELD = re.compile(r"^\s+(time|rank|exitcode)\s*:\s*(\S+)(?:\s*\(local_rank:\s*(\d+)\))?")
+
 SIGKILL, SIGSEGV, SIGBUS, SIGTERM = 9, 11, 7, 15
+
+
+@dataclass(frozen=True)
+class _Exc:
+    """The final line of one Python traceback."""
+
+    line: int  # index into the normalised lines
+    name: str  # exception type as printed ("RuntimeError", "ulyssesd.training.faults.InjectedFault")
+    rank: tuple[str, int] | None  # ("global" | "local", n) from the line's prefix; None when unprefixed
+
+
+@dataclass(frozen=True)
+class _SummaryEntry:
+    """One rank's entry in torchrun's ChildFailedError summary."""
+
+    time: str | None
+    rank: int | None
+    local_rank: int | None
+    exitcode: int | None
+    exc: _Exc | None  # the exception line of its inline traceback (only with @record's error files)
+
+
+def _exc_name(text: str) -> str | None:
+    m = _EXC_LINE.match(text)
+    return (m.group(1) or m.group(2)) if m else None
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _prefix_rank(prefix: str) -> tuple[str, int] | None:
+    m = _PREFIX_RANK.search(prefix)
+    if not m:
+        return None
+    g, srun, mpi, local = m.groups()
+    return ("local", int(local)) if local is not None else ("global", int(g or srun or mpi))
 
 
 def _normalise(text: str, cfg: DiagnosisConfig) -> list[str]:
@@ -323,6 +389,88 @@ class _Scan:
                 out.append((i, int(next(g for g in m.groups() if g is not None))))
         return out
 
+    def exceptions(self) -> list[_Exc]:
+        """The exception line of each of the last `max_tracebacks` tracebacks, in log order.
+
+        Ranks interleave: a traceback's lines are those with its header's prefix ("[rank1]: ", or none);
+        the exception line is the first of them that is not indented (frames and source lines are).
+        """
+        out: list[_Exc] = []
+        for h in self.candidates(("traceback (most recent call last):",))[-self.cfg.max_tracebacks:]:
+            k = self.lines[h].find(_TB_HEADER)
+            prefix = self.lines[h][:k].rstrip() if k >= 0 else None
+            if prefix is None or prefix.endswith("traceback :"):
+                continue  # torchrun's summary quotes @record tracebacks: read by summary()
+            for i in range(h + 1, min(h + 1 + self.cfg.max_traceback_lines, len(self.lines))):
+                line = self.lines[i]
+                if not line.startswith(prefix):
+                    continue  # another rank's line
+                rest = line[len(prefix):]
+                rest = rest[1:] if prefix and rest.startswith(" ") else rest
+                if rest.startswith(_TB_HEADER):
+                    break
+                name = _exc_name(rest)
+                if name:
+                    out.append(_Exc(i, name, _prefix_rank(prefix)))
+                    break
+        return sorted(out, key=lambda e: e.line)
+
+    def summary(self) -> tuple[_SummaryEntry | None, list[_SummaryEntry]]:
+        """(Root Cause entry, Failures entries) of the last torchrun ChildFailedError summary in the tail."""
+        roots = self.candidates(("root cause (first observed failure)",))
+        if not roots:
+            return None, []
+        r = roots[-1]
+        end = next((i for i in range(r + 1, min(r + 200, len(self.lines))) if self.lines[i].startswith("====")),
+                   min(r + 200, len(self.lines)))
+        fails = [i for i in self.candidates(("failures:",)) if i < r]
+        failures = self._entries(fails[-1] + 1, r) if fails else []
+        root = self._entries(r + 1, end)
+        return (root[0] if root else None), failures
+
+    def _entries(self, a: int, b: int) -> list[_SummaryEntry]:
+        out: list[_SummaryEntry] = []
+        fields: dict[str, str] = {}
+        exc: _Exc | None = None
+        in_tb = False
+
+        def flush() -> None:
+            if fields:
+                out.append(_SummaryEntry(fields.get("time"), _int(fields.get("rank")), _int(fields.get("local_rank")),
+                                         _int(fields.get("exitcode")), exc))
+
+        for i in range(a, b):
+            line = self.lines[i]
+            if _SUMMARY_ENTRY.match(line):  # "[0]:" starts an entry
+                flush()
+                fields, exc, in_tb = {}, None, False
+                continue
+            m = _SUMMARY_FIELD.match(line)
+            if m:
+                fields[m.group(1)] = m.group(2)
+                if m.group(3) is not None:
+                    fields["local_rank"] = m.group(3)
+                continue
+            if _TB_HEADER in line and "traceback :" in line:
+                in_tb = True
+            elif in_tb and line.startswith("  ") and not line.startswith("   "):
+                name = _exc_name(line[2:])  # @record's quoted traceback: its exception line is indented by 2
+                if name:
+                    exc = _Exc(i, name, None)
+        flush()
+        return out
+
+    def unindented_between(self, a: int, b: int, limit: int) -> int:
+        """How many non-blank, unindented lines lie strictly between a and b (counting stops past `limit`)."""
+        n = 0
+        for i in range(a + 1, b):
+            line = self.lines[i]
+            if line.strip() and not _INDENTED.match(line):
+                n += 1
+                if n > limit:
+                    break
+        return n
+
     def overflow_storm(self) -> tuple[list[int], int, int]:
         """(post-warm-up overflow line indexes if they form a storm else [], total overflows, early ones)."""
         over = self.match(_OVERFLOW, ("overflow",))
@@ -390,8 +538,26 @@ def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = N
                          seen)
 
     primary = _pick(seen, hits)
+    first: tuple[_Exc, str] | None = None
+    if primary in (None, "nccl_error", "nccl_timeout"):
+        # Why: the rank that failed first is the root cause. When it died of a plain Python exception (a bug,
+        # an injected `raise`), its peers then fail in their next collective ("Connection closed by peer",
+        # ncclRemoteError, watchdog timeouts): those are consequences and must not pick the crash ladder.
+        comm = [hits[lb][0] for lb in ("nccl_error", "nccl_timeout") if lb in hits]
+        first = _first_failure(scan, min(comm) if comm else len(scan.lines))
+        if first is not None and not _plain(scan, first[0], hits):
+            first = None  # the first failure's own message is a known category (NCCL, OOM, ENOSPC, ...)
     if primary is None:
-        return _no_pattern(scan, exit_code, sig, n_over, n_early)
+        return _no_pattern(scan, exit_code, sig, n_over, n_early, first)
+    if first is not None:
+        exc, how = first
+        ev = scan.evidence([exc.line])
+        comm_seen = [lb for lb in seen if lb != "launcher_error"]
+        return Diagnosis(
+            "launcher_error", ev, "medium",
+            f"launcher_error: {how} failed first, with a Python exception ({exc.name}) that no narrower label "
+            f"covers; its peers' later errors ({', '.join(comm_seen)}) are consequences; deciding line: {_clip(ev[0])!r}.",
+            comm_seen)
 
     idx = hits[primary]
     ev = scan.evidence(idx)  # may be empty when the exit status alone decided (SIGKILL/SIGSEGV)
@@ -412,7 +578,59 @@ def _pick(seen: list[str], hits: dict[str, list[int]]) -> str | None:
     return primary
 
 
-def _no_pattern(scan: _Scan, exit_code: int | None, sig: int | None, n_over: int, n_early: int) -> Diagnosis:
+def _first_failure(scan: _Scan, anchor: int) -> tuple[_Exc, str] | None:
+    """The exception line of the rank that failed first, and how it was found; None when the tail shows none.
+
+    1. torchrun's "Root Cause (first observed failure)" entry names the rank that exited first: its quoted
+       traceback (with @record) or that rank's last rank-prefixed traceback. Not trusted when another rank
+       crashed on its own in the same second (torchrun then names the lowest rank) or the root was a signal.
+    2. Otherwise line order: a rank writes its traceback before it exits and its peers' collectives fail only
+       once it has exited, so the first exception within `root_exception_window` unindented lines before the
+       first communication error (`anchor`; the end of the log when there is none) is the first failure.
+       An exception further back was caught and logged while training went on.
+    """
+    root, failures = scan.summary()
+    trusted = (root is not None and root.exitcode is not None and root.exitcode > 0
+               and not any(f.time == root.time and (f.exitcode or 0) > 0 for f in failures))
+    excs = scan.exceptions()
+    if root is not None and trusted:
+        who = f"rank {root.rank}" if root.rank is not None else "the first failed rank"
+        if root.exc is not None:
+            return root.exc, f"{who} (torchrun's Root Cause entry)"
+        mine = [e for e in excs if e.rank is not None
+                and e.rank == (("global", root.rank) if e.rank[0] == "global" else ("local", root.local_rank))]
+        if mine:
+            return mine[-1], f"{who} (torchrun's Root Cause entry)"
+    window = scan.cfg.root_exception_window
+    near: list[_Exc] = []
+    count, upto = 0, anchor
+    for e in reversed([e for e in excs if e.line < anchor]):  # walk back from the anchor: one pass over the lines
+        count += scan.unindented_between(e.line, upto, window - count)
+        if count > window:
+            break
+        if not _NOT_ROOT.match(e.name):
+            near.append(e)
+        count, upto = count + 1, e.line  # the exception line itself is unindented
+    if not near:
+        return None
+    first = near[-1]
+    who = f"rank {first.rank[1]}" if first.rank else "the first rank to fail"
+    return first, f"{who} (first exception in the log)"
+
+
+def _plain(scan: _Scan, exc: _Exc, hits: dict[str, list[int]]) -> bool:
+    """A generic exception: its line is no rule's evidence and it is not about communication or an interrupt."""
+    if _NOT_ROOT.match(exc.name) or any(exc.line in idx for idx in hits.values()):
+        return False
+    return not _COMM_WORDS.search(scan.lines[exc.line])
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _no_pattern(scan: _Scan, exit_code: int | None, sig: int | None, n_over: int, n_early: int,
+                first: tuple[_Exc, str] | None = None) -> Diagnosis:
     benign = f" ({n_over} OVERFLOW line(s) seen, {n_early} during loss-scale warm-up, not a storm)" if n_over else ""
     child = scan.match(_CHILD_FAILED, ("childfailederror", "return code =", "failed (exitcode"))
     crashed = (exit_code not in (None, 0)) or (sig not in (None, SIGTERM)) or bool(child)
@@ -420,8 +638,15 @@ def _no_pattern(scan: _Scan, exit_code: int | None, sig: int | None, n_over: int
         return Diagnosis("healthy", [], "medium", f"The job was stopped by SIGTERM and no failure pattern was found{benign}.")
     if not crashed:
         return Diagnosis("healthy", [], "high", f"No failure pattern in the log tail{benign}.")
-    ev = scan.evidence(child)
     status = f"exit code {exit_code}" if exit_code is not None else (f"signal {sig}" if sig else "a failed child")
+    if first is not None:
+        # A Python exception no narrower label covers: the catch-all label, but the cause is known.
+        exc, how = first
+        ev = scan.evidence([exc.line, *child])
+        return Diagnosis("launcher_error", ev, "medium",
+                         f"launcher_error: the job failed ({status}); {how} failed first, with a Python exception "
+                         f"({exc.name}) that no narrower label covers; deciding line: {_clip(ev[0])!r}.")
+    ev = scan.evidence(child)
     return Diagnosis(
         "launcher_error", ev, "low",
         f"The job failed ({status}) with no recognised root cause"

@@ -7,10 +7,14 @@
   for unstable loss, seed 000 §6.3), then cast back.
 - Activation checkpointing recomputes chunks of `checkpoint_every` blocks (Megatron semantics: only the
   chunk input is kept); torch's non-reentrant checkpoint cooperates with ZeRO-3's parameter hooks.
+- `loss_chunk_tokens=N` tiles the head + fp32 cross-entropy over chunks of N local tokens, each chunk
+  checkpointed, so the [tokens, V] fp32 logits of the whole local sequence never exist at once (the idea of
+  DeepSpeed ALST's TiledFusedLogitsLoss).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import cast
 
@@ -21,6 +25,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import UlyssesAttention
 from .spec import ResolvedModel
+
+log = logging.getLogger(__name__)
 
 
 class _Linear(nn.Linear):
@@ -134,14 +140,25 @@ class Block(nn.Module):
         return x.to(in_dtype)
 
 
+# F.cross_entropy's default ignore_index: labels equal to it count neither in the loss nor in its mean.
+IGNORE_INDEX = -100
+
+
 class GPT(nn.Module):
     """Decoder-only LM; `forward(input_ids, position_ids, labels)` returns the mean token loss (fp32)."""
 
     def __init__(self, cfg: ResolvedModel, attention_backend: str = "sdpa", sp_group=None, sp_size: int = 1,
-                 fp32_layers: int = 0, checkpoint_every: int = 0, checkpoint_layers: int | None = None):
+                 fp32_layers: int = 0, checkpoint_every: int = 0, checkpoint_layers: int | None = None,
+                 loss_chunk_tokens: int = 0):
         super().__init__()
+        if loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 0 (0 = untiled loss)")
         self.cfg = cfg
         self.checkpoint_every = checkpoint_every
+        # Tiled loss: head + fp32 cross-entropy over chunks of this many local tokens (0 = whole sequence).
+        self.loss_chunk_tokens = loss_chunk_tokens
+        if loss_chunk_tokens:
+            log.info("tiled LM loss: head + fp32 cross-entropy over chunks of %d local tokens", loss_chunk_tokens)
         # Selective recompute: the first N blocks are checkpointed one by one, the rest keep activations.
         self.checkpoint_layers = checkpoint_layers
         self.embed = TokenEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std)
@@ -163,6 +180,29 @@ class GPT(nn.Module):
             x = blk(x, cos, sin)
         return x
 
+    def _chunk_loss_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # The head is called as a module (not F.linear on its weight) so ZeRO-3's hooks gather it, also
+        # when checkpoint re-runs this chunk in backward (see `_linear` on external parameters).
+        logits = self.embed(x, as_head=True) if self.head is None else self.head(x)
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def _tiled_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean token loss computed `loss_chunk_tokens` tokens at a time: equal to the untiled mean up to
+        fp32 summation order. Under autograd each chunk is checkpointed, so only one chunk's logits (and
+        their fp32 copies and gradients) are alive at a time; the chunk inputs are views of `x`."""
+        n = self.loss_chunk_tokens
+        flat_x, flat_labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+        recompute = self.training and torch.is_grad_enabled()
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for xc, yc in zip(flat_x.split(n), flat_labels.split(n), strict=True):
+            if recompute:
+                part = checkpoint(self._chunk_loss_sum, xc, yc, use_reentrant=False)
+            else:
+                part = self._chunk_loss_sum(xc, yc)
+            total = total + part
+        # Same denominator as reduction="mean": the count of non-ignored labels (0 -> nan, as untiled).
+        return total / (flat_labels != IGNORE_INDEX).sum()
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
         cos, sin = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
@@ -179,5 +219,7 @@ class GPT(nn.Module):
         else:
             x = self._run_chunk(0, n, x, cos, sin)
         x = self.ln_f(x)
+        if self.loss_chunk_tokens > 0:
+            return self._tiled_loss(x, labels)
         logits = self.embed(x, as_head=True) if self.head is None else self.head(x)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))

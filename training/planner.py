@@ -484,7 +484,8 @@ def _model_state_items(c: _Ctx) -> list[Item]:
     return items
 
 
-def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None = None) -> list[Item]:
+def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None = None,
+                      loss_chunk: int = 0) -> list[Item]:
     m, d, t = c.m, c.d, c.tokens
     L = m.num_layers
     blk = [block_saved_bytes_per_token(m, 4 if i < fp32_layers else d, c.sp) for i in range(L)]
@@ -515,8 +516,15 @@ def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None =
                       ("backward",)))
     items.append(Item("final norm + head inputs", t * (4 * m.hidden_size + 8 + d * m.hidden_size), "gpu",
                       "b·s/sp·(4h + d·h)", ("loss",)))
-    items.append(Item("logits + fp32 loss", t * 12 * m.vocab_size, "gpu",
-                      "b·s/sp·12·V (fp32 log-softmax out + its grad + grad input; untiled)", ("loss",)))
+    if loss_chunk > 0:
+        # train.loss_chunk_tokens = N: one checkpointed chunk of N tokens at a time (recomputed in backward).
+        # Its inputs are views of the head input counted in the item above, so nothing else is kept.
+        items.append(Item("logits + fp32 loss", min(loss_chunk, t) * 12 * m.vocab_size, "gpu",
+                          f"min(N={loss_chunk}, b·s/sp)·12·V (tiled: one chunk's fp32 log-softmax out + its grad "
+                          "+ grad input, recomputed in backward)", ("loss",)))
+    else:
+        items.append(Item("logits + fp32 loss", t * 12 * m.vocab_size, "gpu",
+                          "b·s/sp·12·V (fp32 log-softmax out + its grad + grad input; untiled)", ("loss",)))
     items.append(Item("inputs, labels, rotary tables", t * (24 + 4 * m.head_dim), "gpu",
                       "b·s/sp·(3·8 + 4·head_dim)", FWD_BWD))
     return items
@@ -587,7 +595,8 @@ def _compute(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
              tokens=job.train.micro_batch_size * (job.train.seq_len // sp))
     k = job.train.activation_checkpoint_every
     items = _model_state_items(c) + _activation_items(c, k, min(job.precision.fp32_layers, m.num_layers),
-                                                      job.train.activation_checkpoint_layers)
+                                                      job.train.activation_checkpoint_layers,
+                                                      job.train.loss_chunk_tokens)
     phase_bytes = {ph: sum(it.bytes for it in items if ph in it.phases) for ph in PHASES}
     peak = max(phase_bytes.values())
     required = int(peak * (1 + allocator_headroom) + cuda_context_gib * GiB)

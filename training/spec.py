@@ -173,6 +173,9 @@ class TrainSpec(_Section):
     activation_checkpoint_layers: int | None = Field(
         None, ge=0, description="Selective recompute: checkpoint only the first N blocks (one per chunk) and keep "
                                 "the others' activations; overrides activation_checkpoint_every when set.")
+    loss_chunk_tokens: int = Field(
+        0, ge=0, description="Tiled LM loss: head + fp32 cross-entropy over chunks of N local tokens, each recomputed "
+                             "in backward, so the whole sequence's fp32 logits never exist at once; 0 = untiled.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda when available unless cpu is forced.")
     compile: bool = Field(False, description="torch.compile each block (GPU only).")
     zero3_leaf_blocks: bool = Field(False, description="Mark each transformer block a ZeRO-3 leaf module: one "

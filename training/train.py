@@ -167,7 +167,8 @@ class Trainer:
             model = GPT(spec.resolved_model(), backend, self.sp_group, self.sp,
                         fp32_layers=spec.precision.fp32_layers,
                         checkpoint_every=spec.train.activation_checkpoint_every,
-                        checkpoint_layers=spec.train.activation_checkpoint_layers)
+                        checkpoint_layers=spec.train.activation_checkpoint_layers,
+                        loss_chunk_tokens=spec.train.loss_chunk_tokens)
         if spec.train.zero3_leaf_blocks:
             # Must precede deepspeed.initialize, which installs the ZeRO-3 module hooks.
             from deepspeed.utils import set_z3_leaf_modules
