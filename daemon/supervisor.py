@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import time
@@ -33,11 +34,13 @@ from ulyssesd.daemon import job_config as jc
 from ulyssesd.daemon.launcher import LaunchPlan, build_launch
 from ulyssesd.daemon.logging import get_logger
 from ulyssesd.daemon.process import ExitStatus, JobHandle, OSInterface
+from ulyssesd.daemon.rank_watch import RankWatch
 from ulyssesd.daemon.scheduler import LoopScheduler
 from ulyssesd.daemon.spec import RunSpec
 from ulyssesd.daemon.states import LIVE_JOB_STATES, TERMINAL, check_transition
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.daemon.telemetry_reader import Cursor, TelemetryReader
+from ulyssesd.remediation.hang_stacks import read_hang
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
 log = get_logger("ulyssesd.supervisor")
@@ -78,6 +81,8 @@ class Termination:
     killed_at: float | None = None
     wrapper_killed: bool = False
     on_stacks: Callable[[str], None] | None = None
+    stack_offsets: dict[str, int] = field(default_factory=dict)  # per-rank dump file -> size before SIGUSR1
+    per_rank_stacks: dict[int, str] = field(default_factory=dict)  # what each rank wrote after SIGUSR1
 
 
 @dataclass
@@ -155,6 +160,10 @@ class Supervisor:
         self.last_step: int | None = None
         self.last_step_record: StepRecord | None = None
         self.last_exiting: str | None = None
+        # (label, evidence) the hang path read from the stack dumps; the attempt's diagnosis when it ends.
+        self.hang_diagnosis: tuple[str | None, list[str]] | None = None
+        self.rank_watch = RankWatch(self.dcfg.rank_exit_grace_s, self.dcfg.rank_watch_every_s)
+        self.rank_lost: dict[str, Any] | None = None  # evidence when the rank watch ended the attempt
         self.latest_ckpt: tuple[str, int] | None = None
         self.open_incidents: dict[int, dict[str, Any]] = {}
         self.known_good_marked: set[str] = set()
@@ -499,6 +508,8 @@ class Supervisor:
         self.attempt_progress = False
         self.last_exiting = None
         self.after_exit = None
+        self.hang_diagnosis, self.rank_lost = None, None
+        self.rank_watch = RankWatch(self.dcfg.rank_exit_grace_s, self.dcfg.rank_watch_every_s)
         self._settle_unacted("the attempt ended before any action on it")
         if self.engine is not None:
             self.engine.on_restart(self.os.time(), attempt=self.attempt)
@@ -544,6 +555,9 @@ class Supervisor:
             if status is not None:
                 self._read_telemetry()  # the job's last words (exiting event, final checkpoint)
                 self._on_exit(status)
+        if self.job is not None and self.term is None and self.last_exiting is None \
+                and self.state in (S.RUNNING, S.STARTING) and self.rank_watch.due(self.os.monotonic()):
+            self._watch_ranks()
         if self.state == S.BACKOFF and self.backoff_until is not None and self.os.time() >= self.backoff_until:
             relaunch = self.pending_relaunch or Relaunch("backoff over")
             self.pending_relaunch, self.backoff_until = None, None
@@ -873,12 +887,52 @@ class Supervisor:
                                 log_offset=_size(self.log_path), on_stacks=on_stacks)
         self.after_exit = after
         if dump_stacks:
+            self.term.stack_offsets = {str(f): _size(f) for f in self._stack_files()}
             ranks = self.os.rank_pids(self.job, self.spec.launcher.module, self.plan.marker if self.plan else None)
             sent = self.os.signal_pids(ranks, signal.SIGUSR1)
             self.term.dump_until = now + self.dcfg.stack_dump_wait_s
             log.info("stack dump requested", pids=sent)
             self.say(f"  SIGUSR1 (stack dump) -> ranks {sent}")
         self._advance_termination()
+
+    def _stack_files(self) -> list[Path]:
+        return sorted((self.run_dir / "stacks").glob(f"attempt-{self.attempt}-rank-*.txt"))
+
+    def _collect_stacks(self, t: Termination) -> str:
+        """The dumps written since SIGUSR1: per-rank files (the job's), copied into the attempt log under a
+        header per rank; a job that wrote none (older job, stderr fallback) -> the log since the request."""
+        per_rank: dict[int, str] = {}
+        for f in self._stack_files():
+            m = re.search(r"-rank-(\d+)\.txt$", f.name)
+            text = _read_tail(f, STACKS_MAX_BYTES // 2, start=t.stack_offsets.get(str(f), 0))
+            if m and text.strip():
+                per_rank[int(m.group(1))] = text
+        t.per_rank_stacks = per_rank
+        if not per_rank:
+            return _read_tail(self.log_path, STACKS_MAX_BYTES, start=t.log_offset)
+        combined = "".join(f"=== rank {r} stack dump ({self.run_dir / 'stacks'}) ===\n{text}\n"
+                           for r, text in sorted(per_rank.items()))
+        try:
+            with open(self.log_path, "a") as fh:  # the log stays the one place an operator reads
+                fh.write(f"\n[ulyssesd] stack dumps of attempt {self.attempt} ({t.reason}):\n{combined}")
+        except OSError as exc:
+            log.warning("could not append stack dumps to the log", error=repr(exc))
+        return combined
+
+    def _watch_ranks(self) -> None:
+        """A rank is gone but the launcher still runs: its peers are blocked in a collective and the launcher
+        would wait 30 s before killing them (rank_watch.py). End the attempt now; it is handled as a crash."""
+        assert self.job is not None
+        now = self.os.monotonic()
+        lost = self.rank_watch.observe(now, self.os.rank_pids(self.job, self.spec.launcher.module, self._marker()))
+        if not lost:
+            return
+        self.rank_lost = {"pids": lost, "gone_for_s": round(now - min(self.rank_watch.lost_since.values()), 2),
+                          "why": "a rank exited while the launcher still ran; its peers cannot finish a collective"}
+        log.warning("rank lost, ending the attempt", pids=lost, attempt=self.attempt)
+        self.say(f"  rank process(es) {lost} gone, launcher still running: stopping the remaining ranks now")
+        # No save is possible with a dead peer, so no grace: SIGTERM, then SIGKILL on the next tick.
+        self._begin_termination("rank lost", after=None, grace=0.0)
 
     def _marker(self) -> tuple[str, str]:
         return ("ULYSSESD_JOB_ID", f"{self.run_id}:{self.attempt}")
@@ -891,7 +945,7 @@ class Supervisor:
         if t.dump_stacks and t.termed_at is None:
             if now < t.dump_until:
                 return
-            stacks = _read_tail(self.log_path, STACKS_MAX_BYTES, start=t.log_offset)
+            stacks = self._collect_stacks(t)
             if t.on_stacks is not None:
                 t.on_stacks(stacks)
         if t.termed_at is None:
@@ -942,7 +996,7 @@ class Supervisor:
         if term is not None and term.dump_stacks and term.termed_at is None and term.on_stacks is not None:
             # The attempt ended while we waited for its stack dumps: record the hang with what was written.
             self.term = term
-            term.on_stacks(_read_tail(self.log_path, STACKS_MAX_BYTES, start=term.log_offset))
+            term.on_stacks(self._collect_stacks(term))
             self.term = None
         survivors = self.os.job_pids(job, self._marker())
         if survivors:
@@ -963,6 +1017,9 @@ class Supervisor:
             d = diagnose(tail, rc, status.signal)
             diag_label, diag_evidence = d.label, list(d.evidence)
             diag_confidence = d.confidence
+        if diag_label is None and self.hang_diagnosis is not None and self.hang_diagnosis[0] is not None:
+            # Killed by the hang path: the stack dumps, not the log's last lines, say what it was.
+            diag_label, diag_evidence = self.hang_diagnosis[0], self.hang_diagnosis[1]
         self.store.end_attempt(self.run_id, self.attempt, returncode=status.returncode, signal=status.signal,
                                diagnosis=diag_label, diagnosis_evidence=diag_evidence)
         log.info("attempt ended", run_id=self.run_id, attempt=self.attempt, status=status.describe(),
@@ -990,6 +1047,8 @@ class Supervisor:
         evidence = {"exit": status.describe(), "returncode": status.returncode, "signal": status.signal,
                     "diagnosis": diag_label, "evidence_lines": diag_evidence, "log_tail": tail[-8000:],
                     "ran_s": round(ran_s, 1), "early_death": early}
+        if self.rank_lost is not None:
+            evidence["rank_lost"] = self.rank_lost
         symptom = Symptom.launch_failure if early and diag_label == "launcher_error" else Symptom.crash
         if diag_label == "cuda_oom":
             symptom = Symptom.cuda_oom
@@ -1006,8 +1065,10 @@ class Supervisor:
             self.store.update_incident_status(iid, IncidentStatus.failed, what)
             self._fail(what)
             return
-        iid = self._incident(symptom, self.last_step or 0, Severity.critical,
-                             f"attempt {self.attempt} {status.describe()}; diagnosis {diag_label}", evidence)
+        what = (f"rank process(es) {self.rank_lost['pids']} died; the daemon stopped the waiting ranks"
+                if self.rank_lost is not None else f"attempt {self.attempt} {status.describe()}")
+        iid = self._incident(symptom, self.last_step or 0, Severity.critical, f"{what}; diagnosis {diag_label}",
+                             evidence)
         decisions: list[Any] = []
         if self.engine is not None:
             label = diag_label or "healthy"
@@ -1145,9 +1206,15 @@ class Supervisor:
         attempt = self.attempt
 
         def with_stacks(stacks: str) -> None:
+            per_rank = self.term.per_rank_stacks if self.term is not None else {}
+            reading = read_hang(per_rank, unattributed=stacks)
+            self.hang_diagnosis = (reading.label, [reading.summary])
             ev = dict(evidence, stacks=stacks or "(no stack dump written)",
-                      threads_dumped=stacks.count("Current thread") + stacks.count("Thread 0x") if stacks else 0)
-            iid = self._incident(Symptom.hang, step, Severity.critical, summary, ev, attempt=attempt)
+                      threads_dumped=stacks.count("Current thread") + stacks.count("Thread 0x") if stacks else 0,
+                      diagnosis=reading.label, stack_reading=reading.summary,
+                      waited_for_ranks=list(reading.waited_for))
+            iid = self._incident(Symptom.hang, step, Severity.critical, f"{summary} {reading.summary}", ev,
+                                 attempt=attempt)
             self._action(iid, ActionKind.restart, {"reason": "hang: stack dump, SIGTERM, SIGKILL after grace, "
                                                    "restart from latest valid checkpoint"}, {}, ApplyMode.restart,
                          self.config_version, self.config_version)

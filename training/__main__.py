@@ -39,11 +39,30 @@ def _setup_logging() -> None:
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
-    # SIGUSR1 -> every thread's stack on stderr (the daemon's hang diagnosis); does not stop the job.
+    # SIGUSR1 -> stacks on stderr until the run directory is known (then per rank, below).
     try:
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     except (AttributeError, ValueError, OSError):  # stderr without a file descriptor (embedded use)
         logging.getLogger("ulyssesd.training").warning("SIGUSR1 stack dumps unavailable: stderr has no fileno")
+
+
+_stack_file = None  # kept open for the process's life: faulthandler writes to its fd from a C signal handler
+
+
+def _register_stack_dumps(run_dir: Path, attempt: int) -> None:
+    """SIGUSR1 -> every thread's stack (the daemon's hang diagnosis); does not stop the job.
+
+    Each rank writes its own file, `{run_dir}/stacks/attempt-{A}-rank-{R}.txt`: on one shared stderr the
+    ranks' dumps interleave mid-line (seen on 2×H200) and cannot be told apart. stderr is the fallback."""
+    global _stack_file
+    rank = os.environ.get("RANK", "0")
+    try:
+        path = run_dir / "stacks" / f"attempt-{attempt}-rank-{rank}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _stack_file = open(path, "a")  # noqa: SIM115 - must outlive this function
+        faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)
+    except (OSError, ValueError) as exc:
+        logging.getLogger("ulyssesd.training").warning("per-rank stack file unavailable (%s); dumps go to stderr", exc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from .train import CheckpointLoadError, Trainer
 
     run_dir = Path(args.run_dir or ".").resolve()
+    _register_stack_dumps(run_dir, args.attempt)
     try:
         return Trainer(spec, run_dir, args.attempt, args.config_version).run()
     except SpecError as exc:

@@ -142,11 +142,16 @@ def test_real_sigkill_rank_hang_and_daemon_sigkill_match_uninterrupted_run(tmp_p
     atts = store.list_attempts(run.id)
     assert [a.number for a in atts] == [1, 2, 3]
     assert atts[1].pid == job2.pid  # re-adopted, not relaunched
+    assert atts[1].diagnosis == "nccl_timeout"  # from the stack dumps of the hung attempt
     incs = store.list_incidents(run.id)
     kinds = [(i.attempt, i.symptom.value) for i in incs]
     assert kinds.count((1, "crash")) == 1 and kinds.count((2, "hang")) == 1, kinds
     hang = store.get_incident(next(i.id for i in incs if i.symptom.value == "hang"))
     assert hang.evidence["stacks"].count("most recent call first") >= 2  # both ranks dumped
+    # Per-rank dumps: rank 1 waits inside a collective, rank 0 (the injected hang) is the one it waits for.
+    assert "=== rank 0 stack dump" in hang.evidence["stacks"] and "=== rank 1 stack dump" in hang.evidence["stacks"]
+    assert hang.evidence["diagnosis"] == "nccl_timeout" and hang.evidence["waited_for_ranks"] == [0], hang.summary
+    assert "faults.py" in hang.summary, hang.summary
     # resumed from the right checkpoints (interval 4): crash at 7 -> step-4; hang at 15 -> step-12
     assert atts[1].resumed_from == "step-00000004" and atts[2].resumed_from == "step-00000012"
     step, loss = final_loss(run_dir)

@@ -343,3 +343,97 @@ def test_observe_only_records_the_hang_and_touches_nothing(tmp_path):
     inc = [sup.store.get_incident(i.id) for i in sup.store.list_incidents(sup.run_id)]
     assert [i.symptom.value for i in inc] == ["hang"]
     assert inc[0].actions[0].observe_only and inc[0].actions[0].kind.value == "observe_only_noop"
+
+
+# ------------------------------------------------------------------------------------ rank watch
+def test_lost_rank_ends_the_attempt_after_grace_and_is_a_crash_with_evidence(tmp_path):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, daemon={"rank_exit_grace_s": 3.0, "rank_watch_every_s": 1.0})
+    sup.start()
+    job1 = sup.job
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 6)
+    assert not fos.signals
+    fos.jobs[job1.pid]["ranks"].remove(job1.pid + 2)  # rank 1 SIGKILLed; torchrun still up, rank 0 blocked
+    removed_at = fos.m
+    while not fos.signals and fos.m - removed_at < 10:
+        fos.advance(0.25)
+        sup.tick()
+    # Noticed at the next scan (<= 1 s), then the 3 s grace: not sooner (a normal end has time), not much later.
+    assert 3.0 <= fos.m - removed_at <= 4.25, fos.m - removed_at
+    assert sup.attempt == 1
+    assert [(p, s) for _, p, s in fos.signals] == [(job1.pid + 1, signal.SIGTERM)]  # the survivor, no grace
+    fos.advance(0.5)
+    sup.tick()  # SIGKILL (grace 0) -> exit -> crash handling -> relaunch
+    assert any(s == signal.SIGKILL for _, _, s in fos.signals)
+    sup.tick()
+    assert sup.attempt == 2
+    crash = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "crash"]
+    assert len(crash) == 1
+    inc = sup.store.get_incident(crash[0].id)
+    assert inc.evidence["rank_lost"]["pids"] == [job1.pid + 2] and "died" in inc.summary
+
+
+def test_ranks_leaving_at_a_normal_end_do_not_trigger_the_rank_watch(tmp_path):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, daemon={"rank_exit_grace_s": 3.0, "rank_watch_every_s": 1.0})
+    sup.start()
+    job1 = sup.job
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 6)
+    _emit(sup, kind="event", event="exiting", step=6, reason="completed")
+    fos.jobs[job1.pid]["ranks"].remove(job1.pid + 2)  # rank 1 left first; rank 0 and the launcher linger
+    for _ in range(6):
+        fos.advance(1.0)
+        sup.tick()
+    assert not fos.signals and sup.attempt == 1 and sup.job is job1
+
+
+def test_hang_reading_names_the_waiting_ranks_and_the_rank_they_wait_for(tmp_path):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, daemon={"stack_dump_wait_s": 1.0, "hang_grace_s": 1.0},
+               detectors={"hang_timeout_floor_s": 10.0})
+    sup.start()
+    job1 = sup.job
+    stacks = tmp_path / "state" / "runs"
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 10)
+    run_stacks = sup.run_dir / "stacks"
+    run_stacks.mkdir(parents=True, exist_ok=True)
+    (run_stacks / "attempt-1-rank-0.txt").write_text("old dump from an operator's SIGUSR1\n")
+    fos.advance(11.0)
+    sup.tick()  # hang -> SIGUSR1; the ranks now write their dumps
+    with open(run_stacks / "attempt-1-rank-0.txt", "a") as fh:
+        fh.write(COLLECTIVE_DUMP)
+    (run_stacks / "attempt-1-rank-1.txt").write_text(STRAGGLER_DUMP)
+    for _ in range(6):
+        fos.advance(1.0)
+        sup.tick()
+    assert sup.attempt == 2, [s for _, _, s in fos.signals]
+    hang = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "hang"]
+    inc = sup.store.get_incident(hang[0].id)
+    assert inc.evidence["diagnosis"] == "nccl_timeout" and inc.evidence["waited_for_ranks"] == [1]
+    assert "old dump" not in inc.evidence["stacks"] and "=== rank 1 stack dump" in inc.evidence["stacks"]
+    assert "rank 1 is outside any collective at" in inc.summary and "faults.py" in inc.summary
+    att = sup.store.list_attempts(sup.run_id)[0]
+    assert att.diagnosis == "nccl_timeout"
+    assert "=== rank 0 stack dump" in fos.jobs[job1.pid]["log"].read_text()  # copied into the attempt log
+    assert stacks.exists()
+
+
+COLLECTIVE_DUMP = '''Thread 0x00007f91310de6c0 (most recent call first):
+  <no Python frame>
+
+Current thread 0x00007f948af76140 (most recent call first):
+  File "/opt/torch/.venv/lib/python3.12/site-packages/torch/cuda/streams.py", line 254 in synchronize
+  File "/tmp/site/deepspeed/runtime/zero/partitioned_param_coordinator.py", line 412 in fetch_sub_module
+  File "/tmp/site/deepspeed/runtime/zero/parameter_offload.py", line 470 in pre_sub_module_forward_function
+  File "/tmp/site/ulyssesd/training/model.py", line 160 in forward
+  File "/tmp/site/ulyssesd/training/train.py", line 420 in _train_step_inner
+  File "/tmp/site/ulyssesd/training/__main__.py", line 80 in main
+'''
+STRAGGLER_DUMP = '''Current thread 0x00007f2428460140 (most recent call first):
+  File "/tmp/site/ulyssesd/training/faults.py", line 120 in before_step
+  File "/tmp/site/ulyssesd/training/train.py", line 415 in _train_step_inner
+  File "/tmp/site/ulyssesd/training/__main__.py", line 80 in main
+'''
