@@ -125,14 +125,16 @@ def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int,
         result["first_step_after_start_s"] = round(steps_rec[0]["time"] - started[0]["time"], 1)
     if rc != 0 or len(steps_rec) < 3:
         result["log_tail"] = (run_dir / "log.txt").read_text()[-3000:]
-    if len(steps_rec) >= 2:
+    if steps_rec:
         from ulyssesd.training.spec import JobSpec
 
         job = JobSpec.model_validate({k: v for k, v in spec.items()
                                       if k not in ("run", "launcher", "detectors", "remediation", "daemon")})
         m = job.resolved_model().model_dump()
         # Step 1 pays lazy optimizer-state allocation and cuDNN/NCCL warm-up.
-        warm = steps_rec[2:] if len(steps_rec) > 4 else steps_rec[1:]
+        warm = steps_rec[2:] if len(steps_rec) > 4 else (steps_rec[1:] or steps_rec)
+        if len(steps_rec) == 1:
+            result["single_step_includes_warmup"] = True  # a 1-step case (very long sequences): slower than steady
         step_s = statistics.median(r.get("step_time_max_s") or r["step_time_s"] for r in warm)
         tokens = warm[-1]["tokens"]
         flops = model_flops_per_step(m, job.train.seq_len, tokens)

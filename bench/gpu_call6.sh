@@ -14,7 +14,7 @@ tar czf "$OUT/daemon.tgz" -C "$OUT" daemon && rm -rf "$OUT/daemon"
 S=${SEQ_SCALE:-1}
 C="model.preset=${PRESET:-gpt-7b} train.device=${DEVICE:-cuda} train.zero3_leaf_blocks=true"
 EXP=env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-bench --case "name=7b-256k-ckpt1-tiled8k $C $EXP train.seq_len=$((262144/S)) train.activation_checkpoint_every=1 train.loss_chunk_tokens=$((8192/S)) steps=2 timeout=260" \
-      --case "name=7b-32k-sel5-tiled4k-normbf16 $C $EXP train.seq_len=$((32768/S)) train.activation_checkpoint_layers=5 train.loss_chunk_tokens=$((4096/S)) model.norm_fp32_copy=false steps=10 timeout=80"
+bench --case "name=7b-32k-sel5-tiled4k-normbf16 $C $EXP train.seq_len=$((32768/S)) train.activation_checkpoint_layers=5 train.loss_chunk_tokens=$((4096/S)) model.norm_fp32_copy=false steps=10 timeout=80" \
+      --case "name=7b-256k-ckpt1-tiled8k $C $EXP train.seq_len=$((262144/S)) train.activation_checkpoint_every=1 train.loss_chunk_tokens=$((8192/S)) steps=1 timeout=240"
 collect_logs
 echo "elapsed $(( $(date +%s) - T0 )) s"
