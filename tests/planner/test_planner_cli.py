@@ -46,9 +46,12 @@ def test_7b_on_h200_fits_exit_0_and_json(app):
     assert data["fits"] is True and data["cluster"]["gpus_per_node"] == 2 and data["gpu_capacity_gib"] == 139.8
 
 
-def test_flags_override_the_cluster(app):
-    # The same 7B on 2 GPUs with 40 GiB each does not fit; more nodes make it fit (exit codes follow).
-    spec = str(CONFIGS / "gpt-7b-2xh200.toml")
+def test_flags_override_the_cluster(app, tmp_path):
+    # The same 7B (checkpointing every layer) on 2 GPUs with 40 GiB each does not fit; more nodes make it fit.
+    text = (CONFIGS / "gpt-7b-2xh200.toml").read_text()
+    assert "activation_checkpoint_layers = 5" in text
+    spec = str(tmp_path / "every-layer.toml")
+    Path(spec).write_text(text.replace("activation_checkpoint_layers = 5", "activation_checkpoint_every = 1"))
     assert run(app, "--spec", spec, "--gpu-mem", "40").exit_code == 1
     res = run(app, "--spec", spec, "--gpu-mem", "40", "--nodes", "4", "--gpus", "2", "--json")
     assert res.exit_code == 0, res.output
