@@ -1086,7 +1086,10 @@ class Supervisor:
             params = {"rung": getattr(dec, "action_kind", None), "ladder": getattr(dec, "ladder", None),
                       "apply": dec_apply, "reason": reason}
             target = iid
-            if getattr(dec, "symptom", symptom.value) != symptom.value:
+            # crash and launch_failure are one family: the engine labels a plain Python exception
+            # (launcher_error) a launch failure, the supervisor knows whether it happened at start.
+            if getattr(dec, "symptom", symptom.value) not in (symptom.value, Symptom.crash.value,
+                                                              Symptom.launch_failure.value):
                 # e.g. crash_loop / no_progress: its own incident, so the budget stop is visible as such.
                 target = self._incident(Symptom(dec.symptom), self.last_step or 0, Severity.critical, reason,
                                         {"after_incident": iid})

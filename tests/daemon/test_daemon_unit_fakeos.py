@@ -437,3 +437,25 @@ STRAGGLER_DUMP = '''Current thread 0x00007f2428460140 (most recent call first):
   File "/tmp/site/ulyssesd/training/train.py", line 415 in _train_step_inner
   File "/tmp/site/ulyssesd/training/__main__.py", line 80 in main
 '''
+
+
+def test_python_exception_mid_run_is_one_crash_incident_labelled_by_its_traceback(tmp_path):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos)
+    sup.start()
+    job1 = sup.job
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 8)
+    with open(fos.jobs[job1.pid]["log"], "a") as fh:
+        fh.write('Traceback (most recent call last):\n  File "train.py", line 3, in step\n'
+                 "RuntimeError: boom at step 9\n"
+                 "[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                 "Connection closed by peer [127.0.0.1]:29500\n")
+    fos.advance(1.0)
+    fos.die(job1.pid, ExitStatus(1, None, "wait"))
+    sup.tick()
+    inc = sup.store.list_incidents(sup.run_id)
+    assert [i.symptom.value for i in inc] == ["crash"], [(i.symptom.value, i.summary) for i in inc]
+    att = sup.store.list_attempts(sup.run_id)[0]
+    assert att.diagnosis == "launcher_error" and "boom at step 9" in " ".join(att.diagnosis_evidence or [])
+    assert sup.attempt == 2 or sup.state == S.BACKOFF
