@@ -1044,7 +1044,7 @@ class Supervisor:
         # Unrequested exit: a crash (or a SIGTERM from someone else). Diagnose -> playbook -> relaunch.
         early = ran_s < self.dcfg.early_death_s and not self.attempt_progress
         self.counters.consecutive_early_deaths = self.counters.consecutive_early_deaths + 1 if early else 0
-        evidence = {"exit": status.describe(), "returncode": status.returncode, "signal": status.signal,
+        evidence: dict[str, Any] = {"exit": status.describe(), "returncode": status.returncode, "signal": status.signal,
                     "diagnosis": diag_label, "evidence_lines": diag_evidence, "log_tail": tail[-8000:],
                     "ran_s": round(ran_s, 1), "early_death": early}
         if self.rank_lost is not None:
