@@ -275,13 +275,20 @@ def block_saved_bytes_per_token(m: ResolvedModel, d: int, sp: int = 1) -> int:
     saves q, k, v, out + an fp32 logsumexp per head. With SP=1 the proj input is a view of SDPA's output
     (flash kernels allocate it [b, s, h, d]); with Ulysses it is the all-to-all's new tensor, saved apart.
     GELU saves its input; SwiGLU its fused input, silu(gate) and the product. Checked on the CPU against
-    torch's saved-tensor hooks (tests/planner/test_planner_activations.py).
+    torch's saved-tensor hooks (tests/planner/test_planner_activations.py). `model.norm_fp32_copy = false`
+    (GPU only; the CPU always copies) saves the half-precision LayerNorm input instead of an fp32 copy.
     """
     h, f, a = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
-    layernorms = 2 * (4 * h + 8)
+    layernorms = 2 * (_norm_input_bytes(m, d) * h + 8)
     attention = d * (h + 3 * h + h + (h if sp > 1 else 0)) + 4 * a
     mlp = d * h + (2 * d * f if m.mlp == "gelu" else 4 * d * f)
     return layernorms + attention + mlp
+
+
+def _norm_input_bytes(m: ResolvedModel, d: int) -> int:
+    """Bytes per element of the input a LayerNorm saves: its fp32 copy, or with `model.norm_fp32_copy = false`
+    (GPU) the half-precision input itself (measured on 2xH200: the shipped gpt-7b config, bench/RESULTS.md)."""
+    return 4 if m.norm_fp32_copy else d
 
 
 def _backward_transient_per_token(m: ResolvedModel, d: int, sp: int) -> int:
@@ -514,8 +521,9 @@ def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None =
     items.append(Item("block backward transients", t * _backward_transient_per_token(m, d, c.sp), "gpu",
                       "b·s/sp·d·(2·ffn_in + 2h)" + (" + all-to-all staging 4·d·h" if c.sp > 1 else ""),
                       ("backward",)))
-    items.append(Item("final norm + head inputs", t * (4 * m.hidden_size + 8 + d * m.hidden_size), "gpu",
-                      "b·s/sp·(4h + d·h)", ("loss",)))
+    nb = _norm_input_bytes(m, d)
+    items.append(Item("final norm + head inputs", t * (nb * m.hidden_size + 8 + d * m.hidden_size), "gpu",
+                      f"b·s/sp·({nb}h + d·h)", ("loss",)))
     if loss_chunk > 0:
         # train.loss_chunk_tokens = N: one checkpointed chunk of N tokens at a time (recomputed in backward).
         # Its inputs are views of the head input counted in the item above, so nothing else is kept.
