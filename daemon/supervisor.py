@@ -10,6 +10,11 @@ The run's state machine is `ulyssesd.daemon.states`; every transition, attempt, 
 config version goes to the store (SQLite), which is also what makes re-adoption exact: the telemetry
 cursor is persisted only after the records before it were acted upon, and incidents are deduplicated by
 (run, attempt, symptom, step), so a daemon killed at any point neither loses nor doubles an incident.
+
+The tick's larger parts live beside it, one concept each: `termination.py` (stack dump -> SIGTERM ->
+SIGKILL phases), `exits.py` (an attempt's exit: crash -> diagnosis -> playbook), `decisions.py` (the
+engine's findings and decisions -> incidents, actions, restarts), `relaunch.py` (restart budget and
+backoff), `resume.py` (which checkpoint the next attempt resumes from), `files.py` (log/dump reads).
 """
 
 from __future__ import annotations
@@ -18,100 +23,44 @@ import collections
 import json
 import math
 import os
-import random
-import re
 import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tenacity
 
+from ulyssesd.daemon import decisions, exits, resume, termination
 from ulyssesd.daemon import job_config as jc
+from ulyssesd.daemon.decisions import _split_outputs as _split_outputs  # re-exported (moved)
+from ulyssesd.daemon.files import LOG_TAIL_BYTES as LOG_TAIL_BYTES  # re-exported (moved)
+from ulyssesd.daemon.files import _read_tail as _read_tail  # re-exported (moved)
+from ulyssesd.daemon.files import _size
 from ulyssesd.daemon.launcher import LaunchPlan, build_launch
 from ulyssesd.daemon.logging import get_logger
 from ulyssesd.daemon.process import ExitStatus, JobHandle, OSInterface
 from ulyssesd.daemon.rank_watch import RankWatch
+from ulyssesd.daemon.relaunch import Counters, Relaunch
 from ulyssesd.daemon.scheduler import LoopScheduler
 from ulyssesd.daemon.spec import RunSpec
 from ulyssesd.daemon.states import LIVE_JOB_STATES, TERMINAL, check_transition
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.daemon.telemetry_reader import Cursor, TelemetryReader
-from ulyssesd.remediation.hang_stacks import read_hang
+from ulyssesd.daemon.termination import STACKS_MAX_BYTES as STACKS_MAX_BYTES  # re-exported (moved)
+from ulyssesd.daemon.termination import Termination
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
 log = get_logger("ulyssesd.supervisor")
 S = RunState
 
-LOG_TAIL_BYTES = 64 * 1024
-STACKS_MAX_BYTES = 64 * 1024
 #: Exit code of `ulyssesd run` when the run ended FAILED (the unit lists it in RestartPreventExitStatus).
 EXIT_RUN_FAILED = 10
 
 
 class LaunchError(RuntimeError):
     """The launcher could not be started even after the bounded retries."""
-
-
-@dataclass
-class Relaunch:
-    """What to do once the current attempt has exited: start the next one."""
-
-    reason: str
-    incident_id: int | None = None
-    rollback_to_step: int | None = None
-    counts_against_budget: bool = True
-
-
-@dataclass
-class Termination:
-    """A pending shutdown of the current attempt, advanced one phase per tick (never blocks the loop)."""
-
-    reason: str
-    after: Any  # Relaunch | "stop" | "pause" | "fail"
-    started: float
-    grace_s: float
-    dump_stacks: bool = False
-    dump_until: float = 0.0
-    log_offset: int = 0
-    termed_at: float | None = None
-    killed_at: float | None = None
-    wrapper_killed: bool = False
-    on_stacks: Callable[[str], None] | None = None
-    stack_offsets: dict[str, int] = field(default_factory=dict)  # per-rank dump file -> size before SIGUSR1
-    per_rank_stacks: dict[int, str] = field(default_factory=dict)  # what each rank wrote after SIGUSR1
-
-
-@dataclass
-class Counters:
-    restarts: list[float] = field(default_factory=list)  # wall times of relaunches (budget per hour)
-    restarts_without_progress: int = 0
-    consecutive_early_deaths: int = 0
-    ckpt_step_at_last_restart: int | None = None
-
-
-def _read_tail(path: Path, nbytes: int = LOG_TAIL_BYTES, start: int | None = None) -> str:
-    try:
-        with open(path, "rb") as fh:
-            if start is not None:
-                fh.seek(start)
-                return fh.read(nbytes).decode("utf-8", errors="replace")
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - nbytes))
-            return fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def _finite(x: float | None) -> float | None:
@@ -354,70 +303,10 @@ class Supervisor:
     # ------------------------------------------------------------------------------- launch
     def _choose_checkpoint(self, rollback_to_step: int | None) -> tuple[str, list[str]]:
         """Validate tags newest -> oldest, quarantine bad ones; return (tag or "none", notes)."""
-        from ulyssesd.training import checkpoint as ck
-
-        notes: list[str] = []
-        verify = bool(jc.get_dotted(self.config, "checkpoint.verify_checksums", True))
-
-        def bad(tag: str, reason: str) -> None:
-            notes.append(f"{tag} invalid: {reason}")
-            try:
-                moved = ck.quarantine(self.ckpt_dir / tag)
-                notes[-1] += f"; quarantined as {moved.name}"
-            except OSError as exc:
-                notes[-1] += f"; quarantine failed: {exc}"
-            self.store.upsert_checkpoint(self.run_id, tag, step=ck.step_of_tag(tag) or 0, valid=False,
-                                         invalid_reason=reason)
-
-        if not self.ckpt_dir.exists():
-            return "none", notes
-        if not os.access(self.ckpt_dir, os.R_OK | os.X_OK):
-            raise PermissionError(f"checkpoint directory {self.ckpt_dir} is not readable by uid {os.geteuid()}")
-        tags = ck.list_tags(self.ckpt_dir)
-
-        def first_valid(candidates: list[str]) -> str | None:
-            for tag in candidates:
-                gib_ok = self._tag_gib(tag) <= self.dcfg.verify_max_gib
-                ok, reason = ck.validate_tag(self.ckpt_dir / tag, verify and gib_ok)
-                if ok:
-                    return tag
-                bad(tag, reason)
-            return None
-
-        if rollback_to_step is None:
-            chosen = first_valid(list(reversed(tags)))
-        else:
-            older = [t for t in tags if (ck.step_of_tag(t) or 0) <= rollback_to_step]
-            chosen = first_valid(list(reversed(older)))
-            if chosen is None and rollback_to_step > 0:
-                # The rollback target is gone (pruned, or invalid): the closest valid tag after it beats
-                # starting from scratch and losing the whole run.
-                chosen = first_valid([t for t in tags if (ck.step_of_tag(t) or 0) > rollback_to_step])
-                if chosen is not None:
-                    notes.append(f"no valid checkpoint at or before step {rollback_to_step} (pruned or invalid); "
-                                 f"rolled back to the oldest valid one, {chosen}")
-            # Tags after the rollback point belong to the abandoned (bad) trajectory: set them aside so a
-            # later plain restart ("latest") can never resume from them. Renamed, not deleted (evidence).
-            limit = ck.step_of_tag(chosen) if chosen else rollback_to_step
-            for t in ck.list_tags(self.ckpt_dir):
-                if (ck.step_of_tag(t) or 0) > (limit or 0):
-                    target = self.ckpt_dir / f"{t}.rolledback-{int(self.os.time())}"
-                    os.rename(self.ckpt_dir / t, target)
-                    log.info("checkpoint set aside", tag=t, to=target.name)
-                    self.say(f"  {t} set aside as {target.name} (after the rollback point)")
-                    self.store.upsert_checkpoint(self.run_id, t, step=ck.step_of_tag(t) or 0, valid=False,
-                                                 invalid_reason=f"rolled back past it (to step {limit})")
-        if chosen is None:
-            return "none", notes
-        ck.point_latest_to(self.ckpt_dir, chosen)
-        return chosen, notes
-
-    def _tag_gib(self, tag: str) -> float:
-        try:
-            files = json.loads((self.ckpt_dir / tag / "manifest.json").read_text()).get("files", {})
-            return sum(int(f.get("size", 0)) for f in files.values()) / (1 << 30)
-        except (OSError, ValueError, AttributeError):
-            return 0.0
+        return resume.choose_checkpoint(
+            self.ckpt_dir, rollback_to_step, verify=bool(jc.get_dotted(self.config, "checkpoint.verify_checksums", True)),
+            verify_max_gib=self.dcfg.verify_max_gib, store=self.store, run_id=self.run_id, clock=self.os.time,
+            say=self.say)
 
     def _new_config_version(self, patch: dict[str, Any], reason: str) -> tuple[int, dict[str, list[Any]]]:
         """Patch -> validated config -> configs/v{N+1}.json + store row (with the launcher env overrides,
@@ -667,31 +556,7 @@ class Supervisor:
 
     # ---------------------------------------------------------------- remediation outputs
     def _handle_outputs(self, out: Any, step: int) -> None:
-        findings, decisions = _split_outputs(out)
-        for fnd in findings:
-            if fnd.symptom == "hang":
-                if self.spec.remediation.mode == "observe":
-                    iid = self._record_finding(fnd)
-                    self.unacted.pop("hang", None)
-                    self._action(iid, ActionKind.observe_only_noop,
-                                 {"would": "stack dumps, SIGTERM, SIGKILL after grace, restart from latest"}, {},
-                                 ApplyMode.none, observe_only=True)
-                    continue
-                self.on_hang(fnd)  # recorded once the stacks are captured
-                continue
-            self._record_finding(fnd)
-        for dec in decisions:
-            self._apply_decision(dec, step)
-
-    def _record_finding(self, fnd: Any) -> int:
-        sev = Severity(getattr(fnd, "severity", "warning"))
-        iid = self._incident(Symptom(fnd.symptom), fnd.step if fnd.step is not None else (self.last_step or 0),
-                             sev, getattr(fnd, "message", "") or fnd.symptom, dict(getattr(fnd, "evidence", {}) or {}))
-        # A decision on this symptom (now, or after the grace window) belongs to this incident.
-        lst = self.unacted.setdefault(fnd.symptom, [])
-        if all(i != iid for i, _ in lst):
-            lst.append((iid, fnd.step if fnd.step is not None else (self.last_step or 0)))
-        return iid
+        decisions.handle_outputs(self, out, step)
 
     def _incident(self, symptom: Symptom, step: int, severity: Severity, summary: str, evidence: dict[str, Any],
                   attempt: int | None = None) -> int:
@@ -712,171 +577,11 @@ class Supervisor:
             self.open_incidents[incident_id] = {"action_id": aid, "step": self.last_step or 0}
         return aid
 
-    def _action_kind(self, dec: Any) -> ActionKind:
-        apply = getattr(dec, "would_apply", None) or getattr(dec, "apply", "none")
-        rung = getattr(dec, "action_kind", "")
-        try:
-            return ActionKind(rung)
-        except ValueError:
-            pass
-        if apply == "hot":
-            return ActionKind.hot_control
-        if apply == "rollback_skip":
-            return ActionKind.rollback_skip
-        if apply == "stop":
-            return ActionKind.stop
-        if apply == "restart_latest":
-            return ActionKind.set_config if getattr(dec, "config_patch", None) else ActionKind.restart
-        return ActionKind.alert
-
-    def _patch_of(self, dec: Any) -> dict[str, Any]:
-        """The decision's JobSpec patch (launcher.env.* keys go to the launch environment instead)."""
-        patch = dict(getattr(dec, "config_patch", {}) or {})
-        if "data.skip_ranges" in patch:
-            # The engine's value is the whole new list (it merges ranges itself).
-            patch["data.skip_ranges"] = [list(r) for r in patch["data.skip_ranges"] or []]
-        else:
-            skips = [list(r) for r in (getattr(dec, "skip_ranges", None) or [])]
-            if skips:
-                cur = [list(r) for r in (jc.get_dotted(self.config, "data.skip_ranges") or [])]
-                patch["data.skip_ranges"] = cur + [r for r in skips if r not in cur]
-        return patch
-
-    def _apply_decision(self, dec: Any, step: int) -> None:
-        apply = getattr(dec, "apply", "none")
-        symptom = Symptom(getattr(dec, "symptom", "crash"))
-        dstep = getattr(dec, "step", None)
-        dstep = dstep if dstep is not None else step
-        reason = getattr(dec, "reason", "") or f"{symptom.value} remediation"
-        kind = self._action_kind(dec)
-        params = {"rung": getattr(dec, "action_kind", None), "ladder": getattr(dec, "ladder", None),
-                  "apply": apply, "reason": reason}
-        if symptom == Symptom.hang and self.term is not None:
-            # The hang path (stack dump -> TERM -> KILL -> relaunch) already owns this attempt.
-            if apply == "stop":
-                self.term.after = self.after_exit = "fail"
-                self.term.reason = reason
-            return
-        pending = self.unacted.pop(symptom.value, [])
-        iid = pending[0][0] if pending else None
-        for other, _ in pending[1:]:  # later findings of the same episode: one incident carries the action
-            self.store.update_incident_status(other, IncidentStatus.resolved, f"same episode as incident {iid}")
-        if iid is None:
-            iid = self._incident(symptom, dstep, Severity.critical if apply in ("stop", "rollback_skip")
-                                 else Severity.warning, reason, dict(getattr(dec, "evidence", {}) or {}))
-        if apply == "none":
-            observe = getattr(dec, "would_apply", None) is not None
-            if params["rung"] == "collect_evidence" and not observe:
-                params["evidence"] = self._host_evidence()
-            self._action(iid, ActionKind.observe_only_noop if observe else kind,
-                         {**params, "would_apply": getattr(dec, "would_apply", None),
-                          "patch": getattr(dec, "config_patch", {}), "skip_ranges": getattr(dec, "skip_ranges", [])},
-                         {}, ApplyMode.none, observe_only=observe)
-            if not observe:
-                self.store.update_incident_status(iid, IncidentStatus.escalated, reason)
-                self._alert(f"{symptom.value} at step {dstep} escalated: {reason}")
-            self.say(f"  {'observe-only: would' if observe else 'action:'} {params['rung']} — {reason}")
-            return
-        if self.term is not None and apply != "stop":
-            self.say(f"  (attempt already terminating; {params['rung']} folded into the pending restart)")
-            return
-        if apply == "stop":
-            self._action(iid, ActionKind.stop, params, {}, ApplyMode.none)
-            self.store.update_incident_status(iid, IncidentStatus.escalated, reason)
-            self.say(f"  action: stop — {reason}")
-            self._stop_run(reason, fail=True)
-            return
-        if self.state in (S.RUNNING, S.STARTING):
-            self._set_state(S.REMEDIATING, f"{symptom.value}: {reason}")
-        from_v = self.config_version
-        patch = self._patch_of(dec)
-        if apply == "hot":
-            to_v, diff = self._new_config_version(patch, f"{symptom.value}: {reason}") if patch else (from_v, {})
-            hot = {k: v for k, v in dict(getattr(dec, "hot_control", {}) or {}).items() if k != "dump_stacks"}
-            ctl = jc.write_control(self.run_dir, **hot)
-            self._action(iid, kind, {**params, "control": ctl}, diff, ApplyMode.hot, from_v, to_v)
-            self.store.update_incident_status(iid, IncidentStatus.remediating, f"hot: {reason}")
-            self.say(f"  action: {params['rung']} hot via control.json v{ctl['version']} {hot}")
-            if self.state == S.REMEDIATING:
-                self._set_state(S.RUNNING, "hot fix applied, no restart")
-            return
-        # restart_latest | rollback_skip: new config version, then a graceful (or suspect) restart.
-        rollback = getattr(dec, "rollback_to_step", None) if apply == "rollback_skip" else None
-        to_v, diff = self._new_config_version(patch, f"{symptom.value}: {reason}") if patch else (from_v, {})
-        suspect = apply == "rollback_skip" or bool((getattr(dec, "hot_control", {}) or {}).get("suspect"))
-        if suspect:
-            jc.write_control(self.run_dir, suspect=True)
-        params.update(rollback_to_step=rollback, skip_ranges=getattr(dec, "skip_ranges", []), suspect=suspect)
-        self._action(iid, kind, params, diff, ApplyMode.restart, from_v, to_v)
-        self.store.update_incident_status(iid, IncidentStatus.remediating, reason)
-        self.say(f"  action: {params['rung']} ({apply})" + (f", rollback to <= step {rollback}" if rollback is not None else "")
-                 + (f", config v{from_v}->v{to_v}" if to_v != from_v else "") + f" — {reason}")
-        relaunch = Relaunch(reason, iid, rollback)
-        if self.job is not None and self.os.is_alive(self.job):
-            self._set_state(S.RESTARTING, f"{symptom.value}: stopping attempt {self.attempt} to apply")
-            self._begin_termination(f"{symptom.value} remediation", after=relaunch, grace=self.dcfg.stop_grace_s)
-        else:
-            self._schedule_relaunch(relaunch)
-
-    def _host_evidence(self) -> dict[str, Any]:
-        """Slow-step evidence the daemon can see: per-rank step times (telemetry), the job's processes'
-        CPU use, and the busiest other processes on the host (CPU hogs)."""
-        import psutil
-
-        r = self.last_step_record
-        ev: dict[str, Any] = {"load_avg": list(os.getloadavg()), "cpu_count": psutil.cpu_count()}
-        if r is not None:
-            ev["step_time_s"], ev["step_time_max_s"], ev["slowest_rank"] = r.step_time_s, r.step_time_max_s, r.slowest_rank
-        mine = set(self.os.job_pids(self.job, self._marker())) if self.job is not None else set()
-        procs = []
-        for p in psutil.process_iter(["pid", "name", "cpu_percent", "cmdline"]):
-            procs.append(p)
-        time.sleep(0.2)  # cpu_percent needs an interval; bounded and rare (only on slow-step evidence)
-        rows = []
-        for p in procs:
-            try:
-                rows.append((p.cpu_percent(None), p.pid, " ".join(p.info.get("cmdline") or [])[:120] or p.info["name"]))
-            except psutil.Error:
-                continue
-        rows.sort(reverse=True)
-        ev["job_cpu_percent"] = {pid: cpu for cpu, pid, _ in rows if pid in mine}
-        ev["top_other_processes"] = [{"pid": pid, "cpu_percent": cpu, "cmd": cmd} for cpu, pid, cmd in rows
-                                     if pid not in mine and pid != os.getpid()][:5]
-        return ev
-
     def _settle_unacted(self, reason: str, before_step: int | None = None) -> None:
-        """Findings that never led to a decision (a spike that recovered inside the grace window, as
-        BLOOM-176B's did) are resolved without action instead of staying open forever."""
-        for symptom, lst in list(self.unacted.items()):
-            keep = []
-            for iid, step in lst:
-                if before_step is None or step < before_step:
-                    try:
-                        self.store.update_incident_status(iid, IncidentStatus.resolved, reason)
-                    except Exception as exc:  # noqa: BLE001 - bookkeeping only
-                        log.warning("could not settle incident", id=iid, error=repr(exc))
-                else:
-                    keep.append((iid, step))
-            if keep:
-                self.unacted[symptom] = keep
-            else:
-                self.unacted.pop(symptom, None)
+        decisions.settle_unacted(self, reason, before_step)
 
     def _verify_open_incidents(self, ckpt_step: int) -> None:
-        """An incident whose fix was followed by a checkpoint with no recurrence is resolved."""
-        grace = self.spec.remediation.grace_steps
-        self._settle_unacted(f"recovered by itself: no action needed within the {grace}-step grace window "
-                             f"(checkpoint at step {ckpt_step})", before_step=ckpt_step - grace)
-        for iid, meta in list(self.open_incidents.items()):
-            if ckpt_step > meta["step"]:
-                try:
-                    self.store.verify_action(meta["action_id"], "effective",
-                                             {"verified_by": f"checkpoint at step {ckpt_step}"})
-                    self.store.update_incident_status(iid, IncidentStatus.resolved,
-                                                      f"training progressed to a checkpoint at step {ckpt_step}")
-                except Exception as exc:  # noqa: BLE001 - verification bookkeeping is best effort
-                    log.warning("could not resolve incident", id=iid, error=repr(exc))
-                self.open_incidents.pop(iid, None)
+        decisions.verify_open_incidents(self, ckpt_step)
 
     # ---------------------------------------------------------------------- termination
     def _begin_termination(self, reason: str, after: Any, grace: float, dump_stacks: bool = False,
@@ -887,37 +592,17 @@ class Supervisor:
                                 log_offset=_size(self.log_path), on_stacks=on_stacks)
         self.after_exit = after
         if dump_stacks:
-            self.term.stack_offsets = {str(f): _size(f) for f in self._stack_files()}
-            ranks = self.os.rank_pids(self.job, self.spec.launcher.module, self.plan.marker if self.plan else None)
-            sent = self.os.signal_pids(ranks, signal.SIGUSR1)
-            self.term.dump_until = now + self.dcfg.stack_dump_wait_s
-            log.info("stack dump requested", pids=sent)
-            self.say(f"  SIGUSR1 (stack dump) -> ranks {sent}")
+            termination.request_stack_dumps(self.term, self.os, self.job, self.spec.launcher.module,
+                                            self.plan.marker if self.plan else None, self._stack_files(), now,
+                                            self.dcfg.stack_dump_wait_s, self.say)
         self._advance_termination()
 
     def _stack_files(self) -> list[Path]:
-        return sorted((self.run_dir / "stacks").glob(f"attempt-{self.attempt}-rank-*.txt"))
+        return termination.stack_files(self.run_dir / "stacks", self.attempt)
 
     def _collect_stacks(self, t: Termination) -> str:
-        """The dumps written since SIGUSR1: per-rank files (the job's), copied into the attempt log under a
-        header per rank; a job that wrote none (older job, stderr fallback) -> the log since the request."""
-        per_rank: dict[int, str] = {}
-        for f in self._stack_files():
-            m = re.search(r"-rank-(\d+)\.txt$", f.name)
-            text = _read_tail(f, STACKS_MAX_BYTES // 2, start=t.stack_offsets.get(str(f), 0))
-            if m and text.strip():
-                per_rank[int(m.group(1))] = text
-        t.per_rank_stacks = per_rank
-        if not per_rank:
-            return _read_tail(self.log_path, STACKS_MAX_BYTES, start=t.log_offset)
-        combined = "".join(f"=== rank {r} stack dump ({self.run_dir / 'stacks'}) ===\n{text}\n"
-                           for r, text in sorted(per_rank.items()))
-        try:
-            with open(self.log_path, "a") as fh:  # the log stays the one place an operator reads
-                fh.write(f"\n[ulyssesd] stack dumps of attempt {self.attempt} ({t.reason}):\n{combined}")
-        except OSError as exc:
-            log.warning("could not append stack dumps to the log", error=repr(exc))
-        return combined
+        return termination.collect_stacks(t, self._stack_files(), self.log_path, self.run_dir / "stacks", self.attempt)
+
 
     def _watch_ranks(self) -> None:
         """A rank is gone but the launcher still runs: its peers are blocked in a collective and the launcher
@@ -941,31 +626,8 @@ class Supervisor:
         t = self.term
         if t is None or self.job is None:
             return
-        now = self.os.monotonic()
-        if t.dump_stacks and t.termed_at is None:
-            if now < t.dump_until:
-                return
-            stacks = self._collect_stacks(t)
-            if t.on_stacks is not None:
-                t.on_stacks(stacks)
-        if t.termed_at is None:
-            ranks = self.os.rank_pids(self.job, self.spec.launcher.module, self._marker())
-            targets = ranks or [p for p in self.os.job_pids(self.job, self._marker()) if p != self.job.pid]
-            sent = self.os.signal_pids(targets, signal.SIGTERM)
-            t.termed_at = now
-            self.say(f"  SIGTERM -> {sent} ({t.reason}); SIGKILL after {t.grace_s:.0f}s")
-            return
-        if t.killed_at is None and now - t.termed_at >= t.grace_s:
-            pids = [p for p in self.os.job_pids(self.job, self._marker()) if p != self.job.pid]
-            sent = self.os.signal_pids(pids, signal.SIGKILL)
-            t.killed_at = now
-            log.warning("grace over, SIGKILL", pids=sent, reason=t.reason)
-            self.say(f"  grace over: SIGKILL -> {sent}")
-            return
-        if t.killed_at is not None and not t.wrapper_killed and now - t.killed_at >= 5.0:
-            # The wrapper should have recorded the exit by now; if not, take it down too.
-            self.os.signal_pids(self.os.job_pids(self.job, self._marker()), signal.SIGKILL)
-            t.wrapper_killed = True
+        termination.advance(t, self.os, self.job, self.spec.launcher.module, self._marker(), self.os.monotonic(),
+                            collect=lambda: self._collect_stacks(t), say=self.say)
 
     def _stop_run(self, reason: str, fail: bool = False, pause: bool = False) -> None:
         after = "fail" if fail else ("pause" if pause else "stop")
@@ -988,191 +650,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------ exits
     def _on_exit(self, status: ExitStatus) -> None:
-        assert self.job is not None
-        job = self.job
-        self.job = None
-        term = self.term
-        self.term = None
-        if term is not None and term.dump_stacks and term.termed_at is None and term.on_stacks is not None:
-            # The attempt ended while we waited for its stack dumps: record the hang with what was written.
-            self.term = term
-            term.on_stacks(self._collect_stacks(term))
-            self.term = None
-        survivors = self.os.job_pids(job, self._marker())
-        if survivors:
-            # No orphan rank may outlive its attempt: kill whatever is left and say so.
-            self.os.signal_pids(survivors, signal.SIGKILL)
-            log.warning("killed processes that outlived their attempt", pids=survivors)
-        ran_s = self.os.monotonic() - self.attempt_started_mono
-        tail = _read_tail(self.log_path)
-        after = self.after_exit
-        self.after_exit = None
-        diag_label, diag_evidence, diag_confidence = None, None, None
-        crashed = not status.ok and after is None
-        completed = status.ok and self.last_exiting == "completed"
-        if crashed or (status.ok and after is None and not completed):
-            from ulyssesd.remediation.diagnosis import diagnose
-
-            rc = status.returncode if status.returncode is not None else (-status.signal if status.signal else None)
-            d = diagnose(tail, rc, status.signal)
-            diag_label, diag_evidence = d.label, list(d.evidence)
-            diag_confidence = d.confidence
-        if diag_label is None and self.hang_diagnosis is not None and self.hang_diagnosis[0] is not None:
-            # Killed by the hang path: the stack dumps, not the log's last lines, say what it was.
-            diag_label, diag_evidence = self.hang_diagnosis[0], self.hang_diagnosis[1]
-        self.store.end_attempt(self.run_id, self.attempt, returncode=status.returncode, signal=status.signal,
-                               diagnosis=diag_label, diagnosis_evidence=diag_evidence)
-        log.info("attempt ended", run_id=self.run_id, attempt=self.attempt, status=status.describe(),
-                 ran_s=round(ran_s, 1), last_step=self.last_step, after=str(after), exiting=self.last_exiting)
-        self.say(f"attempt {self.attempt} ended: {status.describe()} after {ran_s:.0f}s (last step {self.last_step})")
-        if completed:
-            self._resolve_all("run completed")
-            self._set_state(S.COMPLETED, f"reached final step {self.last_step}")
-            return
-        if after == "stop":
-            self._set_state(S.STOPPED, "job exited after operator stop")
-            return
-        if after == "pause":
-            self._set_state(S.PAUSED, "job saved and exited; paused")
-            return
-        if after == "fail":
-            self._fail(term.reason if term else "stopped by the playbook")
-            return
-        if isinstance(after, Relaunch):
-            self._schedule_relaunch(after)
-            return
-        # Unrequested exit: a crash (or a SIGTERM from someone else). Diagnose -> playbook -> relaunch.
-        early = ran_s < self.dcfg.early_death_s and not self.attempt_progress
-        self.counters.consecutive_early_deaths = self.counters.consecutive_early_deaths + 1 if early else 0
-        evidence: dict[str, Any] = {"exit": status.describe(), "returncode": status.returncode, "signal": status.signal,
-                    "diagnosis": diag_label, "evidence_lines": diag_evidence, "log_tail": tail[-8000:],
-                    "ran_s": round(ran_s, 1), "early_death": early}
-        if self.rank_lost is not None:
-            evidence["rank_lost"] = self.rank_lost
-        symptom = Symptom.launch_failure if early and diag_label == "launcher_error" else Symptom.crash
-        if diag_label == "cuda_oom":
-            symptom = Symptom.cuda_oom
-        elif diag_label == "disk_full":
-            symptom = Symptom.disk_full
-        if status.returncode in (2, 3) and status.signal is None:
-            # CONTRACTS.md: 2 = the job rejected its config, 3 = no loadable checkpoint left. Relaunching the
-            # same thing cannot help, and starting from scratch would silently discard the run's progress.
-            what = (f"the job rejected config v{self.config_version} (exit 2)" if status.returncode == 2
-                    else "no valid checkpoint left to resume from (exit 3)")
-            sym = Symptom.crash if status.returncode == 2 else Symptom.checkpoint_corrupt
-            iid = self._incident(sym, self.last_step or 0, Severity.critical, what, evidence)
-            self._action(iid, ActionKind.stop, {"reason": what}, {}, ApplyMode.none)
-            self.store.update_incident_status(iid, IncidentStatus.failed, what)
-            self._fail(what)
-            return
-        what = (f"rank process(es) {self.rank_lost['pids']} died; the daemon stopped the waiting ranks"
-                if self.rank_lost is not None else f"attempt {self.attempt} {status.describe()}")
-        iid = self._incident(symptom, self.last_step or 0, Severity.critical, f"{what}; diagnosis {diag_label}",
-                             evidence)
-        decisions: list[Any] = []
-        if self.engine is not None:
-            label = diag_label or "healthy"
-            if label == "host_oom_killed" and diag_confidence != "high":
-                # A bare SIGKILL with no OOM-killer line in the log (an operator, a chaos test, a node agent):
-                # treat it as an unexplained crash (restart within budget) rather than run the host-memory
-                # ladder, whose rungs may all be inapplicable and end the run.
-                label = "sigkill_unexplained"
-            _, decisions = _split_outputs(self.engine.on_crash(label, diag_evidence or [], self.os.time()))
-        relaunch = Relaunch(f"crash ({diag_label})", iid)
-        acted = False
-        for dec in decisions:
-            dec_apply = getattr(dec, "apply", "restart_latest")
-            reason = getattr(dec, "reason", "") or f"crash {diag_label}"
-            params = {"rung": getattr(dec, "action_kind", None), "ladder": getattr(dec, "ladder", None),
-                      "apply": dec_apply, "reason": reason}
-            target = iid
-            # crash and launch_failure are one family: the engine labels a plain Python exception
-            # (launcher_error) a launch failure, the supervisor knows whether it happened at start.
-            if getattr(dec, "symptom", symptom.value) not in (symptom.value, Symptom.crash.value,
-                                                              Symptom.launch_failure.value):
-                # e.g. crash_loop / no_progress: its own incident, so the budget stop is visible as such.
-                target = self._incident(Symptom(dec.symptom), self.last_step or 0, Severity.critical, reason,
-                                        {"after_incident": iid})
-            if dec_apply == "stop":
-                self._action(target, ActionKind.stop, params, {}, ApplyMode.none)
-                self.store.update_incident_status(target, IncidentStatus.failed, reason)
-                if target != iid:
-                    self.store.update_incident_status(iid, IncidentStatus.failed, reason)
-                self._fail(reason)
-                return
-            if dec_apply == "none":
-                observe = getattr(dec, "would_apply", None) is not None
-                self._action(target, ActionKind.observe_only_noop if observe else self._action_kind(dec),
-                             {**params, "would_apply": getattr(dec, "would_apply", None),
-                              "patch": getattr(dec, "config_patch", {})}, {}, ApplyMode.none, observe_only=observe)
-                continue
-            from_v = self.config_version
-            patch = self._patch_of(dec)
-            to_v, diff = self._new_config_version(patch, f"crash {diag_label}: {reason}") if patch else (from_v, {})
-            if dec_apply == "rollback_skip":
-                relaunch.rollback_to_step = getattr(dec, "rollback_to_step", None)
-            params["rollback_to_step"] = relaunch.rollback_to_step
-            self._action(target, self._action_kind(dec), params, diff, ApplyMode.restart, from_v, to_v)
-            self.say(f"  action: {params['rung']} — {reason}" + (f" (config v{from_v}->v{to_v})" if to_v != from_v else ""))
-            acted = True
-        if self.spec.remediation.mode == "observe":
-            # Observe-only acts on nothing, restarts included: the run ends here, with what would have happened.
-            self._action(iid, ActionKind.observe_only_noop, {"would": "restart from the latest valid checkpoint"},
-                         {}, ApplyMode.none, observe_only=True)
-            self.store.update_incident_status(iid, IncidentStatus.escalated, "observe-only: not restarted")
-            self._fail(f"observe-only mode: attempt {self.attempt} ended ({status.describe()}) and was not restarted")
-            return
-        if not acted:
-            self._action(iid, ActionKind.restart, {"reason": "crash: restart from the latest valid checkpoint"}, {},
-                         ApplyMode.restart, self.config_version, self.config_version)
-        self.store.update_incident_status(iid, IncidentStatus.remediating, "relaunching")
-        self._schedule_relaunch(relaunch, early=early)
-
-    def _schedule_relaunch(self, relaunch: Relaunch, early: bool = False) -> None:
-        """Budget checks, then relaunch now or after a backoff."""
-        now = self.os.time()
-        rcfg = self.spec.remediation
-        ckpt_step = self.latest_ckpt[1] if self.latest_ckpt else None
-        if relaunch.counts_against_budget:
-            self.counters.restarts = [t for t in self.counters.restarts if now - t < 3600] + [now]
-            if self.counters.ckpt_step_at_last_restart is not None and ckpt_step == self.counters.ckpt_step_at_last_restart:
-                self.counters.restarts_without_progress += 1
-            elif self.counters.ckpt_step_at_last_restart is None and ckpt_step is None:
-                self.counters.restarts_without_progress += 1
-            else:
-                self.counters.restarts_without_progress = 1 if ckpt_step is None else 0
-            self.counters.ckpt_step_at_last_restart = ckpt_step
-            if len(self.counters.restarts) > rcfg.max_restarts_per_hour:
-                self._fail_budget(Symptom.crash_loop, f"{len(self.counters.restarts)} restarts in the last hour "
-                                  f"(remediation.max_restarts_per_hour={rcfg.max_restarts_per_hour})")
-                return
-            if self.counters.restarts_without_progress > rcfg.no_progress_restarts:
-                self._fail_budget(Symptom.no_progress, f"{self.counters.restarts_without_progress} restarts without "
-                                  f"checkpoint advance (remediation.no_progress_restarts={rcfg.no_progress_restarts}); "
-                                  f"latest checkpoint step {ckpt_step}")
-                return
-        delay = 0.0
-        if early and self.counters.consecutive_early_deaths > 0:
-            n = self.counters.consecutive_early_deaths
-            delay = min(self.dcfg.backoff_max_s, self.dcfg.backoff_base_s * 2 ** (n - 1))
-            delay *= 1 + 0.25 * random.random()  # jitter: decorrelate many daemons after a shared failure
-        if delay > 0:
-            self.pending_relaunch = relaunch
-            self.backoff_until = now + delay
-            self._set_state(S.BACKOFF, f"relaunch in {delay:.1f}s ({relaunch.reason})")
-            return
-        if self.state not in (S.RESTARTING,):
-            self._set_state(S.RESTARTING, relaunch.reason)
-        self._launch(relaunch.reason, relaunch.rollback_to_step, relaunch.incident_id)
-
-    def _fail_budget(self, symptom: Symptom, reason: str) -> None:
-        iid = self._incident(symptom, self.last_step or 0, Severity.critical, reason,
-                             {"restarts_last_hour": len(self.counters.restarts),
-                              "restarts_without_progress": self.counters.restarts_without_progress,
-                              "latest_checkpoint": self.latest_ckpt[0] if self.latest_ckpt else None})
-        self._action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
-        self.store.update_incident_status(iid, IncidentStatus.failed, reason)
-        self._fail(reason)
+        exits.on_exit(self, status)
 
     def _fail(self, reason: str, symptom: Symptom | None = None) -> None:
         if symptom is not None:
@@ -1201,34 +679,7 @@ class Supervisor:
     # ------------------------------------------------------------------------------ hang
     def on_hang(self, fnd: Any) -> None:
         """Hang: stack dumps of every rank into the incident, then SIGTERM, then SIGKILL after grace."""
-        if self.term is not None or self.job is None:
-            return
-        step = fnd.step if fnd.step is not None else (self.last_step or 0)
-        evidence = dict(getattr(fnd, "evidence", {}) or {})
-        summary = getattr(fnd, "message", "") or "no progress"
-        attempt = self.attempt
-
-        def with_stacks(stacks: str) -> None:
-            per_rank = self.term.per_rank_stacks if self.term is not None else {}
-            reading = read_hang(per_rank, unattributed=stacks)
-            self.hang_diagnosis = (reading.label, [reading.summary])
-            ev = dict(evidence, stacks=stacks or "(no stack dump written)",
-                      threads_dumped=stacks.count("Current thread") + stacks.count("Thread 0x") if stacks else 0,
-                      diagnosis=reading.label, stack_reading=reading.summary,
-                      waited_for_ranks=list(reading.waited_for))
-            iid = self._incident(Symptom.hang, step, Severity.critical, f"{summary} {reading.summary}", ev,
-                                 attempt=attempt)
-            self._action(iid, ActionKind.restart, {"reason": "hang: stack dump, SIGTERM, SIGKILL after grace, "
-                                                   "restart from latest valid checkpoint"}, {}, ApplyMode.restart,
-                         self.config_version, self.config_version)
-            self.store.update_incident_status(iid, IncidentStatus.remediating, "restarting after hang")
-            if isinstance(self.term.after if self.term else None, Relaunch):
-                self.term.after.incident_id = iid  # type: ignore[union-attr]
-
-        self._set_state(S.REMEDIATING, f"hang at step {step}: {summary}")
-        self._set_state(S.RESTARTING, "hung attempt is being killed")
-        self._begin_termination("hang", after=Relaunch("hang", None), grace=self.dcfg.hang_grace_s,
-                                dump_stacks=True, on_stacks=with_stacks)
+        decisions.on_hang(self, fnd)
 
     # --------------------------------------------------------------------- commands
     def enqueue(self, kind: str, payload: Any = None) -> None:
@@ -1351,21 +802,6 @@ class Supervisor:
 
     def job_status(self) -> None:
         log.info("status", **self.status_dict())
-
-
-def _split_outputs(out: Any) -> tuple[list[Any], list[Any]]:
-    """Engine outputs -> (findings, decisions), whatever container the engine returns."""
-    if out is None:
-        return [], []
-    if hasattr(out, "findings") or hasattr(out, "decisions"):
-        return list(getattr(out, "findings", []) or []), list(getattr(out, "decisions", []) or [])
-    if isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, list) for x in out):
-        return list(out[0]), list(out[1])
-    findings: list[Any] = []
-    decisions: list[Any] = []
-    for item in out:
-        (decisions if hasattr(item, "apply") else findings).append(item)
-    return findings, decisions
 
 
 def _jsonable(x: Any) -> Any:

@@ -1,0 +1,274 @@
+"""Remediation outputs -> incidents, actions and the job: what the supervisor does with the engine's findings
+and decisions while an attempt runs (hot control, new config version + graceful restart, rollback, stop,
+the hang path), and the incidents' lifecycle afterwards (settled when nothing acted, resolved when a
+checkpoint follows the fix).
+
+Functions of the `Supervisor` (they read and change its run state); the crash path after an attempt ended
+is `exits.py`, the termination phases are `termination.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from ulyssesd.daemon import job_config as jc
+from ulyssesd.daemon.logging import get_logger
+from ulyssesd.daemon.relaunch import Relaunch, schedule_relaunch
+from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
+from ulyssesd.remediation.hang_stacks import read_hang
+
+if TYPE_CHECKING:
+    from ulyssesd.daemon.supervisor import Supervisor
+
+log = get_logger("ulyssesd.supervisor")
+S = RunState
+
+
+def handle_outputs(sup: Supervisor, out: Any, step: int) -> None:
+    findings, decisions = _split_outputs(out)
+    for fnd in findings:
+        if fnd.symptom == "hang":
+            if sup.spec.remediation.mode == "observe":
+                iid = record_finding(sup, fnd)
+                sup.unacted.pop("hang", None)
+                sup._action(iid, ActionKind.observe_only_noop,
+                            {"would": "stack dumps, SIGTERM, SIGKILL after grace, restart from latest"}, {},
+                            ApplyMode.none, observe_only=True)
+                continue
+            on_hang(sup, fnd)  # recorded once the stacks are captured
+            continue
+        record_finding(sup, fnd)
+    for dec in decisions:
+        apply_decision(sup, dec, step)
+
+
+def record_finding(sup: Supervisor, fnd: Any) -> int:
+    sev = Severity(getattr(fnd, "severity", "warning"))
+    iid = sup._incident(Symptom(fnd.symptom), fnd.step if fnd.step is not None else (sup.last_step or 0),
+                        sev, getattr(fnd, "message", "") or fnd.symptom, dict(getattr(fnd, "evidence", {}) or {}))
+    # A decision on this symptom (now, or after the grace window) belongs to this incident.
+    lst = sup.unacted.setdefault(fnd.symptom, [])
+    if all(i != iid for i, _ in lst):
+        lst.append((iid, fnd.step if fnd.step is not None else (sup.last_step or 0)))
+    return iid
+
+
+def action_kind(dec: Any) -> ActionKind:
+    apply = getattr(dec, "would_apply", None) or getattr(dec, "apply", "none")
+    rung = getattr(dec, "action_kind", "")
+    try:
+        return ActionKind(rung)
+    except ValueError:
+        pass
+    if apply == "hot":
+        return ActionKind.hot_control
+    if apply == "rollback_skip":
+        return ActionKind.rollback_skip
+    if apply == "stop":
+        return ActionKind.stop
+    if apply == "restart_latest":
+        return ActionKind.set_config if getattr(dec, "config_patch", None) else ActionKind.restart
+    return ActionKind.alert
+
+
+def patch_of(sup: Supervisor, dec: Any) -> dict[str, Any]:
+    """The decision's JobSpec patch (launcher.env.* keys go to the launch environment instead)."""
+    patch = dict(getattr(dec, "config_patch", {}) or {})
+    if "data.skip_ranges" in patch:
+        # The engine's value is the whole new list (it merges ranges itself).
+        patch["data.skip_ranges"] = [list(r) for r in patch["data.skip_ranges"] or []]
+    else:
+        skips = [list(r) for r in (getattr(dec, "skip_ranges", None) or [])]
+        if skips:
+            cur = [list(r) for r in (jc.get_dotted(sup.config, "data.skip_ranges") or [])]
+            patch["data.skip_ranges"] = cur + [r for r in skips if r not in cur]
+    return patch
+
+
+def apply_decision(sup: Supervisor, dec: Any, step: int) -> None:
+    apply = getattr(dec, "apply", "none")
+    symptom = Symptom(getattr(dec, "symptom", "crash"))
+    dstep = getattr(dec, "step", None)
+    dstep = dstep if dstep is not None else step
+    reason = getattr(dec, "reason", "") or f"{symptom.value} remediation"
+    kind = action_kind(dec)
+    params = {"rung": getattr(dec, "action_kind", None), "ladder": getattr(dec, "ladder", None),
+              "apply": apply, "reason": reason}
+    if symptom == Symptom.hang and sup.term is not None:
+        # The hang path (stack dump -> TERM -> KILL -> relaunch) already owns this attempt.
+        if apply == "stop":
+            sup.term.after = sup.after_exit = "fail"
+            sup.term.reason = reason
+        return
+    pending = sup.unacted.pop(symptom.value, [])
+    iid = pending[0][0] if pending else None
+    for other, _ in pending[1:]:  # later findings of the same episode: one incident carries the action
+        sup.store.update_incident_status(other, IncidentStatus.resolved, f"same episode as incident {iid}")
+    if iid is None:
+        iid = sup._incident(symptom, dstep, Severity.critical if apply in ("stop", "rollback_skip")
+                            else Severity.warning, reason, dict(getattr(dec, "evidence", {}) or {}))
+    if apply == "none":
+        observe = getattr(dec, "would_apply", None) is not None
+        if params["rung"] == "collect_evidence" and not observe:
+            params["evidence"] = host_evidence(sup)
+        sup._action(iid, ActionKind.observe_only_noop if observe else kind,
+                    {**params, "would_apply": getattr(dec, "would_apply", None),
+                     "patch": getattr(dec, "config_patch", {}), "skip_ranges": getattr(dec, "skip_ranges", [])},
+                    {}, ApplyMode.none, observe_only=observe)
+        if not observe:
+            sup.store.update_incident_status(iid, IncidentStatus.escalated, reason)
+            sup._alert(f"{symptom.value} at step {dstep} escalated: {reason}")
+        sup.say(f"  {'observe-only: would' if observe else 'action:'} {params['rung']} — {reason}")
+        return
+    if sup.term is not None and apply != "stop":
+        sup.say(f"  (attempt already terminating; {params['rung']} folded into the pending restart)")
+        return
+    if apply == "stop":
+        sup._action(iid, ActionKind.stop, params, {}, ApplyMode.none)
+        sup.store.update_incident_status(iid, IncidentStatus.escalated, reason)
+        sup.say(f"  action: stop — {reason}")
+        sup._stop_run(reason, fail=True)
+        return
+    if sup.state in (S.RUNNING, S.STARTING):
+        sup._set_state(S.REMEDIATING, f"{symptom.value}: {reason}")
+    from_v = sup.config_version
+    patch = patch_of(sup, dec)
+    if apply == "hot":
+        to_v, diff = sup._new_config_version(patch, f"{symptom.value}: {reason}") if patch else (from_v, {})
+        hot = {k: v for k, v in dict(getattr(dec, "hot_control", {}) or {}).items() if k != "dump_stacks"}
+        ctl = jc.write_control(sup.run_dir, **hot)
+        sup._action(iid, kind, {**params, "control": ctl}, diff, ApplyMode.hot, from_v, to_v)
+        sup.store.update_incident_status(iid, IncidentStatus.remediating, f"hot: {reason}")
+        sup.say(f"  action: {params['rung']} hot via control.json v{ctl['version']} {hot}")
+        if sup.state == S.REMEDIATING:
+            sup._set_state(S.RUNNING, "hot fix applied, no restart")
+        return
+    # restart_latest | rollback_skip: new config version, then a graceful (or suspect) restart.
+    rollback = getattr(dec, "rollback_to_step", None) if apply == "rollback_skip" else None
+    to_v, diff = sup._new_config_version(patch, f"{symptom.value}: {reason}") if patch else (from_v, {})
+    suspect = apply == "rollback_skip" or bool((getattr(dec, "hot_control", {}) or {}).get("suspect"))
+    if suspect:
+        jc.write_control(sup.run_dir, suspect=True)
+    params.update(rollback_to_step=rollback, skip_ranges=getattr(dec, "skip_ranges", []), suspect=suspect)
+    sup._action(iid, kind, params, diff, ApplyMode.restart, from_v, to_v)
+    sup.store.update_incident_status(iid, IncidentStatus.remediating, reason)
+    sup.say(f"  action: {params['rung']} ({apply})" + (f", rollback to <= step {rollback}" if rollback is not None else "")
+            + (f", config v{from_v}->v{to_v}" if to_v != from_v else "") + f" — {reason}")
+    relaunch = Relaunch(reason, iid, rollback)
+    if sup.job is not None and sup.os.is_alive(sup.job):
+        sup._set_state(S.RESTARTING, f"{symptom.value}: stopping attempt {sup.attempt} to apply")
+        sup._begin_termination(f"{symptom.value} remediation", after=relaunch, grace=sup.dcfg.stop_grace_s)
+    else:
+        schedule_relaunch(sup, relaunch)
+
+
+def host_evidence(sup: Supervisor) -> dict[str, Any]:
+    """Slow-step evidence the daemon can see: per-rank step times (telemetry), the job's processes'
+    CPU use, and the busiest other processes on the host (CPU hogs)."""
+    import psutil
+
+    r = sup.last_step_record
+    ev: dict[str, Any] = {"load_avg": list(os.getloadavg()), "cpu_count": psutil.cpu_count()}
+    if r is not None:
+        ev["step_time_s"], ev["step_time_max_s"], ev["slowest_rank"] = r.step_time_s, r.step_time_max_s, r.slowest_rank
+    mine = set(sup.os.job_pids(sup.job, sup._marker())) if sup.job is not None else set()
+    procs = []
+    for p in psutil.process_iter(["pid", "name", "cpu_percent", "cmdline"]):
+        procs.append(p)
+    time.sleep(0.2)  # cpu_percent needs an interval; bounded and rare (only on slow-step evidence)
+    rows = []
+    for p in procs:
+        try:
+            rows.append((p.cpu_percent(None), p.pid, " ".join(p.info.get("cmdline") or [])[:120] or p.info["name"]))
+        except psutil.Error:
+            continue
+    rows.sort(reverse=True)
+    ev["job_cpu_percent"] = {pid: cpu for cpu, pid, _ in rows if pid in mine}
+    ev["top_other_processes"] = [{"pid": pid, "cpu_percent": cpu, "cmd": cmd} for cpu, pid, cmd in rows
+                                 if pid not in mine and pid != os.getpid()][:5]
+    return ev
+
+
+def settle_unacted(sup: Supervisor, reason: str, before_step: int | None = None) -> None:
+    """Findings that never led to a decision (a spike that recovered inside the grace window, as
+    BLOOM-176B's did) are resolved without action instead of staying open forever."""
+    for symptom, lst in list(sup.unacted.items()):
+        keep = []
+        for iid, step in lst:
+            if before_step is None or step < before_step:
+                try:
+                    sup.store.update_incident_status(iid, IncidentStatus.resolved, reason)
+                except Exception as exc:  # noqa: BLE001 - bookkeeping only
+                    log.warning("could not settle incident", id=iid, error=repr(exc))
+            else:
+                keep.append((iid, step))
+        if keep:
+            sup.unacted[symptom] = keep
+        else:
+            sup.unacted.pop(symptom, None)
+
+
+def verify_open_incidents(sup: Supervisor, ckpt_step: int) -> None:
+    """An incident whose fix was followed by a checkpoint with no recurrence is resolved."""
+    grace = sup.spec.remediation.grace_steps
+    settle_unacted(sup, f"recovered by itself: no action needed within the {grace}-step grace window "
+                   f"(checkpoint at step {ckpt_step})", before_step=ckpt_step - grace)
+    for iid, meta in list(sup.open_incidents.items()):
+        if ckpt_step > meta["step"]:
+            try:
+                sup.store.verify_action(meta["action_id"], "effective",
+                                        {"verified_by": f"checkpoint at step {ckpt_step}"})
+                sup.store.update_incident_status(iid, IncidentStatus.resolved,
+                                                 f"training progressed to a checkpoint at step {ckpt_step}")
+            except Exception as exc:  # noqa: BLE001 - verification bookkeeping is best effort
+                log.warning("could not resolve incident", id=iid, error=repr(exc))
+            sup.open_incidents.pop(iid, None)
+
+
+def on_hang(sup: Supervisor, fnd: Any) -> None:
+    """Hang: stack dumps of every rank into the incident, then SIGTERM, then SIGKILL after grace."""
+    if sup.term is not None or sup.job is None:
+        return
+    step = fnd.step if fnd.step is not None else (sup.last_step or 0)
+    evidence = dict(getattr(fnd, "evidence", {}) or {})
+    summary = getattr(fnd, "message", "") or "no progress"
+    attempt = sup.attempt
+
+    def with_stacks(stacks: str) -> None:
+        per_rank = sup.term.per_rank_stacks if sup.term is not None else {}
+        reading = read_hang(per_rank, unattributed=stacks)
+        sup.hang_diagnosis = (reading.label, [reading.summary])
+        ev = dict(evidence, stacks=stacks or "(no stack dump written)",
+                  threads_dumped=stacks.count("Current thread") + stacks.count("Thread 0x") if stacks else 0,
+                  diagnosis=reading.label, stack_reading=reading.summary,
+                  waited_for_ranks=list(reading.waited_for))
+        iid = sup._incident(Symptom.hang, step, Severity.critical, f"{summary} {reading.summary}", ev,
+                            attempt=attempt)
+        sup._action(iid, ActionKind.restart, {"reason": "hang: stack dump, SIGTERM, SIGKILL after grace, "
+                                              "restart from latest valid checkpoint"}, {}, ApplyMode.restart,
+                    sup.config_version, sup.config_version)
+        sup.store.update_incident_status(iid, IncidentStatus.remediating, "restarting after hang")
+        if isinstance(sup.term.after if sup.term else None, Relaunch):
+            sup.term.after.incident_id = iid  # type: ignore[union-attr]
+
+    sup._set_state(S.REMEDIATING, f"hang at step {step}: {summary}")
+    sup._set_state(S.RESTARTING, "hung attempt is being killed")
+    sup._begin_termination("hang", after=Relaunch("hang", None), grace=sup.dcfg.hang_grace_s,
+                           dump_stacks=True, on_stacks=with_stacks)
+
+
+def _split_outputs(out: Any) -> tuple[list[Any], list[Any]]:
+    """Engine outputs -> (findings, decisions), whatever container the engine returns."""
+    if out is None:
+        return [], []
+    if hasattr(out, "findings") or hasattr(out, "decisions"):
+        return list(getattr(out, "findings", []) or []), list(getattr(out, "decisions", []) or [])
+    if isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, list) for x in out):
+        return list(out[0]), list(out[1])
+    findings: list[Any] = []
+    decisions: list[Any] = []
+    for item in out:
+        (decisions if hasattr(item, "apply") else findings).append(item)
+    return findings, decisions

@@ -1,0 +1,165 @@
+"""An attempt's exit, noticed by the tick: requested ends (complete / stop / pause / fail / relaunch) and
+unrequested ones (a crash): diagnosis of the log tail -> incident -> the engine's crash playbook -> relaunch.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING, Any
+
+from ulyssesd.daemon.decisions import _split_outputs, action_kind, patch_of
+from ulyssesd.daemon.files import _read_tail
+from ulyssesd.daemon.logging import get_logger
+from ulyssesd.daemon.process import ExitStatus
+from ulyssesd.daemon.relaunch import Relaunch, schedule_relaunch
+from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
+
+if TYPE_CHECKING:
+    from ulyssesd.daemon.supervisor import Supervisor
+
+log = get_logger("ulyssesd.supervisor")
+S = RunState
+
+
+def on_exit(sup: Supervisor, status: ExitStatus) -> None:
+    """The attempt's process is gone: close the attempt in the store, then complete / stop / pause / fail /
+    relaunch as requested, or handle an unrequested exit as a crash."""
+    assert sup.job is not None
+    job = sup.job
+    sup.job = None
+    term = sup.term
+    sup.term = None
+    if term is not None and term.dump_stacks and term.termed_at is None and term.on_stacks is not None:
+        # The attempt ended while we waited for its stack dumps: record the hang with what was written.
+        sup.term = term
+        term.on_stacks(sup._collect_stacks(term))
+        sup.term = None
+    survivors = sup.os.job_pids(job, sup._marker())
+    if survivors:
+        # No orphan rank may outlive its attempt: kill whatever is left and say so.
+        sup.os.signal_pids(survivors, signal.SIGKILL)
+        log.warning("killed processes that outlived their attempt", pids=survivors)
+    ran_s = sup.os.monotonic() - sup.attempt_started_mono
+    tail = _read_tail(sup.log_path)
+    after = sup.after_exit
+    sup.after_exit = None
+    diag_label, diag_evidence, diag_confidence = None, None, None
+    crashed = not status.ok and after is None
+    completed = status.ok and sup.last_exiting == "completed"
+    if crashed or (status.ok and after is None and not completed):
+        from ulyssesd.remediation.diagnosis import diagnose
+
+        rc = status.returncode if status.returncode is not None else (-status.signal if status.signal else None)
+        d = diagnose(tail, rc, status.signal)
+        diag_label, diag_evidence = d.label, list(d.evidence)
+        diag_confidence = d.confidence
+    if diag_label is None and sup.hang_diagnosis is not None and sup.hang_diagnosis[0] is not None:
+        # Killed by the hang path: the stack dumps, not the log's last lines, say what it was.
+        diag_label, diag_evidence = sup.hang_diagnosis[0], sup.hang_diagnosis[1]
+    sup.store.end_attempt(sup.run_id, sup.attempt, returncode=status.returncode, signal=status.signal,
+                          diagnosis=diag_label, diagnosis_evidence=diag_evidence)
+    log.info("attempt ended", run_id=sup.run_id, attempt=sup.attempt, status=status.describe(),
+             ran_s=round(ran_s, 1), last_step=sup.last_step, after=str(after), exiting=sup.last_exiting)
+    sup.say(f"attempt {sup.attempt} ended: {status.describe()} after {ran_s:.0f}s (last step {sup.last_step})")
+    if completed:
+        sup._resolve_all("run completed")
+        sup._set_state(S.COMPLETED, f"reached final step {sup.last_step}")
+        return
+    if after == "stop":
+        sup._set_state(S.STOPPED, "job exited after operator stop")
+        return
+    if after == "pause":
+        sup._set_state(S.PAUSED, "job saved and exited; paused")
+        return
+    if after == "fail":
+        sup._fail(term.reason if term else "stopped by the playbook")
+        return
+    if isinstance(after, Relaunch):
+        schedule_relaunch(sup, after)
+        return
+    # Unrequested exit: a crash (or a SIGTERM from someone else). Diagnose -> playbook -> relaunch.
+    early = ran_s < sup.dcfg.early_death_s and not sup.attempt_progress
+    sup.counters.consecutive_early_deaths = sup.counters.consecutive_early_deaths + 1 if early else 0
+    evidence: dict[str, Any] = {"exit": status.describe(), "returncode": status.returncode, "signal": status.signal,
+                "diagnosis": diag_label, "evidence_lines": diag_evidence, "log_tail": tail[-8000:],
+                "ran_s": round(ran_s, 1), "early_death": early}
+    if sup.rank_lost is not None:
+        evidence["rank_lost"] = sup.rank_lost
+    symptom = Symptom.launch_failure if early and diag_label == "launcher_error" else Symptom.crash
+    if diag_label == "cuda_oom":
+        symptom = Symptom.cuda_oom
+    elif diag_label == "disk_full":
+        symptom = Symptom.disk_full
+    if status.returncode in (2, 3) and status.signal is None:
+        # CONTRACTS.md: 2 = the job rejected its config, 3 = no loadable checkpoint left. Relaunching the
+        # same thing cannot help, and starting from scratch would silently discard the run's progress.
+        what = (f"the job rejected config v{sup.config_version} (exit 2)" if status.returncode == 2
+                else "no valid checkpoint left to resume from (exit 3)")
+        sym = Symptom.crash if status.returncode == 2 else Symptom.checkpoint_corrupt
+        iid = sup._incident(sym, sup.last_step or 0, Severity.critical, what, evidence)
+        sup._action(iid, ActionKind.stop, {"reason": what}, {}, ApplyMode.none)
+        sup.store.update_incident_status(iid, IncidentStatus.failed, what)
+        sup._fail(what)
+        return
+    what = (f"rank process(es) {sup.rank_lost['pids']} died; the daemon stopped the waiting ranks"
+            if sup.rank_lost is not None else f"attempt {sup.attempt} {status.describe()}")
+    iid = sup._incident(symptom, sup.last_step or 0, Severity.critical, f"{what}; diagnosis {diag_label}",
+                        evidence)
+    decisions: list[Any] = []
+    if sup.engine is not None:
+        label = diag_label or "healthy"
+        if label == "host_oom_killed" and diag_confidence != "high":
+            # A bare SIGKILL with no OOM-killer line in the log (an operator, a chaos test, a node agent):
+            # treat it as an unexplained crash (restart within budget) rather than run the host-memory
+            # ladder, whose rungs may all be inapplicable and end the run.
+            label = "sigkill_unexplained"
+        _, decisions = _split_outputs(sup.engine.on_crash(label, diag_evidence or [], sup.os.time()))
+    relaunch = Relaunch(f"crash ({diag_label})", iid)
+    acted = False
+    for dec in decisions:
+        dec_apply = getattr(dec, "apply", "restart_latest")
+        reason = getattr(dec, "reason", "") or f"crash {diag_label}"
+        params = {"rung": getattr(dec, "action_kind", None), "ladder": getattr(dec, "ladder", None),
+                  "apply": dec_apply, "reason": reason}
+        target = iid
+        # crash and launch_failure are one family: the engine labels a plain Python exception
+        # (launcher_error) a launch failure, the supervisor knows whether it happened at start.
+        if getattr(dec, "symptom", symptom.value) not in (symptom.value, Symptom.crash.value,
+                                                          Symptom.launch_failure.value):
+            # e.g. crash_loop / no_progress: its own incident, so the budget stop is visible as such.
+            target = sup._incident(Symptom(dec.symptom), sup.last_step or 0, Severity.critical, reason,
+                                   {"after_incident": iid})
+        if dec_apply == "stop":
+            sup._action(target, ActionKind.stop, params, {}, ApplyMode.none)
+            sup.store.update_incident_status(target, IncidentStatus.failed, reason)
+            if target != iid:
+                sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
+            sup._fail(reason)
+            return
+        if dec_apply == "none":
+            observe = getattr(dec, "would_apply", None) is not None
+            sup._action(target, ActionKind.observe_only_noop if observe else action_kind(dec),
+                        {**params, "would_apply": getattr(dec, "would_apply", None),
+                         "patch": getattr(dec, "config_patch", {})}, {}, ApplyMode.none, observe_only=observe)
+            continue
+        from_v = sup.config_version
+        patch = patch_of(sup, dec)
+        to_v, diff = sup._new_config_version(patch, f"crash {diag_label}: {reason}") if patch else (from_v, {})
+        if dec_apply == "rollback_skip":
+            relaunch.rollback_to_step = getattr(dec, "rollback_to_step", None)
+        params["rollback_to_step"] = relaunch.rollback_to_step
+        sup._action(target, action_kind(dec), params, diff, ApplyMode.restart, from_v, to_v)
+        sup.say(f"  action: {params['rung']} — {reason}" + (f" (config v{from_v}->v{to_v})" if to_v != from_v else ""))
+        acted = True
+    if sup.spec.remediation.mode == "observe":
+        # Observe-only acts on nothing, restarts included: the run ends here, with what would have happened.
+        sup._action(iid, ActionKind.observe_only_noop, {"would": "restart from the latest valid checkpoint"},
+                    {}, ApplyMode.none, observe_only=True)
+        sup.store.update_incident_status(iid, IncidentStatus.escalated, "observe-only: not restarted")
+        sup._fail(f"observe-only mode: attempt {sup.attempt} ended ({status.describe()}) and was not restarted")
+        return
+    if not acted:
+        sup._action(iid, ActionKind.restart, {"reason": "crash: restart from the latest valid checkpoint"}, {},
+                    ApplyMode.restart, sup.config_version, sup.config_version)
+    sup.store.update_incident_status(iid, IncidentStatus.remediating, "relaunching")
+    schedule_relaunch(sup, relaunch, early=early)

@@ -1,0 +1,111 @@
+"""Ending one attempt without blocking the loop: the `Termination` record and its phases.
+
+Stack dump (SIGUSR1 to the ranks, wait, collect the per-rank dump files) -> SIGTERM to the ranks ->
+SIGKILL to the job's processes after the grace -> SIGKILL to the wrapper if the exit is still not recorded.
+The supervisor owns *when* a termination starts and what follows it (`Termination.after`); this module
+owns the phases, one per tick, and takes the OS seam and paths it needs as arguments.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ulyssesd.daemon.files import _read_tail, _size
+from ulyssesd.daemon.logging import get_logger
+from ulyssesd.daemon.process import JobHandle, OSInterface
+
+log = get_logger("ulyssesd.supervisor")
+
+STACKS_MAX_BYTES = 64 * 1024
+
+
+@dataclass
+class Termination:
+    """A pending shutdown of the current attempt, advanced one phase per tick (never blocks the loop)."""
+
+    reason: str
+    after: Any  # Relaunch | "stop" | "pause" | "fail"
+    started: float
+    grace_s: float
+    dump_stacks: bool = False
+    dump_until: float = 0.0
+    log_offset: int = 0
+    termed_at: float | None = None
+    killed_at: float | None = None
+    wrapper_killed: bool = False
+    on_stacks: Callable[[str], None] | None = None
+    stack_offsets: dict[str, int] = field(default_factory=dict)  # per-rank dump file -> size before SIGUSR1
+    per_rank_stacks: dict[int, str] = field(default_factory=dict)  # what each rank wrote after SIGUSR1
+
+
+def stack_files(stacks_dir: Path, attempt: int) -> list[Path]:
+    """The per-rank stack dump files the job writes on SIGUSR1 for this attempt."""
+    return sorted(stacks_dir.glob(f"attempt-{attempt}-rank-*.txt"))
+
+
+def request_stack_dumps(t: Termination, os_: OSInterface, job: JobHandle, module: str,
+                        marker: tuple[str, str] | None, files: list[Path], now: float, wait_s: float,
+                        say: Callable[[str], None]) -> None:
+    """Remember where each dump file ends now, SIGUSR1 the ranks, and wait `wait_s` for their dumps."""
+    t.stack_offsets = {str(f): _size(f) for f in files}
+    ranks = os_.rank_pids(job, module, marker)
+    sent = os_.signal_pids(ranks, signal.SIGUSR1)
+    t.dump_until = now + wait_s
+    log.info("stack dump requested", pids=sent)
+    say(f"  SIGUSR1 (stack dump) -> ranks {sent}")
+
+
+def collect_stacks(t: Termination, files: list[Path], log_path: Path, stacks_dir: Path, attempt: int) -> str:
+    """The dumps written since SIGUSR1: per-rank files (the job's), copied into the attempt log under a
+    header per rank; a job that wrote none (older job, stderr fallback) -> the log since the request."""
+    per_rank: dict[int, str] = {}
+    for f in files:
+        m = re.search(r"-rank-(\d+)\.txt$", f.name)
+        text = _read_tail(f, STACKS_MAX_BYTES // 2, start=t.stack_offsets.get(str(f), 0))
+        if m and text.strip():
+            per_rank[int(m.group(1))] = text
+    t.per_rank_stacks = per_rank
+    if not per_rank:
+        return _read_tail(log_path, STACKS_MAX_BYTES, start=t.log_offset)
+    combined = "".join(f"=== rank {r} stack dump ({stacks_dir}) ===\n{text}\n"
+                       for r, text in sorted(per_rank.items()))
+    try:
+        with open(log_path, "a") as fh:  # the log stays the one place an operator reads
+            fh.write(f"\n[ulyssesd] stack dumps of attempt {attempt} ({t.reason}):\n{combined}")
+    except OSError as exc:
+        log.warning("could not append stack dumps to the log", error=repr(exc))
+    return combined
+
+
+def advance(t: Termination, os_: OSInterface, job: JobHandle, module: str, marker: tuple[str, str], now: float,
+            collect: Callable[[], str], say: Callable[[str], None]) -> None:
+    """One phase per call: collect the stack dumps once their wait is over, then SIGTERM, then SIGKILL."""
+    if t.dump_stacks and t.termed_at is None:
+        if now < t.dump_until:
+            return
+        stacks = collect()
+        if t.on_stacks is not None:
+            t.on_stacks(stacks)
+    if t.termed_at is None:
+        ranks = os_.rank_pids(job, module, marker)
+        targets = ranks or [p for p in os_.job_pids(job, marker) if p != job.pid]
+        sent = os_.signal_pids(targets, signal.SIGTERM)
+        t.termed_at = now
+        say(f"  SIGTERM -> {sent} ({t.reason}); SIGKILL after {t.grace_s:.0f}s")
+        return
+    if t.killed_at is None and now - t.termed_at >= t.grace_s:
+        pids = [p for p in os_.job_pids(job, marker) if p != job.pid]
+        sent = os_.signal_pids(pids, signal.SIGKILL)
+        t.killed_at = now
+        log.warning("grace over, SIGKILL", pids=sent, reason=t.reason)
+        say(f"  grace over: SIGKILL -> {sent}")
+        return
+    if t.killed_at is not None and not t.wrapper_killed and now - t.killed_at >= 5.0:
+        # The wrapper should have recorded the exit by now; if not, take it down too.
+        os_.signal_pids(os_.job_pids(job, marker), signal.SIGKILL)
+        t.wrapper_killed = True
