@@ -10,6 +10,7 @@ Every attempt runs under `ulyssesd.daemon.job_wrapper`, which records the exit s
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import sys
@@ -19,6 +20,14 @@ from pathlib import Path
 from ulyssesd.daemon.spec import LauncherSection
 
 JOB_MARKER_ENV = "ULYSSESD_JOB_ID"
+
+
+def job_marker(run_id: str, run_dir: Path, attempt: int) -> tuple[str, str]:
+    """The environment marker every process of an attempt carries (the no-orphan scan and the rank watch find
+    ranks by it). The run directory's hash keeps two daemons apart whose runs share a name and a start second
+    (run ids are name + UTC second): with `run_id:attempt` alone each would kill the other's ranks."""
+    digest = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]  # noqa: S324 - not security
+    return (JOB_MARKER_ENV, f"{run_id}:{attempt}:{digest}")
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,7 @@ def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attem
     exit_file = run_dir / "attempts" / f"{attempt}.exit"
     log_path = run_dir / "logs" / f"attempt-{attempt}.log"
     argv = [python, "-m", "ulyssesd.daemon.job_wrapper", "--exit-file", str(exit_file), "--", *cmd]
-    marker = (JOB_MARKER_ENV, f"{run_id}:{attempt}")
+    marker = job_marker(run_id, run_dir, attempt)
     env = dict(base_env if base_env is not None else os.environ)
     env.update(launcher.env)
     env.update({

@@ -38,7 +38,7 @@ from ulyssesd.daemon.decisions import _split_outputs as _split_outputs  # re-exp
 from ulyssesd.daemon.files import LOG_TAIL_BYTES as LOG_TAIL_BYTES  # re-exported (moved)
 from ulyssesd.daemon.files import _read_tail as _read_tail  # re-exported (moved)
 from ulyssesd.daemon.files import _size
-from ulyssesd.daemon.launcher import LaunchPlan, build_launch
+from ulyssesd.daemon.launcher import LaunchPlan, build_launch, job_marker
 from ulyssesd.daemon.logging import get_logger
 from ulyssesd.daemon.process import ExitStatus, JobHandle, OSInterface
 from ulyssesd.daemon.rank_watch import RankWatch
@@ -620,7 +620,7 @@ class Supervisor:
         self._begin_termination("rank lost", after=None, grace=0.0)
 
     def _marker(self) -> tuple[str, str]:
-        return ("ULYSSESD_JOB_ID", f"{self.run_id}:{self.attempt}")
+        return job_marker(self.run_id, self.run_dir, self.attempt)
 
     def _advance_termination(self) -> None:
         t = self.term
