@@ -263,16 +263,34 @@ class Supervisor:
                                         grace=self.dcfg.stop_grace_s)
             elif self.state in (S.REMEDIATING, S.RESTARTING):
                 # We were restarting: finish the job off and relaunch from the latest valid checkpoint.
-                self._begin_termination("restart (re-adopted mid-restart)", after=Relaunch("re-adopted mid-restart"),
+                self._begin_termination("restart (re-adopted mid-restart)",
+                                        after=self._decided_relaunch(a.number, "re-adopted mid-restart", True),
                                         grace=self.dcfg.stop_grace_s)
             # else: the exit (if any) is noticed by the next tick
         elif self.state == S.BACKOFF:
-            self.pending_relaunch = Relaunch("re-adopted during backoff", counts_against_budget=False)
+            self.pending_relaunch = self._decided_relaunch(a.number, "re-adopted during backoff", False)
             self.backoff_until = now
         elif self.state in LIVE_JOB_STATES:
-            self.pending_relaunch = Relaunch("re-adopted with no live attempt", counts_against_budget=False)
+            self.pending_relaunch = self._decided_relaunch(a.number, "re-adopted with no live attempt", False)
             self._set_state(S.BACKOFF, "no live attempt after daemon restart")
             self.backoff_until = now
+
+    def _decided_relaunch(self, attempt: int, reason: str, counts: bool) -> Relaunch:
+        """The relaunch a previous daemon decided for `attempt` but did not carry out (it died in between):
+        the newest restart-mode action on that attempt's incidents, read back from the store, so that a
+        rollback-and-skip is not silently turned into a restart from the latest, possibly bad, checkpoint."""
+        incidents = {i.id for i in self.store.list_incidents(self.run_id) if i.attempt == attempt}
+        decided = [a for a in self.store.list_actions(run_id=self.run_id)
+                   if a.incident_id in incidents and a.mode == ApplyMode.restart and not a.observe_only]
+        if not decided:
+            return Relaunch(reason, counts_against_budget=counts)
+        last = decided[-1]
+        target = (last.parameters or {}).get("rollback_to_step")
+        rollback = target if isinstance(target, int) and not isinstance(target, bool) else None
+        if rollback is not None:
+            self.say(f"pending rollback to <= step {rollback} (action {last.id}) picked up from the store")
+            reason += f"; pending rollback to <= step {rollback}"
+        return Relaunch(reason, last.incident_id, rollback, counts_against_budget=counts)
 
     def _warm_engine(self, attempt: int) -> None:
         """Feed the current attempt's already-processed records to a fresh engine (baselines, hang clock)

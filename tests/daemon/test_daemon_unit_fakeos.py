@@ -459,3 +459,36 @@ def test_python_exception_mid_run_is_one_crash_incident_labelled_by_its_tracebac
     att = sup.store.list_attempts(sup.run_id)[0]
     assert att.diagnosis == "launcher_error" and "boom at step 9" in " ".join(att.diagnosis_evidence or [])
     assert sup.attempt == 2 or sup.state == S.BACKOFF
+
+
+def test_pending_rollback_survives_a_daemon_death_between_decision_and_relaunch(tmp_path):
+    fos = FakeOS()
+    spec = dict(daemon={"stop_grace_s": 30.0}, detectors={"warmup_steps": 2}, remediation={"known_good_steps": 3})
+    sup = _sup(tmp_path, fos, **spec)
+    sup.start()
+    job1 = sup.job
+    _emit(sup, kind="event", event="started", step=0)
+    for s in (4, 8, 12, 16):
+        _steps(sup, s - 3, s)
+        _make_tag(sup.ckpt_dir, s)
+        _emit(sup, kind="event", event="checkpoint_saved", step=s, tag=f"step-{s:08d}", seconds=0.1, bytes=64)
+    fos.advance(0.5)
+    _emit(sup, kind="step", step=17, loss="nan", step_time_s=0.5, samples=[16, 17])
+    sup.tick()
+    assert sup.state == S.RESTARTING, sup.state
+    act = next(a for a in sup.store.list_actions(run_id=sup.run_id) if a.kind.value == "rollback_skip")
+    target = act.parameters["rollback_to_step"]
+    assert target is not None and target < 16  # the newest tag is past the known-good point
+    # The daemon dies here (the job, told to stop, is still up); a new daemon re-adopts the run.
+    sup2 = _sup(tmp_path, fos, **spec)
+    sup2.start()
+    assert sup2.job.pid == job1.pid and sup2.attempt == 1
+    for _ in range(80):
+        if sup2.attempt == 2:
+            break
+        fos.advance(0.5)
+        sup2.tick()
+    att2 = sup2.store.list_attempts(sup2.run_id)[1]
+    expected = max(s for s in (4, 8, 12, 16) if s <= target)
+    assert att2.resumed_from == f"step-{expected:08d}", (att2.resumed_from, target)
+    assert any(p.name.startswith("step-00000016.rolledback-") for p in sup2.ckpt_dir.iterdir())
