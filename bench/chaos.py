@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 import psutil
+from bench_common import rank_pids as ranks_of
+from bench_common import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 CLASSES = ["rank_sigkill", "rank_hang", "ckpt_corrupt", "daemon_kill", "garbage_line"]
@@ -80,19 +82,7 @@ preflight = false
 
 
 def records(run_dir: Path) -> list[dict]:
-    out = []
-    try:
-        text = (run_dir / "telemetry.jsonl").read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(d, dict):
-            out.append(d)
-    return out
+    return read_records(run_dir / "telemetry.jsonl")
 
 
 def valid_tags(run_dir: Path) -> list[str]:
@@ -102,13 +92,7 @@ def valid_tags(run_dir: Path) -> list[str]:
 
 
 def rank_pids(run_dir: Path) -> list[int]:
-    pids = []
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "ulyssesd.training" in cmd and str(run_dir) in cmd and "torch.distributed.run" not in cmd \
-                and "job_wrapper" not in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
-            pids.append(p.pid)
-    return sorted(pids)
+    return sorted(pid for _, pid in ranks_of(run_dir))
 
 
 class Chaos:

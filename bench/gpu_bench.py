@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
+from bench_common import read_records
 
 H200_BF16_DENSE_TFLOPS = 989.0
 
@@ -107,20 +108,12 @@ def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int,
             proc.wait()
             rc = "timeout"
     wall = time.time() - t0
-    steps_rec = []
     tel = run_dir / "telemetry.jsonl"
-    if tel.exists():
-        for line in tel.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if r.get("kind") == "step":
-                steps_rec.append(r)
+    steps_rec = [r for r in read_records(tel) if r.get("kind") == "step"]
     result: dict[str, Any] = {"name": name, "overrides": overrides, "rc": rc, "wall_s": round(wall, 1),
                               "steps_done": len(steps_rec)}
     result.update(_prediction(spec, nproc))
-    started = [r for r in _records(tel) if r.get("event") == "started"]
+    started = [r for r in read_records(tel) if r.get("event") == "started"]
     if started and steps_rec:
         result["first_step_after_start_s"] = round(steps_rec[0]["time"] - started[0]["time"], 1)
     if rc != 0 or len(steps_rec) < 3:
@@ -148,17 +141,6 @@ def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int,
             "final_loss": steps_rec[-1]["loss"],
         })
     return result
-
-
-def _records(tel: Path) -> list[dict[str, Any]]:
-    out = []
-    if tel.exists():
-        for line in tel.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
 
 
 def _prediction(spec: dict[str, Any], nproc: int) -> dict[str, Any]:

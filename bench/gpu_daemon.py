@@ -29,7 +29,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import psutil
+from bench_common import rank_pids
+from bench_common import read_records as records
 
 JOB = """
 [model]
@@ -86,22 +87,6 @@ preflight = false
 """
 
 
-def records(path: Path) -> list[dict]:
-    out = []
-    try:
-        text = path.read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(d, dict):
-            out.append(d)
-    return out
-
-
 def step_intervals(recs: list[dict], attempt: int | None = None) -> list[float]:
     steps = [r for r in recs if r.get("kind") == "step" and (attempt is None or r.get("attempt") == attempt)]
     return [b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False) if b["step"] == a["step"] + 1]
@@ -113,20 +98,6 @@ def run_dir_of(state: Path) -> Path | None:
         return None
     dirs = [d for d in runs.iterdir() if d.is_dir()]
     return dirs[0] if dirs else None
-
-
-def rank_pids(run_dir: Path) -> list[tuple[int, int]]:
-    """(rank, pid) of the training ranks of the run (psutil; ranks carry RANK in their environment)."""
-    out = []
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "ulyssesd.training" in cmd and str(run_dir) in cmd and "torch.distributed.run" not in cmd \
-                and "job_wrapper" not in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
-            try:
-                out.append((int(p.environ().get("RANK", "-1")), p.pid))
-            except (psutil.Error, ValueError):
-                continue
-    return sorted(out)
 
 
 def dump_store(db: Path) -> dict:
