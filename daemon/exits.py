@@ -13,6 +13,7 @@ from ulyssesd.daemon.logging import get_logger
 from ulyssesd.daemon.process import ExitStatus
 from ulyssesd.daemon.relaunch import Relaunch, schedule_relaunch
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
+from ulyssesd.remediation.playbook import ladder_for_crash
 
 if TYPE_CHECKING:
     from ulyssesd.daemon.supervisor import Supervisor
@@ -106,6 +107,9 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     iid = sup._incident(symptom, sup.last_step or 0, Severity.critical, f"{what}; diagnosis {diag_label}",
                         evidence)
     decisions: list[Any] = []
+    # The symptoms that mean "this crash": the supervisor's (it knows an early death from a mid-run one) and
+    # the crash playbook's for the label (which files a plain exception, launcher_error, as launch_failure).
+    this_crash = {symptom.value}
     if sup.engine is not None:
         label = diag_label or "healthy"
         if label == "host_oom_killed" and diag_confidence != "high":
@@ -113,6 +117,7 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
             # treat it as an unexplained crash (restart within budget) rather than run the host-memory
             # ladder, whose rungs may all be inapplicable and end the run.
             label = "sigkill_unexplained"
+        this_crash.add(ladder_for_crash(label)[1])
         _, decisions = _split_outputs(sup.engine.on_crash(label, diag_evidence or [], sup.os.time()))
     relaunch = Relaunch(f"crash ({diag_label})", iid)
     acted = False
@@ -122,10 +127,7 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         params = {"rung": getattr(dec, "action_kind", None), "ladder": getattr(dec, "ladder", None),
                   "apply": dec_apply, "reason": reason}
         target = iid
-        # crash and launch_failure are one family: the engine labels a plain Python exception
-        # (launcher_error) a launch failure, the supervisor knows whether it happened at start.
-        if getattr(dec, "symptom", symptom.value) not in (symptom.value, Symptom.crash.value,
-                                                          Symptom.launch_failure.value):
+        if getattr(dec, "symptom", symptom.value) not in this_crash:
             # e.g. crash_loop / no_progress: its own incident, so the budget stop is visible as such.
             target = sup._incident(Symptom(dec.symptom), sup.last_step or 0, Severity.critical, reason,
                                    {"after_incident": iid})

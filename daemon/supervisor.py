@@ -94,7 +94,6 @@ class Supervisor:
         self.config: dict[str, Any] = {}
         self.launch_env: dict[str, str] = {}  # launcher.env.* overrides from remediation (e.g. allocator conf)
         self.job: JobHandle | None = None
-        self.plan: LaunchPlan | None = None
         self.reader: TelemetryReader | None = None
         self.engine: Any = None
         self.term: Termination | None = None
@@ -407,7 +406,7 @@ class Supervisor:
                                    diagnosis_evidence=[str(exc)])
             self._fail(str(exc), symptom=Symptom.launch_failure)
             return False
-        self.plan, self.job = plan, job
+        self.job = job
         self.store.add_attempt(self.run_id, number=self.attempt, command=plan.argv, config_version=self.config_version,
                                resumed_from=None if tag == "none" else tag, host=socket.gethostname(),
                                pid=job.pid, pgid=job.pgid, proc_start_time=job.start_time)
@@ -611,7 +610,7 @@ class Supervisor:
         self.after_exit = after
         if dump_stacks:
             termination.request_stack_dumps(self.term, self.os, self.job, self.spec.launcher.module,
-                                            self.plan.marker if self.plan else None, self._stack_files(), now,
+                                            self._marker(), self._stack_files(), now,
                                             self.dcfg.stack_dump_wait_s, self.say)
         self._advance_termination()
 
@@ -627,7 +626,9 @@ class Supervisor:
         would wait 30 s before killing them (rank_watch.py). End the attempt now; it is handled as a crash."""
         assert self.job is not None
         now = self.os.monotonic()
-        lost = self.rank_watch.observe(now, self.os.rank_pids(self.job, self.spec.launcher.module, self._marker()))
+        # No marker: this runs every second, and the marker scan reads every process's environment. Ranks
+        # still under a running launcher are its descendants, which the cheap tree/group scan finds.
+        lost = self.rank_watch.observe(now, self.os.rank_pids(self.job, self.spec.launcher.module, None))
         if not lost:
             return
         self.rank_lost = {"pids": lost, "gone_for_s": round(now - min(self.rank_watch.lost_since.values()), 2),
