@@ -346,13 +346,18 @@ def test_observe_only_records_the_hang_and_touches_nothing(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ rank watch
-def test_lost_rank_ends_the_attempt_after_grace_and_is_a_crash_with_evidence(tmp_path):
+def _training_six_steps(tmp_path):
+    """A supervisor (rank watch: 3 s grace, 1 s scans) whose attempt 1 has trained 6 steps."""
     fos = FakeOS()
     sup = _sup(tmp_path, fos, daemon={"rank_exit_grace_s": 3.0, "rank_watch_every_s": 1.0})
     sup.start()
-    job1 = sup.job
     _emit(sup, kind="event", event="started", step=0)
     _steps(sup, 1, 6)
+    return fos, sup, sup.job
+
+
+def test_lost_rank_ends_the_attempt_after_grace_and_is_a_crash_with_evidence(tmp_path):
+    fos, sup, job1 = _training_six_steps(tmp_path)
     assert not fos.signals
     fos.jobs[job1.pid]["ranks"].remove(job1.pid + 2)  # rank 1 SIGKILLed; torchrun still up, rank 0 blocked
     removed_at = fos.m
@@ -375,12 +380,7 @@ def test_lost_rank_ends_the_attempt_after_grace_and_is_a_crash_with_evidence(tmp
 
 
 def test_ranks_leaving_at_a_normal_end_do_not_trigger_the_rank_watch(tmp_path):
-    fos = FakeOS()
-    sup = _sup(tmp_path, fos, daemon={"rank_exit_grace_s": 3.0, "rank_watch_every_s": 1.0})
-    sup.start()
-    job1 = sup.job
-    _emit(sup, kind="event", event="started", step=0)
-    _steps(sup, 1, 6)
+    fos, sup, job1 = _training_six_steps(tmp_path)
     _emit(sup, kind="event", event="exiting", step=6, reason="completed")
     fos.jobs[job1.pid]["ranks"].remove(job1.pid + 2)  # rank 1 left first; rank 0 and the launcher linger
     for _ in range(6):

@@ -4,33 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import assert_same_loss_and_grads
+from model_helpers import tiny_model as _model
+from model_helpers import token_batch as _batch
 
-from ulyssesd.training.model import GPT, apply_rotary, rotary_cos_sin
+from ulyssesd.training.model import apply_rotary, rotary_cos_sin
 from ulyssesd.training.spec import ModelSpec
 
 
-def _model(**kw) -> GPT:
-    torch.manual_seed(0)
-    cfg = ModelSpec(preset="tiny", **kw.pop("model", {})).resolved()
-    return GPT(cfg, "math", **kw)
-
-
-def _batch(b=2, s=32, vocab=256):
-    g = torch.Generator().manual_seed(1)
-    tok = torch.randint(0, vocab, (b, s + 1), generator=g)
-    pos = torch.arange(s).expand(b, s)
-    return tok[:, :-1], pos, tok[:, 1:]
-
-
 def test_activation_checkpointing_gives_identical_loss_and_grads():
-    ref, ck = _model(), _model(checkpoint_every=2)
-    x, pos, y = _batch()
-    l1, l2 = ref(x, pos, y), ck(x, pos, y)
-    l1.backward()
-    l2.backward()
-    assert torch.equal(l1, l2)
-    for (n, p1), (_, p2) in zip(ref.named_parameters(), ck.named_parameters(), strict=True):
-        assert torch.allclose(p1.grad, p2.grad, atol=1e-7), n
+    assert_same_loss_and_grads(_model(), _model(checkpoint_every=2), atol=1e-7)
 
 
 def test_tied_head_shares_the_embedding_and_untied_has_a_head():

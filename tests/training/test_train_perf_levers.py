@@ -5,34 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import assert_same_loss_and_grads
+from model_helpers import tiny_model as _model
+from model_helpers import token_batch as _batch
 
 from ulyssesd.training.ds_config import build_ds_config
-from ulyssesd.training.model import GPT, LayerNorm32
-from ulyssesd.training.spec import JobSpec, ModelSpec, SpecError, job_spec_from_dict
-
-
-def _model(**kw) -> GPT:
-    torch.manual_seed(0)
-    cfg = ModelSpec(preset="tiny", **kw.pop("model", {})).resolved()
-    return GPT(cfg, "math", **kw)
-
-
-def _batch(b=2, s=32, vocab=256):
-    g = torch.Generator().manual_seed(1)
-    tok = torch.randint(0, vocab, (b, s + 1), generator=g)
-    return tok[:, :-1], torch.arange(s).expand(b, s), tok[:, 1:]
+from ulyssesd.training.model import LayerNorm32
+from ulyssesd.training.spec import JobSpec, SpecError, job_spec_from_dict
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 4])
 def test_selective_checkpointing_gives_identical_loss_and_grads(n):
-    ref, sel = _model(), _model(checkpoint_layers=n)
-    x, pos, y = _batch()
-    l1, l2 = ref(x, pos, y), sel(x, pos, y)
-    l1.backward()
-    l2.backward()
-    assert torch.equal(l1, l2)
-    for (name, p1), (_, p2) in zip(ref.named_parameters(), sel.named_parameters(), strict=True):
-        assert torch.allclose(p1.grad, p2.grad, atol=1e-7), name
+    assert_same_loss_and_grads(_model(), _model(checkpoint_layers=n), atol=1e-7)
 
 
 def test_selective_checkpointing_really_recomputes_only_the_first_n_blocks():
