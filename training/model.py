@@ -180,10 +180,13 @@ class GPT(nn.Module):
             x = blk(x, cos, sin)
         return x
 
-    def _chunk_loss_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         # The head is called as a module (not F.linear on its weight) so ZeRO-3's hooks gather it, also
-        # when checkpoint re-runs this chunk in backward (see `_linear` on external parameters).
-        logits = self.embed(x, as_head=True) if self.head is None else self.head(x)
+        # when a checkpointed loss chunk re-runs it in backward (see `_linear` on external parameters).
+        return self.embed(x, as_head=True) if self.head is None else self.head(x)
+
+    def _chunk_loss_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self._logits(x)
         return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
     def _tiled_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -221,5 +224,5 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if self.loss_chunk_tokens > 0:
             return self._tiled_loss(x, labels)
-        logits = self.embed(x, as_head=True) if self.head is None else self.head(x)
+        logits = self._logits(x)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
