@@ -38,7 +38,3 @@ class RankWatch:
         if self.lost_since and now - min(self.lost_since.values()) >= self.grace_s:
             return sorted(self.lost_since)
         return None
-
-    @property
-    def lost(self) -> list[int]:
-        return sorted(self.lost_since)

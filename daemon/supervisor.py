@@ -51,6 +51,7 @@ from ulyssesd.daemon.telemetry_reader import Cursor, TelemetryReader
 from ulyssesd.daemon.termination import STACKS_MAX_BYTES as STACKS_MAX_BYTES  # re-exported (moved)
 from ulyssesd.daemon.termination import Termination
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
+from ulyssesd.training.control import STACK_DUMP_DIR, stack_dump_files
 
 log = get_logger("ulyssesd.supervisor")
 S = RunState
@@ -614,11 +615,12 @@ class Supervisor:
                                             self.dcfg.stack_dump_wait_s, self.say)
         self._advance_termination()
 
-    def _stack_files(self) -> list[Path]:
-        return termination.stack_files(self.run_dir / "stacks", self.attempt)
+    def _stack_files(self) -> dict[int, Path]:
+        return stack_dump_files(self.run_dir, self.attempt)
 
     def _collect_stacks(self, t: Termination) -> str:
-        return termination.collect_stacks(t, self._stack_files(), self.log_path, self.run_dir / "stacks", self.attempt)
+        return termination.collect_stacks(t, self._stack_files(), self.log_path, self.run_dir / STACK_DUMP_DIR,
+                                          self.attempt)
 
 
     def _watch_ranks(self) -> None:

@@ -8,7 +8,6 @@ owns the phases, one per tick, and takes the OS seam and paths it needs as argum
 
 from __future__ import annotations
 
-import re
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,16 +42,11 @@ class Termination:
     per_rank_stacks: dict[int, str] = field(default_factory=dict)  # what each rank wrote after SIGUSR1
 
 
-def stack_files(stacks_dir: Path, attempt: int) -> list[Path]:
-    """The per-rank stack dump files the job writes on SIGUSR1 for this attempt."""
-    return sorted(stacks_dir.glob(f"attempt-{attempt}-rank-*.txt"))
-
-
 def request_stack_dumps(t: Termination, os_: OSInterface, job: JobHandle, module: str,
-                        marker: tuple[str, str] | None, files: list[Path], now: float, wait_s: float,
+                        marker: tuple[str, str] | None, files: dict[int, Path], now: float, wait_s: float,
                         say: Callable[[str], None]) -> None:
     """Remember where each dump file ends now, SIGUSR1 the ranks, and wait `wait_s` for their dumps."""
-    t.stack_offsets = {str(f): _size(f) for f in files}
+    t.stack_offsets = {str(f): _size(f) for f in files.values()}
     ranks = os_.rank_pids(job, module, marker)
     sent = os_.signal_pids(ranks, signal.SIGUSR1)
     t.dump_until = now + wait_s
@@ -60,15 +54,14 @@ def request_stack_dumps(t: Termination, os_: OSInterface, job: JobHandle, module
     say(f"  SIGUSR1 (stack dump) -> ranks {sent}")
 
 
-def collect_stacks(t: Termination, files: list[Path], log_path: Path, stacks_dir: Path, attempt: int) -> str:
-    """The dumps written since SIGUSR1: per-rank files (the job's), copied into the attempt log under a
-    header per rank; a job that wrote none (older job, stderr fallback) -> the log since the request."""
+def collect_stacks(t: Termination, files: dict[int, Path], log_path: Path, stacks_dir: Path, attempt: int) -> str:
+    """The dumps written since SIGUSR1: per-rank files (rank -> file, the job's), copied into the attempt log
+    under a header per rank; a job that wrote none (older job, stderr fallback) -> the log since the request."""
     per_rank: dict[int, str] = {}
-    for f in files:
-        m = re.search(r"-rank-(\d+)\.txt$", f.name)
+    for rank, f in files.items():
         text = _read_tail(f, STACKS_MAX_BYTES // 2, start=t.stack_offsets.get(str(f), 0))
-        if m and text.strip():
-            per_rank[int(m.group(1))] = text
+        if text.strip():
+            per_rank[rank] = text
     t.per_rank_stacks = per_rank
     if not per_rank:
         return _read_tail(log_path, STACKS_MAX_BYTES, start=t.log_offset)

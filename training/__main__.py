@@ -54,10 +54,12 @@ def _register_stack_dumps(run_dir: Path, attempt: int) -> None:
 
     Each rank writes its own file, `{run_dir}/stacks/attempt-{A}-rank-{R}.txt`: on one shared stderr the
     ranks' dumps interleave mid-line (seen on 2×H200) and cannot be told apart. stderr is the fallback."""
+    from .control import stack_dump_path
+
     global _stack_file
     rank = os.environ.get("RANK", "0")
     try:
-        path = run_dir / "stacks" / f"attempt-{attempt}-rank-{rank}.txt"
+        path = stack_dump_path(run_dir, attempt, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         _stack_file = open(path, "a")  # noqa: SIM115 - must outlive this function
         faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)

@@ -9,11 +9,30 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+# SIGUSR1 stack dumps (CONTRACTS.md): each rank appends to its own file under `{run_dir}/stacks/`.
+STACK_DUMP_DIR = "stacks"
+_STACK_DUMP_RE = re.compile(r"^attempt-(\d+)-rank-(\d+)\.txt$")
+
+
+def stack_dump_path(run_dir: Path, attempt: int, rank: int | str) -> Path:
+    return run_dir / STACK_DUMP_DIR / f"attempt-{attempt}-rank-{rank}.txt"
+
+
+def stack_dump_files(run_dir: Path, attempt: int) -> dict[int, Path]:
+    """rank -> its dump file, for one attempt (what the daemon reads after SIGUSR1)."""
+    out = {}
+    for f in (run_dir / STACK_DUMP_DIR).glob(f"attempt-{attempt}-rank-*.txt"):
+        m = _STACK_DUMP_RE.match(f.name)
+        if m:
+            out[int(m.group(2))] = f
+    return dict(sorted(out.items()))
 
 
 @dataclass
