@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.." || exit 1
 case "$PHASE" in bench|long|longest|faults) ;; plan|dry-run) export BENCH_CPU=1 ;; *)
   echo "usage: bench/gpu_x8.sh bench|faults|long|longest|plan|dry-run" >&2; exit 2 ;; esac
 if [ -z "${BENCH_CPU:-}" ] && [ ! -d .whl ]; then
-  echo "no .whl/ in the checkout: see ../shared/gpu/README.md (carry=[\".whl\"])" >&2; exit 2
+  echo "no .whl/ in the checkout: put deepspeed 0.19.8 and its pure-Python deps as wheels in .whl/ (carry=[\".whl\"])" >&2; exit 2
 fi
 # shellcheck source=bench/gpu_common.sh
 source bench/gpu_common.sh   # wheels -> /tmp/site, NVLS variables, $OUT, $PY, $DEADLINE, bench(), collect_logs()
