@@ -83,6 +83,8 @@ class Symptom(_StrEnum):
     checkpoint_corrupt = "checkpoint_corrupt"
     disk_full = "disk_full"
     launch_failure = "launch_failure"
+    #: The store's database was damaged, emptied or deleted; the incident says what was recovered and how.
+    store_damaged = "store_damaged"
 
 
 class Severity(_StrEnum):

@@ -49,23 +49,34 @@ def drift(db: Path, metadata: sa.MetaData) -> list:
 
 
 def test_empty_to_head_creates_every_table(db_path):
-    assert head_revision() == "0002"
-    assert upgrade_to_head(db_path) == "0002"
+    assert head_revision() == "0003"
+    assert upgrade_to_head(db_path) == "0003"
     assert tables(db_path) == APP_TABLES | {"alembic_version"}
-    assert current_revision(db_path) == "0002"
+    assert current_revision(db_path) == "0003"
     with sqlite3.connect(db_path) as c:
         assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     # Idempotent: a second daemon start is a no-op.
-    assert upgrade_to_head(db_path) == "0002"
+    assert upgrade_to_head(db_path) == "0003"
 
 
 def test_head_to_base_to_head(db_path):
     upgrade_to_head(db_path)
+    with open_store(db_path) as st:  # a 0003 symptom row is dropped by the downgrade, others kept
+        st.create_run("r", spec={}, run_dir="/x")
+        st.record_incident("r", attempt=0, symptom="store_damaged", step=0)
+        st.record_incident("r", attempt=0, symptom="crash", step=0)
+    assert downgrade(db_path, "0002") == "0002"
+    with sqlite3.connect(db_path) as c:
+        assert [r[0] for r in c.execute("SELECT symptom FROM incidents")] == ["crash"]
+        with pytest.raises(sqlite3.IntegrityError, match="ck_incidents_symptom"):
+            c.execute("INSERT INTO incidents (run_id, attempt, step, symptom, severity, summary, evidence, status,"
+                      " detected_at, updated_at) VALUES ('r', 0, 1, 'store_damaged', 'info', '', '{}', 'open',"
+                      " '2026-01-01', '2026-01-01')")
     assert downgrade(db_path, "0001") == "0001"
     assert "checkpoints" not in tables(db_path)
     assert downgrade(db_path, "base") is None
     assert tables(db_path) == {"alembic_version"}
-    assert upgrade_to_head(db_path) == "0002"
+    assert upgrade_to_head(db_path) == "0003"
     assert tables(db_path) == APP_TABLES | {"alembic_version"}
     assert drift(db_path, Base.metadata) == []
 
@@ -87,7 +98,7 @@ def test_first_revision_with_data_upgrades_to_head_intact(db_path):
                   "applied_at, outcome) VALUES ('old', 1, 'rollback_skip', '{}', '{}', 'restart', 0, ?, 'pending')",
                   (ts,))
 
-    assert upgrade_to_head(db_path) == "0002"
+    assert upgrade_to_head(db_path) == "0003"
 
     with open_store(db_path, readonly=True) as st:
         run = st.get_run("old")
@@ -168,9 +179,9 @@ def test_alembic_does_not_touch_logging(db_path):
 def test_db_cli_functions(db_path):
     with pytest.raises(NoDatabaseError, match=r"no database at .*ulyssesd\.db — has ulyssesd run\?"):
         db_current(db_path)
-    assert db_upgrade(db_path) == "0002"
-    assert db_current(db_path) == "0002"
-    assert db_status(db_path) == {"path": str(db_path.resolve()), "current": "0002", "head": "0002",
+    assert db_upgrade(db_path) == "0003"
+    assert db_current(db_path) == "0003"
+    assert db_status(db_path) == {"path": str(db_path.resolve()), "current": "0003", "head": "0003",
                                   "up_to_date": True}
 
 
@@ -180,7 +191,7 @@ def test_readonly_open_refuses_old_or_empty_schema(db_path):
     with pytest.raises(NoDatabaseError, match="has no schema yet"):
         open_store(db_path, readonly=True)
     upgrade(db_path, "0001")
-    with pytest.raises(SchemaMismatchError, match=r"revision 0001, this code expects 0002: run `ulyssesctl db upgrade`"):
+    with pytest.raises(SchemaMismatchError, match=r"revision 0001, this code expects 0003: run `ulyssesctl db upgrade`"):
         open_store(db_path, readonly=True)
     # The writer (daemon start) upgrades, after which readers are fine.
     open_store(db_path).close()
