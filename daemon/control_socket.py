@@ -2,17 +2,24 @@
 
 Protocol (one request per connection, newline-delimited JSON, at most `max_request_bytes`):
 
-    request   {"cmd": "pause", "args": {...}}\\n           ("args" optional; "v": 1 optional)
+    request   {"cmd": "pause", "args": {...}, "deadline": 1764444454.2}\\n   ("args", "v": 1, "deadline" optional)
     response  {"ok": true, ...}\\n   or   {"ok": false, "code": "...", "error": "..."}\\n
 
-`code` is one of bad_request, permission_denied, unknown_command (handler's choice), internal, busy,
-timeout. The server never runs a thread: `poll(timeout_s)` waits for activity (it doubles as the main
+`code` is one of bad_request, permission_denied, expired, busy, timeout, internal, or the handler's own
+(unknown_command, bad_state, not_found). `deadline` (epoch seconds, sent by ulyssesctl with every mutating
+request) is the time after which the client no longer waits: a request handled later (the daemon was
+SIGSTOPped or busy) is answered `expired` and never applied, so an operator told "timed out" is never
+surprised by a pause carried out minutes later. The client waits `ANSWER_GRACE_S` past the deadline, so an
+answer the daemon sent just before it still arrives. Bounds: a request is at most `max_request_bytes` and
+nests at most `MAX_REQUEST_DEPTH` levels. A handler that raises answers `internal` with a short message (the
+daemon log has the traceback) and the server goes on. The server never runs a thread: `poll(timeout_s)` waits for activity (it doubles as the main
 loop's sleep), reads what is ready without blocking, answers complete requests and returns. A slow or
 silent client is cut off after `read_timeout_s`; a flood beyond `max_connections` gets "busy".
 
 Access: the socket file is 0660 (the first gate is file permission), and every peer's SO_PEERCRED is
-checked (second gate): root, the daemon's own uid, `allowed_uids`, or members of `group` (primary or
-supplementary, via pwd/grp/os.getgrouplist) may talk to it. The handler gets the validated envelope plus
+checked (second gate) at accept, before a byte is read: an unauthorized peer gets `permission_denied` and the
+connection is closed unread, so nothing it sends is ever parsed. Root, the daemon's own uid, `allowed_uids`,
+or members of `group` (primary or supplementary, via pwd/grp/os.getgrouplist) may talk to it. The handler gets the validated envelope plus
 `"peer": {"pid", "uid", "gid"}` so actions can be attributed.
 """
 
@@ -21,6 +28,7 @@ from __future__ import annotations
 import errno
 import grp
 import json
+import math
 import os
 import pwd
 import re
@@ -35,8 +43,11 @@ from pathlib import Path
 from typing import Any
 
 from ulyssesd.daemon.logging import get_logger
+from ulyssesd.remediation.records import bounded_repr, nesting_depth_exceeds
 
 MAX_REQUEST_BYTES = 64 * 1024
+MAX_REQUEST_DEPTH = 8  # requests are {"cmd", "args": {flat values}}: 2 levels; deep JSON recurses in json
+ANSWER_GRACE_S = 2.0  # the client waits this long past the request's deadline for the answer
 DEFAULT_SOCKET_NAME = "ulyssesd.sock"
 SYSTEM_SOCKET_PATH = "/run/ulyssesd/ulyssesd.sock"  # RuntimeDirectory of the packaged unit
 _CMD_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -283,13 +294,25 @@ class ControlServer:
                 self._log.warning("cannot read peer credentials; dropping connection", error=str(exc))
                 sock.close()
                 continue
+            refusal = self._authorize(peer)
+            if refusal is not None:  # before reading: an unauthorized peer's bytes are never parsed
+                self._log.warning("control connection refused", uid=peer.uid, pid=peer.pid, reason=refusal)
+                self._reply(sock, _error("permission_denied", refusal))
+                continue
             if len(self._conns) >= self.max_connections:
                 self._reply(sock, _error("busy", f"too many concurrent control connections "
                                                  f"(max {self.max_connections}); retry"))
                 continue
-            conn = _Conn(sock, peer, time.monotonic() + self.read_timeout_s, self.authorize(peer))
+            conn = _Conn(sock, peer, time.monotonic() + self.read_timeout_s, None)
             self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _authorize(self, peer: Peer) -> str | None:
+        try:
+            return self.authorize(peer)
+        except Exception as exc:  # noqa: BLE001 - a failing lookup (NSS, LDAP) refuses, it does not crash
+            self._log.exception("peer authorization failed", uid=peer.uid)
+            return f"permission denied: cannot check uid {peer.uid} ({type(exc).__name__})"
 
     def _read(self, conn: _Conn) -> int:
         try:
@@ -316,20 +339,27 @@ class ControlServer:
         return self._finish(conn, self._answer(conn, line))
 
     def _answer(self, conn: _Conn, line: bytes) -> dict:
-        request, problem = parse_request(line)
-        if conn.refusal is not None:
-            self._log.warning("control request refused", uid=conn.peer.uid, pid=conn.peer.pid,
-                              cmd=(request or {}).get("cmd"), reason=conn.refusal)
+        if conn.refusal is not None:  # authorized at accept; kept as a second check for hand-made conns
             return _error("permission_denied", conn.refusal)
+        request, problem = parse_request(line, self.max_request_bytes)
         if problem is not None:
             return _error("bad_request", problem)
         assert request is not None
+        deadline = request.pop("deadline", None)
+        if deadline is not None and time.time() > deadline:
+            late = time.time() - deadline
+            self._log.warning("control request expired; not applied", cmd=request["cmd"], late_s=round(late, 3),
+                              uid=conn.peer.uid)
+            return _error("expired", f"{request['cmd']!r} reached the daemon {late:.1f} s after its deadline "
+                                     f"(the client had stopped waiting); not applied")
         request["peer"] = {"pid": conn.peer.pid, "uid": conn.peer.uid, "gid": conn.peer.gid}
         try:
             response = self.handler(request)
         except Exception as exc:  # the handler's bug must not take the main loop down
             self._log.exception("control handler failed", cmd=request["cmd"])
-            return _error("internal", f"internal error handling {request['cmd']!r}: {type(exc).__name__}: {exc}")
+            # No exception text to the client (paths, internals); the daemon log has the traceback.
+            return _error("internal", f"internal error handling {request['cmd']!r} ({type(exc).__name__}); "
+                                      f"see the daemon log")
         if not isinstance(response, dict):
             return _error("internal", f"handler returned {type(response).__name__}, not a JSON object")
         response.setdefault("ok", True)
@@ -388,37 +418,78 @@ class ControlServer:
         self.close()
 
 
-def parse_request(line: bytes) -> tuple[dict | None, str | None]:
-    """(request, None) for a valid envelope, else (partial-or-None, problem)."""
+def parse_request(line: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> tuple[dict | None, str | None]:
+    """(request, None) for a valid envelope, else (partial-or-None, problem). Never raises: the problem names
+    what is wrong (and shows values through a bounded repr)."""
+    if len(line) > max_bytes:
+        return None, f"request exceeds {max_bytes} bytes"
     try:
         obj = json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return None, f"request is not valid JSON: {exc}"
+    except RecursionError:
+        return None, f"request nests deeper than {MAX_REQUEST_DEPTH} levels"
+    except ValueError as exc:  # e.g. an integer beyond Python's digit limit
+        return None, f"request is not valid JSON: {bounded_repr(str(exc))}"
+    if nesting_depth_exceeds(obj, MAX_REQUEST_DEPTH):
+        return None, f"request nests deeper than {MAX_REQUEST_DEPTH} levels"
     if not isinstance(obj, dict):
         return None, f"request must be a JSON object like {{\"cmd\": \"status\"}}, got {type(obj).__name__}"
-    unknown = sorted(set(obj) - {"cmd", "args", "v"})
+    unknown = sorted(set(obj) - {"cmd", "args", "v", "deadline"})
     if unknown:
-        return obj, f"unknown request key(s) {unknown}; allowed: cmd, args, v"
+        return obj, f"unknown request key(s) {bounded_repr(unknown)}; allowed: cmd, args, v, deadline"
     cmd = obj.get("cmd")
     if not isinstance(cmd, str) or not _CMD_RE.match(cmd):
-        return obj, f"'cmd' must be a lowercase command name like \"status\", got {cmd!r}"
+        return obj, f"'cmd' must be a lowercase command name like \"status\", got {bounded_repr(cmd)}"
     args = obj.get("args", {})
     if not isinstance(args, dict):
         return obj, f"'args' must be a JSON object, got {type(args).__name__}"
-    if obj.get("v", 1) != 1:
-        return obj, f"unsupported protocol version {obj.get('v')!r}; this daemon speaks v=1"
-    return {"cmd": cmd, "args": args}, None
+    v = obj.get("v", 1)
+    if type(v) is not int or v != 1:
+        return obj, f"unsupported protocol version {bounded_repr(v)}; this daemon speaks v=1"
+    request: dict[str, Any] = {"cmd": cmd, "args": args}
+    if obj.get("deadline") is not None:
+        deadline = _epoch_seconds(obj["deadline"])
+        if deadline is None:
+            return obj, f"'deadline' must be epoch seconds (a finite number), got {bounded_repr(obj['deadline'])}"
+        request["deadline"] = deadline
+    return request, None
+
+
+def _epoch_seconds(val: Any) -> float | None:
+    """A finite float from a JSON number, else None (bools, strings, huge ints that overflow a float)."""
+    if isinstance(val, bool) or not isinstance(val, int | float):
+        return None
+    try:
+        f = float(val)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def _error(code: str, message: str) -> dict:
     return {"ok": False, "code": code, "error": message}
 
 
-def send_request(path: str | os.PathLike, payload: dict[str, Any], timeout_s: float = 5.0) -> dict:
-    """Send one request, return the daemon's JSON response (ok true or false). Raises ControlError subclasses."""
+def send_request(path: str | os.PathLike, payload: dict[str, Any], timeout_s: float = 5.0,
+                 with_deadline: bool = False) -> dict:
+    """Send one request, return the daemon's JSON response (ok true or false). Raises ControlError subclasses.
+
+    with_deadline: stamp the request with `deadline` = now + timeout_s (for mutating commands). The daemon
+    refuses it (`expired`) if it handles it later, and this client waits for the answer until the deadline
+    plus ANSWER_GRACE_S, so "timed out" here means "was not and will not be applied". Without it,
+    `timeout_s` bounds each socket operation.
+    """
     path = str(path)
+    if with_deadline:
+        deadline = time.time() + timeout_s
+        payload = {**payload, "deadline": deadline}
+        give_up = time.monotonic() + timeout_s + ANSWER_GRACE_S
+    else:
+        give_up = None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout_s)
+    not_applied = " (it carried a deadline: the daemon will not apply it later)" if with_deadline else ""
     try:
         try:
             sock.connect(path)
@@ -430,23 +501,31 @@ def send_request(path: str | os.PathLike, payload: dict[str, Any], timeout_s: fl
             raise ControlPermissionError(f"permission denied connecting to {path}: run as root or as a member "
                                          f"of the socket's group (ls -l {path})") from exc
         except TimeoutError as exc:
-            raise ControlTimeout(f"ulyssesd did not accept a connection on {path} within {timeout_s:g} s") from exc
+            raise ControlTimeout(f"ulyssesd did not accept a connection on {path} within {timeout_s:g} s"
+                                 f"{not_applied}") from exc
         data = (json.dumps(payload) + "\n").encode()
         try:
             sock.sendall(data)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the server may already have answered (e.g. refused) and closed; read what it said
         except TimeoutError as exc:
-            raise ControlTimeout(f"ulyssesd did not read the request within {timeout_s:g} s") from exc
+            raise ControlTimeout(f"ulyssesd did not read the request within {timeout_s:g} s{not_applied}") from exc
         buf = bytearray()
+        waited = timeout_s + ANSWER_GRACE_S if give_up is not None else timeout_s
         try:
             while b"\n" not in buf:
+                if give_up is not None:
+                    left = give_up - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    sock.settimeout(left)
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
                 buf += chunk
         except TimeoutError as exc:
-            raise ControlTimeout(f"ulyssesd did not answer within {timeout_s:g} s (main loop busy or hung?)") from exc
+            raise ControlTimeout(f"ulyssesd did not answer within {waited:g} s (main loop busy, hung or "
+                                 f"stopped?){not_applied}") from exc
         except ConnectionResetError:
             pass
     finally:
@@ -456,7 +535,7 @@ def send_request(path: str | os.PathLike, payload: dict[str, Any], timeout_s: fl
         raise ControlProtocolError(f"ulyssesd closed the connection on {path} without an answer")
     try:
         response = json.loads(line)
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ControlProtocolError(f"ulyssesd answered something that is not JSON: {line[:200]!r}") from exc
     if not isinstance(response, dict):
         raise ControlProtocolError(f"ulyssesd answered a {type(response).__name__}, not a JSON object")

@@ -7,7 +7,9 @@ when no daemon runs. Every command takes --json.
 
 Exit codes: 0 ok · 1 the run FAILED (status/incident report on a failed run) · 2 usage error ·
 3 daemon not running (mutating commands) · 4 not found (no database, run, incident, config version) ·
-5 refused by the daemon (e.g. resume a run that is not paused) · 6 permission denied on the socket.
+5 refused by the daemon (e.g. resume a run that is not paused) · 6 permission denied on the socket ·
+7 daemon not responding (its process is alive but it did not answer in time: SIGSTOPped or busy; a mutating
+request was sent with a deadline, so the daemon will never apply it later).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from rich.console import Console
 from rich.table import Table
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE, EXIT_NO_DAEMON, EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_PERM = 0, 1, 2, 3, 4, 5, 6
+EXIT_NOT_RESPONDING = 7
+DAEMON_NOT_RESPONDING = "not responding (stopped or busy)"
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Operate ulyssesd: status, incidents, pause/resume/stop/restart, configs.")
@@ -126,24 +130,45 @@ def _run(store, as_json: bool):
     return run
 
 
+def _daemon_pid_alive() -> int | None:
+    """The daemon's pid from its info file when that process exists (signal 0), else None."""
+    pid = _daemon_info().get("pid")
+    if type(pid) is not int or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # exists, owned by another user (e.g. the unit's)
+        return pid
+    return pid
+
+
 def _request(cmd: str, args: dict | None, as_json: bool) -> dict:
+    """A mutating request, sent with a deadline: one the daemon handles too late is refused, never applied."""
     from ulyssesd.daemon.control_socket import (
         ControlError,
         ControlPermissionError,
+        ControlTimeout,
         DaemonNotRunning,
         send_request,
     )
 
     try:
-        resp = send_request(_socket_path(), {"cmd": cmd, "args": args or {}}, timeout_s=10.0)
+        resp = send_request(_socket_path(), {"cmd": cmd, "args": args or {}}, timeout_s=10.0, with_deadline=True)
     except DaemonNotRunning as exc:
         _die(f"{exc} (this command needs a running daemon)", EXIT_NO_DAEMON, as_json)
     except ControlPermissionError as exc:
         _die(str(exc), EXIT_PERM, as_json)
+    except ControlTimeout as exc:
+        pid = _daemon_pid_alive()
+        who = f"daemon (pid {pid}) {DAEMON_NOT_RESPONDING}" if pid else "daemon not responding"
+        _die(f"{who}: {exc}; {cmd} was not applied", EXIT_NOT_RESPONDING, as_json)
     except ControlError as exc:
         _die(str(exc), EXIT_NO_DAEMON, as_json)
     if not resp.get("ok"):
-        code = EXIT_PERM if resp.get("code") == "permission_denied" else EXIT_REFUSED
+        code = {"permission_denied": EXIT_PERM, "expired": EXIT_NOT_RESPONDING,
+                "not_found": EXIT_NOT_FOUND}.get(resp.get("code"), EXIT_REFUSED)
         _die(f"daemon refused {cmd}: {resp.get('error')}", code, as_json)
     return resp
 
@@ -202,16 +227,22 @@ def status_data(store, run) -> dict[str, Any]:
     open_inc = store.list_incidents(run.id, status="open") + store.list_incidents(run.id, status="remediating")
     info = _daemon_info()
     live = None
+    daemon = "not running"
     if info.get("run_id") == run.id:
-        try:
-            from ulyssesd.daemon.control_socket import send_request
+        from ulyssesd.daemon.control_socket import ControlTimeout, send_request
 
+        try:
             live = send_request(_socket_path(), {"cmd": "status"}, timeout_s=2.0).get("status")
+        except ControlTimeout:  # accepted (the kernel queues it) but unanswered: alive but stopped or busy?
+            if _daemon_pid_alive():
+                daemon = DAEMON_NOT_RESPONDING
         except Exception:  # noqa: BLE001 - status must work without the daemon
             live = None
+        if live:
+            daemon = "running"
     return {
         "run_id": run.id, "state": run.state.value, "state_reason": run.state_reason,
-        "daemon": "running" if live else "not running",
+        "daemon": daemon, "daemon_pid": info.get("pid") if daemon != "not running" else None,
         "attempt": attempts[-1].number if attempts else None,
         "restarts": max(0, len(attempts) - 1),
         "step": step.get("step", cursor.last_step if cursor else None),
@@ -231,7 +262,7 @@ def _render_status(d: dict[str, Any]) -> Table:
     t.add_column("value")
     color = {"COMPLETED": "green", "FAILED": "red", "RUNNING": "green", "PAUSED": "yellow"}.get(d["state"], "cyan")
     t.add_row("state", f"[{color}]{d['state']}[/{color}] ({d['state_reason']})")
-    t.add_row("daemon", d["daemon"])
+    t.add_row("daemon", d["daemon"] + (f" (pid {d['daemon_pid']})" if d.get("daemon_pid") else ""))
     t.add_row("attempt / restarts", f"{d['attempt']} / {d['restarts']}")
     loss = d["loss"]
     t.add_row("step / loss", f"{d['step']} / {loss if not isinstance(loss, float) else f'{loss:.4f}'}")
@@ -271,6 +302,8 @@ def status(json_out: bool = typer.Option(False, "--json", help="machine-readable
         _out(d, True)
     else:
         console.print(_render_status(d))
+    if d["daemon"] == DAEMON_NOT_RESPONDING:
+        raise typer.Exit(EXIT_NOT_RESPONDING)
     raise typer.Exit(EXIT_RUN_FAILED if d["state"] == "FAILED" else EXIT_OK)
 
 
@@ -388,15 +421,19 @@ def restart(json_out: bool = typer.Option(False, "--json")) -> None:
 def ack(incident_id: int = typer.Argument(...), json_out: bool = typer.Option(False, "--json"),
         by: str = typer.Option(None, "--by", help="operator name (default: $USER)")) -> None:
     """Acknowledge an incident (through the daemon; directly in the database if no daemon runs)."""
-    from ulyssesd.daemon.control_socket import ControlError, DaemonNotRunning, send_request
+    from ulyssesd.daemon.control_socket import ControlError, ControlTimeout, DaemonNotRunning, send_request
     from ulyssesd.daemon.store import open_store
     from ulyssesd.daemon.store.errors import NotFoundError
 
     who = by or os.environ.get("USER") or f"uid:{os.getuid()}"
     try:
-        resp = send_request(_socket_path(), {"cmd": "ack", "args": {"id": incident_id, "by": who}}, timeout_s=10.0)
+        resp = send_request(_socket_path(), {"cmd": "ack", "args": {"id": incident_id, "by": who}}, timeout_s=10.0,
+                            with_deadline=True)
         if not resp.get("ok"):
-            code = EXIT_NOT_FOUND if "no incident" in str(resp.get("error")) else EXIT_REFUSED
+            code = {"not_found": EXIT_NOT_FOUND, "expired": EXIT_NOT_RESPONDING,
+                    "permission_denied": EXIT_PERM}.get(resp.get("code"), EXIT_REFUSED)
+            if "no incident" in str(resp.get("error")):
+                code = EXIT_NOT_FOUND
             _die(f"ack refused: {resp.get('error')}", code, json_out)
         via = "daemon"
     except DaemonNotRunning:
@@ -407,6 +444,8 @@ def ack(incident_id: int = typer.Argument(...), json_out: bool = typer.Option(Fa
         except NotFoundError:
             _die(f"no incident {incident_id}", EXIT_NOT_FOUND, json_out)
         via = "database (daemon not running)"
+    except ControlTimeout as exc:
+        _die(f"daemon {DAEMON_NOT_RESPONDING}: {exc}; ack was not applied", EXIT_NOT_RESPONDING, json_out)
     except ControlError as exc:
         _die(str(exc), EXIT_NO_DAEMON, json_out)
     if json_out:

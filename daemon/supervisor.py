@@ -47,10 +47,11 @@ from ulyssesd.daemon.scheduler import LoopScheduler
 from ulyssesd.daemon.spec import RunSpec
 from ulyssesd.daemon.states import LIVE_JOB_STATES, TERMINAL, check_transition
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
+from ulyssesd.daemon.store.errors import NotFoundError
 from ulyssesd.daemon.telemetry_reader import Cursor, TelemetryReader
 from ulyssesd.daemon.termination import STACKS_MAX_BYTES as STACKS_MAX_BYTES  # re-exported (moved)
 from ulyssesd.daemon.termination import Termination
-from ulyssesd.remediation.records import EventRecord, Record, StepRecord
+from ulyssesd.remediation.records import INT64_MAX, EventRecord, Record, StepRecord, bounded_repr
 from ulyssesd.training.control import STACK_DUMP_DIR, stack_dump_files
 
 log = get_logger("ulyssesd.supervisor")
@@ -96,6 +97,7 @@ class Supervisor:
         self.launch_env: dict[str, str] = {}  # launcher.env.* overrides from remediation (e.g. allocator conf)
         self.job: JobHandle | None = None
         self.reader: TelemetryReader | None = None
+        self.record_errors = 0  # telemetry records whose handling raised (logged and skipped)
         self.engine: Any = None
         self.term: Termination | None = None
         self.after_exit: Any = None
@@ -302,8 +304,9 @@ class Supervisor:
         warm = TelemetryReader(self.telemetry_path)
         fed = 0
         while warm.cursor.offset < limit:
+            scanned = warm.scanned_to
             batch = warm.read()
-            if not batch:
+            if not batch and warm.scanned_to == scanned:  # bad lines or an over-long one still move it
                 break
             for rec, off in batch:
                 if off > limit:
@@ -522,15 +525,22 @@ class Supervisor:
 
     def _read_telemetry(self) -> None:
         assert self.reader is not None
+        offset_before = self.reader.cursor.offset
         batch = self.reader.read()
-        if not batch:
+        if not batch and self.reader.cursor.offset == offset_before:
             return
         now = self.os.time()
         for rec, _off in batch:
             if rec.attempt is not None and rec.attempt != self.attempt:
                 continue  # a late line of an earlier attempt
-            self._on_record(rec, now)
+            try:
+                self._on_record(rec, now)
+            except Exception:  # noqa: BLE001 - one record must not end supervision (and not on every restart)
+                self.record_errors += 1
+                log.exception("handling a telemetry record failed; skipped", run_id=self.run_id,
+                              step=rec.step, kind=rec.kind, count=self.record_errors)
         self._sync_known_good()
+        # Persisted even when only bad lines were consumed: a restart must not re-read them.
         cur = self.reader.cursor
         self.store.set_telemetry_cursor(self.run_id, path=str(self.telemetry_path), inode=cur.inode,
                                         offset=cur.offset, last_step=self.last_step)
@@ -758,13 +768,26 @@ class Supervisor:
                                         grace=self.dcfg.stop_grace_s)
                 return {"ok": True, "state": self.state.value}
             if cmd == "ack":
-                iid = int(args.get("id", -1))
-                self.store.ack_incident(iid, str(args.get("by") or f"uid:{peer.get('uid')}"))
+                iid = args.get("id")
+                if type(iid) is not int or not 0 < iid <= INT64_MAX:
+                    return {"ok": False, "code": "bad_request",
+                            "error": f"'args.id' must be a positive integer incident id, got {bounded_repr(iid)}"}
+                by = args.get("by")
+                if by is not None and (not isinstance(by, str) or len(by) > 200):
+                    return {"ok": False, "code": "bad_request",
+                            "error": f"'args.by' must be an operator name (a string of at most 200 characters), "
+                                     f"got {bounded_repr(by)}"}
+                try:
+                    self.store.ack_incident(iid, by.strip() if by and by.strip() else f"uid:{peer.get('uid')}")
+                except NotFoundError:
+                    return {"ok": False, "code": "not_found", "error": f"no incident {iid}"}
                 return {"ok": True, "id": iid}
-            return {"ok": False, "code": "unknown_command", "error": f"unknown command {cmd!r}"}
+            return {"ok": False, "code": "unknown_command", "error": f"unknown command {bounded_repr(cmd)}"}
         except Exception as exc:  # noqa: BLE001 - a bad request must not take the loop down
-            log.warning("command failed", cmd=cmd, error=repr(exc))
-            return {"ok": False, "code": "internal", "error": f"{type(exc).__name__}: {exc}"}
+            log.exception("control command failed", cmd=cmd)
+            # No exception text to the client: it may hold paths or internals; the daemon log has it all.
+            return {"ok": False, "code": "internal",
+                    "error": f"internal error handling {bounded_repr(cmd)} ({type(exc).__name__}); see the daemon log"}
 
     def status_dict(self) -> dict[str, Any]:
         r = self.last_step_record
@@ -776,6 +799,7 @@ class Supervisor:
             "latest_checkpoint": self.latest_ckpt[0] if self.latest_ckpt else None,
             "config_version": self.config_version, "restarts_last_hour": len(self.counters.restarts),
             "garbage_telemetry_lines": self.reader.garbage_lines if self.reader else 0,
+            "telemetry_record_errors": self.record_errors,
             "run_dir": str(self.run_dir), "daemon_pid": os.getpid(),
         }
 

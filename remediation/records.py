@@ -5,12 +5,19 @@ typed wire struct (no intermediate dict; ~2.5x faster than orjson + checks), any
 (non-finite strings, events, errors) goes through `json.loads` + the validating path below.
 Non-finite floats arrive as the strings "nan", "inf", "-inf". Only `kind`, `step` and `loss` are required
 for a step record; everything else is optional and None when absent.
+
+Bounds (one hostile or broken line must never crash the reader, the store or replay): a line is at most
+`MAX_LINE_BYTES`, JSON nests at most `MAX_NESTING_DEPTH` levels, every integer field (and `step`, which must
+be >= 0) fits a signed 64-bit SQLite INTEGER, `time` is finite (it is the detectors' clock). A line outside
+them raises RecordError naming the bound, like any other bad line; error messages show values through a
+bounded repr.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -31,8 +38,39 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "NaN": math.n
               "-Infinity": -math.inf}
 
 
+MAX_LINE_BYTES = 1 << 20  # real records are < 1 KiB; an event's fields (e.g. an error text) stay far below
+MAX_NESTING_DEPTH = 32  # real records nest 2 levels; deep JSON costs recursion in json, repr and the store
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # SQLite INTEGER: a larger step overflows at the insert
+
+
 class RecordError(ValueError):
     """A telemetry line or dict is not a valid record; the message names the problem."""
+
+
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlong = 2, 60, 60, 40
+
+
+def bounded_repr(val: Any) -> str:
+    """repr for error messages: bounded in length and depth (a plain repr of deep JSON recurses)."""
+    return _repr.repr(val)
+
+
+def nesting_depth_exceeds(obj: Any, limit: int = MAX_NESTING_DEPTH) -> bool:
+    """True when decoded JSON `obj` nests containers deeper than `limit` levels (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list | tuple):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | tuple))
+    return False
 
 
 @dataclass(slots=True)
@@ -89,14 +127,17 @@ def _float(d: dict[str, Any], key: str, required: bool = False) -> float | None:
     if isinstance(val, bool):
         raise RecordError(f"field {key!r} must be a number, got bool {val!r}")
     if isinstance(val, int):
-        return float(val)
+        try:
+            return float(val)
+        except OverflowError:
+            raise RecordError(f"field {key!r} is too large for a float: {bounded_repr(val)}") from None
     if isinstance(val, str):
         try:
             return _NONFINITE[val]
         except KeyError:
             raise RecordError(f"field {key!r} must be a number or one of \"nan\"/\"inf\"/\"-inf\", "
-                              f"got string {val!r}") from None
-    raise RecordError(f"field {key!r} must be a number, got {type(val).__name__} {val!r}")
+                              f"got string {bounded_repr(val)}") from None
+    raise RecordError(f"field {key!r} must be a number, got {type(val).__name__} {bounded_repr(val)}")
 
 
 def _int(d: dict[str, Any], key: str) -> int | None:
@@ -105,8 +146,11 @@ def _int(d: dict[str, Any], key: str) -> int | None:
         return None
     if isinstance(val, bool) or not isinstance(val, int):
         if isinstance(val, float) and val.is_integer():
-            return int(val)
-        raise RecordError(f"field {key!r} must be an integer, got {type(val).__name__} {val!r}")
+            val = int(val)
+        else:
+            raise RecordError(f"field {key!r} must be an integer, got {type(val).__name__} {bounded_repr(val)}")
+    if not INT64_MIN <= val <= INT64_MAX:
+        raise RecordError(f"field {key!r} is out of the 64-bit integer range: {bounded_repr(val)}")
     return val
 
 
@@ -118,7 +162,7 @@ def _step(d: dict[str, Any], required: bool) -> int | None:
     val = _int(d, "step")
     assert val is not None
     if val < 0:
-        raise RecordError(f"field 'step' must be >= 0, got {val}")
+        raise RecordError(f"field 'step' must be >= 0, got {bounded_repr(val)}")
     return val
 
 
@@ -147,9 +191,17 @@ def _fast_step(d: dict[str, Any]) -> StepRecord | None:
     v = d.get("v", 1)
     if type(v) is not int:
         return None
+    # Out-of-range ints (a float field's int too: float() of a huge int overflows) and a non-finite `time`
+    # take the validating path, which names the problem.
+    if any(type(x) is int and not INT64_MIN <= x <= INT64_MAX for x in vals) or not -INT64_MAX <= v <= INT64_MAX:
+        return None
+    t = vals[2]
+    if t is not None and not math.isfinite(t):
+        return None
     rec = StepRecord(*vals)
     if smp is not None:
-        if type(smp) is not list or len(smp) != 2 or type(smp[0]) is not int or type(smp[1]) is not int:
+        if (type(smp) is not list or len(smp) != 2 or type(smp[0]) is not int or type(smp[1]) is not int
+                or not (INT64_MIN <= smp[0] <= INT64_MAX and INT64_MIN <= smp[1] <= INT64_MAX)):
             return None
         rec.samples = (smp[0], smp[1])
     if type(loss) is int:
@@ -161,34 +213,37 @@ def _fast_step(d: dict[str, Any]) -> StepRecord | None:
 
 _step_decode: Any = None
 if _msgspec is not None:
-    from typing import Literal
+    from typing import Annotated, Literal
 
     _F = int | float | None  # ints stay ints, as on the dict path
+    # Range checks run inside the decoder (C); a value outside them takes the dict path, which names it.
+    _I64 = Annotated[int, _msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+    _OptI64 = _I64 | None
 
     class _WireStep(_msgspec.Struct, kw_only=True, gc=False):
         """A plain step line, fields in StepRecord's positional order; `kind` is required and must be "step".
         Strict decoding rejects everything the dict path would convert or reject (bools as numbers, floats
         as ints, "nan" strings, short `samples`): those lines take the dict path, which decides."""
-        step: int
+        step: Annotated[int, _msgspec.Meta(ge=0, le=INT64_MAX)]
         loss: float
         time: _F = None
-        attempt: int | None = None
+        attempt: _OptI64 = None
         grad_norm: _F = None
         lr: _F = None
         loss_scale: _F = None
         skipped: bool | None = None
         step_time_s: _F = None
         step_time_max_s: _F = None
-        slowest_rank: int | None = None
-        tokens: int | None = None
+        slowest_rank: _OptI64 = None
+        tokens: _OptI64 = None
         tokens_per_s: _F = None
         mem_allocated_gib: _F = None
         mem_max_allocated_gib: _F = None
-        mem_max_rank: int | None = None
+        mem_max_rank: _OptI64 = None
         mem_reserved_gib: _F = None
-        samples: tuple[int, int] | None = None
-        config_version: int | None = None
-        v: int = 1
+        samples: tuple[_I64, _I64] | None = None
+        config_version: _OptI64 = None
+        v: _I64 = 1
         kind: Literal["step"]
 
     assert _WireStep.__struct_fields__ == (*_ORDER, "v", "kind")
@@ -208,29 +263,35 @@ def parse_record(d: Any) -> Record:
     kind = d.get("kind")
     if kind is None:
         raise RecordError("record is missing required field 'kind' (\"step\" or \"event\")")
+    if nesting_depth_exceeds(d):
+        raise RecordError(f"record nests deeper than {MAX_NESTING_DEPTH} levels")
     if kind == "step":
         loss = _float(d, "loss", required=True)
         step = _step(d, required=True)
         assert loss is not None and step is not None
         rec = StepRecord(step=step, loss=loss)
+        if "time" in d:
+            rec.time = _float(d, "time")
+            if rec.time is not None and not math.isfinite(rec.time):
+                raise RecordError(f"field 'time' must be a finite number (epoch seconds), got {bounded_repr(rec.time)}")
         for key in _FLOATS:
             if key in d:
                 setattr(rec, key, _float(d, key))
         for key in _INTS:
             if key in d:
                 setattr(rec, key, _int(d, key))
-        if "time" in d:
-            rec.time = _float(d, "time")
         sk = d.get("skipped")
         if sk is not None:
             if not isinstance(sk, bool):
-                raise RecordError(f"field 'skipped' must be true/false, got {sk!r}")
+                raise RecordError(f"field 'skipped' must be true/false, got {bounded_repr(sk)}")
             rec.skipped = sk
         smp = d.get("samples")
         if smp is not None:
             if (not isinstance(smp, list | tuple) or len(smp) != 2
                     or not all(isinstance(x, int) and not isinstance(x, bool) for x in smp)):
-                raise RecordError(f"field 'samples' must be [start, end) integers, got {smp!r}")
+                raise RecordError(f"field 'samples' must be [start, end) integers, got {bounded_repr(smp)}")
+            if not all(INT64_MIN <= x <= INT64_MAX for x in smp):
+                raise RecordError(f"field 'samples' is out of the 64-bit integer range: {bounded_repr(smp)}")
             rec.samples = (smp[0], smp[1])
         if "v" in d:
             rec.v = _int(d, "v") or 1
@@ -238,31 +299,39 @@ def parse_record(d: Any) -> Record:
     if kind == "event":
         name = d.get("event")
         if not isinstance(name, str) or not name:
-            raise RecordError(f"event record needs a non-empty string field 'event', got {name!r}")
+            raise RecordError(f"event record needs a non-empty string field 'event', got {bounded_repr(name)}")
         extra = {k: v for k, v in d.items() if k not in ("v", "kind", "event", "step", "time", "attempt")}
-        return EventRecord(event=name, step=_step(d, required=False), time=_float(d, "time"),
+        t = _float(d, "time")
+        if t is not None and not math.isfinite(t):
+            raise RecordError(f"field 'time' must be a finite number (epoch seconds), got {bounded_repr(t)}")
+        return EventRecord(event=name, step=_step(d, required=False), time=t,
                            attempt=_int(d, "attempt"), fields=extra, v=_int(d, "v") or 1)
-    raise RecordError(f"field 'kind' must be \"step\" or \"event\", got {kind!r}")
+    raise RecordError(f"field 'kind' must be \"step\" or \"event\", got {bounded_repr(kind)}")
 
 
 def parse_line(line: str | bytes) -> Record:
     """Parse one telemetry JSON line (str or bytes); raises RecordError naming the problem."""
+    if len(line) > MAX_LINE_BYTES:
+        raise RecordError(f"line is {len(line)} bytes long; telemetry lines are at most {MAX_LINE_BYTES}")
     text = line.strip()
     if not text:
         raise RecordError("empty line")
     if _step_decode is not None:
         try:
             vals = _astuple(_step_decode(text))
-        except _DecodeError:
+        except (_DecodeError, RecursionError):  # msgspec recurses into an unknown field's deep JSON
             pass  # not a plain step line: the dict path parses it or names the problem
         else:
-            if vals[0] >= 0:
+            t = vals[2]
+            if t is None or math.isfinite(t):
                 return StepRecord(*vals)
     try:
         d = _fast_loads(text)
-    except Exception:  # noqa: BLE001 - orjson is strict (NaN literals) or absent: the stdlib decides
+    except Exception:  # noqa: BLE001 - orjson is strict (NaN literals, depth > 1024) or absent: the stdlib decides
         try:
             d = json.loads(text)
+        except RecursionError:
+            raise RecordError(f"JSON nests deeper than {MAX_NESTING_DEPTH} levels") from None
         except ValueError as exc:
             shown = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
             snippet = shown if len(shown) <= 60 else shown[:57] + "..."

@@ -153,7 +153,9 @@ def test_silent_client_times_out_and_does_not_block_others(sockdir):
 def test_handler_exception_becomes_internal_error(running):
     path, _, _ = running
     resp = send_request(path, {"cmd": "boom"})
-    assert resp == {"ok": False, "code": "internal", "error": "internal error handling 'boom': RuntimeError: handler bug"}
+    # A short message, no exception text (it may carry paths or internals); the daemon log has the traceback.
+    assert resp == {"ok": False, "code": "internal",
+                    "error": "internal error handling 'boom' (RuntimeError); see the daemon log"}
     assert send_request(path, {"cmd": "status"})["ok"] is True  # still serving
 
 
@@ -378,3 +380,170 @@ def test_signal_wakeup_fd_ends_poll_like_the_main_loop_needs(sockdir):
         signal.set_wakeup_fd(old_fd)
         signal.signal(signal.SIGUSR2, old_handler)
         server.close()
+
+
+# ------------------------------------------------------------------ hostile input (issue 13 regressions)
+def test_deeply_nested_request_is_bad_request_and_the_server_lives(running):
+    path, handler, _ = running
+    for depth in (50_000 // 2, 9):  # json.loads alone would raise RecursionError on the first
+        body = b'{"cmd": "status", "args": {"x": ' + b"[" * depth + b"]" * depth + b"}}\n"
+        resp = _raw(path, body)
+        assert resp["code"] == "bad_request" and "nests deeper than 8 levels" in resp["error"]
+    assert handler.requests == []
+    # Healthy control: a request at the allowed depth still goes through.
+    assert send_request(path, {"cmd": "status", "args": {"x": [[[[1]]]]}})["ok"] is True
+
+
+def test_unauthorized_peer_is_refused_before_anything_is_read(sockdir, monkeypatch):
+    import ulyssesd.daemon.control_socket as cs
+
+    parsed = []
+    monkeypatch.setattr(cs, "parse_request", lambda *a: parsed.append(a) or pytest.fail("parsed a refused peer"))
+    handler = Recorder()
+    path = os.path.join(sockdir, "ctl.sock")
+    me = os.geteuid()
+    # An authorizer that rejects the test's own uid stands in for a foreign local user.
+    loop = Loop(ControlServer(path, handler, authorize=lambda peer: f"permission denied: uid {peer.uid} (test)"
+                              if peer.uid == me else None))
+    try:
+        deep = b'{"cmd": "pause", "args": ' + b"[" * 40_000 + b"]" * 40_000 + b"}\n"
+        resp = _raw(path, deep[:60_000])
+        assert resp == {"ok": False, "code": "permission_denied", "error": f"permission denied: uid {me} (test)"}
+        assert _raw(path, b'{"cmd": "pause"}\n')["code"] == "permission_denied"
+        assert parsed == [] and handler.requests == [] and handler.paused is False
+    finally:
+        loop.close()
+
+
+def test_authorizer_that_raises_refuses_and_the_server_lives(sockdir):
+    def broken(peer):
+        raise OSError("NSS lookup timed out")
+
+    path = os.path.join(sockdir, "ctl.sock")
+    loop = Loop(ControlServer(path, Recorder(), authorize=broken))
+    try:
+        resp = send_request(path, {"cmd": "status"})
+        assert resp["code"] == "permission_denied" and "cannot check uid" in resp["error"]
+        assert "NSS" not in resp["error"]
+        assert send_request(path, {"cmd": "status"})["code"] == "permission_denied"  # still serving
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("deadline, fragment", [
+    ("soon", "'deadline' must be epoch seconds"), (True, "'deadline' must be epoch seconds"),
+    (10**400, "'deadline' must be epoch seconds"), ([1], "'deadline' must be epoch seconds"),
+])
+def test_bad_deadline_is_bad_request(running, deadline, fragment):
+    path, handler, _ = running
+    line = b'{"cmd": "pause", "deadline": ' + json.dumps(deadline).encode() + b"}\n"
+    resp = _raw(path, line)
+    assert resp["code"] == "bad_request" and fragment in resp["error"]
+    assert handler.requests == [] and not handler.paused
+
+
+def test_request_past_its_deadline_is_never_applied(sockdir):
+    handler = Recorder()
+    path = os.path.join(sockdir, "ctl.sock")
+    server = ControlServer(path, handler)  # not polled while the client waits: a stopped or busy main loop
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ControlTimeout, match="will not apply it later"):
+            send_request(path, {"cmd": "pause"}, timeout_s=0.3, with_deadline=True)
+        waited = time.monotonic() - t0
+        assert 0.3 + 2.0 - 0.1 <= waited < 0.3 + 2.0 + 1.5  # the deadline plus the answer grace
+        assert server.poll(0.5) == 1  # the loop wakes up and handles the queued request...
+        assert handler.requests == [] and handler.paused is False  # ...without applying it
+        # Positive control: a request handled before its deadline is applied and its answer arrives.
+        loop = Loop(server)
+        try:
+            assert send_request(path, {"cmd": "pause"}, timeout_s=2.0, with_deadline=True)["state"] == "PAUSED"
+            assert handler.paused and "deadline" not in handler.requests[-1]
+        finally:
+            loop.stop.set()
+            loop.thread.join(5)
+    finally:
+        server.close()
+
+
+def test_expired_answer_names_the_lateness(running):
+    path, handler, _ = running
+    resp = _raw(path, json.dumps({"cmd": "pause", "deadline": time.time() - 30}).encode() + b"\n")
+    assert resp["code"] == "expired" and "after its deadline" in resp["error"] and "not applied" in resp["error"]
+    assert handler.requests == []
+
+
+_CHILD_DAEMON = r"""
+import json, sys
+from ulyssesd.daemon.control_socket import ControlServer
+path, applied = sys.argv[1], sys.argv[2]
+def handler(req):
+    if req["cmd"] != "status":
+        with open(applied, "a") as fh:
+            fh.write(req["cmd"] + "\n")
+    return {"ok": True, "status": {"state": "RUNNING"}}
+server = ControlServer(path, handler, group=None)
+print("ready", flush=True)
+while True:
+    server.poll(0.05)
+"""
+
+
+def test_sigstopped_daemon_status_says_not_responding_and_a_timed_out_pause_is_never_applied(sockdir, tmp_path):
+    """A real process serves the socket; SIGSTOP it: `ulyssesctl status` must not say "not running", and a
+    pause the client gave up on must not be carried out after SIGCONT."""
+    import signal
+    import subprocess
+    import sys
+
+    from ulyssesd.daemon.ctl import EXIT_NOT_RESPONDING, main
+    from ulyssesd.daemon.store import open_store
+
+    path = os.path.join(sockdir, "ctl.sock")
+    applied = tmp_path / "applied.txt"
+    applied.touch()
+    child = subprocess.Popen([sys.executable, "-c", _CHILD_DAEMON, path, str(applied)], stdout=subprocess.PIPE,
+                             text=True)
+    state = tmp_path / "state"
+    state.mkdir()
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        db = state / "ulyssesd.db"
+        with open_store(db) as store:
+            store.create_run("r1", run_dir=str(state / "runs" / "r1"))
+        (state / "ulyssesd.daemon.json").write_text(json.dumps(
+            {"pid": child.pid, "socket": path, "run_id": "r1", "db": str(db)}))
+        sd = ["--state-dir", str(state)]
+
+        def status():
+            import contextlib
+            import io
+
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                code = main([*sd, "status", "--json"])
+            return code, json.loads(buf.getvalue())
+
+        code, st = status()  # healthy control: the live daemon answers
+        assert code == 0 and st["daemon"] == "running"
+        os.kill(child.pid, signal.SIGSTOP)
+        try:
+            code, st = status()
+            assert code == EXIT_NOT_RESPONDING and st["daemon"] == "not responding (stopped or busy)"
+            assert st["daemon_pid"] == child.pid
+            with pytest.raises(ControlTimeout, match="will not apply it later"):
+                send_request(path, {"cmd": "pause"}, timeout_s=0.3, with_deadline=True)
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        time.sleep(0.5)  # the woken loop now handles the queued pause: refused as expired
+        assert send_request(path, {"cmd": "status"})["ok"] is True
+        assert applied.read_text() == ""
+        assert send_request(path, {"cmd": "pause"}, timeout_s=5, with_deadline=True)["ok"] is True
+        assert applied.read_text() == "pause\n"  # positive control: an in-time pause is applied
+        child.kill()
+        child.wait(5)
+        code, st = status()  # process gone, socket file left behind: "not running"
+        assert code == 0 and st["daemon"] == "not running"
+    finally:
+        child.kill()
+        child.wait(5)
