@@ -52,10 +52,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | None = None, preflight: bool = True,
                say=None, os_=None) -> int:
-    from ulyssesd.daemon.spec import load_run_spec
+    from ulyssesd.daemon.spec import load_run_spec, run_id_problem
     from ulyssesd.training.spec import SpecError
 
     log = get_logger("ulyssesd")
+    if run_id is not None and (bad_id := run_id_problem(run_id)):  # it becomes a directory name: check first
+        print(f"ulyssesd: --run-id refused: {bad_id}; nothing was started or changed", file=sys.stderr)
+        return EXIT_SPEC
     try:
         spec = load_run_spec(spec_path)
     except SpecError as exc:

@@ -1,13 +1,13 @@
 """`ulyssesctl diagnose LOGFILE`: classify a job log with the remediation library's log diagnosis.
 
 Only the last `TAIL_BYTES` of the file are read (seek from the end), so a 50 GB log costs the same as a
-small one. The lead's ulyssesctl calls `register_diagnose(app)`.
+small one. Only a regular file is read, opened non-blocking: a FIFO, device or directory is refused with a
+clear error (exit 2), never waited on. The lead's ulyssesctl calls `register_diagnose(app)`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -18,6 +18,7 @@ from rich.panel import Panel
 from rich.text import Text
 
 from ulyssesd.remediation.diagnosis import TAIL_BYTES, Diagnosis, diagnose
+from ulyssesd.training.spec import UnreadableFile, read_regular_file
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2  # missing/unreadable file: same code click uses for usage errors
@@ -30,21 +31,14 @@ class LogReadError(Exception):
 
 
 def read_log_tail(path: Path, max_bytes: int = TAIL_BYTES) -> str:
-    """The last `max_bytes` of `path`, decoded as UTF-8 (undecodable bytes replaced)."""
+    """The last `max_bytes` of regular file `path`, decoded as UTF-8 (undecodable bytes replaced)."""
     try:
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size > max_bytes:
-                fh.seek(size - max_bytes)
-            data = fh.read(max_bytes)
-    except FileNotFoundError:
-        raise LogReadError(f"log file not found: {path}") from None
-    except IsADirectoryError:
-        raise LogReadError(f"not a file (a directory): {path}") from None
-    except PermissionError:
-        raise LogReadError(f"log file not readable (permission denied): {path}") from None
-    except OSError as e:
-        raise LogReadError(f"cannot read log file {path}: {e.strerror or e}") from None
+        data, _size = read_regular_file(path, max_bytes, tail=True)
+    except UnreadableFile as e:
+        reason = str(e).removeprefix(f"{path}: ")
+        if reason == "file not found":
+            raise LogReadError(f"log file not found: {path}") from None
+        raise LogReadError(f"cannot read log file {path}: {reason}") from None
     return data.decode("utf-8", errors="replace")
 
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,9 +35,26 @@ def default_state_dir() -> str:
     return str(Path(xdg) / "ulyssesd")
 
 
+# A run id names a directory under {state_dir}/runs: letters, digits, ".", "_", "-", starting with a letter
+# or digit, so "..", ".", "", "a/b" and hidden names can never point outside (or at) the runs directory.
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$"
+_RUN_ID_RE = re.compile(RUN_ID_PATTERN)
+
+
+def run_id_problem(run_id: str) -> str | None:
+    """None for a valid run id, else why it is refused (for --run-id and the spec's run.run_id)."""
+    if _RUN_ID_RE.fullmatch(run_id):
+        return None
+    shown = run_id if len(run_id) <= 40 else run_id[:37] + "..."
+    why = "is empty" if not run_id else f"is {len(run_id)} characters (at most 96)" if len(run_id) > 96 else (
+        "must start with a letter or digit and hold only letters, digits, '.', '_' and '-' (no '/', no '..')")
+    return f"run id {shown!r} {why}"
+
+
 class RunSection(_Section):
-    name: str = Field("run", pattern=r"^[A-Za-z0-9._-]{1,64}$", description="Run name; the run id is derived from it.")
-    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,96}$", description="Fixed run id (default: name + timestamp).")
+    name: str = Field("run", pattern=RUN_NAME_PATTERN, description="Run name; the run id is derived from it.")
+    run_id: str | None = Field(None, pattern=RUN_ID_PATTERN, description="Fixed run id (default: name + timestamp).")
 
 
 class LauncherSection(_Section):

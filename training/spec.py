@@ -13,6 +13,8 @@ parallel.sequence_parallel_size=5`.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -323,15 +325,65 @@ def format_validation_error(exc: ValidationError) -> list[str]:
     return problems
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
+MAX_SPEC_BYTES = 1 << 20  # a run spec is a few KiB of TOML; anything near this is not one
+
+
+class UnreadableFile(OSError):
+    """A file cannot be read as a bounded regular file; the message names the path and the reason."""
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def read_regular_file(path: str | Path, max_bytes: int, *, tail: bool = False) -> tuple[bytes, int]:
+    """(bytes, file size) of a regular file: at most `max_bytes` (the last ones if `tail`, else the first).
+    Never blocks: opened O_NONBLOCK and refused unless it is a regular file (a FIFO, device or directory
+    raises UnreadableFile naming what it is)."""
     path = Path(path)
     try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except FileNotFoundError:
-        raise SpecError(str(path), ["file not found"]) from None
+        raise UnreadableFile(f"{path}: file not found") from None
+    except PermissionError:
+        raise UnreadableFile(f"{path}: not readable (permission denied)") from None
+    except OSError as exc:
+        raise UnreadableFile(f"{path}: cannot open ({exc.strerror or exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        what = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a regular file")
+        raise UnreadableFile(f"{path}: not a regular file ({what})")
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            if tail and st.st_size > max_bytes:
+                fh.seek(st.st_size - max_bytes)
+            return fh.read(max_bytes), st.st_size
+        except OSError as exc:
+            raise UnreadableFile(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Parse a TOML file; SpecError (never a traceback) for a missing, special, huge, binary or invalid one."""
+    path = Path(path)
+    try:
+        data, size = read_regular_file(path, MAX_SPEC_BYTES + 1)
+    except UnreadableFile as exc:
+        reason = str(exc).removeprefix(f"{path}: ")
+        raise SpecError(str(path), [reason]) from None
+    if size > MAX_SPEC_BYTES:
+        raise SpecError(str(path), [f"file is {size} bytes; a run spec is at most {MAX_SPEC_BYTES} bytes of TOML"])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(str(path), [f"not UTF-8 text (invalid byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                                    f"a run spec is a TOML file"]) from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(str(path), [f"not valid TOML: {exc}"]) from None
+    except RecursionError:
+        raise SpecError(str(path), ["not valid TOML: arrays or tables nest too deeply"]) from None
 
 
 def job_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: Path | None = None) -> JobSpec:
