@@ -24,6 +24,8 @@ class DetectorsConfig(_Section):
     # --- loss spike
     loss_spike_mad: float = Field(8.0, gt=0, description="Loss spike = loss above median + k·sigma (sigma = 1.4826·MAD of the window).")
     loss_spike_min_rel: float = Field(0.10, ge=0, description="...and at least this fraction above the window median (ignores tiny-noise baselines).")
+    loss_spike_min_records: int = Field(5, ge=3, description="Records in the baseline before the loss-spike test runs (a log every 10 steps has few).")
+    loss_spike_severe_rel: float = Field(0.5, gt=0, description="A spike this fraction above the median is severe: the engine's shorter severe grace applies.")
     # --- loss oscillation
     loss_osc_window: int = Field(20, ge=4, description="Short window (steps) over which the step-to-step loss swing is measured.")
     loss_osc_ratio: float = Field(4.0, gt=1, description="Oscillation = median absolute Δloss of the short window above ratio × the run's own baseline swing.")
@@ -37,6 +39,8 @@ class DetectorsConfig(_Section):
     overflow_window: int = Field(100, ge=5, description="Window (steps) of the skipped-step rate.")
     overflow_max_rate: float = Field(0.2, gt=0, le=1, description="Overflow storm = skipped-step rate above this over the window.")
     overflow_startup_steps: int = Field(100, ge=0, description="Skipped steps this early after each start are healthy loss-scale calibration.")
+    overflow_max_halvings: int = Field(4, ge=1, description="Overflow storm = at least this many loss-scale halvings within overflow_window steps (even with skipped false/absent).")
+    overflow_floor_factor: float = Field(4.0, ge=1, description="...or a halving that leaves the fp16 loss scale within this factor of its minimum.")
     # --- speed
     slow_step_ratio: float = Field(2.0, gt=1, description="Slow step = step time above ratio × rolling median (seed: 2×).")
     slow_step_min_consecutive: int = Field(3, ge=1, description="Consecutive slow steps before a slow_step finding (one GC/save step is normal).")
@@ -44,6 +48,13 @@ class DetectorsConfig(_Section):
     straggler_persist_steps: int = Field(10, ge=1, description="...with the same slowest rank for this many consecutive steps.")
     throughput_drop_frac: float = Field(0.25, gt=0, lt=1, description="Throughput drop = tokens/s below (1 - frac) × baseline median.")
     throughput_persist_steps: int = Field(20, ge=1, description="...sustained for this many consecutive steps.")
+    drift_baseline_window: int = Field(500, ge=20, description="Records in the long robust (median) step-time baseline of the drift CUSUM.")
+    drift_min_baseline: int = Field(200, ge=10, description="Records the drift baseline needs before (and after each alarm, again before) the CUSUM runs.")
+    drift_allowance: float = Field(0.015, gt=0, description="CUSUM allowance k: relative slowdown per step that never accumulates (half the smallest drift to find).")
+    drift_threshold: float = Field(0.6, gt=0, description="CUSUM alarm h (relative slowdown × steps): 3 % is found after ~40 steps, 5 % after ~17.")
+    drift_clip: float = Field(0.10, gt=0, description="One step counts at most this relative slowdown (a checkpoint/eval/GC step is not a drift).")
+    drift_noise_factor: float = Field(6.0, gt=0, description="h is at least this × per-step variance / allowance (noisier step times need a longer drift).")
+    drift_rank_share: float = Field(0.6, gt=0, le=1, description="A drift is attributed to a rank that was the slowest on at least this share of its records.")
     # --- hang
     hang_timeout_floor_s: float = Field(60.0, gt=0, description="The hang timeout is never shorter than this.")
     hang_step_multiplier: float = Field(10.0, gt=1, description="Hang timeout = max(floor, multiplier × p99 recent step time).")
@@ -56,6 +67,7 @@ class RemediationConfig(_Section):
     max_restarts_per_hour: int = Field(6, ge=0, description="Restart budget; beyond it the run ends FAILED.")
     no_progress_restarts: int = Field(3, ge=1, description="Restarts without checkpoint advance before FAILED.")
     grace_steps: int = Field(20, ge=0, description="A spike that recovers by itself within this many steps costs nothing.")
+    severe_grace_steps: int = Field(10, ge=0, description="Grace for a severe finding (loss far above the band): it acts if still active this many steps later.")
     verify_steps: int = Field(200, ge=1, description="Steps after an action during which a recurrence escalates to the next ladder step.")
     revert_throughput_drop: float = Field(0.10, gt=0, lt=1, description="Revert an action whose verification window lost this fraction of tokens/s for no gain.")
     known_good_steps: int = Field(100, ge=1, description="A checkpoint becomes known-good after this many anomaly-free steps.")

@@ -42,6 +42,8 @@ GRACE_SYMPTOMS = frozenset({"loss_spike", "loss_oscillation", "memory_spike", "s
 WEIGHT_SYMPTOMS = frozenset({"loss_spike", "loss_oscillation", "nan_loss", "overflow_storm"})
 # A consequence is not reported while its cause is active (a straggler slows steps and throughput).
 EXPLAINED_BY = {"throughput_drop": ("slow_step", "straggler"), "slow_step": ("straggler",)}
+# The drift CUSUM also sees big jumps; while the detector made for one is active, the drift adds nothing.
+DRIFT_EXPLAINED_BY = ("slow_step", "straggler", "throughput_drop")
 
 
 @dataclass(slots=True)
@@ -83,7 +85,14 @@ class _LadderState:
 @dataclass
 class _Pending:
     finding: Finding
-    steps: int = 0
+    steps: int = 0          # training steps since the finding (not records)
+    severe: bool = False    # a severe finding of this episode arrived: the shorter severe grace applies
+
+
+def _same_episode(a: Finding, b: Finding) -> bool:
+    """Two findings of one detector episode (same symptom and onset step)."""
+    return (a.symptom == b.symptom and a.evidence.get("since_step") is not None
+            and a.evidence.get("since_step") == b.evidence.get("since_step"))
 
 
 def job_values(job: Any) -> dict[str, Any]:
@@ -139,7 +148,12 @@ class RemediationEngine:
         min_scale = vals.get("precision.loss_scale.min_loss_scale")
         self.detectors = build_detectors(self.config, min_loss_scale=min_scale
                                          if vals.get("precision.dtype") == "fp16" else None)
-        self._by_symptom = {d.symptom: d for d in self.detectors}
+        self._by_symptom = {d.symptom: d for d in reversed(self.detectors)}   # the first detector of each symptom
+        # Every detector whose findings may carry a symptom (the drift detector's are throughput_drop/straggler).
+        self._emitters: dict[str, tuple[Any, ...]] = {}
+        for d in self.detectors:
+            for sym in getattr(d, "symptoms", (d.symptom,)):
+                self._emitters[sym] = (*self._emitters.get(sym, ()), d)
         # Bound once: observe() calls each of them for every step record.
         self._step_observers = tuple(d.observe for d in self.detectors)
         self.hang = HangDetector(self.config, start_time)
@@ -162,6 +176,10 @@ class RemediationEngine:
         self.last_step: int | None = None
         self.failed = False
 
+    def _active(self, symptom: str) -> bool:
+        """Whether an episode of `symptom` persists in any detector that reports it."""
+        return any(d.active for d in self._emitters.get(symptom, ()))
+
     # ------------------------------------------------------------------------------------ inputs
     def observe(self, record: Record, now: float) -> list[Finding | Decision]:
         """Feed one telemetry record; returns the findings it raised and the decisions they led to."""
@@ -176,6 +194,9 @@ class RemediationEngine:
             for det in self.detectors:
                 det.observe(record, now)
             return out
+        prev = self.last_step
+        # Training steps this record stands for (windows are in steps, not records; see StepSpan).
+        span = 1 if prev is None or record.step < prev else record.step - prev
         self.last_step = record.step
         if record.samples is not None:  # recent sample ranges, for rollback-and-skip
             self._samples.append((record.step, record.samples))
@@ -192,6 +213,9 @@ class RemediationEngine:
             weight_anomaly = any(f.symptom in WEIGHT_SYMPTOMS for f in findings)
             for f in findings:
                 causes = EXPLAINED_BY.get(f.symptom)
+                if f.evidence.get("detector") == "cusum":
+                    causes = DRIFT_EXPLAINED_BY   # a drift finding is a consequence of a jump the others saw
+                # The jump detectors' own episodes explain; the drift detector's never explains another finding.
                 if causes and any(self._by_symptom[c].active for c in causes):
                     self.suppressed += 1
                     continue
@@ -199,7 +223,7 @@ class RemediationEngine:
                 out.extend(self._on_finding(f, record.step, now))
         # Bookkeeping has nothing to do without a finding, a checkpoint candidate, a ladder or a pending symptom.
         if weight_anomaly or self.candidates or self.ladders or self.pending:
-            self._step_bookkeeping(record, now, weight_anomaly, out)
+            self._step_bookkeeping(record, now, weight_anomaly, out, span)
         return out
 
     def on_finding(self, finding: Finding, now: float) -> list[Decision]:
@@ -271,13 +295,13 @@ class RemediationEngine:
 
     # ------------------------------------------------------------------------------- bookkeeping
     def _step_bookkeeping(self, rec: StepRecord, now: float, weight_anomaly: bool,
-                          out: list[Finding | Decision]) -> None:
+                          out: list[Finding | Decision], span: int = 1) -> None:
         if weight_anomaly:
             self.candidates.clear()
         elif self.candidates:
             for cand in self.candidates:
                 if rec.step > cand[1]:
-                    cand[2] += 1
+                    cand[2] = rec.step - cand[1]   # clean training steps after the tag
             while self.candidates and self.candidates[0][2] >= self.policy.known_good_steps:
                 tag, step, _ = self.candidates.pop(0)
                 self.known_good.append((tag, step))
@@ -285,9 +309,9 @@ class RemediationEngine:
         tps = tokens_per_s(rec) if self.ladders else None
         for name, st in self.ladders.items():
             if st.await_left > 0:
-                st.await_left -= 1
+                st.await_left = max(0, st.await_left - span)
             if st.verify_left > 0:
-                st.verify_left -= 1
+                st.verify_left = max(0, st.verify_left - span)
                 if tps is not None and len(st.tps_after) < 1000:
                     st.tps_after.append(tps)
                 if st.verify_left == 0 and st.position < len(LADDERS[name]) \
@@ -298,13 +322,16 @@ class RemediationEngine:
         for ladder, p in list(self.pending.items()):
             if p.finding.step == rec.step:
                 continue  # the grace window starts after the finding's own step
-            p.steps += 1
-            if p.steps >= self.policy.grace_steps:
+            p.steps += span
+            severe = p.severe or p.finding.severity == "critical"
+            # Severe and still there after the short severe grace: act now. Otherwise wait the full grace (the
+            # entry also stays pending that long so a recurrence inside it still counts).
+            act_early = severe and p.steps >= self.policy.severe_grace_steps and self._active(p.finding.symptom)
+            if act_early or p.steps >= self.policy.grace_steps:
                 del self.pending[ladder]
-                det = self._by_symptom.get(p.finding.symptom)
-                if det is not None and det.active:
-                    why = (f"{p.finding.symptom} persisted for {p.steps} steps since step {p.finding.step}: "
-                           f"{p.finding.message}")
+                if self._active(p.finding.symptom):
+                    why = (f"{p.finding.symptom} persisted for {p.steps} steps since step {p.finding.step}"
+                           f"{' (severe: shorter grace)' if act_early else ''}: {p.finding.message}")
                     out.extend(self._decide(ladder, p.finding.symptom, p.finding, rec.step, now, why))
 
     # ---------------------------------------------------------------------------------- deciding
@@ -320,7 +347,12 @@ class RemediationEngine:
                                 f"{f.symptom} recurred within the verification window of "
                                 f"{st.last.action_kind if st.last else 'the last action'}: {f.message}")
         if f.symptom in GRACE_SYMPTOMS and self.policy.grace_steps > 0:
-            if ladder in self.pending:
+            p = self.pending.get(ladder)
+            if p is not None and _same_episode(p.finding, f):
+                # A repeat of the pending episode (a refire) is persistence, which the grace window measures.
+                p.severe = p.severe or f.severity == "critical"
+                return []
+            if p is not None:
                 del self.pending[ladder]
                 return self._decide(ladder, f.symptom, f, step, now,
                                     f"{f.symptom} recurred within the {self.policy.grace_steps}-step grace window: "
@@ -451,7 +483,7 @@ class RemediationEngine:
         st.uses += 1
         st.last = d
         st.verify_left = self.policy.verify_steps
-        st.tps_before = self._by_symptom["throughput_drop"].baseline()  # type: ignore[attr-defined]
+        st.tps_before = self._by_symptom["throughput_drop"].baseline()  # type: ignore[attr-defined]  # the tokens/s one
         st.tps_after = []
         if apply == "stop":
             self.failed = True

@@ -16,16 +16,18 @@ from ulyssesd.remediation.detectors.nan_loss import NanLossDetector
 from ulyssesd.remediation.detectors.overflow_storm import OverflowStormDetector
 from ulyssesd.remediation.detectors.slow_step import SlowStepDetector
 from ulyssesd.remediation.detectors.straggler import StragglerDetector
+from ulyssesd.remediation.detectors.throughput_drift import ThroughputDriftDetector
 from ulyssesd.remediation.detectors.throughput_drop import ThroughputDropDetector
 
 
 def build_detectors(cfg: DetectorsConfig, min_loss_scale: float | None = None) -> list[Detector]:
     """All step-stream detectors (hang is separate: it is driven by the clock)."""
     return [NanLossDetector(cfg, min_loss_scale=min_loss_scale), LossSpikeDetector(cfg),
-            LossOscillationDetector(cfg), MemorySpikeDetector(cfg), OverflowStormDetector(cfg),
-            SlowStepDetector(cfg), StragglerDetector(cfg), ThroughputDropDetector(cfg)]
+            LossOscillationDetector(cfg), MemorySpikeDetector(cfg),
+            OverflowStormDetector(cfg, min_loss_scale=min_loss_scale), SlowStepDetector(cfg), StragglerDetector(cfg),
+            ThroughputDropDetector(cfg), ThroughputDriftDetector(cfg)]
 
 
 __all__ = ["SYMPTOMS", "Detector", "Finding", "HangDetector", "LossOscillationDetector", "LossSpikeDetector",
            "MemorySpikeDetector", "NanLossDetector", "OverflowStormDetector", "SlowStepDetector",
-           "StragglerDetector", "ThroughputDropDetector", "build_detectors"]
+           "StragglerDetector", "ThroughputDriftDetector", "ThroughputDropDetector", "build_detectors"]

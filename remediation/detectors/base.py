@@ -54,6 +54,7 @@ class EpisodeDetector:
         self.cfg = cfg
         clear = self.episode_clear_steps if self.episode_clear_steps is not None else cfg.clear_steps
         self._ep = Episode(cfg.refire_steps, clear)
+        self._clock = StepSpan()
         self.reset()
 
     @property
@@ -62,6 +63,7 @@ class EpisodeDetector:
 
     def reset(self) -> None:
         self._ep.reset()
+        self._clock.reset()
 
 
 class RollingMedian:
@@ -123,11 +125,41 @@ class RollingMedian:
         self.med = None
 
 
-class Episode:
-    """Turns a per-step anomalous/normal signal into findings: one at onset, one every `refire` steps while
-    it persists; `clear` consecutive normal steps end it. `active` tells the engine whether it persists."""
+class StepSpan:
+    """How many training steps a record stands for: the gap to the previous record's step. Windows are in
+    training steps, so one record logged every 10 steps counts as 10 (the same config means the same thing
+    at log interval 1, 10 or 100). The first record after a reset counts 1, a repeated step 0, a step that
+    goes back (a resume from an older checkpoint without a `started` event) 1."""
 
-    __slots__ = ("refire", "clear", "active", "_since_fire", "_normal_run", "started_step", "length")
+    __slots__ = ("first", "prev")
+
+    def __init__(self) -> None:
+        self.first: int | None = None
+        self.prev: int | None = None
+
+    def reset(self) -> None:
+        self.first = self.prev = None
+
+    def advance(self, step: int) -> int:
+        prev = self.prev
+        self.prev = step
+        if prev is None:
+            self.first = step
+            return 1
+        d = step - prev
+        return d if d >= 0 else 1
+
+    def since_start(self, step: int) -> int:
+        """Training steps from the first record after the last reset to `step` (0 on that first record)."""
+        return step - self.first if self.first is not None else 0
+
+
+class Episode:
+    """Turns a per-step anomalous/normal signal into findings: one at onset, one every `refire` training
+    steps while it persists; it ends once `clear` training steps passed since its last anomalous step with
+    only normal records. `active` tells the engine whether it persists. All in steps, not records."""
+
+    __slots__ = ("refire", "clear", "active", "_fired_step", "_last_bad", "started_step", "length")
 
     def __init__(self, refire: int, clear: int):
         self.refire, self.clear = refire, clear
@@ -135,30 +167,27 @@ class Episode:
 
     def reset(self) -> None:
         self.active = False
-        self._since_fire = 0
-        self._normal_run = 0
+        self._fired_step = 0
+        self._last_bad = 0
         self.started_step: int | None = None
-        self.length = 0
+        self.length = 0   # anomalous records in the episode
 
     def anomalous(self, step: int) -> bool:
         """Record an anomalous step; True when a finding should be emitted now."""
-        self._normal_run = 0
+        self._last_bad = step
         if not self.active:
-            self.active, self._since_fire, self.started_step, self.length = True, 0, step, 1
+            self.active, self._fired_step, self.started_step, self.length = True, step, step, 1
             return True
         self.length += 1
-        self._since_fire += 1
-        if self._since_fire >= self.refire:
-            self._since_fire = 0
+        if step - self._fired_step >= self.refire:
+            self._fired_step = step
             return True
         return False
 
-    def normal(self) -> None:
-        if self.active:
-            self._normal_run += 1
-            if self._normal_run >= self.clear:
-                self.active = False
-                self.length = 0
+    def normal(self, step: int) -> None:
+        if self.active and (step - self._last_bad >= self.clear or step < self._last_bad):
+            self.active = False
+            self.length = 0
 
 
 def fmt(x: float) -> str:

@@ -23,7 +23,6 @@ class LossOscillationDetector(EpisodeDetector):
         # Baseline swing: one sample per short window, the last `window / short` samples (≥ 5).
         self._baseline: deque[float] = deque(maxlen=max(5, self.cfg.window // n * 4))
         self._since_sample = 0
-        self._seen = 0
         self._base: float | None = None
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
@@ -32,6 +31,7 @@ class LossOscillationDetector(EpisodeDetector):
         loss = rec.loss
         if loss - loss != 0.0:  # nan or ±inf (math.isfinite without the call)
             return []
+        self._clock.advance(rec.step)
         prev = self._prev
         self._prev = loss
         if prev is None:
@@ -51,7 +51,6 @@ class LossOscillationDetector(EpisodeDetector):
         signs.append(sign)
         deltas = self._deltas
         deltas.append(abs(d))
-        self._seen += 1
         n = self.cfg.loss_osc_window
         if len(deltas) < n:
             return []
@@ -60,17 +59,17 @@ class LossOscillationDetector(EpisodeDetector):
         sample = self._since_sample >= n
         # Same value as `ready and flip_frac >= min`, the cheap test first.
         flipping = (flip_frac >= self.cfg.loss_osc_min_direction_changes
-                    and self._seen > self.cfg.warmup_steps + n and len(self._baseline) >= 3)
+                    and self._clock.since_start(rec.step) > self.cfg.warmup_steps + n and len(self._baseline) >= 3)
         if not (flipping or sample):  # the O(n) swing is only needed when it can matter
             if self._ep.active:
-                self._ep.normal()
+                self._ep.normal(rec.step)
             return []
         swing = sorted(self._deltas)[n // 2]
         base = self._base if self._base is not None else math.nan
         anomalous = flipping and swing > self.cfg.loss_osc_ratio * max(base, 1e-12)
         if not anomalous:
             if self._ep.active:
-                self._ep.normal()
+                self._ep.normal(rec.step)
             if sample:
                 self._since_sample = 0
                 self._baseline.append(swing)

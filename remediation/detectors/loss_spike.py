@@ -20,13 +20,12 @@ class LossSpikeDetector(EpisodeDetector):
 
     def __init__(self, cfg: DetectorsConfig):
         self._win: deque[float] = deque(maxlen=cfg.window)
-        self._min = min(10, cfg.window)
+        self._min = min(cfg.loss_spike_min_records, cfg.window)
         super().__init__(cfg)
 
     def reset(self) -> None:
         self._win.clear()
         super().reset()
-        self._seen = 0
         self._ready = False
         self._median = math.nan
         self._sigma = math.nan
@@ -36,8 +35,8 @@ class LossSpikeDetector(EpisodeDetector):
         self._every = max(1, self.cfg.window // 4)
         self._age = self._every
 
-    def _check_ready(self) -> bool:
-        self._ready = self._seen > self.cfg.warmup_steps and len(self._win) >= self._min
+    def _check_ready(self, step: int) -> bool:
+        self._ready = self._clock.since_start(step) >= self.cfg.warmup_steps and len(self._win) >= self._min
         return self._ready
 
     def _refresh(self) -> None:
@@ -58,9 +57,9 @@ class LossSpikeDetector(EpisodeDetector):
         loss = rec.loss
         if loss - loss != 0.0:  # nan or ±inf (math.isfinite without the call)
             return []
-        self._seen += 1
-        # Once ready, ready until reset (seen and the window only grow): skip the test then.
-        ready = self._ready or self._check_ready()
+        self._clock.advance(rec.step)
+        # Once ready, ready until reset (steps and the window only grow): skip the test then.
+        ready = self._ready or self._check_ready(rec.step)
         if ready:
             self._age += 1
             if self._age >= self._every or loss > self._threshold:
@@ -69,12 +68,15 @@ class LossSpikeDetector(EpisodeDetector):
             # Spikes stay out of the baseline so a multi-step spike keeps being measured against healthy data.
             if not self._ep.anomalous(rec.step):
                 return []
+            # Severe: far above the band (a catastrophic jump); the engine's grace is shorter for these.
+            severe = loss >= self._median + self.cfg.loss_spike_severe_rel * abs(self._median)
             ev = {"loss": loss, "median": self._median, "sigma": self._sigma, "threshold": self._threshold,
-                  "window": len(self._win), "since_step": self._ep.started_step}
+                  "window": len(self._win), "since_step": self._ep.started_step, "severe": severe}
             msg = (f"step {rec.step}: loss {fmt(loss)} is {(loss - self._median) / self._sigma:.1f} sigma above "
-                   f"the {len(self._win)}-step median {fmt(self._median)} (threshold {fmt(self._threshold)}).")
-            return [Finding(self.symptom, rec.step, "warning", ev, msg, now)]
+                   f"the {len(self._win)}-record median {fmt(self._median)} (threshold {fmt(self._threshold)})"
+                   f"{f', {loss / self._median - 1:.0%} above it: severe' if severe else ''}.")
+            return [Finding(self.symptom, rec.step, "critical" if severe else "warning", ev, msg, now)]
         if self._ep.active:
-            self._ep.normal()
+            self._ep.normal(rec.step)
         self._win.append(loss)
         return []

@@ -18,7 +18,6 @@ class MemorySpikeDetector(EpisodeDetector):
     def reset(self) -> None:
         self._win.clear()
         super().reset()
-        self._seen = 0
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if not isinstance(rec, StepRecord):
@@ -26,16 +25,16 @@ class MemorySpikeDetector(EpisodeDetector):
         mem = rec.mem_max_allocated_gib
         if mem is None or mem != mem:
             return []
-        self._seen += 1
+        self._clock.advance(rec.step)
         cfg = self.cfg
         cap = cfg.device_memory_gib
         near_cap = cap is not None and mem >= cfg.memory_capacity_frac * cap
         base = self._win.med
-        over_base = (base is not None and self._seen > cfg.warmup_steps
+        over_base = (base is not None and self._clock.since_start(rec.step) >= cfg.warmup_steps
                      and mem > cfg.memory_spike_ratio * base and mem - base >= cfg.memory_min_delta_gib)
         if not (near_cap or over_base):
             if self._ep.active:
-                self._ep.normal()
+                self._ep.normal(rec.step)
             self._win.add(mem)
             return []
         if not self._ep.anomalous(rec.step):

@@ -32,7 +32,7 @@ class NanLossDetector(EpisodeDetector):
             what = f"fp16 loss scale reached its minimum {rec.loss_scale:g} and the step still overflowed"
         if what is None:
             if self._ep.active:
-                self._ep.normal()
+                self._ep.normal(rec.step)
             return []
         if not self._ep.anomalous(rec.step):
             return []

@@ -24,7 +24,6 @@ class SlowStepDetector(EpisodeDetector):
     def reset(self) -> None:
         self._win.clear()
         super().reset()
-        self._seen = 0
         self._run = 0
         self._skip_next = False
 
@@ -38,20 +37,20 @@ class SlowStepDetector(EpisodeDetector):
             t = rec.step_time_s
         if t is None or not t > 0:  # NaN is not > 0
             return []
+        span = self._clock.advance(rec.step)
         if self._skip_next:
             self._skip_next = False
             return []
-        seen = self._seen = self._seen + 1
         cfg = self.cfg
         win = self._win
         med = win.med
-        if med is None or seen <= cfg.warmup_steps or t <= cfg.slow_step_ratio * med:
+        if med is None or self._clock.since_start(rec.step) < cfg.warmup_steps or t <= cfg.slow_step_ratio * med:
             self._run = 0
             if self._ep.active:
-                self._ep.normal()
+                self._ep.normal(rec.step)
             win.add(t)
             return []
-        self._run += 1
+        self._run += span  # consecutive slow training steps, not records
         if self._run < cfg.slow_step_min_consecutive or not self._ep.anomalous(rec.step):
             return []
         spread = (rec.step_time_max_s / rec.step_time_s

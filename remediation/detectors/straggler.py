@@ -12,10 +12,10 @@ class StragglerDetector(EpisodeDetector):
 
     def reset(self) -> None:
         super().reset()
-        self._seen = 0
         self._rank: int | None = None
         self._run = 0
         self._spread_sum = 0.0
+        self._records = 0
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if not isinstance(rec, StepRecord):
@@ -23,20 +23,21 @@ class StragglerDetector(EpisodeDetector):
         t, tmax, rank = rec.step_time_s, rec.step_time_max_s, rec.slowest_rank
         if not t or tmax is None or t != t or tmax != tmax:
             return []
-        self._seen += 1
+        span = self._clock.advance(rec.step)
         spread = tmax / t
-        if self._seen <= self.cfg.warmup_steps or spread <= self.cfg.straggler_ratio:
-            self._run, self._rank, self._spread_sum = 0, None, 0.0
+        if self._clock.since_start(rec.step) < self.cfg.warmup_steps or spread <= self.cfg.straggler_ratio:
+            self._run, self._rank, self._spread_sum, self._records = 0, None, 0.0, 0
             if self._ep.active:
-                self._ep.normal()
+                self._ep.normal(rec.step)
             return []
         if rank != self._rank:
-            self._rank, self._run, self._spread_sum = rank, 0, 0.0
-        self._run += 1
+            self._rank, self._run, self._spread_sum, self._records = rank, 0, 0.0, 0
+        self._run += span  # training steps with the same slowest rank, not records
+        self._records += 1
         self._spread_sum += spread
         if self._run < self.cfg.straggler_persist_steps or not self._ep.anomalous(rec.step):
             return []
-        mean_spread = self._spread_sum / self._run
+        mean_spread = self._spread_sum / self._records
         ev = {"slowest_rank": rank, "consecutive": self._run, "mean_spread": round(mean_spread, 3),
               "step_time_s": t, "step_time_max_s": tmax, "since_step": self._ep.started_step}
         who = f"rank {rank}" if rank is not None else "one rank"

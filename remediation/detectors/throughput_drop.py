@@ -31,7 +31,6 @@ class ThroughputDropDetector(EpisodeDetector):
     def reset(self) -> None:
         self._win.clear()
         super().reset()
-        self._seen = 0
         self._run = 0
         self._skip_next = False
 
@@ -47,20 +46,20 @@ class ThroughputDropDetector(EpisodeDetector):
                 return []
         elif not v > 0:  # tokens_per_s(): NaN and non-positive rates are no measurement
             return []
+        span = self._clock.advance(rec.step)
         if self._skip_next:
             self._skip_next = False
             return []
-        seen = self._seen = self._seen + 1
         cfg = self.cfg
         win = self._win
         base = win.med  # = self.baseline()
-        if base is None or seen <= cfg.warmup_steps or v >= (1 - cfg.throughput_drop_frac) * base:
+        if base is None or self._clock.since_start(rec.step) < cfg.warmup_steps or v >= (1 - cfg.throughput_drop_frac) * base:
             self._run = 0
             if self._ep.active:
-                self._ep.normal()
+                self._ep.normal(rec.step)
             win.add(v)
             return []
-        self._run += 1
+        self._run += span  # consecutive low training steps, not records
         if self._run < cfg.throughput_persist_steps or not self._ep.anomalous(rec.step):
             return []
         ev = {"tokens_per_s": v, "baseline_tokens_per_s": base, "consecutive": self._run,

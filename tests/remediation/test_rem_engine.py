@@ -50,14 +50,33 @@ def test_single_spike_that_recovers_costs_nothing():
     assert _decisions(items) == []
 
 
-def test_persistent_spike_gets_the_first_rung_after_the_grace_window():
+def _mild(ranges, factor=1.3):
+    def m(s, r):
+        if any(a <= s < b for a, b in ranges):
+            r.loss *= factor
+    return m
+
+
+def test_persistent_mild_spike_gets_the_first_rung_after_the_grace_window():
     eng = RemediationEngine(job=JOB)
-    items = _feed(eng, healthy(600, seed=1, mutate=_spike([(300, 340)])))
+    items = _feed(eng, healthy(600, seed=1, mutate=_mild([(300, 340)])))
     (d,) = _decisions(items)
     assert (d.action_kind, d.apply, d.step, d.ladder_step) == ("lower_clip", "hot", 320, 0)
     assert d.config_patch == {"train.gradient_clipping": 0.5} and d.previous == {"train.gradient_clipping": 1.0}
     assert d.hot_control == {"gradient_clipping": 0.5}
     assert "persisted for 20 steps since step 300" in d.reason and "sigma above" in d.reason
+
+
+def test_severe_persistent_jump_acts_after_the_short_severe_grace():
+    # 2.5x the loss (far above the +50 % severe line) that does not come back: act after 10 steps, not 20.
+    eng = RemediationEngine(job=JOB)
+    items = _feed(eng, healthy(600, seed=1, mutate=_spike([(300, 340)])))
+    (d,) = _decisions(items)
+    assert (d.action_kind, d.step) == ("lower_clip", 310)
+    assert "persisted for 10 steps since step 300 (severe: shorter grace)" in d.reason
+    # The same jump that comes back after 3 steps costs nothing (the self-recovering BLOOM-like spike).
+    eng = RemediationEngine(job=JOB)
+    assert _decisions(_feed(eng, healthy(600, seed=1, mutate=_spike([(300, 303)])))) == []
 
 
 def test_recurrence_inside_grace_acts_at_once():

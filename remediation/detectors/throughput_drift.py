@@ -1,0 +1,169 @@
+"""Throughput drift: a sustained few-percent slowdown (one slow GPU in a large run, a throttled node) found by
+a one-sided CUSUM on the step time against a long robust baseline.
+
+x = clip(t / baseline - 1, ±drift_clip) per training step (a record at log interval k stands for k steps);
+S = max(0, S + k·(x - drift_allowance)). S crosses h when the step time stayed above the baseline by more than
+the allowance for long enough: a 3 % slowdown with the defaults (allowance 1.5 %, h 0.6) after ~40 steps, 5 %
+after ~17. Clipping keeps one checkpoint/eval/GC step from counting more than `drift_clip`; the record after a
+checkpoint or control event is not counted at all. h grows with the baseline's own noise, so a run whose step
+time varies a lot with data-dependent lengths needs a longer drift before it raises (the false-alarm rate stays
+the same). On an alarm the baseline is rebuilt from the new level: a lasting slowdown is reported once, not
+every refire, and the episode stays active while the new baseline is built (the engine's grace sees it).
+
+When per-rank times exist and one rank is the slowest on most records of the drift while its lead over rank 0
+grew, the finding names that rank and is a `straggler`; otherwise it is a `throughput_drop`. Both ladders
+collect evidence and alert; neither rolls back.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ulyssesd.remediation.config import DetectorsConfig
+from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, RollingMedian, fmt
+from ulyssesd.remediation.records import EventRecord, Record
+
+_MAD_TO_SIGMA = 1.4826
+
+
+class ThroughputDriftDetector(EpisodeDetector):
+    symptom = "throughput_drop"
+    symptoms = ("throughput_drop", "straggler")   # what its findings may be called (engine: `active` for both)
+
+    def __init__(self, cfg: DetectorsConfig):
+        self._base = RollingMedian(cfg.drift_baseline_window, min_count=cfg.drift_min_baseline)
+        self._spread_base = RollingMedian(cfg.drift_baseline_window, min_count=cfg.drift_min_baseline)
+        super().__init__(cfg)
+
+    def reset(self) -> None:
+        self._base.clear()
+        self._spread_base.clear()
+        super().reset()
+        self._s = 0.0
+        self._run_start: int | None = None
+        self._ranks: Counter[int] = Counter()
+        self._spreads: list[float] = []
+        # Step times of the current excursion (S > 0): they join the baseline when it ends without an alarm,
+        # so the baseline is not biased towards the fast steps, and never when it ends in one (a real drift).
+        self._held: list[tuple[float, float | None]] = []
+        self._skip_next = False
+        self._rebase_from: int | None = None   # alarm step: the baseline is being rebuilt since then
+        self._h = self.cfg.drift_threshold
+        self._clipped = 0
+        self._since_h = 0
+
+    def _threshold(self, span: int) -> float:
+        """h, raised for a noisy baseline: ~ drift_noise_factor · variance per step / allowance."""
+        vals = self._base.values()
+        med = self._base.med
+        if not vals or not med:
+            return self.cfg.drift_threshold
+        mad = sorted(abs(v - med) for v in vals)[len(vals) // 2]
+        rel_sigma = min(self.cfg.drift_clip, _MAD_TO_SIGMA * mad / med)
+        var_per_step = rel_sigma * rel_sigma * max(1, span)
+        # The baseline median itself is uncertain (~1.25 sigma / sqrt(n)): a baseline that is 1 % too low eats
+        # 1 % of the allowance, so the allowance left is what sets the false-alarm rate.
+        k = self.cfg.drift_allowance
+        k_left = max(k / 3, k - 2 * 1.2533 * rel_sigma / max(1, len(vals)) ** 0.5)
+        return max(self.cfg.drift_threshold, self.cfg.drift_noise_factor * var_per_step / k_left)
+
+    def observe(self, rec: Record, now: float) -> list[Finding]:
+        if isinstance(rec, EventRecord):
+            if rec.event.startswith("checkpoint_") or rec.event in ("control_applied", "eval"):
+                self._skip_next = True
+            return []
+        t = rec.step_time_max_s if rec.step_time_max_s is not None else rec.step_time_s
+        if t is None or not t > 0:
+            return []
+        span = self._clock.advance(rec.step)
+        if self._skip_next:
+            self._skip_next = False
+            return []
+        cfg = self.cfg
+        spread = (rec.step_time_max_s / rec.step_time_s
+                  if rec.step_time_max_s and rec.step_time_s and rec.step_time_max_s == rec.step_time_max_s else None)
+        base = self._base.med
+        warm = self._clock.since_start(rec.step) >= cfg.warmup_steps
+        if self._rebase_from is not None:
+            # After an alarm: learn the new level; the episode ends once the new baseline stands.
+            self._base.add(t)
+            if spread is not None:
+                self._spread_base.add(spread)
+            if self._base.med is not None and rec.step - self._rebase_from >= cfg.drift_min_baseline:
+                self._rebase_from = None
+                self._ep.normal(rec.step)
+            return []
+        if base is None or not warm:
+            self._base.add(t)
+            if spread is not None:
+                self._spread_base.add(spread)
+            return []
+        x = t / base - 1.0
+        if x >= cfg.drift_clip:
+            x = cfg.drift_clip
+            self._clipped += span   # consecutive steps at the clip
+        else:
+            self._clipped = 0
+            x = -cfg.drift_clip if x < -cfg.drift_clip else x
+        self._since_h += 1
+        if self._since_h >= 50 or self._s == 0.0:
+            self._h, self._since_h = self._threshold(span), 0
+        s = self._s + span * (x - cfg.drift_allowance)
+        if s <= 0.0:
+            self._s, self._run_start = 0.0, None
+            self._ranks.clear()
+            self._spreads.clear()
+            self._held.append((t, spread))
+            for held_t, held_spread in self._held:
+                self._base.add(held_t)
+                if held_spread is not None:
+                    self._spread_base.add(held_spread)
+            self._held.clear()
+            return []
+        self._s = s
+        if len(self._held) < 10_000:
+            self._held.append((t, spread))
+        if self._run_start is None:
+            self._run_start = rec.step - span + 1
+        if rec.slowest_rank is not None:
+            self._ranks[rec.slowest_rank] += 1
+        if spread is not None and len(self._spreads) < 10_000:
+            self._spreads.append(spread)
+        if s < self._h:
+            return []
+        if 0 < self._clipped <= cfg.throughput_persist_steps:
+            # The latest steps all at the clip: a jump, not a drift. The slow-step/straggler/throughput
+            # detectors own those; let them persist first (the engine drops this finding while one is active).
+            return []
+        steps = rec.step - self._run_start + 1
+        # Alarm: the step time drifted up. Who is slow?
+        n_rec = sum(self._ranks.values())
+        rank, share = (self._ranks.most_common(1)[0] if self._ranks else (None, 0))
+        spread_now = sorted(self._spreads)[len(self._spreads) // 2] if self._spreads else None
+        spread_base = self._spread_base.med
+        lead_grew = (spread_now is not None and spread_base is not None
+                     and spread_now - spread_base >= cfg.drift_allowance)
+        attributed = rank is not None and n_rec > 0 and share / n_rec >= cfg.drift_rank_share and lead_grew
+        excess = self._s / max(1, steps) + cfg.drift_allowance   # mean relative slowdown over the drift
+        symptom = "straggler" if attributed else "throughput_drop"
+        ev = {"detector": "cusum", "step_time_s": t, "baseline_step_time_s": base, "slowdown": round(excess, 4),
+              "cusum": round(self._s, 4), "threshold": round(self._h, 4), "drift_steps": steps,
+              "since_step": self._run_start, "slowest_rank": rank if attributed else None,
+              "rank_share": round(share / n_rec, 3) if n_rec else None, "rank_spread": spread_now,
+              "baseline_rank_spread": spread_base}
+        who = (f"; rank {rank} was the slowest on {share}/{n_rec} records and its lead over rank 0 grew "
+               f"from {spread_base:.3f}x to {spread_now:.3f}x" if attributed and spread_now and spread_base else
+               "; no single rank explains it")
+        msg = (f"step {rec.step}: step time drifted ~{excess:.1%} above its {len(self._base)}-record baseline "
+               f"{fmt(base)} s over the last {steps} steps (CUSUM {self._s:.3f} > {self._h:.3f}){who}.")
+        self._ep.anomalous(rec.step)
+        self._ep.started_step = self._run_start
+        # Rebuild the baseline from the new level: one finding per drift, not one per refire.
+        self._s, self._run_start = 0.0, None
+        self._ranks.clear()
+        self._spreads.clear()
+        self._held.clear()
+        self._base.clear()
+        self._spread_base.clear()
+        self._rebase_from = rec.step
+        return [Finding(symptom, rec.step, "warning", ev, msg, now)]
