@@ -24,7 +24,13 @@ import torch
 
 from ulyssesd.training.spec import DataSpec
 
-_MASK64 = (1 << 64) - 1
+from .blend import BlendSchedule
+from .indexed_dataset import IndexedDataset, IndexedDatasetError
+from .order import MASK64, key_of, permute_index
+
+__all__ = ["DataCursor", "DataError", "SampleSource", "batch_indices", "cursor_for", "normalize_ranges",
+           "permute_index", "slice_for_sp"]
+
 _TOKEN_DTYPES = {"uint16": "<u2", "uint32": "<u4"}
 
 
@@ -32,50 +38,46 @@ class DataError(ValueError):
     """A data file is missing, malformed or holds tokens outside the model's vocabulary."""
 
 
-# ------------------------------------------------------------------------------- hashing / order
-def _mix64(x: int) -> int:
-    """splitmix64 finaliser: a fast, well-distributed 64-bit integer hash."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _key(*parts: int) -> int:
-    h = 0x243F6A8885A308D3
-    for p in parts:
-        h = _mix64(h ^ (p & _MASK64))
-    return h
-
-
-def permute_index(i: int, n: int, key: int) -> int:
-    """A keyed bijection of [0, n) (Feistel network + cycle walking).
-
-    O(1) memory, so the shuffled order of billions of windows needs no permutation table.
-    """
-    if not 0 <= i < n:
-        raise IndexError(f"index {i} outside [0, {n})")
-    if n == 1:
-        return 0
-    bits = max(2, (n - 1).bit_length())
-    half = (bits + 1) // 2
-    lo_mask = (1 << half) - 1
-    x = i
-    while True:  # cycle walking: re-apply until the value lands inside [0, n); expected < 4 rounds
-        left, right = x >> half, x & lo_mask
-        for r in range(4):
-            left, right = right, left ^ (_mix64(key ^ (r << 56) ^ right) & lo_mask)
-        x = (left << half) | right
-        if x < n:
-            return x
-
-
 # ------------------------------------------------------------------------------------- sources
+class _Windows:
+    """Windows of seq_len+1 tokens at stride seq_len over one flat token stream, shuffled per epoch.
+
+    Neighbouring windows share one boundary token (its label), so every token is a target exactly once per
+    epoch. Each epoch is a fresh keyed permutation of the windows.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, key: tuple[int, ...], where: str):
+        self.tokens, self.seq_len, self.key, self.where = tokens, seq_len, key, where
+        if len(tokens) < seq_len + 1:
+            raise DataError(f"{where}: holds {len(tokens)} tokens ({tokens.dtype.name}) but one sample needs "
+                            f"seq_len+1 = {seq_len + 1}")
+        self.num_windows = (len(tokens) - 1) // seq_len
+
+    def window_of(self, local_index: int) -> int:
+        epoch, pos = divmod(local_index, self.num_windows)
+        return permute_index(pos, self.num_windows, key_of(*self.key[:1], epoch, *self.key[1:], 0x5EED))
+
+    def read(self, local_index: int, vocab_size: int, global_index: int) -> np.ndarray:
+        start = self.window_of(local_index) * self.seq_len
+        window = np.asarray(self.tokens[start:start + self.seq_len + 1])
+        bad = np.flatnonzero((window >= vocab_size) | (window < 0)) if window.dtype.kind == "i" \
+            else np.flatnonzero(window >= vocab_size)
+        if bad.size:
+            off = start + int(bad[0])
+            raise DataError(
+                f"{self.where}: token {int(window[bad[0]])} at token offset {off} (byte offset "
+                f"{off * window.dtype.itemsize}) is outside the model vocabulary [0, {vocab_size}) "
+                f"(sample {global_index}; wrong token_dtype or a tokenizer larger than model.vocab_size?)")
+        return window
+
+
 class SampleSource:
     """Returns sample `global_index` as a LongTensor of seq_len + 1 tokens (inputs + shifted labels).
 
-    Kinds: `synthetic` (learnable mixture of patterns), `text` (a byte-level file, vocabulary 256) and
-    `tokens` (a flat, header-free uint16/uint32 file). The order seed is `spec.seed`, else `seed`.
+    Kinds: `synthetic` (learnable mixture of patterns), `text` (a byte-level file, vocabulary 256),
+    `tokens` (a flat, header-free uint16/uint32 file) and `indexed` (Megatron .bin/.idx datasets, one or a
+    weighted blend, packed to seq_len: documents are EOS-separated and a window may span several). The
+    order seed is `spec.seed`, else `seed`.
     """
 
     def __init__(self, spec: DataSpec, seq_len: int, vocab_size: int, seed: int):
@@ -88,42 +90,66 @@ class SampleSource:
         self.seq_len = seq_len
         self.vocab_size = vocab_size
         self.seed = spec.seed if spec.seed is not None else seed
-        self.path: Path | None = None
-        self._tokens: np.ndarray | None = None
-        self.num_windows: int | None = None
+        self.path: Path | None = Path(spec.path) if spec.path and self.kind != "synthetic" else None
+        self.components: list[tuple[str, _Windows]] = []
+        self.schedule: BlendSchedule | None = None
         if self.kind == "synthetic":
             self._synthetic = _SyntheticPatterns(self.seed, vocab_size)
-        elif self.kind in ("text", "tokens"):
-            # Token files are little-endian (what the converter writes), independent of the host's byte order.
-            dtype = np.dtype("uint8") if self.kind == "text" else np.dtype(_TOKEN_DTYPES[spec.token_dtype])
-            self.path = Path(spec.path)  # type: ignore[arg-type]  # DataSpec requires path for these kinds
-            self._tokens = _open_token_file(self.path, dtype, seq_len)
-            # Windows of seq_len+1 tokens at stride seq_len: neighbours share one boundary token (its label).
-            self.num_windows = (len(self._tokens) - 1) // seq_len
+        elif self.kind in ("text", "tokens", "indexed"):
+            self._open()
         else:  # pragma: no cover - DataSpec's Literal prevents it
             raise ValueError(f"unknown data kind {self.kind!r}")
 
+    def _open(self) -> None:
+        spec = self.spec
+        if spec.tokenizer:
+            _check_tokenizer_file(spec.tokenizer, self.vocab_size)
+        if self.kind in ("text", "tokens"):
+            # Token files are little-endian (what the converter writes), independent of the host's byte order.
+            dtype = np.dtype("uint8") if self.kind == "text" else np.dtype(_TOKEN_DTYPES[spec.token_dtype])
+            assert self.path is not None  # DataSpec requires path for these kinds
+            tokens = _open_token_file(self.path, dtype, self.seq_len)
+            self.components = [(str(self.path), _Windows(tokens, self.seq_len, (self.seed,), str(self.path)))]
+            return
+        entries = [(spec.path, 1.0)] if spec.path else [(e.path, e.weight) for e in spec.blend]
+        for k, (prefix, _) in enumerate(entries):
+            ds = _open_indexed(prefix, self.vocab_size)
+            key = (self.seed,) if len(entries) == 1 else (self.seed, k + 1)
+            self.components.append((prefix, _Windows(ds.tokens, self.seq_len, key, str(ds.bin_path))))
+        if len(entries) > 1:
+            self.schedule = BlendSchedule(tuple(w for _, w in entries), self.seed)
+
+    @property
+    def num_windows(self) -> int | None:
+        """Windows per epoch of a single-file source (None for synthetic data and blends)."""
+        return self.components[0][1].num_windows if len(self.components) == 1 else None
+
     def __repr__(self) -> str:
         where = f", path={str(self.path)!r}, windows={self.num_windows}" if self.path else ""
+        if self.schedule is not None:
+            where = f", blend={[name for name, _ in self.components]}, slots={self.schedule.counts}"
         return f"SampleSource(kind={self.kind!r}, seq_len={self.seq_len}, seed={self.seed}{where})"
 
     def __getstate__(self) -> dict[str, Any]:
-        # A pickled np.memmap carries the whole file's data; DataLoader workers reopen the file instead.
+        # A pickled np.memmap carries the whole file's data; DataLoader workers reopen the files instead.
         state = self.__dict__.copy()
-        state["_tokens"] = None
+        state["components"] = []
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        if self.path is not None:
-            dtype = np.dtype("uint8") if self.kind == "text" else np.dtype(_TOKEN_DTYPES[self.spec.token_dtype])
-            self._tokens = _open_token_file(self.path, dtype, self.seq_len)
+        if self.kind != "synthetic":
+            self.components, self.schedule = [], None
+            self._open()
 
     def window_of(self, global_index: int) -> int:
-        """File window read by sample `global_index` (each epoch is a fresh keyed permutation)."""
-        assert self.num_windows is not None
-        epoch, pos = divmod(global_index, self.num_windows)
-        return permute_index(pos, self.num_windows, _key(self.seed, epoch, 0x5EED))
+        """File window read by sample `global_index` of a single-file source."""
+        assert len(self.components) == 1, "window_of is defined for a single-file source"
+        return self.components[0][1].window_of(global_index)
+
+    def locate(self, global_index: int) -> tuple[int, int]:
+        """(component, that component's sample index) of a global sample index."""
+        return self.schedule.locate(global_index) if self.schedule is not None else (0, global_index)
 
     def sample(self, global_index: int) -> torch.Tensor:
         if global_index < 0:
@@ -131,16 +157,8 @@ class SampleSource:
         if self.kind == "synthetic":
             arr = self._synthetic.sample(global_index, self.seq_len + 1)
             return torch.from_numpy(arr)
-        assert self._tokens is not None and self.path is not None
-        start = self.window_of(global_index) * self.seq_len
-        window = np.asarray(self._tokens[start:start + self.seq_len + 1])
-        bad = np.flatnonzero(window >= self.vocab_size)
-        if bad.size:
-            off = start + int(bad[0])
-            raise DataError(
-                f"{self.path}: token {int(window[bad[0]])} at token offset {off} (byte offset "
-                f"{off * window.dtype.itemsize}) is outside the model vocabulary [0, {self.vocab_size}) "
-                f"(sample {global_index}; wrong token_dtype or a tokenizer larger than model.vocab_size?)")
+        comp, local = self.locate(global_index)
+        window = self.components[comp][1].read(local, self.vocab_size, global_index)
         return torch.from_numpy(window.astype(np.int64))
 
     def batch(self, indices: Sequence[int]) -> torch.Tensor:
@@ -148,6 +166,59 @@ class SampleSource:
         if not indices:
             return torch.empty((0, self.seq_len + 1), dtype=torch.long)
         return torch.stack([self.sample(i) for i in indices])
+
+    def position(self, cursor: DataCursor) -> dict[str, Any]:
+        """Epoch and sample counters at the cursor (stored in the checkpoint's client state)."""
+        n = cursor.next_sample
+        out: dict[str, Any] = {"samples_consumed": n, "samples_trained": n - cursor.skipped_below(n)}
+        if not self.components:
+            out["epoch"] = None
+            return out
+        used = self.schedule.consumed(n) if self.schedule is not None else [n]
+        comps = [{"name": name, "samples": u, "windows": w.num_windows, "epoch": u // w.num_windows}
+                 for (name, w), u in zip(self.components, used, strict=True)]
+        out["epoch"] = max(c["epoch"] for c in comps)
+        out["components"] = comps
+        return out
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the sample order depends on: a resume with a different fingerprint reads other data."""
+        return {"kind": self.kind, "seq_len": self.seq_len, "seed": self.seed,
+                "windows": [w.num_windows for _, w in self.components],
+                "weights": list(self.schedule.weights) if self.schedule is not None else None}
+
+
+def _check_tokenizer_file(path: str, vocab_size: int) -> None:
+    from .tokenizer import Tokenizer, TokenizerError, check_model_vocab
+
+    try:
+        check_model_vocab(Tokenizer.load(path, eos_token=None).vocab_size, vocab_size, where=f"data.tokenizer {path}")
+    except TokenizerError as exc:
+        raise DataError(str(exc)) from None
+
+
+def _open_indexed(prefix: str, vocab_size: int) -> IndexedDataset:
+    """Open and validate one indexed dataset; our preprocessing record (if any) must fit the model."""
+    from .preprocess import read_meta
+    from .tokenizer import TokenizerError, check_model_vocab
+
+    try:
+        ds = IndexedDataset(prefix)
+    except IndexedDatasetError as exc:
+        raise DataError(str(exc)) from None
+    meta = read_meta(prefix)
+    if meta is not None:
+        max_id = int(meta.get("max_token_id", -1))
+        if max_id >= vocab_size:
+            raise DataError(f"{prefix}: holds token id {max_id} (per {Path(prefix).name}.json) but "
+                            f"model.vocab_size={vocab_size}: ids must be < vocab_size")
+        tok_vocab = meta.get("stats", {}).get("vocab_size")
+        if tok_vocab:
+            try:
+                check_model_vocab(int(tok_vocab), vocab_size, where=f"the tokenizer {prefix} was preprocessed with")
+            except TokenizerError as exc:
+                raise DataError(str(exc)) from None
+    return ds
 
 
 def _open_token_file(path: Path, dtype: np.dtype, seq_len: int) -> np.ndarray:
@@ -184,12 +255,12 @@ class _SyntheticPatterns:
     def __init__(self, seed: int, vocab_size: int):
         self.seed = seed
         self.alphabet = min(vocab_size, 64)
-        rng = np.random.default_rng([seed & _MASK64, 0xD0])
+        rng = np.random.default_rng([seed & MASK64, 0xD0])
         self.motifs = [rng.integers(0, self.alphabet, size=int(rng.integers(3, 9)), dtype=np.int64)
                        for _ in range(self.NUM_MOTIFS)]
 
     def sample(self, index: int, length: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed & _MASK64, index, 0xDA7A])
+        rng = np.random.default_rng([self.seed & MASK64, index, 0xDA7A])
         family = rng.random()
         a = self.alphabet
         if family < 0.5:
@@ -243,6 +314,10 @@ class DataCursor:
     def add_skip(self, start: int, end: int) -> None:
         """Exclude [start, end) from training from now on (rollback-and-skip)."""
         self.skip_ranges = normalize_ranges([*self.skip_ranges, (start, end)])
+
+    def skipped_below(self, n: int) -> int:
+        """How many indices < n lie in skip ranges (consumed but never trained on)."""
+        return sum(max(0, min(end, n) - start) for start, end in self.skip_ranges if start < n)
 
     def is_skipped(self, index: int) -> bool:
         k = bisect.bisect_right(self.skip_ranges, (index, float("inf"))) - 1

@@ -194,9 +194,20 @@ class DeepSpeedSpec(_Section):
 
 
 # ----------------------------------------------------------------------------------------- data
+class BlendEntry(_Section):
+    path: str = Field(..., description="Indexed dataset prefix (PREFIX.bin + PREFIX.idx).")
+    weight: float = Field(..., gt=0, description="Relative share of the samples (any positive scale).")
+
+
 class DataSpec(_Section):
-    kind: Literal["synthetic", "text", "tokens"] = Field("synthetic", description="synthetic | byte-level text file | token memmap.")
-    path: str | None = Field(None, description="Text or token file (text/tokens kinds).")
+    kind: Literal["synthetic", "text", "tokens", "indexed"] = Field(
+        "synthetic", description="synthetic | byte-level text file | token memmap | Megatron .bin/.idx dataset(s).")
+    path: str | None = Field(None, description="Text or token file, or the indexed dataset prefix (indexed kind).")
+    blend: list[BlendEntry] = Field(default_factory=list,
+                                    description="indexed kind: weighted datasets instead of one path.")
+    tokenizer: str | None = Field(None, description="tokenizer.json the data was made with: its size is checked "
+                                                    "against model.vocab_size at start.")
+    prefetch: int = Field(2, ge=0, description="Optimizer steps of batches a background thread builds ahead; 0 = inline.")
     token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of a token file.")
     seed: int | None = Field(None, description="Order seed; default train.seed.")
     skip_ranges: list[tuple[int, int]] = Field(default_factory=list,
@@ -204,7 +215,11 @@ class DataSpec(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> DataSpec:
-        if self.kind != "synthetic" and not self.path:
+        if self.kind == "indexed" and bool(self.path) == bool(self.blend):
+            raise ValueError("data.kind='indexed' needs exactly one of data.path or data.blend")
+        if self.blend and self.kind != "indexed":
+            raise ValueError(f"data.blend is only for data.kind='indexed', not {self.kind!r}")
+        if self.kind not in ("synthetic", "indexed") and not self.path:
             raise ValueError(f"data.path is required when data.kind={self.kind!r}")
         for start, end in self.skip_ranges:
             if not 0 <= start < end:
@@ -396,6 +411,11 @@ def job_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
         spec.deepspeed.config_path = str((base_dir / spec.deepspeed.config_path).resolve())
     if base_dir is not None and spec.data.path and not Path(spec.data.path).is_absolute():
         spec.data.path = str((base_dir / spec.data.path).resolve())
+    if base_dir is not None and spec.data.tokenizer and not Path(spec.data.tokenizer).is_absolute():
+        spec.data.tokenizer = str((base_dir / spec.data.tokenizer).resolve())
+    for entry in spec.data.blend if base_dir is not None else []:
+        if not Path(entry.path).is_absolute():
+            entry.path = str((base_dir / entry.path).resolve())
     return spec
 
 

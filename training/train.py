@@ -23,9 +23,10 @@ import torch
 
 from . import checkpoint as ckpt
 from .control import ControlPoller, engine_clip, set_engine_clip
-from .data import DataCursor, SampleSource, batch_indices, slice_for_sp
+from .data import DataCursor, SampleSource, slice_for_sp
 from .ds_config import build_ds_config
 from .faults import FaultInjector
+from .loader import PrefetchLoader
 from .model import GPT
 from .spec import JobSpec, SpecError
 from .telemetry import TelemetryWriter, gather_step_stats, memory_gib
@@ -184,6 +185,7 @@ class Trainer:
         m = spec.resolved_model()
         self.source = SampleSource(spec.data, spec.train.seq_len, m.vocab_size, spec.train.seed)
         self.cursor = DataCursor(0, list(spec.data.skip_ranges))
+        self.loader: PrefetchLoader | None = None  # started at the first step, after a resume moved the cursor
 
     # --------------------------------------------------------------------------- telemetry
     def _event(self, name: str, **fields: Any) -> None:
@@ -252,6 +254,11 @@ class Trainer:
             raise CheckpointLoadError(f"DeepSpeed found no checkpoint {tag} in {self.ckpt_dir}")
         self.step = int(client["ulyssesd_step"])
         self.cursor.load_state_dict(client["data_cursor"])
+        saved_data = client.get("data_fingerprint")
+        if saved_data is not None and saved_data != self.source.fingerprint():
+            # Same sample indices, other data: the run goes on, but the order is not the one it had.
+            log.warning("data changed since checkpoint %s: %s -> %s", tag, saved_data, self.source.fingerprint())
+            self._event("data_changed", tag=tag, saved=saved_data, now=self.source.fingerprint())
         for start, end in self.spec.data.skip_ranges:  # ranges added by a later config version
             self.cursor.add_skip(start, end)
         rng = client.get("rng", {}).get(self.rank)
@@ -288,6 +295,7 @@ class Trainer:
         self.dist.barrier()
         self.faults.before_save(self.step, tag_dir)
         client = {"ulyssesd_step": self.step, "data_cursor": self.cursor.state_dict(),
+                  "data_position": self.source.position(self.cursor), "data_fingerprint": self.source.fingerprint(),
                   "config_version": self.config_version, "loss": self.last_loss,
                   "rng": {self.rank: _rng_state()}, "attempt": self.attempt}
         self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
@@ -409,13 +417,17 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.faults.before_step(step)
         t0 = time.perf_counter()
-        per_micro, samples = batch_indices(self.cursor, self.dp_rank, self.dp, tr.micro_batch_size,
-                                           tr.gradient_accumulation_steps)
+        if self.loader is None:
+            self.loader = PrefetchLoader(self.source, self.cursor, self.dp_rank, self.dp, tr.micro_batch_size,
+                                         tr.gradient_accumulation_steps, depth=self.spec.data.prefetch,
+                                         pin_memory=self.device.type == "cuda")
+        batches = self.loader.next(self.cursor)
+        samples, self._data_wait_s = batches.samples, batches.wait_s
         lr = self._set_lr(step)
         factor = self.faults.loss_factor(step)
         losses = []
-        for micro, indices in enumerate(per_micro):
-            tokens = self.source.batch(indices).to(self.device, non_blocking=True)
+        for micro, host_tokens in enumerate(batches.micro):
+            tokens = host_tokens.to(self.device, non_blocking=True)
             inputs, labels, positions = slice_for_sp(tokens, self.sp_rank, self.sp)
             loss = eng(inputs, positions, labels)
             if factor != 1.0:
@@ -424,7 +436,7 @@ class Trainer:
             losses.append(loss.detach().float())
             # DeepSpeed counts micro-steps inside step(): it must be called after every backward and only
             # applies the optimizer at the accumulation boundary (the final call below).
-            if micro < len(per_micro) - 1:
+            if micro < len(batches.micro) - 1:
                 eng.step()
         if step == 1 and os.environ.get(DUMP_GRADS_ENV):
             self._dump_grads(Path(os.environ[DUMP_GRADS_ENV]))
@@ -451,7 +463,7 @@ class Trainer:
             step_time_s=round(step_time, 6), tokens=tokens,
             tokens_per_s=round(tokens / max(stats.step_time_max_s, 1e-9), 3),
             mem_allocated_gib=round(alloc, 4), mem_reserved_gib=round(reserved, 4),
-            clip=engine_clip(eng), samples=list(samples))
+            clip=engine_clip(eng), samples=list(samples), data_wait_s=round(self._data_wait_s, 6))
         if self.spec.telemetry.gather_per_rank:
             rec.update(step_time_max_s=round(stats.step_time_max_s, 6), slowest_rank=stats.slowest_rank,
                        mem_max_allocated_gib=round(stats.mem_max_allocated_gib, 4), mem_max_rank=stats.mem_max_rank)

@@ -1,0 +1,454 @@
+"""`ulysses-preprocess`: JSONL / Parquet / text -> a Megatron-compatible indexed dataset (.bin + .idx).
+
+    ulysses-preprocess --tokenizer tokenizer.json --output-prefix data/corpus IN.jsonl [IN2.parquet a.txt ...]
+                       [--text-key text] [--text-unit file|line] [--workers 2] [--skip-empty]
+                       [--no-eos] [--bos] [--chunk-mb 16]
+    ulysses-preprocess --train-tokenizer OUT/tokenizer.json --vocab-size 4096 IN... [...]   (then encodes)
+
+Input kind by suffix: `.jsonl`/`.json` (one JSON object per line, text under --text-key), `.parquet` (column
+--text-key; needs pyarrow: `pip install 'ulyssesd[parquet]'`), anything else is UTF-8 text (one document per
+file, or per line with --text-unit line). Each document gets EOS appended (documents are EOS-separated
+in the packed stream); an empty document is an error naming its file and line unless --skip-empty.
+
+Resumable and idempotent: the work is split into units (a byte range of a JSONL/text file, a Parquet row
+group, a whole text file), each written as its own part under `<prefix>.parts-<job>/` (rename-on-complete),
+then merged. `<prefix>.json` is written last and records the inputs' fingerprint: a re-run with the same
+inputs, tokenizer and options sees it and does nothing; an interrupted run resumes at the first missing
+part; a `.bin`/`.idx` without a matching `<prefix>.json` is never taken for complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetError,
+    IndexedDatasetWriter,
+    paths_of,
+    token_dtype_for_vocab,
+)
+from .tokenizer import DEFAULT_EOS, Tokenizer, TokenizerError, train_bpe
+
+FORMAT = "ulyssesd-preprocess/1"
+_ENCODE_BATCH = 256  # documents per encode_batch call
+
+
+class PreprocessError(ValueError):
+    """Bad input (unreadable, malformed JSON, empty document, missing key) or bad options."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What changes the output besides the inputs themselves (part of the job fingerprint)."""
+
+    text_key: str = "text"  # JSON field / Parquet column holding the document text
+    text_unit: str = "file"  # plain text: one document per "file" or per "line"
+    append_eos: bool = True  # append the tokenizer's EOS after every document
+    prepend_bos: bool = False  # prepend the tokenizer's BOS before every document
+    skip_empty: bool = False  # drop empty documents (counted) instead of failing
+    eos_token: str = DEFAULT_EOS  # name of the EOS special token in the tokenizer
+    bos_token: str | None = None  # name of the BOS special token, if any
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One independent piece of work: part `index` of the output."""
+
+    index: int
+    path: str
+    kind: str  # jsonl | text-lines | text-file | parquet
+    start: int  # byte offset (jsonl, text-lines) or row group (parquet)
+    end: int  # byte offset end (exclusive) or row group + 1
+    nbytes: int  # input bytes it covers (progress and throughput)
+
+
+@dataclass
+class Stats:
+    """What a preprocessing run produced."""
+
+    documents: int
+    tokens: int
+    skipped_empty: int
+    input_bytes: int
+    seconds: float
+    dtype: str
+    vocab_size: int
+    output_prefix: str
+    reused_parts: int = 0
+    already_complete: bool = False
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.input_bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+def _kind_of(path: Path, text_unit: str) -> str:
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        return "jsonl"
+    if suffix == ".parquet":
+        return "parquet"
+    return "text-lines" if text_unit == "line" else "text-file"
+
+
+def _require_pyarrow():
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PreprocessError("reading .parquet input needs pyarrow: pip install 'ulyssesd[parquet]' "
+                              "(or pyarrow)") from None
+    return pq
+
+
+def plan_units(inputs: list[Path], text_unit: str, chunk_bytes: int) -> list[Unit]:
+    """Split the inputs into units; a pure function of the inputs' sizes and contents at line boundaries."""
+    units: list[Unit] = []
+    for path in inputs:
+        if not path.is_file():
+            raise PreprocessError(f"input file not found: {path}")
+        kind = _kind_of(path, text_unit)
+        size = path.stat().st_size
+        if kind == "parquet":
+            meta = _require_pyarrow().ParquetFile(path).metadata
+            for rg in range(meta.num_row_groups):
+                nbytes = meta.row_group(rg).total_byte_size
+                units.append(Unit(len(units), str(path), kind, rg, rg + 1, nbytes))
+        elif kind == "text-file":
+            units.append(Unit(len(units), str(path), kind, 0, size, size))
+        else:
+            with path.open("rb") as fh:
+                start = 0
+                while start < size:
+                    fh.seek(min(start + chunk_bytes, size))
+                    fh.readline()  # extend to the end of the line the chunk boundary falls in
+                    end = min(fh.tell(), size) if start + chunk_bytes < size else size
+                    units.append(Unit(len(units), str(path), kind, start, end, end - start))
+                    start = end
+    return units
+
+
+def _line_number(path: str, byte_offset: int) -> int:
+    with open(path, "rb") as fh:
+        return fh.read(byte_offset).count(b"\n") + 1
+
+
+def _documents(unit: Unit, opts: Options) -> Iterator[tuple[str, Any]]:
+    """(text, location) for every document of the unit; `describe(unit, location)` names it for errors."""
+    if unit.kind == "text-file":
+        try:
+            yield Path(unit.path).read_text(encoding="utf-8"), None
+        except UnicodeDecodeError as exc:
+            raise PreprocessError(f"{unit.path}: not UTF-8 text ({exc})") from None
+        return
+    if unit.kind == "parquet":
+        table = _require_pyarrow().ParquetFile(unit.path).read_row_group(unit.start)
+        if opts.text_key not in table.column_names:
+            raise PreprocessError(f"{unit.path}: no column {opts.text_key!r} (columns: {table.column_names}); "
+                                  f"pass --text-key")
+        for row, value in enumerate(table.column(opts.text_key).to_pylist()):
+            if not isinstance(value, str) and value is not None:
+                raise PreprocessError(f"{describe(unit, row)}: column {opts.text_key!r} is "
+                                      f"{type(value).__name__}, not a string")
+            yield value or "", row
+        return
+    with open(unit.path, "rb") as fh:
+        fh.seek(unit.start)
+        data = fh.read(unit.end - unit.start)
+    offset = unit.start
+    for raw in data.splitlines(keepends=True):
+        line_start, offset = offset, offset + len(raw)
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PreprocessError(f"{describe(unit, line_start)}: not UTF-8 ({exc})") from None
+        if unit.kind == "text-lines":
+            yield line.rstrip("\r\n"), line_start
+            continue
+        if not line.strip():
+            continue  # blank line between JSON records
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PreprocessError(f"{describe(unit, line_start)}: not valid JSON ({exc.msg} at column "
+                                  f"{exc.colno})") from None
+        if not isinstance(obj, dict) or opts.text_key not in obj:
+            keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise PreprocessError(f"{describe(unit, line_start)}: no key {opts.text_key!r} (has {keys}); "
+                                  f"pass --text-key")
+        value = obj[opts.text_key]
+        if not isinstance(value, str):
+            raise PreprocessError(f"{describe(unit, line_start)}: {opts.text_key!r} is {type(value).__name__}, "
+                                  f"not a string")
+        yield value, line_start
+
+
+def describe(unit: Unit, location: Any) -> str:
+    """Where a document is, for error messages: `file:line`, a Parquet row, or the text file."""
+    if unit.kind == "parquet":
+        return f"{unit.path} row group {unit.start} row {location}"
+    if location is None:
+        return unit.path
+    return f"{unit.path}:{_line_number(unit.path, location)}"
+
+
+# ------------------------------------------------------------------------------------ workers
+_worker_tok: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_path: str, eos: str, bos: str | None) -> None:
+    global _worker_tok
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _worker_tok = Tokenizer.load(tokenizer_path, eos_token=eos, bos_token=bos)
+
+
+def _part_prefix(parts_dir: Path, index: int) -> Path:
+    return parts_dir / f"part-{index:06d}"
+
+
+def run_unit(unit: Unit, opts: Options, parts_dir: str, dtype_str: str) -> tuple[int, int, int, int]:
+    """Encode one unit into its part; returns (index, documents, tokens, skipped_empty)."""
+    tok = _worker_tok
+    assert tok is not None, "worker not initialised"
+    docs = skipped = 0
+    prefix = _part_prefix(Path(parts_dir), unit.index)
+    with IndexedDatasetWriter(prefix, np.dtype(dtype_str)) as writer:
+        batch: list[str] = []
+
+        def flush() -> None:
+            for ids in tok.encode_documents(batch, opts.append_eos, opts.prepend_bos):
+                writer.add_document(ids)
+            batch.clear()
+
+        for text, location in _documents(unit, opts):
+            if not text.strip():
+                if opts.skip_empty:
+                    skipped += 1
+                    continue
+                raise PreprocessError(f"{describe(unit, location)}: empty document (pass --skip-empty to drop "
+                                      f"empty documents)")
+            batch.append(text)
+            docs += 1
+            if len(batch) >= _ENCODE_BATCH:
+                flush()
+        if batch:
+            flush()
+        tokens = writer.tokens  # an all-empty unit still gets a (zero-document) part: a resume sees it done
+    return unit.index, docs, tokens, skipped
+
+
+# --------------------------------------------------------------------------------------- driver
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def fingerprint(inputs: list[Path], tokenizer_path: Path, opts: Options, chunk_bytes: int) -> dict[str, Any]:
+    """Everything the output depends on; equal fingerprints mean equal outputs."""
+    files = []
+    for p in inputs:
+        st = p.stat()
+        files.append({"path": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return {"format": FORMAT, "inputs": files, "tokenizer_sha256": _sha256(tokenizer_path),
+            "options": asdict(opts), "chunk_bytes": chunk_bytes}
+
+
+def meta_path(prefix: str | Path) -> Path:
+    return paths_of(prefix)[0].with_suffix(".json")
+
+
+def read_meta(prefix: str | Path) -> dict[str, Any] | None:
+    """The completion record of a dataset this tool wrote, or None (foreign or incomplete dataset)."""
+    p = meta_path(prefix)
+    try:
+        return json.loads(p.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _progress(enabled: bool, total: int):
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    prog = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), TimeRemainingColumn(), transient=False)
+    prog.start()
+    prog.add_task("tokenizing", total=total)
+    return prog
+
+
+def preprocess(inputs: list[str | Path], tokenizer_path: str | Path, output_prefix: str | Path,
+               opts: Options | None = None, workers: int = 1, chunk_bytes: int = 16 << 20,
+               progress: bool = False) -> Stats:
+    """Tokenize `inputs` into `<output_prefix>.bin/.idx` (+ `.json`); resumes and skips finished work."""
+    opts = opts or Options()
+    paths = [Path(p) for p in inputs]
+    if not paths:
+        raise PreprocessError("no input files")
+    if workers < 1:
+        raise PreprocessError(f"--workers must be >= 1, got {workers}")
+    if chunk_bytes < 1:
+        raise PreprocessError(f"chunk size must be >= 1 byte, got {chunk_bytes}")
+    tok_path = Path(tokenizer_path)
+    tok = Tokenizer.load(tok_path, eos_token=opts.eos_token if opts.append_eos else None,
+                         bos_token=opts.bos_token if opts.prepend_bos else None)
+    for p in paths:
+        if not p.is_file():
+            raise PreprocessError(f"input file not found: {p}")
+    dtype = token_dtype_for_vocab(tok.vocab_size)
+    fp = fingerprint(paths, tok_path, opts, chunk_bytes)
+    job = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+    bin_path, idx_path = paths_of(output_prefix)
+    meta = read_meta(output_prefix)
+    if meta and meta.get("fingerprint") == fp and bin_path.is_file() and idx_path.is_file():
+        IndexedDataset(output_prefix)  # still consistent on disk
+        s = meta["stats"]
+        return Stats(**{**s, "already_complete": True, "reused_parts": 0})
+    meta_path(output_prefix).unlink(missing_ok=True)  # from now on the old output is not complete
+    parts_dir = bin_path.with_name(f"{bin_path.stem}.parts-{job}")
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    units = plan_units(paths, opts.text_unit, chunk_bytes)
+    t0 = time.perf_counter()
+    done: dict[int, tuple[int, int, int]] = {}
+    done_file = parts_dir / "done.jsonl"
+    if done_file.is_file():
+        for line in done_file.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash: that unit is simply redone
+            if paths_of(_part_prefix(parts_dir, rec["index"]))[1].is_file():
+                done[rec["index"]] = (rec["documents"], rec["tokens"], rec["skipped"])
+    reused = len(done)
+    todo = [u for u in units if u.index not in done]
+    prog = _progress(progress, sum(u.nbytes for u in units))
+    if prog is not None:
+        prog.update(0, completed=sum(u.nbytes for u in units if u.index in done))
+    try:
+        with done_file.open("a") as log:
+            def record(res: tuple[int, int, int, int]) -> None:
+                index, docs, tokens, skipped = res
+                done[index] = (docs, tokens, skipped)
+                log.write(json.dumps({"index": index, "documents": docs, "tokens": tokens, "skipped": skipped}) + "\n")
+                log.flush()
+                if prog is not None:
+                    prog.update(0, advance=units[index].nbytes)
+
+            if workers == 1 or len(todo) <= 1:
+                _init_worker(str(tok_path), opts.eos_token, opts.bos_token if opts.prepend_bos else None)
+                for u in todo:
+                    record(run_unit(u, opts, str(parts_dir), dtype.str))
+            else:
+                import multiprocessing as mp
+
+                ctx = mp.get_context("spawn")  # no fork of a process that may hold tokenizer threads
+                with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                         initargs=(str(tok_path), opts.eos_token,
+                                                   opts.bos_token if opts.prepend_bos else None)) as pool:
+                    futures = [pool.submit(run_unit, u, opts, str(parts_dir), dtype.str) for u in todo]
+                    try:
+                        for fut in as_completed(futures):
+                            record(fut.result())
+                    except BaseException:
+                        for f in futures:
+                            f.cancel()
+                        raise
+    finally:
+        if prog is not None:
+            prog.stop()
+    with IndexedDatasetWriter(output_prefix, dtype) as writer:
+        for u in units:
+            if done[u.index][0]:
+                writer.add_dataset(_part_prefix(parts_dir, u.index))
+    docs = sum(d for d, _, _ in done.values())
+    tokens = sum(t for _, t, _ in done.values())
+    skipped = sum(s for _, _, s in done.values())
+    stats = Stats(documents=docs, tokens=tokens, skipped_empty=skipped, input_bytes=sum(u.nbytes for u in units),
+                  seconds=time.perf_counter() - t0, dtype=dtype.name, vocab_size=tok.vocab_size,
+                  output_prefix=str(output_prefix), reused_parts=reused)
+    if docs == 0:
+        raise PreprocessError("the inputs hold no (non-empty) documents")
+    ds = IndexedDataset(output_prefix)
+    max_id = int(ds.tokens.max()) if ds.num_tokens else -1
+    record_ = {"fingerprint": fp, "stats": {k: v for k, v in asdict(stats).items()
+                                            if k not in ("reused_parts", "already_complete")},
+               "max_token_id": max_id, "eos_id": tok.eos_id, "bos_id": tok.bos_id}
+    tmp = meta_path(output_prefix).with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record_, indent=2, sort_keys=True))
+    os.replace(tmp, meta_path(output_prefix))  # last: the dataset is complete from here on
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    return stats
+
+
+def _iter_texts(paths: list[Path], opts: Options) -> Iterator[str]:
+    for u in plan_units(paths, opts.text_unit, 64 << 20):
+        for text, _ in _documents(u, opts):
+            if text.strip():
+                yield text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ulysses-preprocess", description="Tokenize JSONL/Parquet/text into a "
+                                 "Megatron-compatible indexed dataset (.bin + .idx) for data.kind='indexed'.")
+    ap.add_argument("inputs", nargs="+", type=Path, help="input files (.jsonl/.json, .parquet, else UTF-8 text)")
+    ap.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx and PREFIX.json")
+    tk = ap.add_mutually_exclusive_group(required=True)
+    tk.add_argument("--tokenizer", type=Path, help="tokenizer.json (Hugging Face tokenizers) or its folder")
+    tk.add_argument("--train-tokenizer", type=Path, metavar="OUT.json",
+                    help="first train a byte-level BPE on the inputs and save it here (then encode with it)")
+    ap.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of --train-tokenizer (default 4096)")
+    ap.add_argument("--text-key", default="text", help="JSON key / Parquet column of the text (default text)")
+    ap.add_argument("--text-unit", choices=["file", "line"], default="file",
+                    help="plain-text inputs: one document per file (default) or per line")
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes (default 2)")
+    ap.add_argument("--chunk-mb", type=float, default=16.0, help="JSONL/line-text work unit size in MB (default 16)")
+    ap.add_argument("--skip-empty", action="store_true", help="drop empty documents instead of failing")
+    ap.add_argument("--no-eos", action="store_true", help="do not append EOS after each document")
+    ap.add_argument("--eos-token", default=DEFAULT_EOS, help=f"EOS special token (default {DEFAULT_EOS})")
+    ap.add_argument("--bos-token", help="prepend this BOS special token to each document")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    opts = Options(text_key=args.text_key, text_unit=args.text_unit, append_eos=not args.no_eos,
+                   prepend_bos=args.bos_token is not None, skip_empty=args.skip_empty, eos_token=args.eos_token,
+                   bos_token=args.bos_token)
+    try:
+        tok_path = args.tokenizer
+        if args.train_tokenizer is not None:
+            tok_path = args.train_tokenizer
+            if not tok_path.is_file():
+                trained = train_bpe(_iter_texts(args.inputs, opts), args.vocab_size, special_tokens=[args.eos_token])
+                trained.save(tok_path)
+                print(f"trained a {trained.vocab_size}-id BPE tokenizer -> {tok_path}")
+            else:
+                print(f"tokenizer {tok_path} exists; reusing it")
+        stats = preprocess(args.inputs, tok_path, args.output_prefix, opts, workers=args.workers,
+                           chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))),
+                           progress=not args.no_progress and sys.stderr.isatty())
+    except (PreprocessError, TokenizerError, IndexedDatasetError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if stats.already_complete:
+        print(f"{stats.output_prefix}: already complete for these inputs, tokenizer and options; nothing to do")
+    else:
+        print(f"wrote {stats.documents} documents, {stats.tokens} tokens ({stats.dtype}) to {stats.output_prefix}"
+              f".bin/.idx in {stats.seconds:.2f} s ({stats.mb_per_s:.2f} MB/s of input; {stats.reused_parts} "
+              f"parts reused, {stats.skipped_empty} empty documents skipped)")
+    print(f"config: [data] kind = \"indexed\", path = \"{stats.output_prefix}\"; model.vocab_size >= {stats.vocab_size}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
