@@ -278,6 +278,15 @@ def read_meta(prefix: str | Path) -> dict[str, Any] | None:
         return None
 
 
+def _intact(prefix: str | Path, meta: dict[str, Any]) -> bool:
+    """The finished dataset is still on disk as recorded (a damaged one is rebuilt, not trusted)."""
+    try:
+        ds = IndexedDataset(prefix)
+    except IndexedDatasetError:
+        return False
+    return ds.num_tokens == meta["stats"]["tokens"] and ds.num_documents == meta["stats"]["documents"]
+
+
 def _progress(enabled: bool, total: int):
     if not enabled:
         return None
@@ -311,12 +320,10 @@ def preprocess(inputs: list[str | Path], tokenizer_path: str | Path, output_pref
     dtype = token_dtype_for_vocab(tok.vocab_size)
     fp = fingerprint(paths, tok_path, opts, chunk_bytes)
     job = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
-    bin_path, idx_path = paths_of(output_prefix)
+    bin_path = paths_of(output_prefix)[0]
     meta = read_meta(output_prefix)
-    if meta and meta.get("fingerprint") == fp and bin_path.is_file() and idx_path.is_file():
-        IndexedDataset(output_prefix)  # still consistent on disk
-        s = meta["stats"]
-        return Stats(**{**s, "already_complete": True, "reused_parts": 0})
+    if meta and meta.get("fingerprint") == fp and _intact(output_prefix, meta):
+        return Stats(**{**meta["stats"], "already_complete": True, "reused_parts": 0})
     meta_path(output_prefix).unlink(missing_ok=True)  # from now on the old output is not complete
     parts_dir = bin_path.with_name(f"{bin_path.stem}.parts-{job}")
     parts_dir.mkdir(parents=True, exist_ok=True)
