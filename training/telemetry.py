@@ -1,149 +1,35 @@
-"""Telemetry contract (DESIGN.md): rank 0 appends JSON lines to `{run_dir}/telemetry.jsonl`.
+"""Telemetry of the built-in job: rank 0 appends JSON lines to `{run_dir}/telemetry.jsonl` (docs/CONTRACTS.md).
 
-- `TelemetryWriter`: v=1 records, flushed per record, non-finite floats written as "nan"/"inf"/"-inf".
+- `TelemetryWriter`: the client's `Reporter` in synchronous mode (each record written and flushed on the
+  caller's thread, events fsynced): the built-in job injects faults that kill the process right after their
+  event, which a queued record would not survive. Encoding and validation are the client's
+  (`ulyssesd.client.contract`): one implementation for the built-in job and users' jobs.
 - `gather_step_stats`: ONE all_gather per step of a small float vector per rank, from which every rank
   learns the mean loss, the max step time / memory and which rank had them, and whether any rank wants
   to stop (SIGTERM seen) - so a slow or bloated rank anywhere shows in rank 0's stream.
-- `validate_record`: the contract as a function the daemon and tests reuse.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-SCHEMA_VERSION = 1
-EVENTS = ("started", "checkpoint_saving", "checkpoint_saved", "checkpoint_loaded", "checkpoint_invalid",
-          "control_applied", "fault_injected", "exiting")
-EXIT_REASONS = ("completed", "sigterm", "error")
+from ulyssesd.client.contract import EVENTS, EXIT_REASONS, SCHEMA_VERSION, encode_record, validate_record
+from ulyssesd.client.reporter import Reporter, ReporterConfig
+
+__all__ = ["EVENTS", "EXIT_REASONS", "SCHEMA_VERSION", "StepStats", "TelemetryWriter", "encode_record",
+           "gather_step_stats", "memory_gib", "validate_record"]
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return value
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, torch.Tensor):
-        return _jsonable(value.item() if value.numel() == 1 else value.tolist())
-    return value
-
-
-def encode_record(record: dict[str, Any]) -> str:
-    return json.dumps(_jsonable(record), allow_nan=False, separators=(",", ":"))
-
-
-class TelemetryWriter:
-    """Append-only JSONL writer; a no-op on ranks other than 0."""
+class TelemetryWriter(Reporter):
+    """Append-only JSONL writer; a no-op on ranks other than 0 (`enabled=False`)."""
 
     def __init__(self, path: str | Path | None, attempt: int, config_version: int | None, enabled: bool = True):
-        self.attempt = attempt
-        self.config_version = config_version
-        self._fh = None
-        if enabled and path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the job
-
-    def _write(self, record: dict[str, Any]) -> None:
-        if self._fh is None:
-            return
-        self._fh.write(encode_record(record) + "\n")
-        self._fh.flush()  # the daemon tails this file; a record must never sit in a buffer
-        if record.get("kind") == "event":
-            os.fsync(self._fh.fileno())  # events (exiting, checkpoint_saved) must survive a host crash
-
-    def step(self, step: int, loss: float, **fields: Any) -> None:
-        self._write({"v": SCHEMA_VERSION, "kind": "step", "time": time.time(), "attempt": self.attempt,
-                     "step": step, "loss": loss, "config_version": self.config_version, **fields})
-
-    def event(self, event: str, step: int | None, **fields: Any) -> None:
-        self._write({"v": SCHEMA_VERSION, "kind": "event", "time": time.time(), "attempt": self.attempt,
-                     "step": step, "event": event, **fields})
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-
-# ------------------------------------------------------------------------------------ validation
-_NUM = (int, float)
-_STEP_FIELDS: dict[str, tuple[type, ...]] = {
-    "grad_norm": _NUM, "lr": _NUM, "loss_scale": _NUM, "skipped": (bool,), "step_time_s": _NUM,
-    "step_time_max_s": _NUM, "slowest_rank": (int,), "tokens": (int,), "tokens_per_s": _NUM,
-    "mem_allocated_gib": _NUM, "mem_max_allocated_gib": _NUM, "mem_max_rank": (int,), "mem_reserved_gib": _NUM,
-    "config_version": (int,), "samples": (list,),
-}
-_NONFINITE = ("nan", "inf", "-inf")
-
-
-def _is_number(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, _NUM) or value in _NONFINITE
-
-
-def validate_record(rec: Any) -> list[str]:
-    """Problems of one decoded telemetry record against the contract; [] when it conforms."""
-    if not isinstance(rec, dict):
-        return [f"record is {type(rec).__name__}, not an object"]
-    problems = []
-    if rec.get("v") != SCHEMA_VERSION:
-        problems.append(f"v={rec.get('v')!r}: expected {SCHEMA_VERSION}")
-    kind = rec.get("kind")
-    if kind not in ("step", "event"):
-        problems.append(f"kind={kind!r}: expected 'step' or 'event'")
-    if "time" in rec and not _is_number(rec["time"]):
-        problems.append(f"time={rec['time']!r}: expected a number")
-    if "attempt" in rec and not (isinstance(rec["attempt"], int) and not isinstance(rec["attempt"], bool)):
-        problems.append(f"attempt={rec['attempt']!r}: expected an integer")
-    step = rec.get("step")
-    if kind == "step":
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            problems.append(f"step={step!r}: expected a non-negative integer")
-        if "loss" not in rec or not _is_number(rec["loss"]):
-            problems.append(f"loss={rec.get('loss')!r}: expected a number or 'nan'/'inf'/'-inf'")
-        for key, types in _STEP_FIELDS.items():
-            value = rec.get(key)
-            if value is None:
-                continue
-            if types == _NUM:
-                if not _is_number(value):
-                    problems.append(f"{key}={value!r}: expected a number")
-            elif not isinstance(value, types) or (types == (int,) and isinstance(value, bool)):
-                problems.append(f"{key}={value!r}: expected {types[0].__name__}")
-        samples = rec.get("samples")
-        if samples is not None and not (len(samples) == 2 and all(isinstance(x, int) for x in samples)
-                                        and samples[0] <= samples[1]):
-            problems.append(f"samples={samples!r}: expected [start, end) integers")
-    elif kind == "event":
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-            problems.append(f"step={step!r}: expected an integer or null")
-        event = rec.get("event")
-        if not isinstance(event, str) or not event:
-            problems.append(f"event={event!r}: expected a non-empty string")
-        elif event in ("checkpoint_saving", "checkpoint_saved", "checkpoint_loaded", "checkpoint_invalid") \
-                and not isinstance(rec.get("tag"), str):
-            problems.append(f"event {event} needs a string tag, got {rec.get('tag')!r}")
-        elif event == "exiting" and rec.get("reason") not in EXIT_REASONS:
-            problems.append(f"exiting reason={rec.get('reason')!r}: expected one of {EXIT_REASONS}")
-        elif event == "control_applied" and not isinstance(rec.get("control_version"), int):
-            problems.append(f"control_applied needs an integer control_version, got {rec.get('control_version')!r}")
-        elif event == "fault_injected" and not isinstance(rec.get("fault"), str):
-            problems.append(f"fault_injected needs a string fault kind, got {rec.get('fault')!r}")
-    return problems
+        super().__init__(path, attempt=attempt, config_version=config_version,
+                         rank=0 if enabled and path is not None else 1,
+                         config=ReporterConfig(synchronous=True))
 
 
 # ---------------------------------------------------------------------------------- per-rank stats
