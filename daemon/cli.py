@@ -6,7 +6,10 @@
 Exit codes of `run`: 0 the run COMPLETED or was STOPPED, or the daemon detached on SIGTERM (the job keeps
 running and the next daemon re-adopts it); 2 invalid spec / bad arguments; 10 the run ended FAILED (the
 systemd unit lists 10 in RestartPreventExitStatus, so a failed run is not restarted into a new one);
-11 preflight refused the run; 12 another daemon already serves this state dir.
+11 preflight refused the run; 12 another daemon already supervises this state dir or this run (its lock
+file, `{state_dir}/ulyssesd.lock` or `{run_dir}/supervisor.lock`, names its pid), or owns the socket;
+13 the state dir needs an operator (run directories the database does not know; see the message).
+All of 2, 10-13 are in the unit's RestartPreventExitStatus: restarting cannot help.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from ulyssesd.daemon.logging import configure_logging, get_logger
 
 DAEMON_INFO = "ulyssesd.daemon.json"
 
-EXIT_OK, EXIT_SPEC, EXIT_FAILED, EXIT_PREFLIGHT, EXIT_BUSY = 0, 2, 10, 11, 12
+EXIT_OK, EXIT_SPEC, EXIT_FAILED, EXIT_PREFLIGHT, EXIT_BUSY, EXIT_STATE_DIR = 0, 2, 10, 11, 12, 13
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,12 +76,21 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
     if problem:
         print(f"ulyssesd: {problem}; nothing was started or changed", file=sys.stderr)
         return EXIT_SPEC
-    state = Path(spec.daemon.state_dir)
-    state.mkdir(parents=True, exist_ok=True)
+    from ulyssesd.daemon.locks import InstanceLocks, LockHeld
+    from ulyssesd.daemon.store.permissions import private_dir
+
+    state = private_dir(spec.daemon.state_dir)
+    locks = InstanceLocks(state, {"state_dir": str(state), "socket": str(spec.daemon.resolved_socket_path())})
+    try:
+        locks.lock_state_dir()  # before anything else is touched; held until this process ends
+    except LockHeld as exc:
+        print(f"ulyssesd: {exc}", file=sys.stderr)
+        return EXIT_BUSY
     if preflight and spec.daemon.preflight:
         verdict = _preflight(spec)
         if verdict is not None:
             print(f"ulyssesd: preflight refused the run: {verdict}\n(use --no-preflight to override)", file=sys.stderr)
+            locks.release()
             return EXIT_PREFLIGHT
 
     from ulyssesd.daemon.control_socket import ControlServer, ControlSocketError
@@ -86,10 +98,23 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
     from ulyssesd.daemon.process import RealOS
     from ulyssesd.daemon.scheduler import LoopScheduler
     from ulyssesd.daemon.sdnotify import SdNotifier
-    from ulyssesd.daemon.store import open_store
+    from ulyssesd.daemon.store.recovery import (
+        BACKUP_DIR_NAME,
+        UnknownRunDirs,
+        open_daemon_store,
+        write_backup,
+    )
     from ulyssesd.daemon.supervisor import Supervisor
 
-    store = open_store(spec.daemon.resolved_db_path())
+    say = say or (lambda m: log.info("event", msg=m))
+    from ulyssesd.daemon.store.errors import StoreError
+
+    try:
+        store = open_daemon_store(spec.daemon.resolved_db_path(), state, spec_source=spec.source, say=say).store
+    except (StoreError, OSError) as exc:  # e.g. the database is not readable by this uid
+        print(f"ulyssesd: cannot open the store {spec.daemon.resolved_db_path()}: {exc}", file=sys.stderr)
+        locks.release()
+        return EXIT_STATE_DIR
     notifier = SdNotifier()
     metrics = Metrics(spec.daemon.prometheus_port)
     metrics.start()
@@ -99,12 +124,14 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
 
         alerts = AlertSender(AlertConfig(url=spec.daemon.webhook_url))
     sup = Supervisor(spec, store, os_ or RealOS(), run_id=run_id, notifier=notifier, scheduler=LoopScheduler(),
-                     say=say or (lambda m: log.info("event", msg=m)), metrics=metrics, alerts=alerts)
+                     say=say, metrics=metrics, alerts=alerts, run_lock=locks.lock_run)
     try:
         group = spec.daemon.socket_group if spec.daemon.socket_group is not None else "ulyssesd"
         server = ControlServer(spec.daemon.resolved_socket_path(), sup.handle_command, group=group)
     except ControlSocketError as exc:
         print(f"ulyssesd: {exc}", file=sys.stderr)
+        store.close()
+        locks.release()
         return EXIT_BUSY
     # Signal handlers only enqueue (and wake the poll); the loop does the work.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -117,6 +144,12 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
     try:
         try:
             sup.start()
+        except LockHeld as exc:  # another daemon supervises this run (other state dir or socket path)
+            print(f"ulyssesd: {exc}", file=sys.stderr)
+            return EXIT_BUSY
+        except UnknownRunDirs as exc:
+            print(f"ulyssesd: {exc}", file=sys.stderr)
+            return EXIT_STATE_DIR
         except RuntimeError as exc:  # e.g. --run-id of a run that already ended
             print(f"ulyssesd: {exc}", file=sys.stderr)
             return EXIT_SPEC
@@ -136,7 +169,13 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
         if alerts is not None:
             alerts.close()
         notifier.stopping("ulyssesd exiting")
+        if sup.run_id and store.file_problem() is None:  # the clean-shutdown backup (never of a lost file)
+            try:
+                write_backup(store, state / BACKUP_DIR_NAME, keep=spec.daemon.backups_keep)
+            except Exception as exc:  # noqa: BLE001 - a failed backup must not turn an exit into a crash
+                log.warning("shutdown backup failed", error=repr(exc))
         store.close()
+        locks.release()
     log.info("daemon exiting", run_id=sup.run_id, state=final.value, detached=sup.detach)
     if sup.detach:
         return EXIT_OK

@@ -103,6 +103,8 @@ class DaemonSection(_Section):
     early_death_s: float = Field(30.0, ge=0, description="An attempt that dies sooner than this without progress counts as a start failure.")
     status_every_s: float = Field(300.0, gt=0, description="Period of the status summary log line (scheduler job).")
     maintenance_every_s: float = Field(3600.0, gt=0, description="Period of store maintenance (WAL checkpoint, vacuum).")
+    backup_every_s: float = Field(900.0, gt=0, description="Period of the store's online backup into {state_dir}/backups (and one at clean shutdown).")
+    backups_keep: int = Field(4, ge=1, le=100, description="Newest store backups kept in {state_dir}/backups.")
     retention_every_s: float = Field(60.0, gt=0, description="Period of checkpoint retention + disk guard.")
     min_free_gib: float = Field(5.0, ge=0, description="Disk guard: prune old checkpoints when free space falls below this.")
     verify_max_gib: float = Field(4.0, ge=0, description="Before a relaunch the daemon sha256-checks tags up to this size (larger: sizes only; the job verifies checksums itself) so the loop never blocks for long.")

@@ -48,6 +48,8 @@ from ulyssesd.daemon.spec import RunSpec
 from ulyssesd.daemon.states import LIVE_JOB_STATES, TERMINAL, check_transition
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.daemon.store.errors import NotFoundError
+from ulyssesd.daemon.store.permissions import private_dir
+from ulyssesd.daemon.store.recovery import refuse_unknown_run_dirs
 from ulyssesd.daemon.telemetry_reader import Cursor, TelemetryReader
 from ulyssesd.daemon.termination import STACKS_MAX_BYTES as STACKS_MAX_BYTES  # re-exported (moved)
 from ulyssesd.daemon.termination import Termination
@@ -74,8 +76,12 @@ class Supervisor:
                  engine_factory: Callable[[RunSpec, dict], Any] | None = None,
                  notifier: Any = None, scheduler: LoopScheduler | None = None,
                  say: Callable[[str], None] | None = None, preflight: bool = True,
-                 metrics: Any = None, alerts: Any = None) -> None:
+                 metrics: Any = None, alerts: Any = None,
+                 run_lock: Callable[[Path, str], None] | None = None) -> None:
         self.spec = spec
+        # Takes the per-run supervisor lock (ulyssesd.daemon.locks) once the run is known; raises LockHeld.
+        # None in in-process tests, which simulate a dead daemon by starting a second Supervisor.
+        self.run_lock = run_lock
         self.store = store
         self.os = os_
         self.notifier = notifier
@@ -184,6 +190,9 @@ class Supervisor:
                 return run
             if run is not None:
                 raise RuntimeError(f"run {rid} already ended as {run.state}; choose a new --run-id")
+            run_dir = Path(self.dcfg.state_dir) / "runs" / rid
+            if run_dir.is_dir():  # the store lost it (emptied / replaced database): adopt it from its directory
+                return self._adopt_run_dir(run_dir, rid)
             return None
         # Under systemd the daemon restarts with the same command line: pick up the unfinished run of
         # this spec instead of starting a second one beside it.
@@ -192,13 +201,33 @@ class Supervisor:
                 return run
         return None
 
+    def _adopt_run_dir(self, run_dir: Path, rid: str) -> Any:
+        """`--run-id X` of a run directory the store does not know: rebuild its rows from the directory
+        (configs, checkpoints' manifests, attempts, telemetry cursor; store/recovery.py) and re-adopt it."""
+        from ulyssesd.daemon.store import recovery
+
+        run = recovery.adopt_run_dir(self.store, run_dir, rid, spec_path=str(Path(self.spec.source).resolve()))
+        if self.run_lock is not None:
+            self.run_lock(run_dir, rid)
+        what = recovery.rederive_run(self.store, rid, run_dir)
+        recovery.settle_adopted_state(self.store, run, what)
+        recovery.record_recovery(self.store, rid, what, (
+            f"run directory {run_dir} re-adopted with --run-id (the store did not know it): "
+            f"{len(what['config_versions'])} config version(s), {len(what['checkpoints'])} checkpoint(s), "
+            f"{len(what['attempts'])} attempt(s) re-derived, telemetry cursor at step {what['last_step']}"))
+        self.say(f"run {rid} re-adopted from its directory {run_dir}")
+        return self.store.get_run(rid)
+
     def _create_run(self) -> None:
         rid = self.requested_run_id or self.spec.run.run_id or (
             f"{self.spec.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(self.os.time()))}")
         self.run_id = rid
         self.run_dir = Path(self.dcfg.state_dir) / "runs" / rid
-        (self.run_dir / "configs").mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        refuse_unknown_run_dirs(self.store, Path(self.dcfg.state_dir), rid, self.spec.source)
+        for d in (self.run_dir, self.run_dir / "configs", self.run_dir / "logs"):
+            private_dir(d)
+        if self.run_lock is not None:
+            self.run_lock(self.run_dir, rid)
         src = Path(self.spec.source)
         if src.is_file():
             (self.run_dir / "spec.toml").write_bytes(src.read_bytes())
@@ -220,6 +249,8 @@ class Supervisor:
         """Resume supervising a run a previous daemon left behind (its job may still be running)."""
         self.run_id = run.id
         self.run_dir = Path(run.run_dir)
+        if self.run_lock is not None:
+            self.run_lock(self.run_dir, run.id)
         self.state = RunState(run.state)
         cv = self.store.list_config_versions(run.id)
         latest = max(cv, key=lambda c: c.version)
@@ -449,6 +480,7 @@ class Supervisor:
 
     # --------------------------------------------------------------------------- the tick
     def tick(self) -> None:
+        self._check_store_file()
         self._drain_events()
         if self.scheduler is not None:
             self.scheduler.run_due()
@@ -810,6 +842,8 @@ class Supervisor:
         d = self.dcfg
         self.scheduler.add("checkpoint_retention", d.retention_every_s, self.job_retention)
         self.scheduler.add("store_maintenance", d.maintenance_every_s, self.job_maintenance)
+        if hasattr(self.store, "backup_into"):
+            self.scheduler.add("store_backup", d.backup_every_s, self.job_backup)
         self.scheduler.add("stale_attempt_sweep", d.sweep_every_s, self.job_sweep)
         self.scheduler.add("status_summary", d.status_every_s, self.job_status)
         self.scheduler.start()
@@ -830,6 +864,30 @@ class Supervisor:
 
     def job_maintenance(self) -> None:
         self.store.maintenance()
+
+    def job_backup(self) -> None:
+        from ulyssesd.daemon.store.recovery import BACKUP_DIR_NAME, write_backup
+
+        path = write_backup(self.store, Path(self.dcfg.state_dir) / BACKUP_DIR_NAME, keep=self.dcfg.backups_keep)
+        log.info("store backup written", path=str(path))
+
+    def _check_store_file(self) -> None:
+        """Database file deleted or replaced under us (one stat): re-create it from the open connection
+        before anything is written to an inode nobody can read, and say so (store/recovery.py)."""
+        if not hasattr(self.store, "file_problem"):
+            return
+        from ulyssesd.daemon.store.recovery import mend_replaced_file
+
+        problem = mend_replaced_file(self.store)
+        if problem is None:
+            return
+        log.warning("store file re-created", problem=problem, path=str(self.store.path))
+        self.say(f"WARNING: {problem}; re-created it from the open connection (nothing lost)")
+        if self.run_id:
+            iid = self._incident(Symptom.store_damaged, self.last_step or 0, Severity.warning,
+                                 f"{problem}; re-created from the daemon's open connection, no history lost",
+                                 {"problem": problem, "path": str(self.store.path), "recovered": "everything"})
+            self.store.update_incident_status(iid, IncidentStatus.resolved, "database re-created in place")
 
     def job_sweep(self) -> None:
         """Attempts the store thinks are live but whose process is gone (e.g. left by a crashed daemon

@@ -23,6 +23,7 @@ from urllib.parse import quote
 from sqlalchemy import Engine, create_engine, event, pool
 
 from .errors import NoDatabaseError
+from .permissions import private_dir, private_file, tighten
 
 BUSY_TIMEOUT_MS = 5000
 
@@ -64,7 +65,12 @@ def make_engine(db_path: str | Path, *, readonly: bool = False, foreign_keys: bo
         if not path.exists():
             raise NoDatabaseError(f"no database at {path} — has ulyssesd run?")
     else:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # Our modes, not the umask's: the file exists (0640) before SQLite opens it, and SQLite gives its
+        # -wal/-shm files the database file's mode.
+        private_dir(path.parent)
+        if not path.exists():
+            private_file(path)
+        tighten(path)
 
     engine = create_engine(
         "sqlite+pysqlite://",
