@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING, Any
 
+from ulyssesd.daemon import disk
 from ulyssesd.daemon.decisions import _split_outputs, action_kind, patch_of
 from ulyssesd.daemon.files import _read_tail
 from ulyssesd.daemon.logging import get_logger
@@ -57,6 +58,17 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     if diag_label is None and sup.hang_diagnosis is not None and sup.hang_diagnosis[0] is not None:
         # Killed by the hang path: the stack dumps, not the log's last lines, say what it was.
         diag_label, diag_evidence = sup.hang_diagnosis[0], sup.hang_diagnosis[1]
+    # A failed checkpoint save: the job's own event names the errno (the log's text may not: torch's C++
+    # writer says "basic_ios::clear: iostream error"), so it decides before the log's label.
+    save_failure = sup.save_failures.get(sup.attempt)
+    storage = disk.storage_errno(save_failure, diag_label, sup.ckpt_dir) if crashed else None
+    if storage in disk.NO_SPACE:
+        diag_label, diag_confidence = "disk_full", "high"
+        if save_failure is not None:
+            diag_evidence = [f"checkpoint_save_failed: {save_failure.get('errno')} writing {save_failure.get('path')} "
+                             f"({save_failure.get('error')}); {save_failure.get('bytes_free')} bytes free",
+                             *(diag_evidence or [])][:20]
+    rank_codes = disk.rank_exit_codes(tail)
     sup.store.end_attempt(sup.run_id, sup.attempt, returncode=status.returncode, signal=status.signal,
                           diagnosis=diag_label, diagnosis_evidence=diag_evidence)
     log.info("attempt ended", run_id=sup.run_id, attempt=sup.attempt, status=status.describe(),
@@ -86,17 +98,35 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
                 "ran_s": round(ran_s, 1), "early_death": early}
     if sup.rank_lost is not None:
         evidence["rank_lost"] = sup.rank_lost
+    if rank_codes:
+        evidence["rank_exit_codes"] = rank_codes
+    if save_failure is not None:
+        evidence["checkpoint_save_failed"] = save_failure
+    if storage == disk.READ_ONLY:
+        disk.stop_read_only(sup, str((save_failure or {}).get("path") or sup.ckpt_dir), evidence)
+        return
+    returncode = status.returncode
+    if returncode not in (2, 3) and status.signal is None:
+        # torchrun exits 1 whatever its ranks exited with; their own codes are in its failure report.
+        returncode = next((c for c in (2, 3) if c in rank_codes), returncode)
     symptom = Symptom.launch_failure if early and diag_label == "launcher_error" else Symptom.crash
     if diag_label == "cuda_oom":
         symptom = Symptom.cuda_oom
     elif diag_label == "disk_full":
         symptom = Symptom.disk_full
-    if status.returncode in (2, 3) and status.signal is None:
+    if returncode in (2, 3) and status.signal is None:
         # CONTRACTS.md: 2 = the job rejected its config, 3 = no loadable checkpoint left. Relaunching the
         # same thing cannot help, and starting from scratch would silently discard the run's progress.
-        what = (f"the job rejected config v{sup.config_version} (exit 2)" if status.returncode == 2
-                else "no valid checkpoint left to resume from (exit 3)")
-        sym = Symptom.crash if status.returncode == 2 else Symptom.checkpoint_corrupt
+        via = "" if returncode == status.returncode else f" from a rank; the launcher exited {status.returncode}"
+        problems = disk.refusal_lines(tail)
+        evidence["problems"] = problems
+        if problems:
+            evidence["evidence_lines"] = problems
+        what = (f"the job rejected config v{sup.config_version} (exit 2{via})" if returncode == 2
+                else f"no valid checkpoint left to resume from (exit 3{via})")
+        if problems:
+            what += ": " + "; ".join(p.removeprefix("- ") for p in problems[:3])[:400]
+        sym = Symptom.crash if returncode == 2 else Symptom.checkpoint_corrupt
         iid = sup._incident(sym, sup.last_step or 0, Severity.critical, what, evidence)
         sup._action(iid, ActionKind.stop, {"reason": what}, {}, ApplyMode.none)
         sup.store.update_incident_status(iid, IncidentStatus.failed, what)
@@ -138,6 +168,9 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
                 sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
             sup._fail(reason)
             return
+        no_room = dec_apply == "restart_latest" and getattr(dec, "action_kind", None) == "prune_and_restart"
+        if no_room and not disk.resume_after_no_space(sup, iid, save_failure):
+            return  # nothing left to prune: the run ended FAILED with that incident
         if dec_apply == "none":
             observe = getattr(dec, "would_apply", None) is not None
             sup._action(target, ActionKind.observe_only_noop if observe else action_kind(dec),

@@ -3,16 +3,27 @@ without checkpoint progress, consecutive early deaths) and the backoff before re
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ulyssesd.daemon.logging import get_logger
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 
 if TYPE_CHECKING:
     from ulyssesd.daemon.supervisor import Supervisor
 
 S = RunState
+log = get_logger("ulyssesd.supervisor")
+
+#: Launch tries in a row that may fail on the daemon's own writes (full disk) before the run FAILS.
+OWN_WRITE_RETRIES = 6
+#: What the pre-launch probe writes: about what a launch writes (configs/vN.json, control.json, the log's
+#: first lines), so a disk that passes it very likely takes those writes too.
+PROBE_BYTES = 256 << 10
 
 
 @dataclass
@@ -33,6 +44,7 @@ class Counters:
     restarts_without_progress: int = 0
     consecutive_early_deaths: int = 0
     ckpt_step_at_last_restart: int | None = None
+    own_write_failures: int = 0  # launches in a row that failed on the daemon's own run-directory writes
 
 
 def schedule_relaunch(sup: Supervisor, relaunch: Relaunch, early: bool = False) -> None:
@@ -81,3 +93,65 @@ def fail_budget(sup: Supervisor, symptom: Symptom, reason: str) -> None:
     sup._action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
     sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
     sup._fail(reason)
+
+
+def probe_run_dir(run_dir: Path) -> None:
+    """Write, fsync and remove a small file in the run directory; raises the OSError a full or read-only
+    disk gives (ENOSPC, EDQUOT, EROFS) before the launch changes any state."""
+    if not run_dir.is_dir():
+        return
+    probe = run_dir / f".write-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as fh:
+            fh.write(b"\0" * PROBE_BYTES)
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+
+
+def own_write_failed(sup: Supervisor, exc: OSError, relaunch: Relaunch) -> bool:
+    """The daemon could not write to the run directory before a launch. Read-only: a clear incident and a
+    clean stop, nothing deleted. Full: prune what is prunable, then retry the launch later with a growing
+    delay, OWN_WRITE_RETRIES times at most, then FAILED with a disk_full incident. Returns False."""
+    from ulyssesd.daemon import disk
+
+    code = disk.errno_of(exc) or errno.errorcode.get(exc.errno or 0, "unknown")
+    sup.counters.own_write_failures += 1
+    n = sup.counters.own_write_failures
+    log.warning("daemon write to the run directory failed", errno=code,
+                                              error=repr(exc), tries=n, run_dir=str(sup.run_dir))
+    sup.say(f"  the daemon cannot write to {sup.run_dir}: {code} ({exc}); try {n}/{OWN_WRITE_RETRIES}")
+    evidence = {"errno": code, "error": str(exc)[:500], "path": getattr(exc, "filename", None), "tries": n,
+                "relaunch_reason": relaunch.reason}
+    if code == disk.READ_ONLY:
+        disk.stop_read_only(sup, str(sup.run_dir), evidence)
+        return False
+    if n == 1 or n >= OWN_WRITE_RETRIES:
+        iid = sup._incident(Symptom.disk_full, sup.last_step or 0, Severity.critical,
+                            f"the daemon's own write to the run directory failed ({code}); "
+                            + ("retries exhausted" if n >= OWN_WRITE_RETRIES else "pruning and retrying later"),
+                            evidence, attempt=sup.attempt + 1)
+        if n >= OWN_WRITE_RETRIES:
+            reason = (f"the daemon could not write to {sup.run_dir} ({code}) in {n} tries; nothing was deleted "
+                      f"beyond prunable checkpoints: free space there, then start the run again")
+            sup._action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
+            sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
+            sup._fail(reason)
+            return False
+        out = disk.prune_for_space(sup)
+        sup._action(iid, ActionKind.prune, {"rung": "prune_and_retry", "removed": out.removed,
+                                            "bytes_freed": out.freed_bytes, "bytes_free_after": out.free_bytes},
+                    {}, ApplyMode.none)
+        sup.store.update_incident_status(iid, IncidentStatus.remediating, "retrying the launch later")
+    delay = min(sup.dcfg.backoff_max_s, max(sup.dcfg.backoff_base_s, 1.0) * 2 ** (n - 1))
+    sup.pending_relaunch = relaunch
+    sup.backoff_until = sup.os.time() + delay
+    if sup.state == S.PAUSED:
+        sup.pending_relaunch, sup.backoff_until = None, None  # an operator resume: they can resume again
+        return False
+    sup._set_state(S.BACKOFF, f"relaunch in {delay:.1f}s: the daemon's write to the run directory failed ({code})")
+    return False

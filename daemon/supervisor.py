@@ -32,7 +32,7 @@ from typing import Any
 
 import tenacity
 
-from ulyssesd.daemon import decisions, exits, resume, termination
+from ulyssesd.daemon import decisions, disk, exits, relaunch, resume, termination
 from ulyssesd.daemon import job_config as jc
 from ulyssesd.daemon.decisions import _split_outputs as _split_outputs  # re-exported (moved)
 from ulyssesd.daemon.files import LOG_TAIL_BYTES as LOG_TAIL_BYTES  # re-exported (moved)
@@ -121,6 +121,7 @@ class Supervisor:
         self.hang_diagnosis: tuple[str | None, list[str]] | None = None
         self.rank_watch = RankWatch(self.dcfg.rank_exit_grace_s, self.dcfg.rank_watch_every_s)
         self.rank_lost: dict[str, Any] | None = None  # evidence when the rank watch ended the attempt
+        self.save_failures: dict[int, dict[str, Any]] = {}  # attempt -> its job's checkpoint_save_failed event
         self.latest_ckpt: tuple[str, int] | None = None
         self.open_incidents: dict[int, dict[str, Any]] = {}
         self.known_good_marked: set[str] = set()
@@ -386,10 +387,24 @@ class Supervisor:
         return version, diff
 
     def _launch(self, reason: str, rollback_to_step: int | None = None, incident_id: int | None = None) -> bool:
-        """Launch the next attempt. Returns False when the run ended instead (FAILED)."""
+        """Launch the next attempt. Returns False when the run ended instead (FAILED), or when the daemon's
+        own writes to the run directory fail for lack of space (retried later, bounded: relaunch.py)."""
+        try:
+            relaunch.probe_run_dir(self.run_dir)
+            launched = self._launch_attempt(reason, rollback_to_step, incident_id)
+        except OSError as exc:
+            if disk.errno_of(exc) is None:
+                raise
+            return relaunch.own_write_failed(self, exc, Relaunch(reason, incident_id, rollback_to_step))
+        self.counters.own_write_failures = 0
+        return launched
+
+    def _launch_attempt(self, reason: str, rollback_to_step: int | None, incident_id: int | None) -> bool:
         try:
             tag, notes = self._choose_checkpoint(rollback_to_step)
         except (PermissionError, OSError) as exc:
+            if disk.errno_of(exc) is not None:
+                raise  # our own write failed (full / read-only disk): not a checkpoint problem (_launch)
             self._fail(f"cannot read checkpoints: {exc}", symptom=Symptom.checkpoint_corrupt)
             return False
         if tag == "none" and notes and rollback_to_step is None:
@@ -549,6 +564,8 @@ class Supervisor:
         elif isinstance(rec, EventRecord):
             if rec.event == "exiting" and rec.attempt in (None, self.attempt):
                 self.last_exiting = str(rec.fields.get("reason"))
+            if rec.event == "checkpoint_save_failed":
+                self.save_failures[rec.attempt if rec.attempt is not None else self.attempt] = dict(rec.fields)
             if rec.event == "checkpoint_saved":
                 tag = rec.fields.get("tag")
                 if isinstance(tag, str) and rec.step is not None:

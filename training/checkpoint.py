@@ -16,6 +16,7 @@ DeepSpeed loads (or half-loads) a bad tag. All ranks' files must be complete bef
 from __future__ import annotations
 
 import bisect
+import errno
 import hashlib
 import json
 import math
@@ -448,3 +449,102 @@ def known_good_tags(tags: Iterable[str], anomalous_steps: Iterable[int], window:
         if step is not None:
             by_step[step] = Path(t).name
     return [by_step[s] for s in known_good(by_step, anomalous_steps, window, last_step)]
+
+
+# ------------------------------------------------------------------------------- failed saves
+#: errnos that mean "no room": the daemon prunes old checkpoints and resumes (docs/CONTRACTS.md).
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# Below this much free space a write failure without an errno is taken as ENOSPC: a save that ran out of
+# room has just used the rest (torch's C++ writer reports "basic_ios::clear: iostream error" / "file write
+# failed", with no errno).
+_NEARLY_FULL_BYTES = 64 << 20
+
+
+def errno_name(code: int | None) -> str:
+    """`ENOSPC` for 28; "unknown" for None or an errno Python does not name."""
+    return errno.errorcode.get(code, "unknown") if code is not None else "unknown"
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def bytes_free(path: str | Path) -> int | None:
+    """Free bytes (for an unprivileged writer) on the filesystem holding `path` or its nearest existing parent."""
+    try:
+        st = os.statvfs(_existing_ancestor(Path(path)))
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def filesystem_errno(path: str | Path) -> int | None:
+    """The errno a write under `path` most likely failed with, asked of the filesystem itself: EROFS when it
+    is mounted read-only, ENOSPC when (nearly) full, EACCES when not writable; None when none applies."""
+    try:
+        st = os.statvfs(_existing_ancestor(Path(path)))
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return errno.EROFS
+    if st.f_bavail * st.f_frsize < _NEARLY_FULL_BYTES:
+        return errno.ENOSPC
+    if not os.access(_existing_ancestor(Path(path)), os.W_OK):
+        return errno.EACCES
+    return None
+
+
+_IO_ERROR_TEXT = ("basic_ios", "iostream error", "file write failed", "PytorchStreamWriter",
+                  "unexpected pos", "No space left", "Read-only file system", "Disk quota exceeded")
+
+
+def is_write_error(exc: BaseException) -> bool:
+    """An OSError, or torch.save's C++ writer failing (a RuntimeError that lost the errno)."""
+    if isinstance(exc, OSError):
+        return True
+    return isinstance(exc, RuntimeError) and any(t in str(exc) for t in _IO_ERROR_TEXT)
+
+
+def save_failure(exc: BaseException, path: str | Path, tag: str, rank: int) -> dict[str, Any]:
+    """The fields of a `checkpoint_save_failed` event for a write that raised `exc` (docs/CONTRACTS.md)."""
+    code = exc.errno if isinstance(exc, OSError) and exc.errno else filesystem_errno(path)
+    return {"errno": errno_name(code), "errno_code": code, "tag": tag,
+            "path": str(getattr(exc, "filename", None) or path), "bytes_free": bytes_free(path),
+            "error": f"{type(exc).__name__}: {exc}"[:500], "rank": rank}
+
+
+def tag_bytes(tag_dir: str | Path) -> int:
+    """Bytes a tag directory holds on disk (every file, manifest or not)."""
+    return _tree_bytes(Path(tag_dir))
+
+
+def prune_for_space(ckpt_dir: str | Path, anchors: Iterable[str | int] = (),
+                    dry_run: bool = False) -> tuple[list[str], int, str | None]:
+    """After a save failed for lack of space (the job has exited): remove every tag that is neither the
+    newest valid one nor an anchor (known good, the rollback targets), including the partial tags newer than
+    the newest valid one (the failed save's). Quarantined tags (evidence) are kept.
+
+    Returns (removed names oldest first, bytes they held, the newest valid tag or None). With no valid tag
+    nothing is removed: a partial tag may then be all that is left of the run."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return [], 0, None
+    if not dry_run:
+        _cleanup_deleting(root)
+    tags = list_tags(root)
+    valid = [t for t in tags if validate_tag(root / t, verify_checksums=False)[0]]
+    if not valid:
+        return [], 0, None
+    keep = {valid[-1]} | _anchor_names(anchors)
+    removed, freed = [], 0
+    for tag in tags:
+        if tag in keep:
+            continue
+        freed += _tree_bytes(root / tag)
+        if not dry_run:
+            _remove_dir(root / tag)
+        removed.append(tag)
+    return removed, freed, valid[-1]

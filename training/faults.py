@@ -31,6 +31,9 @@ _STEP_KINDS = ("raise", "sigkill", "hang", "slow_rank", "cuda_oom", "memory_spik
 _LOSS_KINDS = ("nan_loss", "loss_spike")
 _DURATION_KINDS = ("loss_spike", "slow_rank", "memory_spike")
 _SAVE_KINDS = ("enospc_on_save", "corrupt_checkpoint")
+# Act inside the real save path, on every file DeepSpeed's checkpoint engine writes, on EVERY rank: a full
+# or read-only filesystem is shared by all ranks of a node (and by all nodes on a shared filesystem).
+_WRITE_KINDS = ("disk_full", "read_only_fs")
 
 
 class InjectedFault(RuntimeError):
@@ -48,6 +51,7 @@ class FaultInjector:
         self._held_until = -1
         self.extra_mem_gib = 0.0  # CPU: the simulated part of a memory spike, added to memory telemetry
         self._save_fired: set[int] = set()
+        self._write_fault_step: dict[int, int] = {}  # write fault index -> the save step it fires on
 
     def _rolls(self, idx: int, f: FaultSpec, step: int) -> bool:
         if f.probability >= 1.0:
@@ -133,6 +137,28 @@ class FaultInjector:
                 self._announce(f, step, tag=tag_dir.name)
                 if self.rank == f.rank:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tag_dir))
+
+    def checkpoint_write(self, step: int, path: str, write: Callable[[], None]) -> None:
+        """Every rank, for each file of the save at `step`: `write()` writes it for real.
+
+        `disk_full`: the file is written, truncated to half (the part that fit), then OSError(ENOSPC) -
+        a partial tag like a real full disk leaves. `read_only_fs`: OSError(EROFS), nothing written. Both
+        fire on every write of the first save at or after `at_step`."""
+        for i, f in enumerate(self.faults):
+            if f.kind not in _WRITE_KINDS:
+                continue
+            if i not in self._write_fault_step and (step >= f.at_step if f.at_step is not None
+                                                    else self._rolls(i, f, step)):
+                self._write_fault_step[i] = step
+                self._announce(f, step, tag=Path(path).parent.name)
+            if self._write_fault_step.get(i) != step:
+                continue
+            if f.kind == "read_only_fs":
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+            write()
+            os.truncate(path, os.path.getsize(path) // 2)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        write()
 
     def after_save(self, step: int, tag_dir: Path) -> None:
         """Called on every rank after the manifest is written (the corruption must defeat validation)."""

@@ -43,6 +43,18 @@ class CheckpointLoadError(RuntimeError):
     """No usable checkpoint to resume from (exit code 3)."""
 
 
+#: Exit code of a job whose checkpoint save failed (its errno is in the `checkpoint_save_failed` event).
+EXIT_SAVE_FAILED = 4
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed on some rank (exit code 4); `failure` = the event's fields."""
+
+    def __init__(self, failure: dict[str, Any]):
+        self.failure = failure
+        super().__init__(f"checkpoint save of {failure['tag']} failed: {failure['errno']} ({failure['error']})")
+
+
 def lr_at(step: int, spec: JobSpec) -> float:
     """Scheduled LR of 1-based `step`: linear warm-up, then cosine decay to min_lr at train.steps."""
     tr = spec.train
@@ -286,26 +298,38 @@ class Trainer:
         tag_dir = self.ckpt_dir / tag
         self._event("checkpoint_saving", tag=tag)
         t0 = time.time()
-        if self.rank == 0:
-            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            if tag_dir.exists():
-                # A tag from a timeline that was rolled back (or a partial save): keep it as evidence.
-                moved = ckpt.quarantine(tag_dir)
-                log.warning("checkpoint %s already existed; moved aside to %s", tag, moved.name)
-        self.dist.barrier()
-        self.faults.before_save(self.step, tag_dir)
+        # A failed write (full disk, read-only filesystem, quota, I/O error) is caught on the rank that saw
+        # it and agreed on by all ranks at the next collective (which replaces a plain barrier), so every
+        # rank stops at the same point and rank 0 reports the errno (`checkpoint_save_failed`).
+        failure: dict[str, Any] | None = None
+        try:
+            if self.rank == 0:
+                self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+                if tag_dir.exists():
+                    # A tag from a timeline that was rolled back (or a partial save): keep it as evidence.
+                    moved = ckpt.quarantine(tag_dir)
+                    log.warning("checkpoint %s already existed; moved aside to %s", tag, moved.name)
+            self.faults.before_save(self.step, tag_dir)
+        except OSError as exc:
+            failure = ckpt.save_failure(exc, tag_dir, tag, self.rank)
+        self._agree_on_save(failure)
         client = {"ulyssesd_step": self.step, "data_cursor": self.cursor.state_dict(),
                   "data_position": self.source.position(self.cursor), "data_fingerprint": self.source.fingerprint(),
                   "config_version": self.config_version, "loss": self.last_loss,
                   "rng": {self.rank: _rng_state()}, "attempt": self.attempt}
-        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
-        self.dist.barrier()  # every rank's shards are on disk before the manifest vouches for them
+        failure = self._save_files(tag, tag_dir, client)
+        self._agree_on_save(failure)  # every rank's shards are on disk before the manifest vouches for them
         nbytes = 0
         if self.rank == 0:
-            manifest = ckpt.write_manifest(tag_dir, self.step, self.last_loss, self.cursor.next_sample,
-                                           self.config_version)
-            nbytes = sum(f["size"] for f in manifest["files"].values())
-        self.dist.barrier()
+            try:
+                manifest = ckpt.write_manifest(tag_dir, self.step, self.last_loss, self.cursor.next_sample,
+                                               self.config_version)
+                nbytes = sum(f["size"] for f in manifest["files"].values())
+                # `latest` only ever names a tag with a manifest (DeepSpeed would write it before ours).
+                ckpt.point_latest_to(self.ckpt_dir, tag)
+            except OSError as exc:
+                failure = ckpt.save_failure(exc, tag_dir / ckpt.MANIFEST_NAME, tag, self.rank)
+        self._agree_on_save(failure)
         self.faults.after_save(self.step, tag_dir)
         self._event("checkpoint_saved", tag=tag, seconds=round(time.time() - t0, 3), bytes=nbytes)
         # Under the daemon, retention is the daemon's (it keeps the known-good anchors a rollback needs);
@@ -315,6 +339,55 @@ class Trainer:
             if removed:
                 log.info("retention removed %s", ", ".join(removed))
         self.dist.barrier()
+
+    def _save_files(self, tag: str, tag_dir: Path, client: dict[str, Any]) -> dict[str, Any] | None:
+        """DeepSpeed's save with every file write guarded: the first failed write is recorded and the
+        remaining writes of this save are skipped, so DeepSpeed still reaches its own collectives (one rank
+        raising there would leave its peers blocked in a barrier). Returns this rank's failure or None."""
+        engine = self.engine.checkpoint_engine
+        real_save, real_copy = engine.save, self.engine._copy_recovery_script
+        failed: list[dict[str, Any]] = []
+
+        def guarded(write: Any, path: str) -> None:
+            if failed:
+                return
+            try:
+                write()
+            except (OSError, RuntimeError) as exc:
+                if not ckpt.is_write_error(exc):
+                    raise
+                failed.append(ckpt.save_failure(exc, path, tag, self.rank))
+
+        def guarded_save(state_dict: Any, path: str) -> None:
+            guarded(lambda: self.faults.checkpoint_write(self.step, str(path), lambda: real_save(state_dict, path)),
+                    str(path))
+
+        # Rank 0 also copies DeepSpeed's zero_to_fp32.py into the tag with a plain copyfile.
+        engine.save = guarded_save
+        self.engine._copy_recovery_script = lambda save_path: guarded(lambda: real_copy(save_path), str(save_path))
+        try:
+            self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
+        finally:
+            # Drop the instance attributes: the classes' methods show through again.
+            del engine.save, self.engine._copy_recovery_script
+        return failed[0] if failed else None
+
+    def _agree_on_save(self, failure: dict[str, Any] | None) -> None:
+        """Collective: if any rank's save failed, all ranks raise CheckpointSaveError (rank 0 first reports
+        the lowest failing rank's errno as `checkpoint_save_failed`)."""
+        box: list[Any] = [None] * self.world
+        self.dist.all_gather_object(box, failure)
+        failures = [f for f in box if f is not None]
+        if not failures:
+            return
+        first = failures[0]
+        log.error("checkpoint save failed: %s (%s) writing %s; %s bytes free", first["errno"], first["error"],
+                  first["path"], first["bytes_free"])
+        try:
+            self._event("checkpoint_save_failed", **first, failed_ranks=[f["rank"] for f in failures])
+        except OSError as exc:  # the telemetry file is on the same full disk: the log line above remains
+            log.error("could not record checkpoint_save_failed in telemetry: %s", exc)
+        raise CheckpointSaveError(first)
 
     # ------------------------------------------------------------------------------- control
     def _set_lr(self, step: int) -> float:
@@ -349,6 +422,13 @@ class Trainer:
         self.tele = TelemetryWriter(tele_path, self.attempt, self.config_version, enabled=self.rank == 0)
         try:
             return self._run()
+        except CheckpointSaveError as exc:
+            # Not a crash: the previous tags are intact and the daemon knows the errno (prune, or stop).
+            try:
+                self._event("exiting", reason="checkpoint_save_failed", error=str(exc)[:500])
+            except OSError:
+                pass
+            return EXIT_SAVE_FAILED
         except BaseException as exc:
             self._event("exiting", reason="error", error=f"{type(exc).__name__}: {exc}"[:500])
             raise

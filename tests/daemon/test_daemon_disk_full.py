@@ -1,0 +1,225 @@
+"""Disk full, read-only file system and a job that rejects its config, with a fake OS and a fake clock
+(real files, real checkpoint manifests, real SQLite). The real 2-rank job versions are at the end (slow)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+from test_daemon_unit_fakeos import FakeOS, _emit, _make_tag, _steps, _sup
+
+from ulyssesd.daemon import disk, relaunch
+from ulyssesd.daemon.process import ExitStatus
+from ulyssesd.daemon.store.enums import RunState
+from ulyssesd.training import checkpoint as ck
+
+S = RunState
+
+# torchrun's real failure report (torch 2.13) for two ranks that exited with `code`.
+TORCHRUN_REPORT = """\
+E1201 19:52:37.547000 7240 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: {code}) local_rank: 0 (pid: 7245) of binary: /venv/bin/python
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+ulyssesd.training FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-01_19:52:37
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : {code} (pid: 7246)
+  error_file: <N/A>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_19:52:37
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : {code} (pid: 7245)
+  error_file: <N/A>
+============================================================
+"""
+
+
+def _log(fos, sup, text: str) -> None:
+    with open(fos.jobs[sup.job.pid]["log"], "a") as fh:
+        fh.write(text)
+
+
+def _running(tmp_path, steps=(1, 40), **kw):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, **kw)
+    sup.start()
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, *steps)
+    return fos, sup
+
+
+def _save_fails(fos, sup, errno_name: str, tag: str = "step-00000040") -> None:
+    """What the job does when a save fails: the event, the exiting event, exit 4 per rank (torchrun: 1)."""
+    _emit(sup, kind="event", event="checkpoint_save_failed", step=40, errno=errno_name, tag=tag,
+          path=str(sup.ckpt_dir / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"), bytes_free=0,
+          error=f"OSError: [Errno 28] {os.strerror(28)}", rank=0, failed_ranks=[0, 1])
+    _emit(sup, kind="event", event="exiting", step=40, reason="checkpoint_save_failed")
+    _log(fos, sup, "basic_ios::clear: iostream error\n" + TORCHRUN_REPORT.format(code=4))
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    sup.tick()
+
+
+def _tags_with_a_partial_one(sup) -> dict[str, int]:
+    for s in (10, 20, 30):
+        _make_tag(sup.ckpt_dir, s)
+    partial = sup.ckpt_dir / "step-00000040"
+    partial.mkdir()
+    (partial / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 4096)  # half a save, no manifest
+    (sup.ckpt_dir / "step-00000005.corrupt-1").mkdir()  # quarantined evidence: never pruned
+    return {t: ck.tag_bytes(sup.ckpt_dir / t) for t in ("step-00000020", "step-00000040")}
+
+
+def test_rank_exit_codes_and_refusal_lines_from_real_launcher_text():
+    assert disk.rank_exit_codes(TORCHRUN_REPORT.format(code=2)) == [2, 2]
+    assert disk.rank_exit_codes("failed (exitcode: 3) local_rank: 0 (pid: 1) of binary: python") == [3]
+    assert disk.rank_exit_codes("Traceback ...\nRuntimeError: boom\n") == []
+    text = ("[rank0] noise\nulysses-train: invalid run spec launcher: 1 problem(s)\n"
+            "  - parallel.world_size=4 but the launcher started 2 ranks\n"
+            "ulysses-train: invalid run spec launcher: 1 problem(s)\n"
+            "  - parallel.world_size=4 but the launcher started 2 ranks\nE1201 other\n  - not a problem line\n")
+    assert disk.refusal_lines(text) == ["ulysses-train: invalid run spec launcher: 1 problem(s)",
+                                        "- parallel.world_size=4 but the launcher started 2 ranks"]
+
+
+def test_enospc_prunes_all_but_newest_valid_and_known_good_then_resumes_from_newest(tmp_path):
+    fos, sup = _running(tmp_path)
+    doomed = _tags_with_a_partial_one(sup)
+    sup.store.upsert_checkpoint(sup.run_id, "step-00000010", step=10, known_good=True)  # the rollback anchor
+    _save_fails(fos, sup, "ENOSPC")
+    left = sorted(p.name for p in sup.ckpt_dir.iterdir() if not p.name.startswith("latest"))
+    assert left == ["step-00000005.corrupt-1", "step-00000010", "step-00000030"]
+    assert sup.attempt == 2 and sup.state == S.STARTING
+    assert sup.store.list_attempts(sup.run_id)[1].resumed_from == "step-00000030"
+    incs = sup.store.list_incidents(sup.run_id)
+    assert [i.symptom.value for i in incs] == ["disk_full"]  # never checkpoint_corrupt
+    inc = sup.store.get_incident(incs[0].id)
+    assert inc.evidence["checkpoint_save_failed"]["errno"] == "ENOSPC"
+    assert inc.evidence["diagnosis"] == "disk_full" and inc.evidence["rank_exit_codes"] == [4, 4]
+    prune = next(a for a in inc.actions if a.kind.value == "prune")
+    assert sorted(prune.parameters["removed"]) == sorted(doomed)
+    assert prune.parameters["bytes_freed"] == sum(doomed.values())
+    assert prune.parameters["kept_newest_valid"] == "step-00000030"
+
+
+def test_a_plain_crash_prunes_nothing(tmp_path):
+    fos, sup = _running(tmp_path)
+    _tags_with_a_partial_one(sup)
+    _log(fos, sup, "Traceback (most recent call last):\nRuntimeError: boom\n" + TORCHRUN_REPORT.format(code=1))
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    sup.tick()
+    assert sup.attempt == 2
+    names = {p.name for p in sup.ckpt_dir.iterdir()}
+    assert {"step-00000010", "step-00000020", "step-00000030"} <= names
+    assert any(n.startswith("step-00000040.corrupt-") for n in names)  # quarantined as usual, not deleted
+    assert "disk_full" not in [i.symptom.value for i in sup.store.list_incidents(sup.run_id)]
+
+
+def test_disk_full_with_nothing_prunable_fails_once_with_a_clear_incident(tmp_path, monkeypatch):
+    fos, sup = _running(tmp_path)
+    _make_tag(sup.ckpt_dir, 30)  # the newest valid tag: never pruned
+    monkeypatch.setattr(ck, "bytes_free", lambda path: 1024)  # the filesystem really is full
+    _save_fails(fos, sup, "EDQUOT")
+    assert sup.state == S.FAILED and sup.attempt == 1
+    assert (sup.ckpt_dir / "step-00000030" / ck.MANIFEST_NAME).is_file()
+    (inc,) = sup.store.list_incidents(sup.run_id)
+    assert inc.symptom.value == "disk_full" and inc.status.value == "failed"
+    assert "nothing left to prune" in sup.store.get_run(sup.run_id).state_reason
+
+
+def test_read_only_stops_cleanly_and_deletes_nothing(tmp_path):
+    fos, sup = _running(tmp_path)
+    _tags_with_a_partial_one(sup)
+    before = sorted(p.name for p in sup.ckpt_dir.iterdir())
+    _save_fails(fos, sup, "EROFS")
+    assert sup.state == S.FAILED and sup.attempt == 1
+    assert sorted(p.name for p in sup.ckpt_dir.iterdir()) == before
+    assert "run directory is read-only" in sup.store.get_run(sup.run_id).state_reason
+    (inc,) = sup.store.list_incidents(sup.run_id)
+    assert "read-only" in inc.summary and inc.status.value == "failed"
+
+
+def test_daemon_own_write_enospc_backs_off_prunes_and_launches_later_never_checkpoint_corrupt(tmp_path, monkeypatch):
+    fos, sup = _running(tmp_path)
+    _make_tag(sup.ckpt_dir, 30)
+    real_probe = relaunch.probe_run_dir
+    full = {"left": 2}
+
+    def probe(run_dir: Path) -> None:
+        if full["left"]:
+            full["left"] -= 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(run_dir / ".write-probe"))
+        real_probe(run_dir)
+
+    monkeypatch.setattr(relaunch, "probe_run_dir", probe)
+    # `latest` cannot be rewritten either (its temp file): a warning, not a corrupt checkpoint.
+    monkeypatch.setattr(ck, "point_latest_to", lambda *a: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "latest")))
+    _log(fos, sup, "RuntimeError: boom\n")
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    sup.tick()
+    assert sup.state == S.BACKOFF and sup.attempt == 1
+    for _ in range(40):
+        fos.advance(1.0)
+        sup.tick()
+        if sup.attempt == 2:
+            break
+    assert sup.attempt == 2 and sup.state == S.STARTING
+    symptoms = [i.symptom.value for i in sup.store.list_incidents(sup.run_id)]
+    assert "checkpoint_corrupt" not in symptoms and symptoms.count("disk_full") == 1
+    assert sup.store.list_attempts(sup.run_id)[1].resumed_from == "step-00000030"
+
+
+def test_daemon_own_write_failures_are_bounded_then_fail(tmp_path, monkeypatch):
+    fos, sup = _running(tmp_path)
+    monkeypatch.setattr(relaunch, "probe_run_dir", lambda d: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(d))))
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    for _ in range(400):
+        fos.advance(1.0)
+        sup.tick()
+        if sup.state == S.FAILED:
+            break
+    assert sup.state == S.FAILED and sup.attempt == 1
+    assert sup.counters.own_write_failures == relaunch.OWN_WRITE_RETRIES
+    (inc,) = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "disk_full"]
+    assert inc.status.value == "failed"
+
+
+def test_daemon_write_on_a_read_only_run_dir_stops_cleanly(tmp_path, monkeypatch):
+    fos, sup = _running(tmp_path)
+    monkeypatch.setattr(relaunch, "probe_run_dir", lambda d: (_ for _ in ()).throw(
+        OSError(errno.EROFS, os.strerror(errno.EROFS), str(d))))
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    sup.tick()
+    assert sup.state == S.FAILED and sup.attempt == 1
+    assert "run directory is read-only" in sup.store.get_run(sup.run_id).state_reason
+
+
+@pytest.mark.parametrize("code, fails", [(2, True), (3, True), (1, False)])
+def test_a_rank_exit_2_or_3_behind_torchrun_1_fails_at_once_with_the_problem_lines(tmp_path, code, fails):
+    fos, sup = _running(tmp_path, steps=(1, 2))
+    _log(fos, sup, "ulysses-train: invalid run spec launcher: 1 problem(s)\n"
+                   "  - parallel.world_size=4 but the launcher started 2 ranks\n" * 2
+         + TORCHRUN_REPORT.format(code=code))
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    sup.tick()
+    if not fails:  # a plain crash (exit 1 everywhere): restarted
+        assert sup.attempt == 2 and sup.state != S.FAILED
+        return
+    assert sup.state == S.FAILED and sup.attempt == 1
+    (inc,) = sup.store.list_incidents(sup.run_id)
+    assert inc.status.value == "failed" and "launcher exited 1" in inc.summary
+    ev = sup.store.get_incident(inc.id).evidence
+    assert ev["problems"] == ["ulysses-train: invalid run spec launcher: 1 problem(s)",
+                              "- parallel.world_size=4 but the launcher started 2 ranks"]
+    if code == 2:
+        assert "parallel.world_size=4 but the launcher started 2 ranks" in inc.summary
