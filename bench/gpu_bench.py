@@ -73,6 +73,7 @@ def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int,
              timeout_s: float) -> dict[str, Any]:
     spec = json.loads(json.dumps(base))
     name = "case"
+    program = ["-m", "ulyssesd.training"]
     env = dict(os.environ)
     for item in overrides:
         key, _, raw = item.partition("=")
@@ -84,6 +85,11 @@ def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int,
             continue
         if key == "timeout":  # per-case wall-clock limit, seconds
             timeout_s = float(raw)
+            continue
+        if key == "program":  # program=reference: the plain DeepSpeed GPT of bench/reference_gpt.py
+            if raw != "reference":
+                raise SystemExit(f"case {name!r}: program={raw!r}; only program=reference is known")
+            program = [str(Path(__file__).with_name("reference_gpt.py"))]
             continue
         if key.startswith("env."):  # process environment, e.g. env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
             env[key[4:]] = raw
@@ -97,7 +103,7 @@ def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int,
     spec_path = run_dir / "spec.toml"
     spec_path.write_text(to_toml(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "ulyssesd.training", "--spec", str(spec_path), "--run-dir", str(run_dir), "--attempt", "1"]
+           *program, "--spec", str(spec_path), "--run-dir", str(run_dir), "--attempt", "1"]
     t0 = time.time()
     with open(run_dir / "log.txt", "w") as log:
         try:
@@ -112,7 +118,11 @@ def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int,
     steps_rec = [r for r in read_records(tel) if r.get("kind") == "step"]
     result: dict[str, Any] = {"name": name, "overrides": overrides, "rc": rc, "wall_s": round(wall, 1),
                               "steps_done": len(steps_rec)}
-    result.update(_prediction(spec, nproc))
+    if program[0] == "-m":
+        result.update(_prediction(spec, nproc))
+    else:
+        result["program"] = "reference"
+
     started = [r for r in read_records(tel) if r.get("event") == "started"]
     if started and steps_rec:
         result["first_step_after_start_s"] = round(steps_rec[0]["time"] - started[0]["time"], 1)

@@ -17,6 +17,15 @@ else
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export BENCH_WORKDIR=/tmp/ulysses-bench
+# The package maps ulyssesd.* onto top-level folders (pyproject package-dir); without an installed wheel, a
+# shim of symlinks makes `python -m ulyssesd.training` run this checkout's code (what the call carried).
+if ! $PY -c "import ulyssesd.training" 2>/dev/null; then
+  SHIM=/tmp/ulyssesd-shim; rm -rf "$SHIM"; mkdir -p "$SHIM/ulyssesd"
+  ln -s "$PWD/ulyssesd_pkg/__init__.py" "$SHIM/ulyssesd/__init__.py"
+  for p in daemon remediation training migrations; do ln -s "$PWD/$p" "$SHIM/ulyssesd/$p"; done
+  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+  $PY -c "import ulyssesd.training" || { echo "ulyssesd not importable" >&2; exit 1; }
+fi
 $PY -c "import torch, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__)" \
   > "$OUT/versions.txt" 2>/dev/null
 cat "$OUT/versions.txt"

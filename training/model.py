@@ -10,18 +10,23 @@
 - `loss_chunk_tokens=N` tiles the head + fp32 cross-entropy over chunks of N local tokens, each chunk
   checkpointed, so the [tokens, V] fp32 logits of the whole local sequence never exist at once (the idea of
   DeepSpeed ALST's TiledFusedLogitsLoss).
+- Speed levers (GPU, off by default, same math; bench/RESULTS.md "GPU: step speed on 1xH200"):
+  `rotary_fused` compiles the q/k rotation into one kernel per tensor pass, `qkv_copy=false` hands v to
+  attention as a strided view of the qkv output (SP=1), `checkpoint_keep_attention` makes checkpointed blocks
+  keep the attention kernel's outputs so recompute skips the attention forward (torch selective checkpoint).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .attention import UlyssesAttention
 from .spec import ResolvedModel
@@ -98,6 +103,36 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k (strided views of the qkv output are fine) rotated in fp32, as new contiguous tensors."""
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+@functools.cache
+def _compiled_rotate_qk():
+    # Eager, rotate_qk is ~8 kernels per tensor (fp32 upcast, chunk muls, cat, downcast) and as many in
+    # backward; inductor fuses each pass into one kernel that keeps the fp32 math in registers. It touches
+    # no parameters, so ZeRO-3's module hooks are not involved.
+    return torch.compile(rotate_qk, fullgraph=True, dynamic=False)
+
+
+# Kernels whose outputs a checkpointed block keeps under `checkpoint_keep_attention` (the fused SDPA ops;
+# the math kernel is a chain of matmuls and softmax and is recomputed as usual).
+_ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name))
+
+
+def _keep_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_attention_contexts():
+    return create_selective_checkpoint_contexts(_keep_attention_policy)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ResolvedModel, attn: UlyssesAttention, fp32: bool, layer_index: int):
         super().__init__()
@@ -115,6 +150,7 @@ class Block(nn.Module):
         self.fc_in = _Linear(h, (2 if self.swiglu else 1) * f, cfg.bias, std)
         self.fc_out = _Linear(f, h, cfg.bias, out_std)
         self.attn = attn
+        self.rotary_fused, self.qkv_copy = cfg.rotary_fused, cfg.qkv_copy or attn.sp_size > 1
 
     def _lin(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         # Calling the module lets ZeRO-3's module hooks fetch (and prefetch) its weight; measured on
@@ -126,9 +162,12 @@ class Block(nn.Module):
         if self.fp32:
             x = x.float()
         b, s, _ = x.shape
+        # One unbind for q, k and v: its backward stacks their three gradients into one qkv gradient.
         q, k, v = self._lin(self.ln1(x), self.qkv).view(b, s, 3, self.n_heads, self.head_dim).unbind(2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        a = self.attn(q.contiguous(), k.contiguous(), v.contiguous()).reshape(b, s, -1)
+        q, k = (_compiled_rotate_qk() if self.rotary_fused and q.is_cuda else rotate_qk)(q, k, cos, sin)
+        # Ulysses' all-to-all needs contiguous tensors; at SP=1 the SDPA kernels take v's strides as they
+        # are (attention then keeps the whole qkv output alive for backward instead of a v copy: +2h/token).
+        a = self.attn(q, k, v.contiguous() if self.qkv_copy else v).reshape(b, s, -1)
         x = x + self._lin(a, self.proj)
         u = self._lin(self.ln2(x), self.fc_in)
         if self.swiglu:
@@ -170,6 +209,10 @@ class GPT(nn.Module):
         for mod in self.modules():
             if isinstance(mod, LayerNorm32):
                 mod.fp32_copy = cfg.norm_fp32_copy
+        # Block checkpoints: plain (recompute everything) or keeping the attention kernel's outputs.
+        self._ckpt_kw: dict[str, Any] = {"use_reentrant": False}
+        if cfg.checkpoint_keep_attention:
+            self._ckpt_kw["context_fn"] = _keep_attention_contexts
 
     def set_fp32_layers(self, n: int) -> None:
         for blk in cast("list[Block]", self.blocks):
@@ -213,12 +256,12 @@ class GPT(nn.Module):
         if self.checkpoint_layers is not None and self.training and torch.is_grad_enabled():
             for i in range(n):
                 if i < self.checkpoint_layers:
-                    x = checkpoint(self._run_chunk, i, i + 1, x, cos, sin, use_reentrant=False)
+                    x = checkpoint(self._run_chunk, i, i + 1, x, cos, sin, **self._ckpt_kw)
                 else:
                     x = self.blocks[i](x, cos, sin)
         elif k > 0 and self.training and torch.is_grad_enabled():
             for start in range(0, n, k):
-                x = checkpoint(self._run_chunk, start, min(n, start + k), x, cos, sin, use_reentrant=False)
+                x = checkpoint(self._run_chunk, start, min(n, start + k), x, cos, sin, **self._ckpt_kw)
         else:
             x = self._run_chunk(0, n, x, cos, sin)
         x = self.ln_f(x)

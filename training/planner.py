@@ -280,7 +280,10 @@ def block_saved_bytes_per_token(m: ResolvedModel, d: int, sp: int = 1) -> int:
     """
     h, f, a = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
     layernorms = 2 * (_norm_input_bytes(m, d) * h + 8)
-    attention = d * (h + 3 * h + h + (h if sp > 1 else 0)) + 4 * a
+    # `model.qkv_copy = false` (SP=1): attention saves v as a view, which keeps the whole [tokens, 3h] qkv
+    # output alive instead of a [tokens, h] copy of v.
+    v_view = 2 * h if not m.qkv_copy and sp == 1 else 0
+    attention = d * (h + 3 * h + v_view + h + (h if sp > 1 else 0)) + 4 * a
     mlp = d * h + (2 * d * f if m.mlp == "gelu" else 4 * d * f)
     return layernorms + attention + mlp
 
@@ -518,6 +521,13 @@ def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None =
         items.append(Item(f"recomputed chunk ({max(chunks)} block(s))",
                           t * max(sum(blk[i:i + k]) for i in range(0, L, k)), "gpu",
                           f"b·s/sp·{max(chunks)}·{blk[-1]} B/token", ("backward",)))
+    n_kept = (0 if k == 0 else L) if ck_layers is None else min(ck_layers, L)
+    if m.checkpoint_keep_attention and n_kept:
+        # model.checkpoint_keep_attention: each checkpointed block also keeps its attention kernel's output
+        # (d·h per local token, [b, s/sp, h] or Ulysses' [b, s, h/sp]) and fp32 logsumexp (4 per head).
+        items.append(Item(f"kept attention outputs ({n_kept} checkpointed blocks)",
+                          t * n_kept * (d * m.hidden_size + 4 * m.num_attention_heads), "gpu",
+                          f"b·s/sp·{n_kept}·(d·h + 4·heads)", FWD_BWD))
     items.append(Item("block backward transients", t * _backward_transient_per_token(m, d, c.sp), "gpu",
                       "b·s/sp·d·(2·ffn_in + 2h)" + (" + all-to-all staging 4·d·h" if c.sp > 1 else ""),
                       ("backward",)))

@@ -77,6 +77,13 @@ class ModelSpec(_Section):
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
     norm_fp32_copy: bool = Field(True, description="LayerNorm upcasts its input to an fp32 copy; false = the fused "
                                                    "bf16 kernel (still accumulates in fp32, saves memory and time on GPU).")
+    rotary_fused: bool = Field(False, description="GPU: q/k rotary (fp32 math) as one torch.compile'd kernel instead of "
+                                                  "eager fp32 ops and casts (same math; CPU runs the eager ops).")
+    qkv_copy: bool = Field(True, description="Copy v out of the fused qkv output before attention; false = pass the "
+                                             "strided view (SP=1 only; saves one copy per block, same math).")
+    checkpoint_keep_attention: bool = Field(False, description="Checkpointed blocks keep the attention kernel's output "
+                                                               "and logsumexp: no attention forward in recompute, "
+                                                               "+(d·h + 4·heads) bytes per token per block.")
 
     def resolved(self) -> ResolvedModel:
         base = dict(PRESETS[self.preset]) if self.preset else {}
@@ -95,7 +102,8 @@ class ModelSpec(_Section):
             h = base["hidden_size"]
             base["ffn_hidden_size"] = 4 * h if base["mlp"] == "gelu" else 256 * ((8 * h // 3 + 255) // 256)
         return ResolvedModel(bias=self.bias, rope_theta=self.rope_theta, init_std=self.init_std,
-                             norm_fp32_copy=self.norm_fp32_copy, **base)
+                             norm_fp32_copy=self.norm_fp32_copy, rotary_fused=self.rotary_fused,
+                             qkv_copy=self.qkv_copy, checkpoint_keep_attention=self.checkpoint_keep_attention, **base)
 
 
 class ResolvedModel(BaseModel):
@@ -113,6 +121,9 @@ class ResolvedModel(BaseModel):
     rope_theta: float
     init_std: float
     norm_fp32_copy: bool = True
+    rotary_fused: bool = False
+    qkv_copy: bool = True
+    checkpoint_keep_attention: bool = False
 
     @property
     def head_dim(self) -> int:

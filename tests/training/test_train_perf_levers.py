@@ -64,3 +64,171 @@ def test_save_at_end_defaults_on():
 
 def test_zero3_leaf_blocks_defaults_off():
     assert JobSpec().train.zero3_leaf_blocks is False
+
+
+# ---------------------------------------------------------------- issue 20: step-speed levers (model.*)
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that run under it (forward, recompute and backward alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket.__name__)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _sdpa_model(**kw):
+    """Tiny GPT on the fused CPU SDPA kernel (`_scaled_dot_product_flash_attention_for_cpu`), as cuDNN on GPU."""
+    torch.manual_seed(0)
+    from ulyssesd.training.model import GPT
+    from ulyssesd.training.spec import ModelSpec
+
+    return GPT(ModelSpec(preset="tiny", **kw.pop("model", {})).resolved(), "sdpa", **kw)
+
+
+def test_speed_levers_are_off_by_default_and_reach_the_blocks():
+    m = _model()
+    assert m.cfg.rotary_fused is False and m.cfg.qkv_copy is True and m.cfg.checkpoint_keep_attention is False
+    on = _model(model={"rotary_fused": True, "qkv_copy": False})
+    assert all(b.rotary_fused and not b.qkv_copy for b in on.blocks)
+
+
+@pytest.mark.parametrize("backend_model", [_model, _sdpa_model])
+def test_qkv_view_instead_of_copy_gives_identical_loss_and_grads(backend_model):
+    assert_same_loss_and_grads(backend_model(), backend_model(model={"qkv_copy": False}), atol=0)
+
+
+def test_keep_attention_checkpoint_gives_identical_loss_and_grads():
+    assert_same_loss_and_grads(_sdpa_model(checkpoint_every=1),
+                               _sdpa_model(checkpoint_every=1, model={"checkpoint_keep_attention": True}), atol=1e-7)
+    assert_same_loss_and_grads(_sdpa_model(checkpoint_layers=2),
+                               _sdpa_model(checkpoint_layers=2, model={"checkpoint_keep_attention": True}), atol=1e-7)
+
+
+def test_keep_attention_checkpoint_skips_the_attention_forward_in_recompute():
+    x, pos, y = _batch()
+
+    def attention_forwards(model):
+        with _CountOps() as ops:
+            model(x, pos, y).backward()
+        fwd = [n for n in ops.counts if n.startswith("_scaled_dot_product") and "backward" not in n]
+        assert fwd, ops.counts  # the fused kernel ran (else this test would prove nothing)
+        return sum(ops.counts[n] for n in fwd), sum(c for n, c in ops.counts.items() if n.startswith("mm"))
+
+    n_layers = 4
+    plain_attn, plain_mm = attention_forwards(_sdpa_model(checkpoint_every=1))
+    keep_attn, keep_mm = attention_forwards(_sdpa_model(checkpoint_every=1, model={"checkpoint_keep_attention": True}))
+    assert plain_attn == 2 * n_layers  # forward + recompute
+    assert keep_attn == n_layers       # forward only: recompute reads the kept outputs
+    assert keep_mm == plain_mm         # everything else is still recomputed
+
+
+def test_compiled_rotary_matches_the_eager_fp32_rotary_forward_and_backward():
+    # The GPU lever runs the same function through inductor; here inductor's CPU backend (C++) compiles it.
+    from ulyssesd.training.model import _compiled_rotate_qk, rotary_cos_sin, rotate_qk
+
+    heads, d = 4, 16
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 24, 3 * heads * d, generator=g).to(torch.bfloat16).requires_grad_()
+    cos, sin = rotary_cos_sin(torch.arange(100, 124).expand(2, 24), d, 10000.0)
+    q, k, _ = qkv.view(2, 24, 3, heads, d).unbind(2)  # strided views, as in Block.forward
+    eager = rotate_qk(q, k, cos, sin)
+    compiled = _compiled_rotate_qk()(q, k, cos, sin)
+    for e, c in zip(eager, compiled, strict=True):
+        assert c.dtype == torch.bfloat16 and c.is_contiguous() and c.shape == (2, 24, heads, d)
+        # bf16 outputs of the same fp32 math: equal up to one bf16 rounding step where FMA contraction differs.
+        assert torch.allclose(e.float(), c.float(), rtol=2 ** -7, atol=1e-6)
+    grad = [torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in eager]
+    ge, = torch.autograd.grad(eager, qkv, grad)
+    gc, = torch.autograd.grad(compiled, qkv, grad)
+    assert torch.allclose(ge.float(), gc.float(), rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(ge[..., 2 * heads * d:], torch.zeros_like(ge[..., 2 * heads * d:]))  # v's third: no grad
+
+
+B, S = 2, 256
+
+
+def _saved_bytes(fn, exclude: set[int]) -> int:
+    """Bytes of distinct storages autograd saves while running fn(), minus `exclude` (as the planner tests)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in exclude:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _param_ptrs(model: torch.nn.Module) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+def _planner_model():
+    """The planner tests' bf16 GPT (h 128, 2 blocks, fused CPU SDPA) and its resolved config."""
+    from ulyssesd.training.model import GPT
+
+    m = JobSpec.model_validate({"model": {"hidden_size": 128, "num_layers": 2, "num_attention_heads": 4,
+                                          "vocab_size": 512, "max_seq_len": 1024}}).resolved_model()
+    torch.manual_seed(0)
+    return GPT(m, attention_backend="sdpa").to(torch.bfloat16), m
+
+
+def test_qkv_view_lever_keeps_the_whole_qkv_output_as_the_planner_says():
+    from ulyssesd.training.model import rotary_cos_sin
+    from ulyssesd.training.planner import block_saved_bytes_per_token
+
+    # model.qkv_copy=false: attention saves v as a view of qkv, so the [tokens, 3h] qkv output stays alive.
+    model, m = _planner_model()
+    view_model, mv = _planner_model()
+    for blk in view_model.blocks:
+        blk.qkv_copy = False
+    mv = mv.model_copy(update={"qkv_copy": False})
+    x = torch.randn(B, S, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rotary_cos_sin(torch.arange(S)[None].expand(B, S), m.head_dim, m.rope_theta)
+    exclude = {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    copy = _saved_bytes(lambda: model.blocks[0](x, cos, sin), exclude | _param_ptrs(model))
+    view = _saved_bytes(lambda: view_model.blocks[0](x, cos, sin), exclude | _param_ptrs(view_model))
+    assert view - copy == B * S * 2 * 2 * m.hidden_size  # + 2h bf16 per token
+    assert B * S * block_saved_bytes_per_token(mv, 2, sp=1) == pytest.approx(view, rel=0.01)
+
+
+def test_keep_attention_costs_one_output_and_logsumexp_per_checkpointed_block():
+    from ulyssesd.training.planner import Cluster, plan
+
+    def items(**model):
+        job = JobSpec.model_validate({"model": {"preset": "gpt-1b", **model},
+                                      "train": {"seq_len": 32768, "activation_checkpoint_every": 1}})
+        return {i.name: i.bytes for i in plan(job, Cluster.preset("h200-141g", gpus_per_node=1),
+                                              search=False).items}
+
+    plain, keep = items(), items(checkpoint_keep_attention=True)
+    extra = {k: v for k, v in keep.items() if k not in plain}
+    assert extra == {"kept attention outputs (24 checkpointed blocks)": 32768 * 24 * (2 * 2048 + 4 * 16)}
+
+
+def test_compiled_rotary_inside_keep_attention_checkpoints_gives_the_same_training_math(monkeypatch):
+    # On the GPU the compiled rotary runs inside torch's selective-checkpoint dispatch mode (forward and
+    # recompute); here the CPU compiled kernel is forced into the same place.
+    from ulyssesd.training import model as model_mod
+
+    keep = {"checkpoint_keep_attention": True}
+    x, pos, y = _batch()
+    eager = _sdpa_model(checkpoint_every=1, model=keep)
+    eager_loss = eager(x, pos, y)
+    eager_loss.backward()
+    compiled, calls = model_mod._compiled_rotate_qk(), []
+    monkeypatch.setattr(model_mod, "rotate_qk", lambda *a: calls.append(1) or compiled(*a))
+    fused = _sdpa_model(checkpoint_every=1, model=keep)
+    fused_loss = fused(x, pos, y)
+    fused_loss.backward()
+    assert len(calls) == 2 * 4  # forward + recompute of 4 blocks went through the compiled kernel
+    assert torch.allclose(eager_loss, fused_loss, rtol=1e-6)
+    for (name, p1), (_, p2) in zip(eager.named_parameters(), fused.named_parameters(), strict=True):
+        assert torch.allclose(p1.grad, p2.grad, rtol=1e-4, atol=1e-7), name
