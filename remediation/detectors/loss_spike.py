@@ -13,18 +13,25 @@ from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
 from ulyssesd.remediation.records import Record, StepRecord
 
 _MAD_TO_SIGMA = 1.4826
+# The baseline spans at most this many windows of training steps (see __init__).
+SPAN_FACTOR = 10
 
 
 class LossSpikeDetector(EpisodeDetector):
     symptom = "loss_spike"
 
     def __init__(self, cfg: DetectorsConfig):
+        # The baseline: the last `window` records, but none older than SPAN_FACTOR × window training steps
+        # (and at least loss_spike_min_records): a curve logged every 100 steps keeps ~10 recent records,
+        # not 10,000 steps of a decaying loss whose spread would hide any spike.
         self._win: deque[float] = deque(maxlen=cfg.window)
+        self._win_steps: deque[int] = deque(maxlen=cfg.window)
         self._min = min(cfg.loss_spike_min_records, cfg.window)
         super().__init__(cfg)
 
     def reset(self) -> None:
         self._win.clear()
+        self._win_steps.clear()
         super().reset()
         self._ready = False
         self._median = math.nan
@@ -57,11 +64,11 @@ class LossSpikeDetector(EpisodeDetector):
         loss = rec.loss
         if loss - loss != 0.0:  # nan or ±inf (math.isfinite without the call)
             return []
-        self._clock.advance(rec.step)
+        span = self._clock.advance(rec.step)
         # Once ready, ready until reset (steps and the window only grow): skip the test then.
         ready = self._ready or self._check_ready(rec.step)
         if ready:
-            self._age += 1
+            self._age += span   # in training steps: a sparse log refreshes on every record
             if self._age >= self._every or loss > self._threshold:
                 self._refresh()
         if ready and loss > self._threshold:
@@ -78,5 +85,11 @@ class LossSpikeDetector(EpisodeDetector):
             return [Finding(self.symptom, rec.step, "critical" if severe else "warning", ev, msg, now)]
         if self._ep.active:
             self._ep.normal(rec.step)
-        self._win.append(loss)
+        win, steps = self._win, self._win_steps
+        win.append(loss)
+        steps.append(rec.step)
+        span_limit = SPAN_FACTOR * self.cfg.window
+        while len(win) > self._min and rec.step - steps[0] >= span_limit:
+            win.popleft()
+            steps.popleft()
         return []

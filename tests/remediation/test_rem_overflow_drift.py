@@ -1,0 +1,161 @@
+"""fp16 overflow seen in the loss-scale trajectory (skipped false or absent), and the step-time drift CUSUM:
+each case it must catch next to the healthy/noisy one it must leave alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from rem_helpers import healthy, run_detector
+
+from ulyssesd.remediation.config import DetectorsConfig
+from ulyssesd.remediation.detectors import Finding, build_detectors
+from ulyssesd.remediation.detectors.overflow_storm import OverflowStormDetector
+from ulyssesd.remediation.detectors.throughput_drift import ThroughputDriftDetector
+from ulyssesd.remediation.engine import Decision, RemediationEngine
+from ulyssesd.remediation.records import EventRecord
+
+FP16 = {"precision.dtype": "fp16", "precision.loss_scale.min_loss_scale": 1.0}
+
+
+def fp16_scale(storm_at: int | None = None, skipped: bool | None = None, occasional: tuple[int, ...] = ()):
+    """A DeepSpeed-like dynamic loss scale: 2^32 halving to 2^16 over the first 16 steps (calibration), x2 after
+    every 1000 clean steps, /2 at each step in `occasional`, and /2 on every step from `storm_at` on."""
+    state = {"scale": 2.0 ** 32, "clean": 0}
+
+    def m(step, r):
+        overflow = step <= 16 or step in occasional or (storm_at is not None and step >= storm_at)
+        if overflow:
+            state["scale"] = max(1.0, state["scale"] / 2)
+            state["clean"] = 0
+        else:
+            state["clean"] += 1
+            if state["clean"] >= 1000:
+                state["scale"] *= 2
+                state["clean"] = 0
+        r.loss_scale = state["scale"]
+        r.skipped = (overflow if skipped is None else skipped) if skipped is not False else False
+        if skipped is None and not overflow:
+            r.skipped = None
+    return m
+
+
+@pytest.mark.parametrize("skipped", [None, False])
+def test_storm_seen_only_in_the_loss_scale_is_an_overflow_storm(skipped):
+    def trace():
+        inner = fp16_scale(storm_at=3000, skipped=skipped)
+
+        def m(step, r):
+            inner(step, r)
+            if skipped is None:
+                r.skipped = None   # the job reports no skipped flag at all
+        return healthy(3200, seed=1, mutate=m)
+    found = run_detector(OverflowStormDetector(DetectorsConfig()), trace())
+    assert found and found[0].step == 3003   # the 4th halving in a row
+    assert found[0].evidence["halvings"] == 4 and "halved 4 times" in found[0].message
+    # ... and the engine acts at once (no grace for an overflow storm).
+    eng = RemediationEngine(job=FP16)
+    out = [o for r in trace() for o in eng.observe(r, r.time)]
+    d = next(o for o in out if isinstance(o, Decision))
+    assert (d.symptom, d.step) == ("overflow_storm", 3003)
+
+
+def test_healthy_fp16_calibration_and_occasional_overflows_stay_quiet():
+    # Calibration (16 halvings at the start), a halving every ~1,300 steps (the scale grows back x2 after 1,000
+    # clean steps), and three close together.
+    occasional = (*range(1300, 6000, 1317), 4400, 4420, 4440)
+    for skipped in (None, False):
+        recs = healthy(6000, seed=2, mutate=fp16_scale(occasional=occasional, skipped=skipped))
+        assert run_detector(OverflowStormDetector(DetectorsConfig(), min_loss_scale=1.0), recs) == []
+
+
+def test_halving_towards_the_minimum_loss_scale_is_critical():
+    # The scale sits at 16, then halves twice: 8, then 4 (= 4x the minimum 1): critical at once.
+    def near(step, r):
+        r.skipped = None
+        r.loss_scale = {3000: 8.0, 3001: 4.0}.get(step, 16.0 if step < 3000 else 4.0)
+    found = run_detector(OverflowStormDetector(DetectorsConfig(), min_loss_scale=1.0), healthy(3100, seed=3, mutate=near))
+    assert [(f.step, f.severity) for f in found][:1] == [(3001, "critical")]
+    assert "within 4x of its minimum 1" in found[0].message
+    # The same two halvings far from the minimum (scale 2^16) are an occasional overflow: quiet.
+    def far(step, r):
+        r.skipped = None
+        r.loss_scale = {3000: 2.0 ** 15, 3001: 2.0 ** 14}.get(step, 2.0 ** 16 if step < 3000 else 2.0 ** 14)
+    assert run_detector(OverflowStormDetector(DetectorsConfig(), min_loss_scale=1.0),
+                        healthy(3100, seed=3, mutate=far)) == []
+
+
+# ------------------------------------------------------------------------------------------------ drift
+def _slower(frac: float, at: int, rank: int | None = None):
+    def m(step, r):
+        if step >= at:
+            if rank is None:   # every rank slower (a throttled fabric, a slower data path)
+                r.step_time_s *= 1 + frac
+                r.step_time_max_s *= 1 + frac
+            else:              # one GPU slower: it is the slowest rank and rank 0 waits for it less visibly
+                r.step_time_max_s = r.step_time_max_s * (1 + frac) + 0.02
+                r.slowest_rank = rank
+            r.tokens_per_s = r.tokens / r.step_time_max_s
+    return m
+
+
+@pytest.mark.parametrize("frac", [0.03, 0.05])
+def test_a_sustained_few_percent_slowdown_is_found_within_about_50_steps(frac):
+    delays = []
+    for seed in range(5):
+        recs = healthy(3000, seed=seed, time_noise=0.02, mutate=_slower(frac, 2000))
+        found = [f for f in run_detector(ThroughputDriftDetector(DetectorsConfig()), recs)]
+        assert len(found) == 1 and found[0].step >= 2000, [(f.step, f.message) for f in found]
+        delays.append(found[0].step - 2000)
+        assert found[0].symptom == "throughput_drop" and found[0].evidence["slowest_rank"] is None
+    # Measured on these seeds: 3 %: median ~35 steps, 5 %: ~15 steps.
+    assert sorted(delays)[2] <= 50 and max(delays) <= 120
+
+
+def test_drift_on_one_rank_names_the_rank():
+    recs = healthy(3000, seed=4, time_noise=0.02, mutate=_slower(0.04, 2000, rank=5))
+    (f,) = run_detector(ThroughputDriftDetector(DetectorsConfig()), recs)
+    assert f.symptom == "straggler" and f.evidence["slowest_rank"] == 5 and "rank 5" in f.message
+    assert f.step - 2000 <= 60
+
+
+def _real_noise(n: int, seed: int):
+    """Step-time noise of a real run: data-dependent sequence lengths (lognormal 5 %), a checkpoint every 500
+    steps (its step 3x slower, after a checkpoint event), an eval every 1000 (one step 5x), GC hiccups."""
+    rng = random.Random(seed)
+    out = []
+    for r in healthy(n, seed=seed, time_noise=0.05):
+        if r.step % 1000 == 0:
+            r.step_time_s *= 5
+            r.step_time_max_s *= 5
+        if rng.random() < 0.01:
+            r.step_time_max_s *= 1.6
+        if r.step % 500 == 1:
+            out.append(EventRecord("checkpoint_saved", step=r.step - 1, time=r.time))
+            r.step_time_s *= 3
+            r.step_time_max_s *= 3
+        out.append(r)
+    return out
+
+
+def test_drift_is_quiet_on_real_step_time_noise():
+    for seed in range(4):
+        assert run_detector(ThroughputDriftDetector(DetectorsConfig()), _real_noise(20_000, seed)) == []
+
+
+def test_drift_acts_with_evidence_and_an_alert_never_a_rollback_or_restart():
+    for rank in (None, 2):
+        eng = RemediationEngine(job={"deepspeed.config.zero_optimization.reduce_bucket_size": 5e8})
+        out = []
+        for r in healthy(4000, seed=6, time_noise=0.02, mutate=_slower(0.05, 2000, rank=rank)):
+            out.extend(eng.observe(r, r.time))
+        decisions = [o for o in out if isinstance(o, Decision)]
+        assert decisions and all(d.apply == "none" for d in decisions), [(d.action_kind, d.apply) for d in decisions]
+        assert decisions[0].action_kind == "collect_evidence"
+        assert len([o for o in out if isinstance(o, Finding)]) == 1   # reported once, not every refire
+
+
+def test_all_default_detectors_still_quiet_on_real_noise():
+    dets = build_detectors(DetectorsConfig())
+    recs = _real_noise(8000, 7)
+    assert [f for d in dets for f in run_detector(d, recs) if f.symptom in ("throughput_drop", "straggler")] == []
