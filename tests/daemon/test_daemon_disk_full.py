@@ -223,3 +223,53 @@ def test_a_rank_exit_2_or_3_behind_torchrun_1_fails_at_once_with_the_problem_lin
                               "- parallel.world_size=4 but the launcher started 2 ranks"]
     if code == 2:
         assert "parallel.world_size=4 but the launcher started 2 ranks" in inc.summary
+
+
+# ---------------------------------------------------------------------- the real 2-rank job (slow)
+DONE = (S.COMPLETED, S.FAILED, S.STOPPED)
+
+
+@pytest.mark.slow
+def test_real_job_that_rejects_its_config_fails_after_exactly_one_attempt_with_its_message(tmp_path, make_sup):
+    from test_daemon_e2e_real import real_spec
+    from uls_daemon_helpers import run_until
+
+    spec = real_spec(tmp_path, steps=4)
+    # Valid for the spec loader, refused by the job on a CPU (it checks the device at start): exit 2 per rank.
+    with open(spec, "a") as fh:
+        fh.write('\n[attention]\nbackend = "cudnn"\n')
+    ev: list[str] = []
+    sup = make_sup(spec, ev)
+    sup.start()
+    run_until(sup, lambda s: s.state in DONE, timeout=180, tick=0.2)
+    assert sup.state == S.FAILED, ev
+    assert len(sup.store.list_attempts(sup.run_id)) == 1
+    (inc,) = sup.store.list_incidents(sup.run_id)
+    evidence = sup.store.get_incident(inc.id).evidence
+    assert evidence["returncode"] == 1 and 2 in evidence["rank_exit_codes"]
+    assert any("attention.backend='cudnn' needs a CUDA device" in line for line in evidence["problems"]), evidence
+    assert "needs a CUDA device" in inc.summary and inc.status.value == "failed"
+
+
+@pytest.mark.slow
+def test_real_job_disk_full_mid_save_is_pruned_and_the_run_completes(tmp_path, make_sup):
+    from test_daemon_e2e_real import real_spec
+    from uls_daemon_helpers import run_until
+
+    ev: list[str] = []
+    sup = make_sup(real_spec(tmp_path, steps=8, interval=2, faults=[{"kind": "disk_full", "at_step": 6}]), ev)
+    sup.start()
+    run_until(sup, lambda s: s.state in DONE, timeout=300, tick=0.2)
+    assert sup.state == S.COMPLETED, ev
+    attempts = sup.store.list_attempts(sup.run_id)
+    assert len(attempts) == 2 and attempts[1].resumed_from == "step-00000004"
+    incs = sup.store.list_incidents(sup.run_id)
+    assert [i.symptom.value for i in incs] == ["disk_full"], [(i.symptom.value, i.summary) for i in incs]
+    inc = sup.store.get_incident(incs[0].id)
+    assert inc.evidence["checkpoint_save_failed"]["errno"] == "ENOSPC"
+    prune = next(a for a in inc.actions if a.kind.value == "prune")
+    # step 2 (neither newest valid nor known good) and the half-written step 6 went; step 4 was resumed from.
+    assert sorted(prune.parameters["removed"]) == ["step-00000002", "step-00000006"]
+    assert prune.parameters["bytes_freed"] > 0 and prune.parameters["kept_newest_valid"] == "step-00000004"
+    for tag in ("step-00000004", "step-00000006", "step-00000008"):
+        assert ck.validate_tag(sup.ckpt_dir / tag, verify_checksums=True) == (True, "ok"), tag
