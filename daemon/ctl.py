@@ -6,10 +6,13 @@ stop, restart) go through the daemon's control socket; `ack` does too, and falls
 when no daemon runs. Every command takes --json.
 
 Exit codes: 0 ok · 1 the run FAILED (status/incident report on a failed run) · 2 usage error ·
-3 daemon not running (mutating commands) · 4 not found (no database, run, incident, config version) ·
+3 daemon not running (mutating commands) · 4 not found (run, incident, config version) ·
 5 refused by the daemon (e.g. resume a run that is not paused) · 6 permission denied on the socket ·
 7 daemon not responding (its process is alive but it did not answer in time: SIGSTOPped or busy; a mutating
 request was sent with a deadline, so the daemon will never apply it later).
+Store problems, each its own code and one line (never a traceback, never 1): 20 no database ·
+21 database damaged (corrupt, truncated, emptied, not a database) · 22 schema mismatch (run
+`ulyssesctl db upgrade`) · 23 database locked/busy · 24 permission denied on the database.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from rich.table import Table
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE, EXIT_NO_DAEMON, EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_PERM = 0, 1, 2, 3, 4, 5, 6
 EXIT_NOT_RESPONDING = 7
+EXIT_NO_DB, EXIT_DB_DAMAGED, EXIT_DB_SCHEMA, EXIT_DB_BUSY, EXIT_DB_PERM = 20, 21, 22, 23, 24
 DAEMON_NOT_RESPONDING = "not responding (stopped or busy)"
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -100,20 +104,37 @@ def _die(msg: str, code: int, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps({"ok": False, "error": msg, "exit_code": code}) + "\n")
     else:
-        err.print(f"[red]error:[/red] {msg}")
+        _err_line(msg)
     raise typer.Exit(code)
+
+
+def _err_line(msg: str) -> None:
+    """One line on stderr, whatever the terminal width; the message is not rich markup (file bytes, paths)."""
+    from rich.markup import escape
+
+    err.print(f"[red]error:[/red] {escape(msg)}", soft_wrap=True)
+
+
+def _store_exit_code(exc: Exception) -> int | None:
+    """ulyssesctl's exit code of a store problem (module doc), None if `exc` is not one."""
+    from ulyssesd.daemon.store import errors as E
+
+    for cls, code in ((E.NoDatabaseError, EXIT_NO_DB), (E.CorruptStoreError, EXIT_DB_DAMAGED),
+                      (E.SchemaMismatchError, EXIT_DB_SCHEMA), (E.StoreBusyError, EXIT_DB_BUSY),
+                      (E.StorePermissionError, EXIT_DB_PERM)):
+        if isinstance(exc, cls):
+            return code
+    return None
 
 
 def _store(as_json: bool):
     from ulyssesd.daemon.store import open_store
-    from ulyssesd.daemon.store.errors import NoDatabaseError, StoreError
+    from ulyssesd.daemon.store.errors import StoreError
 
     try:
         return open_store(_db_path(), readonly=True)
-    except NoDatabaseError as exc:
-        _die(str(exc), EXIT_NOT_FOUND, as_json)
     except StoreError as exc:
-        _die(str(exc), EXIT_NOT_FOUND, as_json)
+        _die(str(exc), _store_exit_code(exc) or EXIT_DB_DAMAGED, as_json)
 
 
 def _run(store, as_json: bool):
@@ -505,12 +526,12 @@ def db_upgrade_cmd(json_out: bool = typer.Option(False, "--json")) -> None:
 def db_current_cmd(json_out: bool = typer.Option(False, "--json")) -> None:
     """The database's schema revision vs this code's head."""
     from ulyssesd.daemon.store.cli import db_status
-    from ulyssesd.daemon.store.errors import NoDatabaseError
+    from ulyssesd.daemon.store.errors import StoreError
 
     try:
         st = db_status(_db_path())
-    except NoDatabaseError as exc:
-        _die(str(exc), EXIT_NOT_FOUND, json_out)
+    except StoreError as exc:
+        _die(str(exc), _store_exit_code(exc) or EXIT_DB_DAMAGED, json_out)
     if json_out:
         _out(st, True)
     else:
@@ -540,6 +561,19 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # typer/click standalone mode exits with the command's code
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
+    except Exception as exc:  # a store problem found mid-command (a damaged page, a lock): one line, its code
+        from ulyssesd.daemon.store.errors import classify
+
+        problem = classify(exc, _db_path())
+        code = _store_exit_code(problem) if problem is not None else None
+        if code is None:
+            raise
+        as_json = "--json" in (argv if argv is not None else sys.argv[1:])
+        if as_json:
+            sys.stdout.write(json.dumps({"ok": False, "error": str(problem), "exit_code": code}) + "\n")
+        else:
+            _err_line(str(problem))
+        return code
     return EXIT_OK
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .engine import make_engine
-from .errors import NoDatabaseError, SchemaMismatchError
+from .errors import CorruptStoreError, NoDatabaseError, SchemaMismatchError, classify
 from .migrate import current_revision, head_revision, known_revisions, upgrade_to_head
 from .repository import Store
 
@@ -18,12 +18,19 @@ def open_store(db_path: str | Path, readonly: bool = False, *, migrate: bool = T
     daemon writes (WAL) and while it is down. Errors name the path and what to do.
     """
     path = Path(db_path).expanduser().resolve()
-    if readonly:
-        if not path.exists():
-            raise NoDatabaseError(f"no database at {path} — has ulyssesd run?")
-    elif migrate:
-        upgrade_to_head(path)
-    rev, head = current_revision(path), head_revision()
+    try:
+        if readonly:
+            if not path.exists():
+                raise NoDatabaseError(f"no database at {path} — has ulyssesd run?")
+            _check_file(path)
+        elif migrate:
+            upgrade_to_head(path)
+        rev, head = current_revision(path), head_revision()
+    except Exception as exc:
+        err = classify(exc, path)
+        if err is None:
+            raise
+        raise err from exc
     if rev is None:
         raise NoDatabaseError(f"database at {path} has no schema yet — has ulyssesd run? "
                               f"(or run `ulyssesctl db upgrade`)")
@@ -34,3 +41,17 @@ def open_store(db_path: str | Path, readonly: bool = False, *, migrate: bool = T
             hint = "it was written by a newer ulyssesd; upgrade this installation"
         raise SchemaMismatchError(f"database at {path} is at revision {rev}, this code expects {head}: {hint}")
     return Store(make_engine(path, readonly=readonly), path, readonly=readonly)
+
+
+def _check_file(path: Path) -> None:
+    """Cheap checks before SQLite sees the file (readers): its header, and an emptied file beside backups."""
+    with path.open("rb") as fh:  # PermissionError -> StorePermissionError (classify)
+        header = fh.read(16)
+    if not header:
+        if any((path.parent / "backups").glob("ulyssesd-*.db")):
+            raise CorruptStoreError(f"database at {path} is empty (0 bytes) although backups exist: it was emptied; "
+                                    f"the daemon restores its newest backup at start")
+        return  # a brand-new file: "no schema yet" below
+    if header != b"SQLite format 3\x00":
+        raise CorruptStoreError(f"{path} is not an SQLite database (first bytes {header!r}); the daemon restores "
+                                f"its newest backup at start (state dir backups/)")

@@ -87,7 +87,7 @@ def test_unusable_checkpoint_dir_refused_before_anything_starts(tmp_path):
 def test_ctl_readonly_commands_without_daemon_or_database(tmp_path):
     from ulyssesd.daemon.ctl import main
 
-    assert main(["--state-dir", str(tmp_path), "status"]) == 4
+    assert main(["--state-dir", str(tmp_path), "status"]) == 20  # no database: a store code, not "not found"
     assert main(["--state-dir", str(tmp_path), "pause"]) == 3
 
 
