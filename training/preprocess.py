@@ -74,6 +74,7 @@ class Unit:
     start: int  # byte offset (jsonl, text-lines) or row group (parquet)
     end: int  # byte offset end (exclusive) or row group + 1
     nbytes: int  # input bytes it covers (progress and throughput)
+    files: tuple[str, ...] = ()  # text-file: the consecutive whole files it holds (small files share a unit)
 
 
 @dataclass
@@ -117,18 +118,31 @@ def _require_pyarrow():
 def plan_units(inputs: list[Path], text_unit: str, chunk_bytes: int) -> list[Unit]:
     """Split the inputs into units; a pure function of the inputs' sizes and contents at line boundaries."""
     units: list[Unit] = []
+    group: list[Path] = []
+
+    def close_group() -> None:
+        if group:
+            size = sum(p.stat().st_size for p in group)
+            units.append(Unit(len(units), str(group[0]), "text-file", 0, size, size, tuple(map(str, group))))
+            group.clear()
+
     for path in inputs:
         if not path.is_file():
             raise PreprocessError(f"input file not found: {path}")
         kind = _kind_of(path, text_unit)
         size = path.stat().st_size
+        if kind != "text-file":
+            close_group()  # a group of whole text files ends where another kind of input starts (input order)
         if kind == "parquet":
             meta = _require_pyarrow().ParquetFile(path).metadata
             for rg in range(meta.num_row_groups):
                 nbytes = meta.row_group(rg).total_byte_size
                 units.append(Unit(len(units), str(path), kind, rg, rg + 1, nbytes))
         elif kind == "text-file":
-            units.append(Unit(len(units), str(path), kind, 0, size, size))
+            group.append(path)
+            if sum(p.stat().st_size for p in group) >= chunk_bytes:
+                close_group()
+            continue
         else:
             with path.open("rb") as fh:
                 start = 0
@@ -138,6 +152,7 @@ def plan_units(inputs: list[Path], text_unit: str, chunk_bytes: int) -> list[Uni
                     end = min(fh.tell(), size) if start + chunk_bytes < size else size
                     units.append(Unit(len(units), str(path), kind, start, end, end - start))
                     start = end
+    close_group()
     return units
 
 
@@ -149,10 +164,12 @@ def _line_number(path: str, byte_offset: int) -> int:
 def _documents(unit: Unit, opts: Options) -> Iterator[tuple[str, Any]]:
     """(text, location) for every document of the unit; `describe(unit, location)` names it for errors."""
     if unit.kind == "text-file":
-        try:
-            yield Path(unit.path).read_text(encoding="utf-8"), None
-        except UnicodeDecodeError as exc:
-            raise PreprocessError(f"{unit.path}: not UTF-8 text ({exc})") from None
+        for name in unit.files:
+            try:
+                text = Path(name).read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise PreprocessError(f"{name}: not UTF-8 text ({exc})") from None
+            yield text, name
         return
     if unit.kind == "parquet":
         table = _require_pyarrow().ParquetFile(unit.path).read_row_group(unit.start)
@@ -200,8 +217,8 @@ def describe(unit: Unit, location: Any) -> str:
     """Where a document is, for error messages: `file:line`, a Parquet row, or the text file."""
     if unit.kind == "parquet":
         return f"{unit.path} row group {unit.start} row {location}"
-    if location is None:
-        return unit.path
+    if unit.kind == "text-file":
+        return str(location)
     return f"{unit.path}:{_line_number(unit.path, location)}"
 
 

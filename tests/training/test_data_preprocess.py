@@ -200,3 +200,22 @@ def test_cli_trains_a_tokenizer_preprocesses_and_reports(tmp_path, jsonl):
     bad = subprocess.run(cmd[:4] + ["--tokenizer", str(tmp_path / "none.json"), "--output-prefix",
                                     str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "tokenizer file not found" in bad.stderr
+
+
+def test_whole_text_files_are_one_document_each_in_input_order(tmp_path, tokenizer_path):
+    files = []
+    for i, t in enumerate(TEXTS[:40]):
+        files.append(tmp_path / f"doc{i:02d}.txt")
+        files[-1].write_text(t)
+    rest = tmp_path / "rest.jsonl"
+    rest.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[40:60]))
+    ref = tmp_path / "ref.jsonl"
+    ref.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:60]))
+    # Small files are grouped into units (chunk 500 bytes -> many groups), spread over two workers.
+    stats = pp.preprocess([*files[:30], rest, *files[30:]], tokenizer_path, tmp_path / "mixed", workers=2,
+                          chunk_bytes=500)
+    assert stats.documents == 60
+    pp.preprocess([ref], tokenizer_path, tmp_path / "ref")
+    mixed, want = IndexedDataset(tmp_path / "mixed"), IndexedDataset(tmp_path / "ref")
+    order = list(range(30)) + list(range(40, 60)) + list(range(30, 40))
+    assert [mixed.document(k).tolist() for k in range(60)] == [want.document(k).tolist() for k in order]
