@@ -1,0 +1,172 @@
+"""Zero-code supervision: real published log lines (tests/client/fixtures/logs/README.md has provenance)
+become telemetry records the daemon accepts, unknown lines are ignored, ranks are de-duplicated, and the
+remediation engine finds an overflow storm and a loss spike from a DeepSpeed script's printed lines while
+staying quiet on a noisy healthy one."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from ulyssesd.remediation.log_telemetry import LogTelemetryParser, looks_like_telemetry, parse_log_lines
+from ulyssesd.remediation.records import StepRecord, parse_record
+from ulyssesd.remediation.replay import replay
+
+LOGS = Path(__file__).parent / "fixtures" / "logs"
+
+
+def _records(name: str) -> list[dict]:
+    recs = list(parse_log_lines((LOGS / name).read_text().splitlines()))
+    for r in recs:
+        parse_record(r)  # every record is one the daemon accepts
+    return recs
+
+
+def test_megatron_iteration_lines():
+    recs = _records("megatron_lm.log")
+    assert [r["step"] for r in recs] == [122, 123, 124, 125]
+    first = recs[0]
+    assert first["loss"] == pytest.approx(2.504220) and first["grad_norm"] == 0.231
+    assert first["lr"] == pytest.approx(9.150e-06) and first["loss_scale"] == 1.0
+    assert first["step_time_s"] == pytest.approx(86.5452) and first["skipped"] is False
+
+
+def test_megatron_interval_without_loss_marks_the_next_record_skipped_and_invents_no_loss():
+    recs = _records("megatron_bert_skipped.log")
+    assert [r["step"] for r in recs] == [20]  # iteration 10 had every iteration skipped: no lm loss printed
+    assert recs[0]["skipped"] is True and recs[0]["loss"] == pytest.approx(10.05022)
+    assert recs[0]["loss_scale"] == 32768.0 and recs[0]["grad_norm"] == pytest.approx(217.199)
+    # Lines with no loss at all (a pipeline stage that does not print it) give nothing, not a made-up NaN.
+    assert _records("megatron_deepspeed_nan_gradnorm.log") == []
+
+
+def test_gpt_neox_on_deepspeed_merges_throughput_and_timers_into_the_iteration():
+    recs = _records("gpt_neox_deepspeed_bf16.log")
+    assert len(recs) == 1
+    r = recs[0]
+    assert r["step"] == 34 and r["loss"] == pytest.approx(11.18665)
+    assert r["mem_max_allocated_gib"] == 63.31 and r["mem_allocated_gib"] == 59.65
+    assert r["step_time_s"] == pytest.approx(4.1031)  # the iteration's own time wins over the timers' sum
+    assert r["time"] == pytest.approx(1690318997.269)  # 2023-07-25 21:03:17,269 (UTC)
+
+
+def test_hf_trainer_dict_takes_its_step_from_tqdm_and_the_overflows_before_it():
+    recs = _records("hf_trainer_deepspeed_overflow.log")
+    assert len(recs) == 1
+    r = recs[0]
+    assert r["step"] == 380 and r["loss"] == 2.0491 and r["lr"] == pytest.approx(1.961913563176343e-4)
+    assert r["skipped"] is True and r["loss_scale"] == 32.0  # the scale the last overflowing step attempted
+    assert r["step_time_s"] == pytest.approx(132.12)
+
+
+def test_hf_trainer_dicts_without_a_progress_bar_are_numbered_in_order():
+    recs = _records("hf_trainer_grad_norm.log")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert recs[0]["grad_norm"] == pytest.approx(37.657958984375) and "skipped" not in recs[0]
+
+
+def test_torchrun_rank_prefix_and_a_scripts_own_step_lines():
+    recs = _records("torchtitan_rank_prefix.log")
+    assert [(r["step"], r["loss"]) for r in recs] == [(1, -1.0), (2, -1.0), (3, -1.0)]
+
+
+def test_deepspeed_overflow_lines_alone_make_no_step_record_but_count_for_the_next():
+    p = LogTelemetryParser()
+    assert list(p.feed_many((LOGS / "deepspeed_overflow_startup.log").read_text().splitlines())) == []
+    assert p.stats.by_format == {"deepspeed_overflow": 4}
+    (rec,) = p.feed("step=1 loss=10.5")
+    assert rec["skipped"] is True and rec["loss_scale"] == 16384.0
+    (rec,) = p.feed("step=2 loss=10.4")
+    assert rec["skipped"] is False and "loss_scale" not in rec
+
+
+def test_interleaved_ranks_keep_rank_zero_and_drop_repeated_steps():
+    lines = ["[rank1]:step=1 loss=3.0", "[rank0]:step=1 loss=2.0", "[rank1]:step=2 loss=3.1",
+             "[rank0]:step=2 loss=1.9", "0: step=3 loss=1.8"]
+    p = LogTelemetryParser()
+    recs = list(p.feed_many(lines))
+    # rank 1 spoke first; once rank 0 is seen, only rank 0's lines count (rank 1's step 1 was kept before).
+    assert [(r["step"], r["loss"]) for r in recs] == [(1, 3.0), (2, 1.9), (3, 1.8)]
+    assert p.stats.dropped_other_rank == 1 and p.stats.dropped_repeated_step == 1
+    # Unprefixed ranks printing the same step: the first line of each step counts.
+    recs = list(parse_log_lines(["step 5 | loss: 2.0", "step 5 | loss: 2.1", "step 6 | loss: 1.9"]))
+    assert [(r["step"], r["loss"]) for r in recs] == [(5, 2.0), (6, 1.9)]
+
+
+@pytest.mark.parametrize("line", [
+    "Traceback (most recent call last):",
+    "  File \"train.py\", line 10, in <module>",
+    "eval loss: 2.31",                               # a loss without a step
+    "{'eval_loss': 2.2, 'eval_runtime': 3.1, 'epoch': 1.0}",
+    "{'train_runtime': 10.5, 'train_samples_per_second': 3.2, 'train_loss': 2.2, 'epoch': 3.0}",
+    "step 3 of the data pipeline done",               # a step without a loss
+    "[2024-01-01 00:00:00,000] [INFO] [config.py:1000:print]   steps_per_print .............. 10",
+    "\x1b[31mgarbage\x00\xff",
+    "",
+])
+def test_unknown_lines_are_ignored(line):
+    assert list(parse_log_lines([line])) == []
+
+
+def test_pipeline_engine_line_checkpoint_events_and_nan():
+    recs = list(parse_log_lines([
+        "steps: 10 loss: 2.3456 iter time (s): 0.512 samples/sec: 62.500",
+        "[2024-05-01 10:00:00,000] [INFO] [torch_checkpoint_engine.py:33:commit] [Torch] Checkpoint global_step10 is ready now!",
+        "step=11 loss=nan lr=1e-4 grad_norm=inf",
+    ], attempt=2))
+    assert recs[0] == {"v": 1, "kind": "step", "time": None, "attempt": 2, "step": 10, "loss": 2.3456,
+                       "step_time_s": 0.512}
+    assert recs[1]["event"] == "checkpoint_saved" and recs[1]["tag"] == "global_step10" and recs[1]["step"] == 10
+    assert recs[2]["loss"] == "nan" and recs[2]["grad_norm"] == "inf" and recs[2]["lr"] == 1e-4
+    for r in recs:
+        parse_record(r)
+
+
+def test_format_detection():
+    assert looks_like_telemetry('{"v":1,"kind":"step","step":1,"loss":2.0}')
+    assert not looks_like_telemetry(" iteration      122/  250000 | consumed samples: 1 |")
+    assert not looks_like_telemetry("{'loss': 2.0, 'epoch': 0.1}")
+
+
+# ------------------------------------------------------------ detectors over a printed-logs job
+def _deepspeed_script_log(steps: int, overflow_rate, loss_at, seed: int = 0) -> list[str]:
+    """What an unmodified fp16 DeepSpeed script prints: DeepSpeed's OVERFLOW lines, then its own loss line."""
+    rng = random.Random(seed)
+    scale = 65536
+    lines = []
+    for step in range(1, steps + 1):
+        if rng.random() < overflow_rate(step):
+            lines.append(f"[2024-05-01 10:00:00,000] [INFO] [loss_scaler.py:183:update_scale] [deepspeed] OVERFLOW! "
+                         f"Rank 0 Skipping step. Attempted loss scale: {scale}, reducing to {scale // 2}")
+            scale = max(1, scale // 2)
+        lines.append(f"step={step} loss={loss_at(step, rng):.4f}")
+    return lines
+
+
+def _findings(lines: list[str]) -> set[str]:
+    recs = [parse_record(r) for r in parse_log_lines(lines)]
+    assert all(isinstance(r, StepRecord) for r in recs)
+    return {it.item.symptom for it in replay(recs) if it.kind == "finding"}
+
+
+def test_overflow_storm_is_found_from_log_lines_and_rare_overflows_are_not():
+    def noisy(step, rng):
+        return 3.0 - step * 0.001 + rng.gauss(0, 0.02)
+
+    storm = _deepspeed_script_log(400, lambda s: 0.6 if s > 250 else 0.01, noisy)
+    healthy = _deepspeed_script_log(400, lambda s: 0.01, noisy)
+    assert "overflow_storm" in _findings(storm)
+    assert "overflow_storm" not in _findings(healthy)
+
+
+def test_loss_spike_is_found_from_log_lines_and_noise_is_not():
+    def spiky(step, rng):
+        return 3.0 + rng.gauss(0, 0.02) + (4.0 if 300 <= step < 330 else 0.0)
+
+    def noisy(step, rng):
+        return 3.0 + rng.gauss(0, 0.05)
+
+    assert "loss_spike" in _findings(_deepspeed_script_log(400, lambda s: 0.0, spiky))
+    assert _findings(_deepspeed_script_log(400, lambda s: 0.0, noisy)) == set()
