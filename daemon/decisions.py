@@ -13,6 +13,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from ulyssesd.daemon import disk
 from ulyssesd.daemon import job_config as jc
 from ulyssesd.daemon.logging import get_logger
 from ulyssesd.daemon.relaunch import Relaunch, schedule_relaunch
@@ -41,7 +42,25 @@ def handle_outputs(sup: Supervisor, out: Any, step: int) -> None:
             continue
         record_finding(sup, fnd)
     for dec in decisions:
-        apply_decision(sup, dec, step)
+        try:
+            apply_decision(sup, dec, step)
+        except OSError as exc:
+            if disk.errno_of(exc) is None:
+                raise
+            decision_write_failed(sup, dec, exc)
+
+
+def decision_write_failed(sup: Supervisor, dec: Any, exc: OSError) -> None:
+    """The daemon could not write control.json / configs/vN.json for a decision (full or read-only disk).
+    Degrade: the job keeps training unchanged, the failure is logged and alerted; a recurrence of the
+    symptom escalates as usual, and the next launch's write probe handles the disk (prune / clean stop)."""
+    what = f"{getattr(dec, 'action_kind', '?')} for {getattr(dec, 'symptom', '?')}"
+    log.warning("a decision's write to the run directory failed; the job continues unchanged",
+                decision=what, errno=disk.errno_of(exc), error=repr(exc))
+    sup.say(f"  could not apply {what}: {exc} (the job continues unchanged)")
+    sup._alert(f"could not apply {what}: {disk.errno_of(exc)} writing to {sup.run_dir}")
+    if sup.state == S.REMEDIATING and sup.term is None:
+        sup._set_state(S.RUNNING, f"decision not applied: {disk.errno_of(exc)} writing to the run directory")
 
 
 def record_finding(sup: Supervisor, fnd: Any) -> int:

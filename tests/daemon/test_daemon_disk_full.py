@@ -204,6 +204,23 @@ def test_daemon_write_on_a_read_only_run_dir_stops_cleanly(tmp_path, monkeypatch
     assert "run directory is read-only" in sup.store.get_run(sup.run_id).state_reason
 
 
+def test_a_hot_fix_whose_control_write_fails_leaves_the_job_running(tmp_path, monkeypatch):
+    from ulyssesd.daemon import decisions
+    from ulyssesd.daemon import job_config as jc
+    from ulyssesd.remediation.engine import Decision
+
+    fos, sup = _running(tmp_path)
+    dec = Decision(action_kind="lower_clip", symptom="loss_spike", apply="hot", reason="clip 1.0 -> 0.5",
+                   ladder="loss", ladder_step=0, step=40, hot_control={"gradient_clipping": 0.5})
+    monkeypatch.setattr(jc, "write_control", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "control.json")))
+    decisions.handle_outputs(sup, [dec], 40)  # no exception out of the tick
+    assert sup.state == S.RUNNING and fos.is_alive(sup.job) and not fos.signals
+    monkeypatch.setattr(jc, "write_control", lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
+    with pytest.raises(ValueError):  # only storage errors degrade; a bug still shows
+        decisions.handle_outputs(sup, [dec], 41)
+
+
 @pytest.mark.parametrize("code, fails", [(2, True), (3, True), (1, False)])
 def test_a_rank_exit_2_or_3_behind_torchrun_1_fails_at_once_with_the_problem_lines(tmp_path, code, fails):
     fos, sup = _running(tmp_path, steps=(1, 2))
@@ -273,3 +290,14 @@ def test_real_job_disk_full_mid_save_is_pruned_and_the_run_completes(tmp_path, m
     assert prune.parameters["bytes_freed"] > 0 and prune.parameters["kept_newest_valid"] == "step-00000004"
     for tag in ("step-00000004", "step-00000006", "step-00000008"):
         assert ck.validate_tag(sup.ckpt_dir / tag, verify_checksums=True) == (True, "ok"), tag
+
+
+def test_a_failed_atomic_write_leaves_neither_a_temp_file_nor_a_changed_target(tmp_path):
+    from ulyssesd.daemon import job_config as jc
+
+    target = tmp_path / "control.json"
+    jc.write_json_atomic(target, {"version": 1})
+    with pytest.raises(TypeError):
+        jc.write_json_atomic(target, {"version": 2, "z": object()})  # fails half-way through the dump
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["control.json"]
+    assert jc.read_control(tmp_path) == {"version": 1}
