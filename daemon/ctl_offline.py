@@ -1,5 +1,6 @@
-"""`ulyssesctl replay TELEMETRY.jsonl [--spec run.toml] [--json]`: what the daemon would have found and
-decided on a recorded run, step by step, without running anything.
+"""`ulyssesctl replay TELEMETRY.jsonl|JOB.log [--spec run.toml] [--json]`: what the daemon would have found
+and decided on a recorded run, step by step, without running anything. A raw job log is turned into
+records by `ulyssesd.remediation.log_telemetry` (the `[telemetry] source = "stdout"` parsers).
 
 `register(app)` adds the command to ulyssesctl's typer app. The only I/O of the replay path lives here:
 the file is read line by line; garbage lines are reported with their line number and skipped.
@@ -19,7 +20,8 @@ import typer
 
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
-from ulyssesd.remediation.records import Record, RecordError, parse_line
+from ulyssesd.remediation.log_telemetry import looks_like_telemetry
+from ulyssesd.remediation.records import Record, RecordError, parse_line, parse_record
 from ulyssesd.remediation.replay import ReplayItem, replay
 
 
@@ -29,8 +31,35 @@ class BadLine:
     error: str
 
 
+def _first_line(path: Path) -> bytes:
+    with path.open("rb") as fh:
+        for line in fh:
+            if not line.isspace():
+                return line[:4096]
+    return b""
+
+
+def read_log_records(path: Path, bad: list[BadLine]) -> Iterator[Record]:
+    """Stream records from a job's raw log (DeepSpeed, Megatron, HF Trainer, `step=N loss=X` lines);
+    lines that are no telemetry are ignored (a log is mostly other output), not reported as bad."""
+    from ulyssesd.remediation.log_telemetry import LogTelemetryParser
+
+    parser = LogTelemetryParser()
+    with path.open("r", encoding="utf-8", errors="replace", newline="\n") as fh:
+        for no, line in enumerate(fh, 1):
+            for rec in parser.feed(line):
+                try:
+                    yield parse_record(rec)
+                except RecordError as exc:
+                    bad.append(BadLine(no, str(exc)))
+
+
 def read_records(path: Path, bad: list[BadLine]) -> Iterator[Record]:
-    """Stream records from a telemetry file; each unparsable line is appended to `bad` and skipped."""
+    """Stream records from a telemetry file, or from a raw job log when its first line is not a telemetry
+    record; each unparsable telemetry line is appended to `bad` and skipped."""
+    if not looks_like_telemetry(_first_line(path)):
+        yield from read_log_records(path, bad)
+        return
     with path.open("rb") as fh:  # bytes: no decode step (orjson takes bytes; bad UTF-8 is reported per line)
         for no, line in enumerate(fh, 1):
             if line.isspace():  # blank lines are no records (an empty `line` never comes from the loop)
@@ -121,7 +150,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command("replay")
     def replay_cmd(
-        telemetry: Path = typer.Argument(..., help="telemetry.jsonl of a run (DESIGN.md telemetry contract)."),
+        telemetry: Path = typer.Argument(..., help="telemetry.jsonl of a run (docs/CONTRACTS.md), or a job's raw log "
+                                         "(DeepSpeed, Megatron, HF Trainer lines: detected from its first line)."),
         spec: Path | None = typer.Option(None, "--spec", help="Run spec TOML: its [detectors], [remediation] and job values."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:

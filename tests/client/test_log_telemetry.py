@@ -170,3 +170,19 @@ def test_loss_spike_is_found_from_log_lines_and_noise_is_not():
 
     assert "loss_spike" in _findings(_deepspeed_script_log(400, lambda s: 0.0, spiky))
     assert _findings(_deepspeed_script_log(400, lambda s: 0.0, noisy)) == set()
+
+
+def test_ulyssesctl_replay_accepts_a_raw_log(tmp_path):
+    import io
+    import json
+
+    from ulyssesd.daemon.ctl_offline import run_replay
+
+    log = tmp_path / "attempt-1.log"
+    log.write_text("\n".join(["some banner", "[rank0]: Traceback-free noise"] + _deepspeed_script_log(
+        400, lambda s: 0.6 if s > 250 else 0.01, lambda s, rng: 3.0 + rng.gauss(0, 0.02))) + "\n")
+    out, err = io.StringIO(), io.StringIO()
+    assert run_replay(log, as_json=True, out=out, err=err) == 0
+    doc = json.loads(out.getvalue())
+    assert any(it["type"] == "finding" and it["symptom"] == "overflow_storm" for it in doc["items"])
+    assert doc["bad_lines"] == [] and err.getvalue() == ""  # log noise is not reported as bad telemetry
