@@ -141,9 +141,11 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
     except (ValueError, AttributeError):
         pass
     info = state / DAEMON_INFO
+    supervising = False  # set once this daemon owns a run: only then is a shutdown backup its business
     try:
         try:
             sup.start()
+            supervising = True
         except LockHeld as exc:  # another daemon supervises this run (other state dir or socket path)
             print(f"ulyssesd: {exc}", file=sys.stderr)
             return EXIT_BUSY
@@ -169,7 +171,7 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
         if alerts is not None:
             alerts.close()
         notifier.stopping("ulyssesd exiting")
-        if sup.run_id and store.file_problem() is None:  # the clean-shutdown backup (never of a lost file)
+        if supervising and store.file_problem() is None:  # the clean-shutdown backup (never of a lost file)
             try:
                 write_backup(store, state / BACKUP_DIR_NAME, keep=spec.daemon.backups_keep)
             except Exception as exc:  # noqa: BLE001 - a failed backup must not turn an exit into a crash
