@@ -19,12 +19,25 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export BENCH_WORKDIR=/tmp/ulysses-bench
 # The package maps ulyssesd.* onto top-level folders (pyproject package-dir); without an installed wheel, a
 # shim of symlinks makes `python -m ulyssesd.training` run this checkout's code (what the call carried).
-if ! $PY -c "import ulyssesd.training" 2>/dev/null; then
-  SHIM=/tmp/ulyssesd-shim; rm -rf "$SHIM"; mkdir -p "$SHIM/ulyssesd"
-  ln -s "$PWD/ulyssesd_pkg/__init__.py" "$SHIM/ulyssesd/__init__.py"
-  for p in daemon remediation training migrations; do ln -s "$PWD/$p" "$SHIM/ulyssesd/$p"; done
+# Every package of pyproject's package-dir is linked (a new top-level package needs no edit here).
+shim_ulyssesd() {  # shim_ulyssesd DIR: DIR/ulyssesd/... -> this checkout's folders
+  rm -rf "$1" && mkdir -p "$1" && $PY - "$1" <<'PYEOF'
+import pathlib, sys, tomllib
+shim, root = pathlib.Path(sys.argv[1]), pathlib.Path.cwd()
+dirs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+(shim / "ulyssesd").mkdir()
+for f in (root / dirs["ulyssesd"]).glob("*.py"):
+    (shim / "ulyssesd" / f.name).symlink_to(f)
+for pkg, folder in dirs.items():
+    if pkg != "ulyssesd":
+        (shim / pkg.replace(".", "/")).symlink_to(root / folder)
+PYEOF
+}
+if ! $PY -c "import ulyssesd.training.train" 2>/dev/null; then
+  SHIM=/tmp/ulyssesd-shim; shim_ulyssesd "$SHIM" || { echo "shim of ulyssesd failed" >&2; exit 1; }
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-  $PY -c "import ulyssesd.training" || { echo "ulyssesd not importable" >&2; exit 1; }
+  # Fail the call at once (not once per case) when the product cannot be imported.
+  $PY -c "import ulyssesd.training.train, ulyssesd.training.model" || { echo "ulyssesd not importable" >&2; exit 1; }
 fi
 $PY -c "import torch, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__)" \
   > "$OUT/versions.txt" 2>/dev/null
