@@ -234,6 +234,25 @@ def telemetry_end(path: Path) -> tuple[int, int, int | None] | None:
     return st.st_ino, start + end + 1, last_step
 
 
+def _last_exiting_reason(path: Path) -> str | None:
+    """`reason` of the last `exiting` event in the telemetry file's last MiB."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(max(0, path.stat().st_size - TELEMETRY_TAIL_BYTES))
+            tail = fh.read()
+    except OSError:
+        return None
+    for line in tail.splitlines()[::-1]:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event") == "exiting":
+            reason = rec.get("reason")
+            return reason if isinstance(reason, str) else None
+    return None
+
+
 def find_live_job(run_id: str, run_dir: Path, attempt: int) -> tuple[int, float] | None:
     """(pid, create_time) of the attempt's job wrapper if it still runs (found by its environment marker)."""
     import psutil
@@ -310,6 +329,10 @@ def rederive_run(store: Any, run_id: str, run_dir: Path, *, ckpt_dir: Path | Non
         got["telemetry_cursor"] = {"offset": end[1], "last_step": end[2],
                                    "was": None if cur is None else {"offset": cur.offset, "last_step": cur.last_step}}
     got["last_attempt"] = last
+    # The run had ended COMPLETED: its last attempt exited 0 after saying so (an adopted run is not relaunched).
+    st_last = _read_exit_file(run_dir / "attempts" / f"{last}.exit") if last else None
+    got["completed"] = bool(st_last is not None and st_last.returncode == 0 and end is not None
+                            and _last_exiting_reason(tel) == "completed")
     got["last_step"] = end[2] if end else (cur.last_step if cur else None)
     return got
 
@@ -339,7 +362,9 @@ def settle_adopted_state(store: Any, run: Any, what: dict[str, Any]) -> None:
 
     if run.state != RunState.STARTING or not what.get("last_attempt"):
         return
-    if what.get("live_job"):
+    if what.get("completed"):
+        store.set_run_state(run.id, RunState.COMPLETED, "re-adopted: its last attempt had completed the run")
+    elif what.get("live_job"):
         store.set_run_state(run.id, RunState.RUNNING, "re-adopted: its job is still running")
     else:
         store.set_run_state(run.id, RunState.BACKOFF, "re-adopted: no live job; relaunch from the newest checkpoint")
@@ -376,6 +401,8 @@ def open_daemon_store(db_path: str | os.PathLike[str], state_dir: str | os.PathL
     db = Path(db_path).expanduser().resolve()
     state = Path(state_dir)
     problem = probe_db_file(db)
+    if problem is None and not db.exists() and list_backups(state / BACKUP_DIR_NAME):
+        problem = "the database file is missing although backups exist (deleted while no daemon ran?)"
     restore = None
     if problem is not None:
         restore = restore_newest_backup(db, state / BACKUP_DIR_NAME, problem)
@@ -386,6 +413,10 @@ def open_daemon_store(db_path: str | os.PathLike[str], state_dir: str | os.PathL
     incidents: list[int] = []
     if restore is None:
         return OpenedStore(store, None, incidents)
+    if restore.backup is None:
+        # Nothing sound to start from: an empty store. Run directories are NOT adopted behind the operator's
+        # back; creating a run is refused until they are re-adopted (--run-id) or archived (UnknownRunDirs).
+        return OpenedStore(store, restore, incidents)
     runs_root = state / "runs"
     for run_dir in sorted(p for p in runs_root.iterdir() if p.is_dir()) if runs_root.is_dir() else []:
         try:

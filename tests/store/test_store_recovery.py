@@ -207,11 +207,40 @@ def test_emptied_db_without_backup_refuses_a_fresh_run_beside_the_old_one(tmp_pa
     backup.unlink()
     _empty(state / "ulyssesd.db")
     opened = open_daemon_store(state / "ulyssesd.db", state)
-    # no backup: the run is re-created from its directory alone, as BACKOFF (no live job): not step 0
-    run = opened.store.get_run(RUN)
-    assert run.state == RunState.BACKOFF
-    assert opened.store.latest_checkpoint(RUN).tag == "step-00000005"
+    # no sound backup: an empty store, and the run directory is not adopted behind the operator's back
+    assert opened.restore is not None and opened.restore.backup is None
+    assert opened.store.list_runs() == []
+    with pytest.raises(UnknownRunDirs, match=f"--run-id {RUN}"):
+        refuse_unknown_run_dirs(opened.store, state, "fresh", None)
     opened.store.close()
+
+
+def test_missing_db_with_backups_is_restored(tmp_path):
+    state, run_dir, store, backup = _state_with_run(tmp_path)
+    store.close()
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{state / 'ulyssesd.db'}{suffix}").unlink(missing_ok=True)
+    opened = open_daemon_store(state / "ulyssesd.db", state)
+    assert opened.restore.backup == str(backup) and "missing" in opened.restore.problem
+    assert opened.store.get_run(RUN).state == RunState.RUNNING
+    opened.store.close()
+
+
+def test_completed_run_dir_is_adopted_as_completed_not_relaunched(tmp_path):
+    state, run_dir, store, backup = _state_with_run(tmp_path)
+    store.close()
+    (run_dir / "attempts").mkdir()
+    (run_dir / "attempts" / "1.exit").write_text(json.dumps({"returncode": 0, "signal": None, "ended": 2.0}))
+    with (run_dir / "telemetry.jsonl").open("a") as fh:
+        fh.write(json.dumps({"kind": "event", "event": "exiting", "reason": "completed", "step": 9}) + "\n")
+    st = open_store(tmp_path / "other.db")  # a database that never knew the run (e.g. --run-id adoption)
+    from ulyssesd.daemon.store.recovery import adopt_run_dir, rederive_run, settle_adopted_state
+
+    run = adopt_run_dir(st, run_dir, RUN, spec_path=None)
+    what = rederive_run(st, RUN, run_dir)
+    settle_adopted_state(st, run, what)
+    assert st.get_run(RUN).state == RunState.COMPLETED and what["completed"]
+    st.close()
 
 
 def test_unknown_run_dirs_refused_with_how_to_adopt_or_archive(tmp_path):

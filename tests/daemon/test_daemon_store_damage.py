@@ -1,0 +1,109 @@
+"""A live daemon (real process, the fake job) whose database is deleted mid-run, then overwritten with
+random bytes while the daemon is down: the run still COMPLETES, the same job is re-adopted, both
+recoveries are incidents, nothing is lost. Then an emptied database with no backup: a fresh run beside the
+old run directory is refused (exit 13) with how to adopt or archive it, and `--run-id` adopts it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from uls_daemon_helpers import fake_spec
+
+from ulyssesd.daemon.store import open_store
+
+
+def _daemon(spec: Path, log: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ulyssesd.daemon.cli", "run", "--spec", str(spec), *extra],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            v = pred()
+        except Exception:  # noqa: BLE001 - the database may be mid-recovery
+            v = None
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _steps(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "telemetry.jsonl").read_text().splitlines()
+    except OSError:
+        return -1
+    return max((json.loads(x)["step"] for x in lines if '"kind": "step"' in x), default=-1)
+
+
+def _damaged(db: Path, run_id: str) -> list:
+    return open_store(db, readonly=True).list_incidents(run_id, symptom="store_damaged")
+
+
+@pytest.mark.slow
+def test_db_deleted_then_corrupted_run_still_completes(tmp_path):
+    spec = fake_spec(tmp_path, steps=120, interval=10, step_s=0.1, daemon={"backup_every_s": 1.0})
+    state = tmp_path / "state"
+    db = state / "ulyssesd.db"
+    log = tmp_path / "daemon.log"
+    d1 = _daemon(spec, log)
+    d2 = None
+    try:
+        run = _wait(lambda: open_store(db, readonly=True).latest_run(), 60, "run row")
+        run_dir = state / "runs" / run.id
+        _wait(lambda: _steps(run_dir) >= 15 and list((state / "backups").glob("ulyssesd-*.db")), 60, "progress")
+        job_pid = open_store(db, readonly=True).list_attempts(run.id)[0].pid
+
+        for suffix in ("", "-wal", "-shm"):  # deleted under the running daemon
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        (inc,) = _wait(lambda: _damaged(db, run.id), 30, "deletion noticed")
+        assert "deleted" in inc.summary and inc.status.value == "resolved"
+        assert open_store(db, readonly=True).list_attempts(run.id)[0].pid == job_pid  # history kept
+
+        time.sleep(1.5)  # a backup holding the deletion incident
+        os.kill(d1.pid, signal.SIGKILL)
+        d1.wait(10)
+        with db.open("r+b") as fh:  # random bytes while no daemon runs
+            fh.write(os.urandom(8192))
+        d2 = _daemon(spec, log)
+        assert d2.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        for d in (d1, d2):
+            if d is not None and d.poll() is None:
+                os.killpg(d.pid, signal.SIGKILL)
+    st = open_store(db, readonly=True)
+    run = st.get_run(run.id)
+    assert run.state.value == "COMPLETED", log.read_text()[-3000:]
+    atts = st.list_attempts(run.id)
+    assert atts[0].pid == job_pid  # the same job was re-adopted after the restore, not relaunched
+    incs = st.list_incidents(run.id, symptom="store_damaged")
+    assert len(incs) == 2 and "restored backup" in incs[1].summary, [i.summary for i in incs]
+    assert list(state.glob("ulyssesd.db.damaged-*"))
+    assert len(st.list_runs()) == 1
+
+    # Emptied, and no backup left: a fresh run beside the old directory is refused (13) ...
+    st.close()
+    for b in (state / "backups").glob("*"):
+        b.unlink()
+    os.truncate(db, 0)
+    spec2 = fake_spec(tmp_path, steps=20, interval=10, name="fresh")
+    r = subprocess.run([sys.executable, "-m", "ulyssesd.daemon.cli", "run", "--spec", str(spec2)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 13, r.stderr
+    assert f"--run-id {run.id}" in r.stderr and "archive" in r.stderr and "Traceback" not in r.stderr
+    # ... and `--run-id` adopts it: it had completed, so it is recorded COMPLETED, not relaunched.
+    r = subprocess.run([sys.executable, "-m", "ulyssesd.daemon.cli", "run", "--spec", str(spec), "--run-id", run.id],
+                       capture_output=True, text=True, timeout=120)
+    st = open_store(db, readonly=True)
+    assert st.get_run(run.id).state.value == "COMPLETED", r.stderr[-2000:]
+    assert st.latest_checkpoint(run.id) is not None
+    assert len(st.list_incidents(run.id, symptom="store_damaged")) == 1
