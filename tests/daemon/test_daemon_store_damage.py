@@ -107,3 +107,20 @@ def test_db_deleted_then_corrupted_run_still_completes(tmp_path):
     assert st.get_run(run.id).state.value == "COMPLETED", r.stderr[-2000:]
     assert st.latest_checkpoint(run.id) is not None
     assert len(st.list_incidents(run.id, symptom="store_damaged")) == 1
+
+
+def test_failed_integrity_check_mid_run_is_an_incident(tmp_path, make_sup, monkeypatch):
+    from ulyssesd.daemon.store.records import MaintenanceResult
+
+    spec = fake_spec(tmp_path, steps=5)
+    sup = make_sup(spec)
+    sup.start()
+    sup.job_maintenance()  # healthy: nothing recorded
+    assert sup.store.list_incidents(sup.run_id, symptom="store_damaged") == []
+    bad = MaintenanceResult(ok=False, integrity=["*** in database main ***", "Page 7: btreeInitPage() returns error"],
+                            wal_busy=0, wal_frames=0, wal_checkpointed=0, db_bytes=0, wal_bytes_before=0,
+                            wal_bytes_after=0, seconds=0.0)
+    monkeypatch.setattr(sup.store, "maintenance", lambda **kw: bad)
+    sup.job_maintenance()
+    (inc,) = sup.store.list_incidents(sup.run_id, symptom="store_damaged")
+    assert "btreeInitPage" in inc.summary and inc.severity.value == "critical"
