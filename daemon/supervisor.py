@@ -880,7 +880,16 @@ class Supervisor:
                 self.store.mark_checkpoint_pruned(self.run_id, tag)
 
     def job_maintenance(self) -> None:
-        self.store.maintenance()
+        res = self.store.maintenance()
+        if getattr(res, "ok", True) is False and self.run_id:
+            # Damaged under a running daemon: the backup job now refuses unsound copies (the last good ones
+            # stay), and the next daemon start restores the newest one. Say it once per distinct result.
+            iid = self._incident(Symptom.store_damaged, self.last_step or 0, Severity.critical,
+                                 f"integrity_check failed: {'; '.join(res.integrity[:3])[:300]}; restart the "
+                                 "daemon to restore the newest good backup (the job keeps training)",
+                                 {"integrity": res.integrity[:20], "path": str(self.store.path)})
+            self._alert(f"store {self.store.path} damaged: {res.integrity[:1]}")
+            log.error("store integrity check failed", incident=iid, integrity=res.integrity[:5])
 
     def job_backup(self) -> None:
         from ulyssesd.daemon.store.recovery import BACKUP_DIR_NAME, write_backup
