@@ -134,6 +134,9 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         return
     what = (f"rank process(es) {sup.rank_lost['pids']} died; the daemon stopped the waiting ranks"
             if sup.rank_lost is not None else f"attempt {sup.attempt} {status.describe()}")
+    if save_failure is not None:
+        what = (f"checkpoint save of {save_failure.get('tag')} failed: {save_failure.get('errno')} "
+                f"({save_failure.get('bytes_free')} bytes free); {what}")
     iid = sup._incident(symptom, sup.last_step or 0, Severity.critical, f"{what}; diagnosis {diag_label}",
                         evidence)
     decisions: list[Any] = []

@@ -101,6 +101,7 @@ def test_enospc_prunes_all_but_newest_valid_and_known_good_then_resumes_from_new
     assert sup.store.list_attempts(sup.run_id)[1].resumed_from == "step-00000030"
     incs = sup.store.list_incidents(sup.run_id)
     assert [i.symptom.value for i in incs] == ["disk_full"]  # never checkpoint_corrupt
+    assert incs[0].summary.startswith("checkpoint save of step-00000040 failed: ENOSPC (0 bytes free)")
     inc = sup.store.get_incident(incs[0].id)
     assert inc.evidence["checkpoint_save_failed"]["errno"] == "ENOSPC"
     assert inc.evidence["diagnosis"] == "disk_full" and inc.evidence["rank_exit_codes"] == [4, 4]
