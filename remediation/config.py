@@ -24,8 +24,9 @@ class DetectorsConfig(_Section):
     # --- loss spike
     loss_spike_mad: float = Field(8.0, gt=0, description="Loss spike = loss above median + k·sigma (sigma = 1.4826·MAD of the window).")
     loss_spike_min_rel: float = Field(0.10, ge=0, description="...and at least this fraction above the window median (ignores tiny-noise baselines).")
-    loss_spike_min_records: int = Field(5, ge=3, description="Records in the baseline before the loss-spike test runs (a log every 10 steps has few).")
+    loss_spike_min_records: int = Field(2, ge=2, description="Records in the baseline before the loss-spike test runs (below 10: a 2x relative rule; a log every 10 steps has few).")
     loss_spike_severe_rel: float = Field(0.5, gt=0, description="A spike this fraction above the median is severe: the engine's shorter severe grace applies.")
+    loss_zero_min_prev: float = Field(0.1, ge=0, description="A loss of exactly 0 right after a loss of at least this is a broken loss (nan_loss), not convergence.")
     # --- loss oscillation
     loss_osc_window: int = Field(20, ge=4, description="Short window (steps) over which the step-to-step loss swing is measured.")
     loss_osc_ratio: float = Field(4.0, gt=1, description="Oscillation = median absolute Δloss of the short window above ratio × the run's own baseline swing.")

@@ -1,5 +1,5 @@
 """Hang: no progress (no step record) for longer than a timeout calibrated from the observed step times,
-max(floor, k × p99 step time); longer while a checkpoint is being saved or loaded and during startup
+max(floor, k × p99 time between records (step time × the steps a record stands for)); longer while a checkpoint is being saved or loaded and during startup
 before the first step; never shorter than the floor. Driven by the clock through `check(now)`."""
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ class HangDetector:
             st = rec.step_time_s
             if st is not None and st > 0:  # NaN is not > 0
                 mx = rec.step_time_max_s
-                self._times.append(mx if mx and mx == mx else st)
+                # The wall time between two records: a job that logs every 10 steps is silent for 10 steps.
+                last = self._last_step
+                span = rec.step - last if last is not None and rec.step > last else 1
+                self._times.append((mx if mx and mx == mx else st) * span)
             self._last_step = rec.step
             self._phase = "training"
         elif rec.event in ("checkpoint_saving", "checkpoint_loading"):

@@ -15,6 +15,8 @@ from ulyssesd.remediation.records import Record, StepRecord
 _MAD_TO_SIGMA = 1.4826
 # The baseline spans at most this many windows of training steps (see __init__).
 SPAN_FACTOR = 10
+# Below this many baseline records the sigma (MAD) rule is not trusted; a relative rule applies instead.
+SIGMA_MIN_RECORDS = 10
 
 
 class LossSpikeDetector(EpisodeDetector):
@@ -34,6 +36,7 @@ class LossSpikeDetector(EpisodeDetector):
         self._win_steps.clear()
         super().reset()
         self._ready = False
+        self._ep_severe = False   # the current episode already reported a severe value
         self._median = math.nan
         self._sigma = math.nan
         self._threshold = math.inf
@@ -55,7 +58,13 @@ class LossSpikeDetector(EpisodeDetector):
         # A perfectly flat window would make any wiggle a spike: floor sigma at 0.1 % of the level.
         sigma = max(_MAD_TO_SIGMA * mad, 1e-3 * abs(med), 1e-12)
         self._median, self._sigma = med, sigma
-        self._threshold = max(med + self.cfg.loss_spike_mad * sigma, med + self.cfg.loss_spike_min_rel * abs(med))
+        rel = self.cfg.loss_spike_min_rel
+        if n >= SIGMA_MIN_RECORDS:
+            self._threshold = max(med + self.cfg.loss_spike_mad * sigma, med + rel * abs(med))
+        else:
+            # A few records (a short or sparse log): a MAD of 2-9 values says little about the noise. Use twice
+            # the relative floor, and never less than the window's own spread above its maximum.
+            self._threshold = max(med + 2 * rel * abs(med), vals[-1] + (vals[-1] - vals[0]))
         self._age = 0
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
@@ -73,10 +82,17 @@ class LossSpikeDetector(EpisodeDetector):
                 self._refresh()
         if ready and loss > self._threshold:
             # Spikes stay out of the baseline so a multi-step spike keeps being measured against healthy data.
-            if not self._ep.anomalous(rec.step):
-                return []
             # Severe: far above the band (a catastrophic jump); the engine's grace is shorter for these.
             severe = loss >= self._median + self.cfg.loss_spike_severe_rel * abs(self._median)
+            onset = not self._ep.active
+            fire = self._ep.anomalous(rec.step)
+            if onset:
+                self._ep_severe = False
+            # An episode that turns severe is reported at once (not at the next refire): the engine acts sooner.
+            escalated = severe and not self._ep_severe
+            self._ep_severe = self._ep_severe or severe
+            if not (fire or escalated):
+                return []
             ev = {"loss": loss, "median": self._median, "sigma": self._sigma, "threshold": self._threshold,
                   "window": len(self._win), "since_step": self._ep.started_step, "severe": severe}
             msg = (f"step {rec.step}: loss {fmt(loss)} is {(loss - self._median) / self._sigma:.1f} sigma above "

@@ -46,7 +46,11 @@ class OverflowStormDetector(EpisodeDetector):
             if prev is not None and scale < prev:
                 halvings = max(1, round(math.log2(prev / scale)))
             self._prev_scale = scale
-        if self._clock.since_start(rec.step) < self.cfg.overflow_startup_steps:
+        floor = self.min_loss_scale
+        # Halving to within a few x of the minimum is never calibration (that settles far above it).
+        near_floor = (floor is not None and halvings > 0 and scale is not None
+                      and scale <= self.cfg.overflow_floor_factor * floor)
+        if self._clock.since_start(rec.step) < self.cfg.overflow_startup_steps and not near_floor:
             return []  # the loss scale calibrating after a start
         # Each halving is at least one overflowed step; a skipped record is at least one (we do not know how
         # many of the steps it stands for overflowed, so a record at log interval 10 counts one, not ten).
@@ -69,9 +73,6 @@ class OverflowStormDetector(EpisodeDetector):
         rate = self._skips / max(1, self._steps)
         by_rate = self._steps >= window and rate > self.cfg.overflow_max_rate
         by_halvings = self._halvings >= self.cfg.overflow_max_halvings
-        floor = self.min_loss_scale
-        near_floor = (floor is not None and halvings > 0 and scale is not None
-                      and scale <= self.cfg.overflow_floor_factor * floor)
         if not (by_rate or by_halvings or near_floor):
             if self._ep.active:
                 self._ep.normal(rec.step)

@@ -159,3 +159,33 @@ def test_all_default_detectors_still_quiet_on_real_noise():
     dets = build_detectors(DetectorsConfig())
     recs = _real_noise(8000, 7)
     assert [f for d in dets for f in run_detector(d, recs) if f.symptom in ("throughput_drop", "straggler")] == []
+
+
+# ------------------------------------------------------------------------------------- zero loss, hang
+def test_a_loss_of_exactly_zero_after_a_normal_loss_is_a_broken_loss():
+    from ulyssesd.remediation.detectors.nan_loss import NanLossDetector
+
+    def zero_from(step, r):
+        if step >= 500:
+            r.loss = 0.0
+    found = run_detector(NanLossDetector(DetectorsConfig()), healthy(600, seed=1, mutate=zero_from))
+    assert found and found[0].step == 500 and "exactly 0" in found[0].message
+    # A loss that decays smoothly towards 0 and is printed as 0.0 (4 decimals) is convergence: quiet.
+    def decays(step, r):
+        r.loss = 0.5 * 0.98 ** step if step < 590 else 0.0
+    assert run_detector(NanLossDetector(DetectorsConfig()), healthy(600, seed=1, mutate=decays)) == []
+
+
+def test_hang_timeout_scales_with_the_log_interval():
+    from ulyssesd.remediation.detectors.hang import HangDetector
+    # 18 s steps logged every 10 steps: 185 s between records is normal, not a hang (10 x 18 s would be).
+    det = HangDetector(DetectorsConfig(), start_time=0.0)
+    recs = [r for r in healthy(400, seed=2) if r.step % 10 == 0]
+    t = 0.0
+    for r in recs:
+        r.step_time_s = r.step_time_max_s = 18.5
+        t += 185.0
+        assert det.check(t) is None
+        det.observe(r, t)
+    assert det.check(t + 185.0 * 1.5) is None
+    assert det.check(t + 185.0 * 11) is not None   # ten record intervals of silence: a hang
