@@ -79,13 +79,16 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
     from ulyssesd.daemon.locks import InstanceLocks, LockHeld
     from ulyssesd.daemon.store.permissions import private_dir
 
-    state = private_dir(spec.daemon.state_dir)
-    locks = InstanceLocks(state, {"state_dir": str(state), "socket": str(spec.daemon.resolved_socket_path())})
     try:
+        state = private_dir(spec.daemon.state_dir)
+        locks = InstanceLocks(state, {"state_dir": str(state), "socket": str(spec.daemon.resolved_socket_path())})
         locks.lock_state_dir()  # before anything else is touched; held until this process ends
     except LockHeld as exc:
         print(f"ulyssesd: {exc}", file=sys.stderr)
         return EXIT_BUSY
+    except OSError as exc:  # not ours to write (permissions, read-only file system, ...)
+        print(f"ulyssesd: cannot use state dir {spec.daemon.state_dir}: {exc}", file=sys.stderr)
+        return EXIT_STATE_DIR
     if preflight and spec.daemon.preflight:
         verdict = _preflight(spec)
         if verdict is not None:

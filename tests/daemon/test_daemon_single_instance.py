@@ -143,3 +143,11 @@ def test_daemon_files_have_private_modes_under_umask_000(tmp_path):
     for f in (state / "ulyssesd.db", *backups, state / "ulyssesd.lock", run_dir / "supervisor.lock"):
         assert _mode(f) == 0o640, (f, oct(_mode(f)))
     assert open_store(backups[-1], readonly=True).get_run(run_dir.name).state.value == "COMPLETED"
+
+
+def test_unusable_state_dir_is_a_clear_error_not_a_traceback(tmp_path):
+    spec = fake_spec(tmp_path)
+    (tmp_path / "state").write_text("a file where the state dir should be")
+    r = _second(["--spec", str(spec)])
+    assert r.returncode == 13, r.stderr
+    assert "cannot use state dir" in r.stderr and "Traceback" not in r.stderr
