@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,18 +43,24 @@ class ControlPoller:
         self.world_size = world_size
         self.state = ControlState()
         self._bad_logged: str | None = None
+        self._stamp: tuple[int, int, int] | None = None  # (inode, size, mtime) of the last file read
 
     def _read(self) -> dict[str, Any] | None:
         if self.path is None:
             return None
         reason: str | None
         try:
+            st = os.stat(self.path)
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if stamp == self._stamp:
+                return None  # unchanged since the last read: one stat per step, no read/parse
             text = self.path.read_text()
         except FileNotFoundError:
             return None
         except OSError as exc:
             reason = f"unreadable: {exc}"
         else:
+            self._stamp = stamp
             parsed, reason = parse_control(text)
             if parsed is not None:
                 self._bad_logged = None
