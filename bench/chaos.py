@@ -319,9 +319,13 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=5.0, help="duration of the chaos phase")
     ap.add_argument("--work-dir", default=None)
     ap.add_argument("--results", default=None, help="append a 'Chaos (CPU)' section to this markdown file")
+    ap.add_argument("--scenarios", choices=["storage"], default=None,
+                    help="storage: disk full and read-only filesystem, one run each (see main_storage)")
     args = ap.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="ulyssesd-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.scenarios == "storage":
+        return main_storage(work, args.results)
     res = Chaos(work, args.every, args.minutes).run()
     cmd = f"python bench/chaos.py --every {args.every:g} --minutes {args.minutes:g}"
     text = render(res, cmd)
@@ -331,6 +335,104 @@ def main() -> int:
         with open(args.results, "a") as fh:
             fh.write("\n## Chaos (CPU)\n\n" + text)
     return 0 if res["survived"] == res["faults"] else 1
+
+
+# ------------------------------------------------------------------------ storage scenarios (#13)
+# Run with `--scenarios storage`: two supervised runs of the real 2-rank job, one per fault.
+#   disk_full     ENOSPC mid-save -> the daemon prunes every tag but the newest valid and the known-good ones
+#                 (and the half-written one), resumes from the newest valid tag, the run COMPLETES.
+#   read_only_fs  EROFS at a save -> a clear incident and a clean stop (FAILED "run directory is read-only"),
+#                 nothing deleted.
+# A real ENOSPC/EROFS needs a small or read-only mount (root; this box has ~80 GB free), so both use the job's
+# own faults, which act inside the real save path: `disk_full` writes each file of the first save at or after
+# `at_step` half-way, then raises OSError(ENOSPC), on every rank; `read_only_fs` raises OSError(EROFS) first.
+STORAGE_STEPS, STORAGE_FAULT_STEP = 60, 35  # the save at step 40 fails; steps 10..30 were saved before it
+
+
+def _storage_run(work: Path, fault: str) -> dict:
+    """One supervised run with the storage fault; what the store and the run directory say afterwards."""
+    from ulyssesd.daemon.store import open_store
+    from ulyssesd.training.checkpoint import list_tags, validate_tag
+
+    work.mkdir(parents=True, exist_ok=True)
+    sock = Path(tempfile.mkdtemp(prefix="uls-chaos-", dir="/tmp")) / "d.sock"
+    spec = work / "run.toml"
+    spec.write_text(SPEC.format(state=work / "state", sock=sock).replace("steps = 100000", f"steps = {STORAGE_STEPS}")
+                    + f'\n[[faults]]\nkind = "{fault}"\nat_step = {STORAGE_FAULT_STEP}\n')
+    t0 = time.time()
+    with open(work / "daemon.log", "ab") as log:
+        proc = subprocess.run([sys.executable, "-m", "ulyssesd.daemon.cli", "run", "--spec", str(spec)],
+                              stdout=log, stderr=subprocess.STDOUT, timeout=900)
+    st = open_store(work / "state" / "ulyssesd.db", readonly=True)
+    run = st.latest_run()
+    rd = Path(run.run_dir)
+    recs = records(rd)
+    failed = next((r for r in recs if r.get("event") == "checkpoint_save_failed"), None)
+    incs = st.list_incidents(run.id)
+    acts = [a for i in incs for a in st.list_actions(incident_id=i.id)]
+    prune = next((a for a in acts if a.kind.value == "prune"), None)
+    after = [r["time"] for r in recs if r.get("kind") == "step" and (r.get("attempt") or 0) >= 2]
+    atts = st.list_attempts(run.id)
+    ck = rd / "checkpoints"
+    tags = list_tags(ck)
+    return {"fault": fault, "daemon_rc": proc.returncode, "wall_s": round(time.time() - t0, 1),
+            "final_state": run.state.value, "state_reason": run.state_reason,
+            "final_step": max((r["step"] for r in recs if r.get("kind") == "step"), default=None),
+            "attempts": len(atts), "resumed_from": [a.resumed_from for a in atts][1:],
+            "errno": failed.get("errno") if failed else None,
+            "incidents": [(i.symptom.value, i.status.value, i.summary[:200]) for i in incs],
+            "detect_s": round(incs[0].detected_at.timestamp() - failed["time"], 1) if failed and incs else None,
+            "recover_s": round(after[0] - failed["time"], 1) if failed and after else None,
+            "pruned": prune.parameters.get("removed") if prune else [],
+            "bytes_freed": prune.parameters.get("bytes_freed") if prune else 0,
+            "tags_left": tags, "tags_left_valid": [t for t in tags if validate_tag(ck / t, True)[0]],
+            "quarantined": sorted(p.name for p in ck.iterdir() if ".corrupt-" in p.name) if ck.exists() else [],
+            "load_avg_end": [round(x, 1) for x in os.getloadavg()]}
+
+
+def scenario_disk_full(work: Path) -> dict:
+    res = _storage_run(work, "disk_full")
+    res["ok"] = (res["final_state"] == "COMPLETED" and res["resumed_from"][:1] == ["step-00000030"]
+                 and res["errno"] == "ENOSPC" and not res["quarantined"])
+    return res
+
+
+def scenario_read_only_fs(work: Path) -> dict:
+    res = _storage_run(work, "read_only_fs")
+    res["ok"] = (res["final_state"] == "FAILED" and "read-only" in (res["state_reason"] or "")
+                 and res["errno"] == "EROFS" and res["attempts"] == 1 and not res["pruned"]
+                 and res["tags_left_valid"] == ["step-00000010", "step-00000020", "step-00000030"])
+    return res
+
+
+def render_storage(rows: list[dict], cmd: str) -> str:
+    lines = [f"Command: `{cmd}` — real 2-rank job (torchrun, gloo, ZeRO-3, Ulysses SP=2), {STORAGE_STEPS} steps, "
+             f"a checkpoint every 10, the fault at the first save at or after step {STORAGE_FAULT_STEP}; "
+             f"faults from the job's own `[[faults]]` (no root for a real full/read-only mount).", "",
+             "| fault class | n | survived | detection (s) | recovery to next step (s) | what happened |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        rec = r["recover_s"] if r["fault"] == "disk_full" else "— (clean stop by design)"
+        what = (f"{r['errno']}; pruned {', '.join(r['pruned']) or 'nothing'} ({r['bytes_freed']} bytes); "
+                f"resumed from {', '.join(str(x) for x in r['resumed_from']) or '—'}; {r['final_state']} at step "
+                f"{r['final_step']} after {r['attempts']} attempt(s); valid tags left {', '.join(r['tags_left_valid'])}")
+        if r["fault"] == "read_only_fs":
+            what += f"; reason: {(r['state_reason'] or '')[:90]}"
+        lines.append(f"| {r['fault']} | 1 | {'yes' if r['ok'] else 'NO'} | {r['detect_s']} | {rec} | {what} |")
+    lines.append(f"\nwall {sum(r['wall_s'] for r in rows) / 60:.1f} min for both; load average at the end "
+                 f"{rows[-1]['load_avg_end']}; {time.strftime('%Y-%m-%d', time.gmtime())}.")
+    return "\n".join(lines) + "\n"
+
+
+def main_storage(work: Path, results: str | None) -> int:
+    rows = [scenario_disk_full(work / "disk_full"), scenario_read_only_fs(work / "read_only_fs")]
+    text = render_storage(rows, "python bench/chaos.py --scenarios storage")
+    print(text)
+    print(json.dumps(rows, indent=1, default=str))
+    if results:
+        with open(results, "a") as fh:
+            fh.write("\n## Chaos (CPU): disk full, read-only file system\n\n" + text)
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":
