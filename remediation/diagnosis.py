@@ -16,21 +16,27 @@ How it decides (root cause beats consequence):
    appears first in the log (a network error makes peers time out; a hung rank's timeout makes its peers
    see remote errors). The fp16 overflow label needs a *storm* after warm-up, not a few calibration skips.
 5. A plain Python exception (no rule matches its message) on the rank that failed first beats the
-   communication errors of its peers, which are its consequences: the label is then `launcher_error` (the
-   fixed set's label for a failure with no specific cause) with the exception line as evidence; see
-   `_first_failure`.
+   communication errors of its peers, which are its consequences: the label is then `python_exception`
+   with the exception line as evidence; see `_first_failure`. An uncaught exception with no other
+   evidence is `python_exception` too.
+6. Confidence: `healthy` is `high` only when the log shows training progressing (or the job exited 0); a
+   text that is not a training log at all (empty, binary) says so in the reason, at `low`.
+   `host_oom_killed` from a bare SIGKILL is `medium`: `refine_with_host` upgrades it with the host's OOM
+   counters, or turns it into `killed` when they show no OOM kill.
 """
 
 from __future__ import annotations
 
 import bisect
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+
+from ulyssesd.remediation.diagnosis_rules import PRECEDENCE, RULES
 
 LABELS: tuple[str, ...] = (
     "cuda_oom", "host_oom_killed", "nccl_timeout", "nccl_error", "loss_scale_overflow", "loss_scale_min",
     "nan_loss", "illegal_memory_access", "gpu_hardware", "disk_full", "checkpoint_corrupt", "dataloader_crash",
-    "launcher_error", "segfault", "healthy",
+    "launcher_error", "segfault", "killed", "config_rejected", "python_exception", "healthy",
 )
 
 # Bytes of the log end that callers should pass (and that `diagnose` keeps at most).
@@ -52,6 +58,11 @@ class DiagnosisConfig:
     root_exception_window: int = 40  # an exception is the first failure only this many unindented lines before a comm error
     max_tracebacks: int = 64  # only the last this many tracebacks of the tail are read
     max_traceback_lines: int = 400  # a traceback's exception line is looked for this many lines after its header
+    overflow_low_scale: float = 64.0  # OVERFLOW at an attempted scale <= this is far below fp16's 2^16 start...
+    overflow_low_scale_min: int = 3  # ...and this many such lines are a storm, at any step
+    overflow_skipped_fraction: float = 0.5  # DeepSpeed's "step=N, skipped=M": M/N >= this after warm-up is a storm
+    progress_min_lines: int = 2  # healthy is `high` only with at least this many progress lines
+    binary_fraction: float = 0.1  # text with more than this share of control/replacement characters is binary
 
 
 @dataclass(frozen=True)
@@ -68,137 +79,13 @@ class Diagnosis:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class _Rule:
-    label: str
-    patterns: tuple[str, ...]
-    keys: tuple[str, ...]  # lowercase literals; every hit line contains one (cheap prefilter before the regex)
-    exclude: str | None = None  # a hit line that also matches this is benign for this label
-    what: str = ""  # short phrase for the reason sentence
-
-
-# An exception's final line, optionally rank-prefixed ("[rank0]:", "[default0]:", "0: ").
-_EXC = r"^(?:\[[^\]\n]*\]:?|\d+:)?\s*(?:\w+\.)*"
-
-# Patterns are matched per line, case-insensitively. Sources: FACTS.md and the public issue threads cited in
-# the .json sidecar of each fixture under tests/fixtures/logs/.
-_RULES: tuple[_Rule, ...] = (
-    _Rule("gpu_hardware", (
-        r"\bXid\b[^\n]{0,80}?\b(?:13|31|43|45|48|61|62|63|64|74|79|92|94|95|119|120|123|140)\b",
-        r"fallen off the bus",
-        r"uncorrectable ECC error",
-        r"cudaErrorECCUncorrectable",
-        r"uncorrectable NVLink error",
-        r"NVML_ERROR_GPU_IS_LOST|\bGPU is lost\b",
-        r"Unable to determine the device handle for GPU",
-        r"CUDA error: (?:unknown error|GPU is lost)",
-    ), ("xid", "fallen off the bus", "ecc", "nvlink error", "gpu is lost", "gpu_is_lost", "device handle for gpu", "cuda error: unknown error"), what="a GPU reported a hardware fault (Xid, uncorrectable ECC, or a lost GPU)"),
-    _Rule("disk_full", (
-        r"No space left on device",
-        r"\[Errno 28\]|\bENOSPC\b|errno: 28\b",
-        r"Disk quota exceeded|\bEDQUOT\b|\[Errno 122\]",
-        r"PytorchStreamWriter failed writing file",
-    ), ("no space left", "errno 28", "enospc", "errno: 28", "disk quota", "edquot", "errno 122", "pytorchstreamwriter"), exclude=r"/dev/shm|shared memory", what="a write failed because the disk or quota is full"),
-    _Rule("checkpoint_corrupt", (
-        r"PytorchStreamReader failed reading (?:zip archive|file)",
-        r"failed finding central directory",
-        r"UnpicklingError",
-        r"invalid load key",
-        r"(?:checkpoint|manifest)[^\n]{0,80}(?:checksum mismatch|is corrupt|corrupted)",
-        r"no valid checkpoint",
-        r"SafetensorError: Error while deserializing",
-        r"EOFError: Ran out of input",
-    ), ("pytorchstreamreader", "central directory", "unpicklingerror", "invalid load key", "corrupt", "checksum mismatch", "no valid checkpoint", "safetensorerror", "ran out of input"), what="a checkpoint file could not be read (truncated or corrupt)"),
-    _Rule("cuda_oom", (
-        r"OutOfMemoryError",
-        r"CUDA out of memory",
-        r"CUDA error: out of memory",
-        r"cudaErrorMemoryAllocation",
-        r"CUBLAS_STATUS_ALLOC_FAILED",
-        r"Cuda failure '?out of memory",
-    ), ("outofmemoryerror", "out of memory", "cudaerrormemoryallocation", "cublas_status_alloc_failed"), what="CUDA ran out of device memory"),
-    _Rule("illegal_memory_access", (
-        r"illegal memory access",
-        r"cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS",
-        r"CUDA error: misaligned address",
-        r"CUDA error: an illegal instruction",
-        r"device-side assert(?:ion)? triggered",
-    ), ("illegal memory access", "illegaladdress", "illegal_address", "misaligned address", "illegal instruction", "device-side assert"), what="a CUDA kernel faulted (illegal memory access or device-side assert)"),
-    _Rule("host_oom_killed", (
-        r"DefaultCPUAllocator: can't allocate memory",
-        r"Out of memory: Kill(?:ed)? process",
-        r"\boom-kill(?:er)?\b|\boom_reaper\b|invoked oom-killer",
-        r"^\s*MemoryError\b|\bMemoryError: ",
-        r"std::bad_alloc",
-        r"Cannot allocate memory",
-    ), ("defaultcpuallocator", "out of memory: kill", "oom-kill", "oom_reaper", "memoryerror", "bad_alloc", "cannot allocate memory"), exclude=r"DataLoader worker", what="the host ran out of memory"),
-    _Rule("dataloader_crash", (
-        r"DataLoader worker \(pid",
-        r"Caught \w+ in DataLoader worker process",
-        r"(?:bus error|Bus error) encountered in worker",
-        r"DataLoader timed out after",
-    ), ("dataloader worker", "encountered in worker", "dataloader timed out"), what="a DataLoader worker died"),
-    _Rule("segfault", (
-        r"Segmentation fault",
-        r"\bSIGSEGV\b",
-        r"\bBus error\b",
-        r"\bSIGBUS\b",
-        r"Fatal Python error: (?:Segmentation fault|Bus error)",
-    ), ("segmentation fault", "sigsegv", "bus error", "sigbus"), exclude=r"encountered in worker", what="a process crashed with a memory fault (SIGSEGV/SIGBUS)"),
-    _Rule("loss_scale_min", (
-        r"loss scale already at minimum",
-    ), ("loss scale already at minimum",), what="the fp16 loss scale hit its minimum"),
-    _Rule("nan_loss", (
-        r"\bloss (?:is|became|was) (?:nan|inf|-inf|non-finite|not finite)\b",
-        r"\bloss\b['\"]?\s*[:=]\s*['\"]?[-+]?(?:nan|inf)\b",
-        r"\bnon-finite loss\b",
-        r"returned nan values in its \d+\w* output",
-    ), ("loss", "returned nan values"), exclude=r"\bgoes to nan\b|\bif the loss\b", what="the loss became NaN/Inf"),
-    _Rule("nccl_error", (
-        r"NCCL error in:",
-        r"\bnccl(?:InternalError|SystemError|RemoteError|UnhandledCudaError|InvalidUsage|InvalidArgument)\b",
-        r"remote process exited or there was a network error",
-        r"NET/IB\s*:[^\n]*(?:completion|error)[^\n]*(?:error|status)",
-        r"gloo[^\n]*(?:Connection closed by peer|Connection reset by peer|Broken pipe)",
-        r"(?:Connection closed by peer|Connection reset by peer)[^\n]*gloo",
-    ), ("nccl error in:", "ncclinternalerror", "ncclsystemerror", "ncclremoteerror", "ncclunhandledcudaerror", "ncclinvalidusage", "ncclinvalidargument", "remote process exited", "net/ib", "connection closed by peer", "connection reset by peer", "broken pipe"), exclude=r"NCCL INFO|collective operation timeout|timed out", what="a collective communication call failed (NCCL/gloo error)"),
-    _Rule("nccl_timeout", (
-        r"Watchdog caught collective operation timeout",
-        r"collective operation timeout",
-        r"Timed out waiting \d+ms for (?:recv|send) operation",
-        r"gloo[^\n]*Timed out",
-    ), ("collective operation timeout", "timed out waiting", "timed out"), what="a collective timed out (a rank hung or fell behind)"),
-    _Rule("launcher_error", (
-        r"Rendezvous\w*Error",
-        r"The server socket has failed to (?:listen|bind)",
-        r"Address already in use|EADDRINUSE|errno: 98\b",
-        r"DistNetworkError",
-        r"can't open file [^\n]*No such file or directory",
-        r"\b(?:torchrun|deepspeed|launch\.py|run\.py): error:",
-        _EXC + r"(?:ModuleNotFoundError|ImportError): No module named",
-        r"\bcommand not found\b",
-        r"\bSpecError\b|invalid run spec",
-        r"srun: error:|ssh: connect to host|pdsh@[^\n]*exited with exit code",
-        r"Timed out initializing process group in store based barrier",
-        _EXC + r"FileNotFoundError:",
-    ), ("rendezvous", "server socket has failed", "address already in use", "eaddrinuse", "errno: 98", "distnetworkerror", "can't open file", ": error:", "no module named", "command not found", "specerror", "invalid run spec", "srun: error", "ssh: connect", "pdsh@", "store based barrier", "filenotfounderror"), what="the launcher or the job setup failed"),
-)
-_RULE_BY_LABEL = {r.label: r for r in _RULES}
-
-# Root cause first. Hardware, disk and corrupt inputs cause everything downstream; device faults beat the
-# NCCL errors they trigger on peers; a killed/segfaulted rank beats its peers' NCCL errors; the loss family
-# only matters when nothing crashed it; launcher errors are the outermost layer.
-PRECEDENCE: tuple[str, ...] = (
-    "gpu_hardware", "disk_full", "checkpoint_corrupt", "cuda_oom", "illegal_memory_access",
-    "host_oom_killed", "dataloader_crash", "segfault", "loss_scale_min", "nan_loss",
-    "nccl_error", "nccl_timeout", "loss_scale_overflow", "launcher_error",
-)
+_RULE_BY_LABEL = {r.label: r for r in RULES}
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 _NEWLINES = re.compile(r"\r\n|\r")
 _FLAGS = re.IGNORECASE
-_COMPILED = {r.label: re.compile("|".join(f"(?:{p})" for p in r.patterns), _FLAGS) for r in _RULES}
-_EXCLUDE = {r.label: re.compile(r.exclude, re.IGNORECASE) for r in _RULES if r.exclude}
+_COMPILED = {r.label: re.compile("|".join(f"(?:{p})" for p in r.patterns), _FLAGS) for r in RULES}
+_EXCLUDE = {r.label: re.compile(r.exclude, re.IGNORECASE) for r in RULES if r.exclude}
 # Source lines quoted in a traceback ("    raise RuntimeError(f'DataLoader ...')", '  File "x.py"') are not
 # evidence: the exception's own final line is.
 _CODE_LINE = re.compile(r"""^(?:\[[^\]\n]*\]:?|\d+:)?\s+(?:raise\b|File ")""")
@@ -213,13 +100,40 @@ _SIGNAL_IN_LOG = re.compile(
     re.IGNORECASE,
 )
 _SIGNAL_KEYS = ("received by pid", "exitcode", "return code =", "died with <signals")
-# The shell's report of a SIGKILLed child: a bare "Killed" (maybe rank-prefixed) or "1234 Killed  python ...".
-_SHELL_KILLED = re.compile(r"^[^\S\n]*(?:\S+:[^\S\n]*)?Killed[^\S\n]*$|\b\d+[^\S\n]+Killed[^\S\n]+\S", re.MULTILINE)
+# The shell's report of a SIGKILLed child: a bare "Killed" (maybe rank-prefixed; "已杀死" in a Chinese locale),
+# "1234 Killed  python ...", or srun's "task 0: Killed".
+_SHELL_KILLED = re.compile(
+    r"^[^\S\n]*(?:\S+:[^\S\n]*)?(?:Killed|已杀死)[^\S\n]*$|\b\d+[^\S\n]+Killed(?:[^\S\n]+\S|[^\S\n]*$)"
+    r"|\btasks? [\d,\-]+: Killed[^\S\n]*$", re.MULTILINE)
+_SHELL_KILLED_KEYS = ("killed", "已杀死")
+_EROFS = re.compile(r"Read-only file system|\[Errno 30\]|\bEROFS\b", re.IGNORECASE)
 _CHILD_FAILED = re.compile(r"ChildFailedError|exits with return code = [1-9]|failed \(exitcode: [1-9]", re.IGNORECASE)
 _OVERFLOW = re.compile(
-    r"OVERFLOW! Rank \d+ Skipping step|Gradient overflow\.\s+Skipping step|Grad overflow on iteration",
+    r"OVERFLOW! Rank \d+ Skipping step|Gradient overflow\.\s+Skipping step|Grad overflow on iteration"
+    r"|Overflow detected\. Skipping step|Skipping step\. Attempted loss scale|Reducing dynamic loss scale from",
     re.IGNORECASE,
 )
+_OVERFLOW_KEYS = ("overflow", "skipping step", "reducing dynamic loss scale")
+# The loss scale an overflow line names (the attempted one, or apex's new one): far below fp16's 2^16 start
+# it means the scale is collapsing (applied to lowercased lines).
+_OVERFLOW_SCALE = re.compile(r"(?:attempted loss scale:|reducing loss scale to|reducing dynamic loss scale from)\s*"
+                             r"([0-9]+(?:\.[0-9]*)?(?:e[-+]?[0-9]+)?)")
+# DeepSpeed's periodic "step=2000, skipped=1995": the share of skipped steps (lowercased lines).
+_SKIPPED = re.compile(r"\bstep=(\d+), skipped=(\d+)")
+# Megatron's iteration line: without "lm loss" and with no skipped iteration, the loss was NaN (Megatron
+# drops a non-finite loss from the line; its nan counter stays 0 under DeepSpeed, Megatron-DeepSpeed PR 434).
+_MEGATRON_ITER = re.compile(r"\biteration\s+\d+/\s*\d+ \|[^\n]*consumed samples")
+_MEGATRON_SKIPPED = re.compile(r"number of skipped iterations:\s*(\d+)")
+_MEGATRON_LOSS = re.compile(r"\b\w*[ _]loss:\s*[-+0-9]|grad norm: nan")
+# A line that shows training progressing (lowercased): step counters, tqdm "12/345 [", loss reports.
+_PROGRESS = re.compile(
+    r"\b(?:global_step|step|steps|iter|iteration|epoch|batch)\b['\"]?\s*[=:]?\s*\[?\s*\d+"
+    r"|\b\d+/\d+ \[\d|['\"](?:train_)?loss['\"]:\s*[0-9]|\bloss[=:]\s*[0-9]|\blm[ _]loss:\s*[0-9]"
+)
+_PROGRESS_KEYS = ("step", "iter", "epoch", "batch", "/", "loss")
+# A bare exception line with no traceback header above it (a thread title, a one-line report).
+_BARE_EXC = re.compile(r"^(?:\[[^\]\n]*\]:?\s*)?((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception))(?::\s|:?$)")
+_BARE_EXC_KEYS = ("error:", "exception:", "error\n", "exception\n")
 # Applied to lowercased lines (case-sensitive is much faster than IGNORECASE in `re`).
 _STEP = re.compile(r"\b(?:global_step|steps?|iteration|iter)\b['\"]?\s*[=:]?\s*(\d+)\b|\bloss is nan at step (\d+)")
 # Rank/host/time prefixes removed only for de-duplicating evidence ("same message on 8 ranks").
@@ -238,14 +152,15 @@ _PREFIX_RANK = re.compile(r"\[rank(\d+)\]|^\s*(\d+):|\[\d+,(\d+)\]<std|\[default
 # when measuring how far apart two events are in the log.
 _INDENTED = re.compile(r"^(?:\[[^\]\n]*\]:?\s?|\d+:\s?)?\s")
 # Exceptions that are never a root cause: interrupts, and the launcher agent's own (ChildFailedError, ...).
-_NOT_ROOT = re.compile(r"^(?:KeyboardInterrupt|SystemExit|GeneratorExit|torch\.distributed\.elastic\.)")
+_NOT_ROOT = re.compile(r"^(?:KeyboardInterrupt|SystemExit|GeneratorExit|torch\.distributed\.elastic\.|SignalException"
+                       r"|ChildFailedError|(?:\w+\.)*CalledProcessError)")
 # An exception about communication is a communication failure even when no nccl_* pattern knows its wording.
 _COMM_WORDS = re.compile(r"nccl|gloo|DistBackendError|DistNetworkError|DistStoreError|ProcessGroup|c10d", re.IGNORECASE)
 # torchrun's failure summary: one entry per failed rank, "  field     : value".
 _SUMMARY_ENTRY = re.compile(r"^\[\d+\]:\s*$")
 _SUMMARY_FIELD = re.compile(r"^\s+(time|rank|exitcode)\s*:\s*(\S+)(?:\s*\(local_rank:\s*(\d+)\))?")
 
-SIGKILL, SIGSEGV, SIGBUS, SIGTERM = 9, 11, 7, 15
+SIGKILL, SIGSEGV, SIGBUS, SIGTERM, SIGINT, SIGHUP = 9, 11, 7, 15, 2, 1
 
 
 @dataclass(frozen=True)
@@ -332,7 +247,7 @@ class _Scan:
             pos += len(ln) + 1
             self.starts.append(pos)
         self.hits: dict[str, list[int]] = {}
-        for rule in _RULES:
+        for rule in RULES:
             idx = self.match(_COMPILED[rule.label], rule.keys)
             excl = _EXCLUDE.get(rule.label)
             if excl is not None:
@@ -472,10 +387,27 @@ class _Scan:
         return n
 
     def overflow_storm(self) -> tuple[list[int], int, int]:
-        """(post-warm-up overflow line indexes if they form a storm else [], total overflows, early ones)."""
-        over = self.match(_OVERFLOW, ("overflow",))
+        """(overflow line indexes if they form a storm else [], total overflows, early ones).
+
+        A storm is either many OVERFLOW lines after warm-up (by step), or the loss scale itself collapsing:
+        `overflow_low_scale_min` overflows at a scale <= `overflow_low_scale`, or any at a scale below 1
+        (far below fp16's 2^16 start: calibration never goes there), or DeepSpeed's skipped counter showing
+        most steps skipped after warm-up. The scale trajectory works when the job's `skipped` flag says
+        nothing and when the log has no step numbers.
+        """
+        over = self.match(_OVERFLOW, _OVERFLOW_KEYS)
+        storm, early = self._late_storm(over)
+        if storm:
+            return storm, len(over), early
+        low = [i for i in over if self._low_scale(i)]
+        if low and (len(low) >= self.cfg.overflow_low_scale_min or any(self._scale(i) < 1.0 for i in low)):
+            return low, len(over), early
+        return self._skipped_storm(), len(over), early
+
+    def _late_storm(self, over: list[int]) -> tuple[list[int], int]:
+        """(storm lines by step count, overflows during warm-up)."""
         if not over:
-            return [], 0, 0
+            return [], 0
         step_at: list[tuple[int, int]] = []  # (line index, last step number on that line), in line order
         for i in self.candidates(("step", "iter")):
             found = _STEP.findall(self.lowered[i])
@@ -485,8 +417,8 @@ class _Scan:
         if not step_at:
             # No step numbers: only a long run of OVERFLOW lines in the tail counts as a storm.
             if len(over) >= self.cfg.overflow_storm_min_nostep:
-                return over, len(over), 0
-            return [], len(over), len(over)
+                return over, 0
+            return [], len(over)
         step_lines = [li for li, _ in step_at]
         late: list[tuple[int, int]] = []
         early = 0
@@ -500,8 +432,67 @@ class _Scan:
         n = self.cfg.overflow_storm_min
         for j in range(len(late) - n + 1):  # n late overflows inside one span of steps
             if late[j + n - 1][1] - late[j][1] <= self.cfg.overflow_storm_span_steps:
-                return [li for li, _ in late[j:]], len(over), early
-        return [], len(over), early
+                return [li for li, _ in late[j:]], early
+        return [], early
+
+    def _scale(self, i: int) -> float:
+        m = _OVERFLOW_SCALE.search(self.lowered[i])
+        try:
+            return float(m.group(1)) if m else float("inf")
+        except ValueError:
+            return float("inf")
+
+    def _low_scale(self, i: int) -> bool:
+        return self._scale(i) <= self.cfg.overflow_low_scale
+
+    def _skipped_storm(self) -> list[int]:
+        out = []
+        for i in self.candidates(("skipped=",)):
+            m = _SKIPPED.search(self.lowered[i])
+            if m:
+                step, skipped = int(m.group(1)), int(m.group(2))
+                if step > self.cfg.overflow_warmup_steps and skipped >= self.cfg.overflow_skipped_fraction * step:
+                    out.append(i)
+        return out
+
+    def megatron_nan(self) -> list[int]:
+        """Megatron iteration lines whose loss vanished (or whose grad norm is NaN) without a skipped iteration.
+
+        Megatron drops a non-finite loss from its iteration line; fp16 warm-up skips iterations without a loss
+        too, so a line counts only when it reports 0 skipped iterations, or when it is cut before the counters
+        and earlier iteration lines did print a loss."""
+        out = []
+        had_loss = False
+        for i in self.candidates(("consumed samples",)):
+            low = self.lowered[i]
+            if not _MEGATRON_ITER.search(low):
+                continue
+            has_loss = bool(_MEGATRON_LOSS.search(low)) and "grad norm: nan" not in low
+            m = _MEGATRON_SKIPPED.search(low)
+            skipped = int(m.group(1)) if m else None
+            if not has_loss and (skipped == 0 or (skipped is None and had_loss)):
+                out.append(i)
+            had_loss = had_loss or has_loss
+        return out
+
+    def progress_lines(self, limit: int) -> int:
+        """How many lines show training progressing (counting stops at `limit`)."""
+        n = 0
+        for i in self.candidates(_PROGRESS_KEYS):
+            if _PROGRESS.search(self.lowered[i]):
+                n += 1
+                if n >= limit:
+                    break
+        return n
+
+    def bare_exceptions(self) -> list[_Exc]:
+        """Unindented exception lines ("IndexError: list index out of range") anywhere in the tail."""
+        out = []
+        for i in self.candidates(("error", "exception")):
+            m = _BARE_EXC.match(self.lines[i].strip())
+            if m and not _NOT_ROOT.match(m.group(1)):
+                out.append(_Exc(i, m.group(1), None))
+        return out
 
 
 def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = None,
@@ -509,24 +500,39 @@ def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = N
     """Classify the end of a job's output. `exit_code` follows subprocess (negative = signal) or shell (128+N)
     conventions; `signal` is the terminating signal when known. Exit 0 is always `healthy`."""
     cfg = config or DiagnosisConfig()
-    scan = _Scan(_normalise(log_tail or "", cfg), cfg)
+    text = log_tail or ""
+    not_log = _not_a_training_log(text, cfg)
+    if not_log and exit_code in (None, 0) and not signal:
+        return Diagnosis("healthy", [], "low", f"Not a training log: {not_log}; there is nothing to diagnose.")
+    scan = _Scan(_normalise(text, cfg), cfg)
     hits = dict(scan.hits)
 
     storm, n_over, n_early = scan.overflow_storm()
     if storm:
         hits["loss_scale_overflow"] = storm
+    megatron_nan = scan.megatron_nan()
+    if megatron_nan:
+        hits["nan_loss"] = sorted(set(hits.get("nan_loss", []) + megatron_nan))
 
     # Exit by signal: from the caller, or as reported by the launcher inside the log.
     sig = _signal_from_exit(exit_code, signal)
     sig_lines = scan.signal_lines()
-    killed_lines = scan.match(_SHELL_KILLED, ("killed",))
+    killed_lines = scan.match(_SHELL_KILLED, _SHELL_KILLED_KEYS)
     kill_idx = [i for i, s in sig_lines if s == SIGKILL] + killed_lines
     segv_idx = [i for i, s in sig_lines if s in (SIGSEGV, SIGBUS)]
+    term_idx = [i for i, s in sig_lines if s in (SIGTERM, SIGINT, SIGHUP)]
     signal_only: dict[str, bool] = {}
+    oom_named = "host_oom_killed" in hits  # the log itself names the OOM killer / an allocation failure
     if kill_idx or sig == SIGKILL:
-        if "host_oom_killed" not in hits:
+        if not oom_named:
             signal_only["host_oom_killed"] = not killed_lines
         hits["host_oom_killed"] = sorted(set(hits.get("host_oom_killed", []) + kill_idx))
+    if "killed" in hits and "host_oom_killed" in hits and not oom_named:
+        # The scheduler or an operator is shown as the sender of the SIGKILL / "Killed": not the OOM killer.
+        del hits["host_oom_killed"]
+    if term_idx and "killed" not in hits:
+        hits["killed"] = term_idx  # torchrun's Root Cause: a rank ended by SIGTERM/SIGINT/SIGHUP from outside
+        signal_only["killed"] = True
     if segv_idx or sig in (SIGSEGV, SIGBUS):
         hits["segfault"] = sorted(set(hits.get("segfault", []) + segv_idx))
 
@@ -552,20 +558,60 @@ def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = N
     if first is not None:
         exc, how = first
         ev = scan.evidence([exc.line])
-        comm_seen = [lb for lb in seen if lb != "launcher_error"]
+        comm_seen = [lb for lb in seen if lb != "python_exception"]
         return Diagnosis(
-            "launcher_error", ev, "medium",
-            f"launcher_error: {how} failed first, with a Python exception ({exc.name}) that no narrower label "
-            f"covers; its peers' later errors ({', '.join(comm_seen)}) are consequences; deciding line: {_clip(ev[0])!r}.",
+            "python_exception", ev, "medium",
+            f"python_exception: {how} failed first, with an uncaught Python exception ({exc.name}) that no narrower label "
+            f"explains; its peers' later errors ({', '.join(comm_seen)}) are consequences; deciding line: "
+            f"{_clip(ev[0])!r}.",
             comm_seen)
 
     idx = hits[primary]
     ev = scan.evidence(idx)  # may be empty when the exit status alone decided (SIGKILL/SIGSEGV)
     confidence = "high"
-    if primary == "host_oom_killed" and signal_only.get("host_oom_killed"):
-        confidence = "medium"  # SIGKILL without an oom-killer/"Killed" hint: the OOM killer is only the usual sender
+    if signal_only.get(primary):
+        # SIGKILL without an oom-killer/"Killed" hint: the OOM killer is only the usual sender (the daemon asks
+        # the host, see refine_with_host); a bare SIGTERM in torchrun's summary: someone outside sent it.
+        confidence = "medium"
     reason = _reason(primary, ev, sig, exit_code)
     return Diagnosis(primary, ev, confidence, reason, [lb for lb in seen if lb != primary])
+
+
+def refine_with_host(d: Diagnosis, oom_kills: int | None, kernel_oom_lines: list[str] | None = None) -> Diagnosis:
+    """Sharpen a SIGKILL diagnosis with the host's OOM evidence (pure: the daemon reads it, see
+    daemon/host_oom.py). `oom_kills`: the cgroup's `memory.events` oom_kill count during the attempt (None:
+    unreadable); `kernel_oom_lines`: OOM-killer lines of the kernel log during the attempt (None: unreadable).
+
+    Only a `host_oom_killed` that is not already `high` changes: evidence of a kill makes it `high`; counters
+    that were readable and show no kill make it `killed` (someone else sent the SIGKILL)."""
+    if d.label != "host_oom_killed" or d.confidence == "high":
+        return d
+    lines = list(kernel_oom_lines or [])
+    if (oom_kills or 0) > 0 or lines:
+        what = (f"the cgroup's memory.events counts {oom_kills} oom_kill(s) during the attempt" if oom_kills
+                else "the kernel log shows the OOM killer during the attempt")
+        return replace(d, confidence="high", evidence=(d.evidence + lines)[: DiagnosisConfig().max_evidence],
+                       reason=f"host_oom_killed: a rank was SIGKILLed and {what}.")
+    if oom_kills == 0 and kernel_oom_lines is not None:
+        return replace(d, label="killed", confidence="medium", secondary=["host_oom_killed", *d.secondary],
+                       reason="killed: a rank was SIGKILLed but the host's OOM counters (cgroup memory.events, "
+                              "kernel log) show no OOM kill during the attempt: another process sent it.")
+    if oom_kills == 0:
+        return replace(d, label="killed", confidence="medium", secondary=["host_oom_killed", *d.secondary],
+                       reason="killed: a rank was SIGKILLed but the cgroup's memory.events shows no oom_kill "
+                              "during the attempt (the kernel log was not readable): another process sent it.")
+    return d
+
+
+def _not_a_training_log(text: str, cfg: DiagnosisConfig) -> str | None:
+    """Why the text is not a log at all (empty, binary), or None."""
+    if not text.strip():
+        return "the log is empty" if not text else "the log holds only whitespace"
+    head = text[:4096]
+    bad = sum(1 for ch in head if (ord(ch) < 32 and ch not in "\n\r\t\x1b") or ch == "\ufffd")
+    if bad > cfg.binary_fraction * len(head):
+        return f"the text looks binary ({100 * bad // len(head)} % control or undecodable characters)"
+    return None
 
 
 def _pick(seen: list[str], hits: dict[str, list[int]]) -> str | None:
@@ -636,32 +682,76 @@ def _no_pattern(scan: _Scan, exit_code: int | None, sig: int | None, n_over: int
     crashed = (exit_code not in (None, 0)) or (sig not in (None, SIGTERM)) or bool(child)
     if sig == SIGTERM and not child:
         return Diagnosis("healthy", [], "medium", f"The job was stopped by SIGTERM and no failure pattern was found{benign}.")
-    if not crashed:
-        return Diagnosis("healthy", [], "high", f"No failure pattern in the log tail{benign}.")
-    status = f"exit code {exit_code}" if exit_code is not None else (f"signal {sig}" if sig else "a failed child")
+    if first is None:
+        first = _uncaught(scan)
     if first is not None:
-        # A Python exception no narrower label covers: the catch-all label, but the cause is known.
+        # An uncaught exception no narrower label covers: its own label, with the exception line as evidence.
         exc, how = first
         ev = scan.evidence([exc.line, *child])
-        return Diagnosis("launcher_error", ev, "medium",
-                         f"launcher_error: the job failed ({status}); {how} failed first, with a Python exception "
-                         f"({exc.name}) that no narrower label covers; deciding line: {_clip(ev[0])!r}.")
+        status = f"the job failed ({_status(exit_code, sig)}); " if crashed else ""
+        return Diagnosis("python_exception", ev, "medium",
+                         f"python_exception: {status}{how} raised an uncaught Python exception ({exc.name}) that no narrower label "
+                         f"explains; deciding line: {_clip(ev[0])!r}.")
+    if not crashed:
+        n = scan.progress_lines(scan.cfg.progress_min_lines)
+        if n >= scan.cfg.progress_min_lines:
+            return Diagnosis("healthy", [], "high", f"No failure pattern in the log tail and training is progressing{benign}.")
+        return Diagnosis("healthy", [], "medium",
+                         f"No failure pattern in the log tail{benign}, but it shows no training progress either.")
     ev = scan.evidence(child)
     return Diagnosis(
         "launcher_error", ev, "low",
-        f"The job failed ({status}) with no recognised root cause"
+        f"The job failed ({_status(exit_code, sig)}) with no recognised root cause"
         + (f"; the launcher reported: {ev[0]!r}." if ev else "; no launcher summary in the tail."),
     )
+
+
+def _status(exit_code: int | None, sig: int | None) -> str:
+    return f"exit code {exit_code}" if exit_code is not None else (f"signal {sig}" if sig else "a failed child")
+
+
+def _uncaught(scan: _Scan) -> tuple[_Exc, str] | None:
+    """The last exception of the tail that training did not survive (no progress after it), if any.
+
+    Without a complete traceback, a bare exception line ("IndexError: ...") counts, and last a traceback
+    header the tail ends in (the exception line cut off)."""
+    excs = [e for e in scan.exceptions() if not _NOT_ROOT.match(e.name)]
+    how = "the job (a traceback)"
+    if not excs:
+        excs = scan.bare_exceptions()
+        how = "the job (an exception line)"
+    if not excs:
+        headers = scan.candidates(("traceback (most recent call last):",))
+        ended = [e.line for e in scan.exceptions()]  # tracebacks that do end in an exception line (any)
+        headers = [h for h in headers[-1:] if not ended or h > ended[-1]]
+        excs = [_Exc(h, "exception (its line is cut off)", _prefix_rank(scan.lines[h])) for h in headers]
+        how = "the job (a traceback cut off before its exception line)"
+    if not excs:
+        return None
+    last = excs[-1]
+    after = _Scan(scan.lines[last.line + 1:], scan.cfg).progress_lines(scan.cfg.progress_min_lines + 1)
+    if after > scan.cfg.progress_min_lines:
+        return None  # caught and logged: training went on
+    if last.rank is not None:
+        how = f"rank {last.rank[1]}"
+    return last, how
 
 
 def _reason(label: str, ev: list[str], sig: int | None, exit_code: int | None) -> str:
     what = _RULE_BY_LABEL[label].what if label in _RULE_BY_LABEL else ""
     if label == "loss_scale_overflow":
-        what = "fp16 overflows kept skipping steps long after loss-scale warm-up (an overflow storm)"
+        what = ("fp16 overflows kept skipping steps long after loss-scale warm-up, or the loss scale collapsed "
+                "(an overflow storm)")
     if label == "host_oom_killed" and not any(_COMPILED["host_oom_killed"].search(e) for e in ev):
         what = "a rank was killed by SIGKILL, most likely by the kernel OOM killer"
+    if label == "disk_full" and any(_EROFS.search(e) for e in ev):
+        what = "a write failed because the file system is read-only (EROFS: remount or move the output, pruning will not help)"
+    if label == "killed" and ev and all(_SIGNAL_IN_LOG.search(e) for e in ev):
+        what = "a rank was ended by a signal from outside the job (SIGTERM/SIGINT/SIGHUP in torchrun's root cause)"
     if label == "segfault" and not ev:
         what = f"the job died with signal {sig} (SIGSEGV/SIGBUS)"
+    if label == "nan_loss" and ev and not any(_COMPILED["nan_loss"].search(e) for e in ev):
+        what = "the loss became NaN (Megatron's iteration line lost its lm loss / shows grad norm nan)"
     if ev:
         line = ev[0] if len(ev[0]) <= 200 else ev[0][:197] + "..."
         return f"{label}: {what}; deciding line: {line!r}."

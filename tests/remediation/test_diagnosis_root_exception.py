@@ -2,7 +2,7 @@
 
 When one rank dies of an ordinary exception (a bug, an injected `raise`), its peers fail in their next
 collective (gloo "Connection closed by peer", ncclRemoteError, watchdog timeouts). Those are consequences: the
-label is the catch-all `launcher_error` (DESIGN.md's fixed set has no narrower label for an error in the job's
+label is `python_exception` (DESIGN.md's fixed-set label for an uncaught error in the job's
 code) with the exception line as evidence, not `nccl_error`. Controls: a real NCCL error first, an exception
 whose message is itself a known category, an exception long before the failure, and torchrun's Root Cause
 entry naming the NCCL rank all keep their label.
@@ -19,7 +19,7 @@ from ulyssesd.remediation.diagnosis import diagnose
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
 # The fixtures added for this rule (sources in their .json sidecars): 06-08 measured, 09 built from real formats.
-ROOT_EXCEPTION_FIXTURES = sorted((FIXTURES / "launcher_error").glob("0[6-9]-*.log"))
+ROOT_EXCEPTION_FIXTURES = sorted((FIXTURES / "python_exception").glob("0[6-9]-*.log"))
 
 
 def fixture(path: Path) -> tuple[str, dict]:
@@ -81,7 +81,7 @@ def test_the_new_fixtures_exist():
 def test_fixture_gets_the_exception_label_with_the_exception_line(path: Path):
     text, meta = fixture(path)
     d = diagnose(text, exit_code=meta["exit_code"], signal=meta["signal"])
-    assert d.label == "launcher_error", d
+    assert d.label == "python_exception", d
     assert d.confidence == "medium"
     assert d.evidence and meta["evidence"][0] in d.evidence[0], d.evidence  # the exception line decides
     assert "nccl_error" in d.secondary  # the peers' communication errors are kept, as consequences
@@ -102,14 +102,14 @@ def test_without_the_exception_the_same_fixture_is_a_comm_error(path: Path):
 def test_plain_exception_first_then_gloo_peer_error():
     d = diagnose(log(STEPS, traceback(1, "ValueError: shapes (4, 128) and (64,) not aligned"), traceback(0, GLOO_PEER[9:])),
                  exit_code=1)
-    assert d.label == "launcher_error" and d.evidence == ["[rank1]: ValueError: shapes (4, 128) and (64,) not aligned"]
+    assert d.label == "python_exception" and d.evidence == ["[rank1]: ValueError: shapes (4, 128) and (64,) not aligned"]
     assert d.secondary == ["nccl_error"]
 
 
 def test_plain_exception_first_then_peer_watchdog_timeout():
     d = diagnose(log(STEPS, traceback(1, "AssertionError: batch has 3 sequences, expected 4"), WATCHDOG.format(r=0)),
                  exit_code=1)
-    assert d.label == "launcher_error" and "AssertionError" in d.evidence[0]
+    assert d.label == "python_exception" and "AssertionError" in d.evidence[0]
     assert d.secondary == ["nccl_timeout"]
 
 
@@ -130,7 +130,7 @@ def test_exception_long_before_the_failure_is_not_its_cause():
     d = diagnose(log(STEPS, caught, many_steps, traceback(0, GLOO_PEER[9:])), exit_code=1)
     assert d.label == "nccl_error", d
     near = diagnose(log(STEPS, caught, many_steps[:3], traceback(0, GLOO_PEER[9:])), exit_code=1)
-    assert near.label == "launcher_error"  # within the window it does count (control for the window)
+    assert near.label == "python_exception"  # within the window it does count (control for the window)
 
 
 @pytest.mark.parametrize("message, label", [
@@ -152,7 +152,7 @@ def test_root_cause_entry_beats_line_order():
     """--tee's tail threads can deliver a peer's error before the root rank's traceback: the entry decides."""
     text = log(STEPS, traceback(0, GLOO_PEER[9:]), traceback(1, "KeyError: 'attention_mask'"), summary(1))
     d = diagnose(text, exit_code=1)
-    assert d.label == "launcher_error" and d.evidence == ["[rank1]: KeyError: 'attention_mask'"]
+    assert d.label == "python_exception" and d.evidence == ["[rank1]: KeyError: 'attention_mask'"]
     assert "Root Cause" in d.reason
 
 
@@ -168,22 +168,22 @@ def test_root_cause_tie_in_the_same_second_falls_back_to_line_order():
     text = log(STEPS, traceback(1, "ValueError: bad batch"), traceback(0, GLOO_PEER[9:]),
                summary(0, root_time="09:16:24", others=((1, 1, "09:16:24"),)))
     d = diagnose(text, exit_code=1)
-    assert d.label == "launcher_error" and "ValueError" in d.evidence[0]
+    assert d.label == "python_exception" and "ValueError" in d.evidence[0]
 
 
 def test_root_cause_entry_quoting_the_traceback_with_record():
-    text, _ = fixture(FIXTURES / "launcher_error" / "08-gloo-record-root-cause-quotes-traceback.log")
+    text, _ = fixture(FIXTURES / "python_exception" / "08-gloo-record-root-cause-quotes-traceback.log")
     lines = text.splitlines()
     # Keep only torchrun's own output: the summary's quoted traceback alone must decide.
     agent = [ln for ln in lines if not ln.startswith("[rank")]
     d = diagnose("\n".join(agent), exit_code=1)
-    assert d.label == "launcher_error" and d.evidence == ["RuntimeError: boom"], d
+    assert d.label == "python_exception" and d.evidence == ["RuntimeError: boom"], d
 
 
 # ---------------------------------------------------------------- no communication error at all
 def test_plain_exception_without_comm_errors_names_the_exception():
     d = diagnose(log(STEPS, traceback(1, "ZeroDivisionError: division by zero"), summary(1)), exit_code=1)
-    assert d.label == "launcher_error" and d.confidence == "medium"
+    assert d.label == "python_exception" and d.confidence == "medium"
     assert d.evidence[0] == "[rank1]: ZeroDivisionError: division by zero"
     assert any("ChildFailedError" in e for e in d.evidence)
 

@@ -177,8 +177,8 @@ def test_unrecognised_crash_is_low_confidence_launcher_error():
     d = diagnose(steps(1, 10) + "\n" + CHILD_FAILED, exit_code=1)
     assert d.label == "launcher_error" and d.confidence == "low"
     assert any("ChildFailedError" in e for e in d.evidence)
-    d = diagnose("KeyError: 'foo'", exit_code=1)
-    assert d.label == "launcher_error" and d.confidence == "low" and "exit code 1" in d.reason
+    d = diagnose("KeyError: 'foo'", exit_code=1)  # an uncaught exception has its own label now
+    assert d.label == "python_exception" and d.confidence == "medium" and "exit code 1" in d.reason
 
 
 # ---------------------------------------------------------------- overflow storm
@@ -251,7 +251,7 @@ def test_fifty_megabyte_log_diagnoses_well_under_a_second():
 
 # ---------------------------------------------------------------- contract
 def test_labels_and_precedence_cover_the_fixed_set():
-    assert set(PRECEDENCE) | {"healthy"} == set(LABELS) and len(LABELS) == 15
+    assert set(PRECEDENCE) | {"healthy", "python_exception"} == set(LABELS) and len(LABELS) == 18
     assert len(set(PRECEDENCE)) == len(PRECEDENCE)
 
 
