@@ -457,7 +457,7 @@ def test_python_exception_mid_run_is_one_crash_incident_labelled_by_its_tracebac
     inc = sup.store.list_incidents(sup.run_id)
     assert [i.symptom.value for i in inc] == ["crash"], [(i.symptom.value, i.summary) for i in inc]
     att = sup.store.list_attempts(sup.run_id)[0]
-    assert att.diagnosis == "launcher_error" and "boom at step 9" in " ".join(att.diagnosis_evidence or [])
+    assert att.diagnosis == "python_exception" and "boom at step 9" in " ".join(att.diagnosis_evidence or [])
     assert sup.attempt == 2 or sup.state == S.BACKOFF
 
 
