@@ -1,4 +1,4 @@
-"""Generates the real gloo fixtures of tests/fixtures/logs/launcher_error/ (06, 08): rank 1 raises a plain
+"""Generates the real gloo fixtures of tests/fixtures/logs/python_exception/ (06, 08): rank 1 raises a plain
 RuntimeError after a barrier while rank 0 waits in an all_reduce, so rank 0 then fails with gloo's
 "Connection closed by peer". Not a test (pytest does not collect it); run it by hand:
 
