@@ -906,6 +906,7 @@ class Supervisor:
 
         problem = mend_replaced_file(self.store)
         if problem is None:
+            self._check_store_damage()
             return
         log.warning("store file re-created", problem=problem, path=str(self.store.path))
         self.say(f"WARNING: {problem}; re-created it from the open connection (nothing lost)")
@@ -914,6 +915,41 @@ class Supervisor:
                                  f"{problem}; re-created from the daemon's open connection, no history lost",
                                  {"problem": problem, "path": str(self.store.path), "recovered": "everything"})
             self.store.update_incident_status(iid, IncidentStatus.resolved, "database re-created in place")
+
+    def _check_store_damage(self) -> None:
+        """The database file itself damaged under us (emptied, header overwritten, truncated: one 100-byte
+        read): salvage it from the open connection or restore the newest backup, re-derive this run from its
+        directory, forget in-memory references to incidents the restored store does not have, say so."""
+        from ulyssesd.daemon.store import recovery
+
+        got = recovery.mend_damaged_file(self.store, self.dcfg.state_dir)
+        if got is None:
+            return
+        log.warning("store damaged under the daemon", **{k: str(v) for k, v in got.items()})
+        if self.run_id:
+            try:
+                self.store.get_run(self.run_id)
+            except LookupError:  # the restored database predates this run: rebuild it from its directory
+                recovery.adopt_run_dir(self.store, self.run_dir, self.run_id,
+                                       spec_path=str(Path(self.spec.source).resolve()))
+                self.store.set_run_state(self.run_id, self.state, "store restored under the running daemon",
+                                         allow_same=True)
+            what = recovery.rederive_run(self.store, self.run_id, self.run_dir, ckpt_dir=self.ckpt_dir,
+                                         telemetry=self.telemetry_path)
+            if self.reader is not None:  # what this daemon has processed, not the file's end
+                self.store.set_telemetry_cursor(self.run_id, path=str(self.telemetry_path),
+                                                inode=self.reader.cursor.inode, offset=self.reader.cursor.offset,
+                                                last_step=self.last_step)
+            known = {i.id for i in self.store.list_incidents(self.run_id)}
+            self.open_incidents = {k: v for k, v in self.open_incidents.items() if k in known}
+            self.unacted = {s: [(i, st) for i, st in v if i in known] for s, v in self.unacted.items()}
+            what.update(got)
+            iid = self._incident(Symptom.store_damaged, self.last_step or 0, Severity.warning,
+                                 f"{got['problem']}; recovered from {got['recovered_from']}"
+                                 + (f" (incidents/actions after {got['lost_since']} are not in the store)"
+                                    if got.get("lost_since") else ", nothing lost"), what)
+            self.store.update_incident_status(iid, IncidentStatus.resolved, "database recovered in place")
+        self.say(f"WARNING: {got['problem']}; recovered from {got['recovered_from']}")
 
     def job_sweep(self) -> None:
         """Attempts the store thinks are live but whose process is gone (e.g. left by a crashed daemon
