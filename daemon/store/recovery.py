@@ -169,15 +169,7 @@ class Restore:
 
 def restore_newest_backup(db_path: Path, backups_dir: Path, problem: str) -> Restore:
     """Move the damaged database aside and put the newest sound backup in its place (none: no file)."""
-    stamp = _stamp()
-    kept = []
-    for suffix in ("", "-wal", "-shm"):
-        f = Path(f"{db_path}{suffix}")
-        if f.exists():
-            aside = Path(f"{db_path}.damaged-{stamp}{suffix}")
-            os.replace(f, aside)
-            kept.append(str(aside))
-    out = Restore(problem=problem, damaged_kept_as=kept)
+    out = Restore(problem=problem, damaged_kept_as=_move_aside(db_path, "damaged"))
     for b in list_backups(backups_dir):
         why = probe_db_file(b)
         if why is not None:
@@ -473,6 +465,81 @@ def mend_replaced_file(store: Any) -> str | None:
     _fsync_dir(db.parent)
     store.rebind()
     return problem
+
+
+def header_problem(path: str | os.PathLike[str]) -> str | None:
+    """The cheap per-tick check (one 100-byte read): None while the file still looks like an SQLite
+    database; else what is wrong (emptied, overwritten header, not a whole number of pages)."""
+    try:
+        with open(path, "rb") as fh:
+            header = fh.read(100)
+            size = os.fstat(fh.fileno()).st_size
+    except FileNotFoundError:
+        return None  # file_problem() reports a missing file
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    if size == 0:
+        return "the database file was emptied (0 bytes) under the running daemon"
+    if not header.startswith(SQLITE_HEADER):
+        return f"the database file's header was overwritten (first bytes {header[:16]!r})"
+    page = int.from_bytes(header[16:18], "big")
+    page = 65536 if page == 1 else page
+    if page < 512 or size % page:
+        return f"the database file was truncated to {size} bytes"
+    return None
+
+
+def mend_damaged_file(store: Any, state_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """Mid-run: the open database's file was damaged (header_problem). First try the open connection
+    (its WAL and cache may still hold a sound database: nothing lost); if its copy is not sound, restore
+    the newest sound backup. The damaged file is moved aside either way; the store is reconnected.
+    Returns {problem, recovered_from, damaged_kept_as, lost_since} or None when the file is fine."""
+    problem = header_problem(store.path)
+    if problem is None:
+        return None
+    db = Path(store.path)
+    tmp = db.with_name(f".{db.name}.salvage.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        store.backup_into(tmp)
+        salvaged = probe_db_file(tmp) is None
+    except Exception:  # noqa: BLE001 - the open connection cannot read it either: use a backup
+        salvaged = False
+    try:
+        store._engine.dispose()
+    except Exception:  # noqa: BLE001 - closing a damaged database may fail; its file is set aside anyway
+        pass
+    if salvaged:
+        kept = _move_aside(db, "damaged")
+        os.replace(tmp, db)
+        tighten(db)
+        _fsync_dir(db.parent)
+        out = {"problem": problem, "recovered_from": "the daemon's open connection", "damaged_kept_as": kept,
+               "lost_since": None}
+    else:
+        tmp.unlink(missing_ok=True)
+        r = restore_newest_backup(db, Path(state_dir) / BACKUP_DIR_NAME, problem)
+        out = {"problem": problem, "recovered_from": r.backup or "nothing (no sound backup: empty database)",
+               "damaged_kept_as": r.damaged_kept_as, "lost_since": r.backup_taken,
+               "skipped_backups": r.skipped_backups}
+        if r.backup is None:
+            from .migrate import upgrade_to_head
+
+            upgrade_to_head(db)
+    store.rebind()
+    return out
+
+
+def _move_aside(db: Path, what: str) -> list[str]:
+    stamp = _stamp()
+    kept = []
+    for suffix in ("", "-wal", "-shm"):
+        f = Path(f"{db}{suffix}")
+        if f.exists():
+            aside = Path(f"{db}.{what}-{stamp}{suffix}")
+            os.replace(f, aside)
+            kept.append(str(aside))
+    return kept
 
 
 class UnknownRunDirs(RuntimeError):

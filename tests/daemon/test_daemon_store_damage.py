@@ -124,3 +124,44 @@ def test_failed_integrity_check_mid_run_is_an_incident(tmp_path, make_sup, monke
     sup.job_maintenance()
     (inc,) = sup.store.list_incidents(sup.run_id, symptom="store_damaged")
     assert "btreeInitPage" in inc.summary and inc.severity.value == "critical"
+
+
+@pytest.mark.parametrize("damage", ["header", "emptied", "unsalvageable"])
+def test_db_damaged_under_the_running_daemon_is_recovered_in_place(tmp_path, make_sup, monkeypatch, damage):
+    from uls_daemon_helpers import run_until
+
+    from ulyssesd.daemon.store.enums import RunState
+    from ulyssesd.daemon.store.recovery import write_backup
+
+    spec = fake_spec(tmp_path, steps=60, interval=10, step_s=0.05)
+    events: list[str] = []
+    sup = make_sup(spec, events=events)
+    sup.start()
+    run_until(sup, lambda s: (s.last_step or 0) >= 12, timeout=60)
+    write_backup(sup.store, tmp_path / "state" / "backups")
+    run_until(sup, lambda s: (s.last_step or 0) >= 25, timeout=60)
+    db = sup.store.path
+    if damage == "emptied":
+        os.truncate(db, 0)
+    else:
+        with open(db, "r+b") as fh:
+            fh.write(os.urandom(4096))
+    if damage == "unsalvageable":  # the open connection cannot be copied either: the newest backup is used
+        def broken(dest):
+            raise OSError("simulated: the open connection reads garbage too")
+        monkeypatch.setattr(sup.store, "backup_into", broken)
+    sup.tick()
+    (inc,) = sup.store.list_incidents(sup.run_id, symptom="store_damaged")
+    assert inc.evidence["damaged_kept_as"], inc.summary
+    if damage == "unsalvageable":
+        assert "recovered from" in inc.summary and "backups/ulyssesd-" in inc.summary and "not in the store" in inc.summary
+        monkeypatch.undo()
+    else:
+        assert "recovered from the daemon's open connection, nothing lost" in inc.summary
+    assert any("WARNING" in e for e in events)
+    run_until(sup, lambda s: s.state in (RunState.COMPLETED, RunState.FAILED), timeout=90)
+    assert sup.state == RunState.COMPLETED
+    reader = open_store(db, readonly=True)  # the file at the path is sound and holds the end of the run
+    assert reader.get_run(sup.run_id).state == RunState.COMPLETED
+    assert reader.latest_checkpoint(sup.run_id).step == 60
+    assert len(reader.list_incidents(sup.run_id, symptom="store_damaged")) == 1
