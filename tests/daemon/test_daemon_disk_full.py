@@ -302,3 +302,16 @@ def test_a_failed_atomic_write_leaves_neither_a_temp_file_nor_a_changed_target(t
         jc.write_json_atomic(target, {"version": 2, "z": object()})  # fails half-way through the dump
     assert sorted(p.name for p in tmp_path.iterdir()) == ["control.json"]
     assert jc.read_control(tmp_path) == {"version": 1}
+
+
+def test_a_pause_whose_final_save_failed_says_so_and_resume_uses_the_previous_tag(tmp_path):
+    fos, sup = _running(tmp_path)
+    _make_tag(sup.ckpt_dir, 30)
+    sup.handle_command({"cmd": "pause", "peer": {"uid": 0}})
+    assert sup.state == S.STOPPING
+    _save_fails(fos, sup, "ENOSPC")  # the SIGTERM save ran out of room
+    assert sup.state == S.PAUSED and "final save failed" in sup.store.get_run(sup.run_id).state_reason
+    (inc,) = sup.store.list_incidents(sup.run_id)
+    assert inc.symptom.value == "disk_full" and "resumes from the previous valid tag" in inc.summary
+    sup.handle_command({"cmd": "resume", "peer": {"uid": 0}})
+    assert sup.attempt == 2 and sup.store.list_attempts(sup.run_id)[1].resumed_from == "step-00000030"
