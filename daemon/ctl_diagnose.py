@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.text import Text
 
+from ulyssesd.daemon.attempt_diagnosis import RecordError, from_record, read_record, record_for_log
 from ulyssesd.remediation.diagnosis import TAIL_BYTES, Diagnosis, diagnose
 from ulyssesd.training.spec import UnreadableFile, read_regular_file
 
@@ -42,10 +43,32 @@ def read_log_tail(path: Path, max_bytes: int = TAIL_BYTES) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def render(d: Diagnosis, path: Path, console: Console) -> None:
+def diagnose_log(logfile: Path, text: str, exit_code: int | None, signal: int | None) -> tuple[Diagnosis, dict]:
+    """The diagnosis of a log; for a daemon attempt log (<run_dir>/logs/attempt-N.log) with no exit status
+    given, the daemon's own: the same inputs (exit status, host OOM evidence) it recorded, the same function.
+
+    Raises typer.Exit(EXIT_BAD_INPUT) when the attempt's record exists but cannot be read."""
+    rec_path = record_for_log(logfile)
+    if rec_path is not None and exit_code is None and signal is None:
+        try:
+            data = read_record(rec_path)
+        except RecordError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+        if data is not None:
+            d, how = from_record(data, text)
+            return d, {"record": str(rec_path), "decided_by": how, "returncode": data.get("returncode"),
+                       "signal": data.get("signal")}
+    return diagnose(text, exit_code=exit_code, signal=signal), {}
+
+
+def render(d: Diagnosis, path: Path, console: Console, record: dict | None = None) -> None:
     body = Text()
     body.append(f"{d.reason}\n", style="bold")
     body.append(f"confidence: {d.confidence}\n")
+    if record:
+        body.append(f"as the daemon decided it (by {record['decided_by']}; exit status and host evidence from "
+                    f"{record['record']})\n", style="dim")
     if d.evidence:
         body.append("\nevidence:\n", style="underline")
         for line in d.evidence:
@@ -73,9 +96,9 @@ def register_diagnose(app: typer.Typer) -> None:
         except LogReadError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(EXIT_BAD_INPUT) from None
-        d = diagnose(text, exit_code=exit_code, signal=signal)
+        d, record = diagnose_log(logfile, text, exit_code, signal)
         if as_json:
-            typer.echo(json.dumps({**d.to_dict(), "file": str(logfile)}))
+            typer.echo(json.dumps({**d.to_dict(), "file": str(logfile), **record}))
         else:
-            render(d, logfile, Console())
+            render(d, logfile, Console(), record)
         raise typer.Exit(EXIT_OK)

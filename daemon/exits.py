@@ -4,22 +4,26 @@ unrequested ones (a crash): diagnosis of the log tail -> incident -> the engine'
 
 from __future__ import annotations
 
+import re
 import signal
 from typing import TYPE_CHECKING, Any
 
-from ulyssesd.daemon import disk
+from ulyssesd.daemon import attempt_diagnosis, disk, host_oom
 from ulyssesd.daemon.decisions import _split_outputs, action_kind, patch_of
 from ulyssesd.daemon.files import _read_tail
 from ulyssesd.daemon.logging import get_logger
 from ulyssesd.daemon.process import ExitStatus
 from ulyssesd.daemon.relaunch import Relaunch, schedule_relaunch
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
+from ulyssesd.remediation.diagnosis import Diagnosis
 from ulyssesd.remediation.playbook import ladder_for_crash
 
 if TYPE_CHECKING:
     from ulyssesd.daemon.supervisor import Supervisor
 
 log = get_logger("ulyssesd.supervisor")
+# A "killed" diagnosis whose sender is the scheduler (time limit, preemption, cancellation, pod eviction).
+_SCHEDULER_END = re.compile(r"CANCELLED AT|DUE TO (?:TIME LIMIT|PREEMPTION)|kubernetes-pod-termination|NODE_FAIL")
 S = RunState
 
 
@@ -49,15 +53,25 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     crashed = not status.ok and after is None
     completed = status.ok and sup.last_exiting == "completed"
     if crashed or (status.ok and after is None and not completed):
-        from ulyssesd.remediation.diagnosis import diagnose
-
-        rc = status.returncode if status.returncode is not None else (-status.signal if status.signal else None)
-        d = diagnose(tail, rc, status.signal)
+        # One function for the daemon and `ulyssesctl diagnose` (daemon/attempt_diagnosis.py); a bare SIGKILL
+        # asks the host's OOM counters before it is called an OOM kill (daemon/host_oom.py).
+        d = attempt_diagnosis.diagnose_attempt(tail, status.returncode, status.signal, None)
+        host = host_oom.evidence_for_attempt(sup) if d.label == "host_oom_killed" and d.confidence != "high" else None
+        if host is not None:
+            d = attempt_diagnosis.diagnose_attempt(tail, status.returncode, status.signal, host)
         diag_label, diag_evidence = d.label, list(d.evidence)
         diag_confidence = d.confidence
+        attempt_diagnosis.write_record(attempt_diagnosis.record_path(sup.run_dir, sup.attempt), d,
+                                       status.returncode, status.signal, host, "log")
     if diag_label is None and sup.hang_diagnosis is not None and sup.hang_diagnosis[0] is not None:
         # Killed by the hang path: the stack dumps, not the log's last lines, say what it was.
         diag_label, diag_evidence = sup.hang_diagnosis[0], sup.hang_diagnosis[1]
+        attempt_diagnosis.write_record(
+            attempt_diagnosis.record_path(sup.run_dir, sup.attempt),
+            Diagnosis(diag_label, list(diag_evidence or []), "high",
+                      f"{diag_label}: the daemon's hang path ended this attempt; its stack dumps decided: "
+                      f"{(diag_evidence or ['(none)'])[0][:200]!r}."),
+            status.returncode, status.signal, None, "hang stacks")
     # A failed checkpoint save: the job's own event names the errno (the log's text may not: torch's C++
     # writer says "basic_ios::clear: iostream error"), so it decides before the log's label.
     save_failure = sup.save_failures.get(sup.attempt)
@@ -125,6 +139,17 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         symptom = Symptom.cuda_oom
     elif diag_label == "disk_full":
         symptom = Symptom.disk_full
+    if diag_label == "config_rejected" and returncode != 3:
+        returncode = 2  # the diagnosis found the refusal (a DeepSpeed/HF config check): the same as exit 2
+    if diag_label == "killed" and any(_SCHEDULER_END.search(e) for e in diag_evidence or []):
+        # The scheduler ended the job (time limit, preemption, cancel): restarting inside the allocation is
+        # pointless; the scheduler's requeue (if any) restarts the service, which resumes from the checkpoint.
+        what = f"the scheduler ended attempt {sup.attempt}: {(diag_evidence or [''])[0][:300]}"
+        iid = sup._incident(Symptom.crash, sup.last_step or 0, Severity.critical, what, evidence)
+        sup._action(iid, ActionKind.stop, {"reason": what}, {}, ApplyMode.none)
+        sup.store.update_incident_status(iid, IncidentStatus.failed, what)
+        sup._fail(what)
+        return
     if returncode in (2, 3) and status.signal is None:
         # CONTRACTS.md: 2 = the job rejected its config, 3 = no loadable checkpoint left. Relaunching the
         # same thing cannot help, and starting from scratch would silently discard the run's progress.
