@@ -318,6 +318,8 @@ LADDERS: dict[str, tuple[Action, ...]] = {
                           lambda c: Proposal(what="quarantine the corrupt tag and restart from the previous valid one"),
                           repeat="max_crash_restarts"), STOP),
     "restart": (Action("restart", "restart_latest", _restart, repeat="max_crash_restarts"), STOP),
+    # The job refused its configuration: the same config fails the same way; stop with the problem lines.
+    "config": (STOP,),
 }
 
 # Ladders that end by alerting rather than stopping: once exhausted they go quiet.
@@ -344,6 +346,10 @@ CRASH_LADDER: dict[str, tuple[str, str]] = {
     "segfault": ("restart", "crash"),
     "launcher_error": ("restart", "launch_failure"),
     "dataloader_crash": ("restart", "crash"),
+    # Terminated from outside (the daemon stops at once when the scheduler is the sender, daemon/exits.py).
+    "killed": ("restart", "crash"),
+    "config_rejected": ("config", "crash"),
+    "python_exception": ("restart", "crash"),
     "healthy": ("restart", "crash"),
 }
 
