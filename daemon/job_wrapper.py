@@ -73,11 +73,20 @@ def _reap() -> None:
 def write_exit_file(path: str, returncode: int | None, sig: int | None, extra: dict | None = None) -> None:
     data = {"returncode": returncode, "signal": sig, "ended": time.time(), **(extra or {})}
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        # A full or read-only disk: the daemon that spawned us still learns the status through waitpid; only
+        # a re-adopting daemon misses it (it then closes the attempt as "unknown"). Never a traceback here.
+        print(f"ulyssesd job_wrapper: cannot write the exit file {path}: {exc}", file=sys.stderr, flush=True)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,6 @@ without checkpoint progress, consecutive early deaths) and the backoff before re
 
 from __future__ import annotations
 
-import errno
 import os
 import random
 from dataclasses import dataclass, field
@@ -113,19 +112,19 @@ def probe_run_dir(run_dir: Path) -> None:
             pass
 
 
-def own_write_failed(sup: Supervisor, exc: OSError, relaunch: Relaunch) -> bool:
+def own_write_failed(sup: Supervisor, exc: BaseException, relaunch: Relaunch) -> bool:
     """The daemon could not write to the run directory before a launch. Read-only: a clear incident and a
     clean stop, nothing deleted. Full: prune what is prunable, then retry the launch later with a growing
     delay, OWN_WRITE_RETRIES times at most, then FAILED with a disk_full incident. Returns False."""
     from ulyssesd.daemon import disk
 
-    code = disk.errno_of(exc) or errno.errorcode.get(exc.errno or 0, "unknown")
+    code = disk.errno_of(exc) or "unknown"  # the OSError itself, or the cause of a LaunchError
     sup.counters.own_write_failures += 1
     n = sup.counters.own_write_failures
     log.warning("daemon write to the run directory failed", errno=code,
                                               error=repr(exc), tries=n, run_dir=str(sup.run_dir))
     sup.say(f"  the daemon cannot write to {sup.run_dir}: {code} ({exc}); try {n}/{OWN_WRITE_RETRIES}")
-    evidence = {"errno": code, "error": str(exc)[:500], "path": getattr(exc, "filename", None), "tries": n,
+    evidence = {"errno": code, "error": str(exc)[:500], "path": getattr(exc.__cause__ or exc, "filename", None), "tries": n,
                 "relaunch_reason": relaunch.reason}
     if code == disk.READ_ONLY:
         disk.stop_read_only(sup, str(sup.run_dir), evidence)

@@ -392,7 +392,7 @@ class Supervisor:
         try:
             relaunch.probe_run_dir(self.run_dir)
             launched = self._launch_attempt(reason, rollback_to_step, incident_id)
-        except OSError as exc:
+        except (OSError, LaunchError) as exc:
             if disk.errno_of(exc) is None:
                 raise
             return relaunch.own_write_failed(self, exc, Relaunch(reason, incident_id, rollback_to_step))
@@ -450,6 +450,9 @@ class Supervisor:
         try:
             job = self._spawn_with_retries(plan)
         except LaunchError as exc:
+            if disk.errno_of(exc) is not None:
+                self.attempt -= 1  # not launched (its log file could not be written): retried later, same number
+                raise
             self.store.add_attempt(self.run_id, number=self.attempt, command=plan.argv,
                                    config_version=self.config_version, resumed_from=tag, host=socket.gethostname())
             self.store.end_attempt(self.run_id, self.attempt, returncode=127, diagnosis="launcher_error",

@@ -315,3 +315,39 @@ def test_a_pause_whose_final_save_failed_says_so_and_resume_uses_the_previous_ta
     assert inc.symptom.value == "disk_full" and "resumes from the previous valid tag" in inc.summary
     sup.handle_command({"cmd": "resume", "peer": {"uid": 0}})
     assert sup.attempt == 2 and sup.store.list_attempts(sup.run_id)[1].resumed_from == "step-00000030"
+
+
+def test_a_launch_whose_log_file_cannot_be_created_is_retried_later_with_the_same_attempt_number(
+        tmp_path, monkeypatch):
+    import tenacity
+
+    fos, sup = _running(tmp_path)
+    real_spawn = fos.spawn
+    full = {"left": sup.dcfg.launch_retries + 1}  # every spawn try of the first relaunch
+
+    def spawn(argv, env, cwd, log_path):
+        if full["left"]:
+            full["left"] -= 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(log_path))
+        return real_spawn(argv, env, cwd, log_path)
+
+    fos.spawn = spawn
+    monkeypatch.setattr(tenacity.nap, "sleep", lambda s: None)  # the bounded spawn retries' own waits
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    sup.tick()
+    assert sup.state == S.BACKOFF and sup.attempt == 1 and len(sup.store.list_attempts(sup.run_id)) == 1
+    for _ in range(40):
+        fos.advance(1.0)
+        sup.tick()
+        if sup.state == S.STARTING:
+            break
+    assert sup.attempt == 2 and [a.number for a in sup.store.list_attempts(sup.run_id)] == [1, 2]
+    assert "launch_failure" not in [i.symptom.value for i in sup.store.list_incidents(sup.run_id)]
+
+
+def test_the_wrapper_survives_an_exit_file_it_cannot_write(tmp_path, capsys):
+    from ulyssesd.daemon.job_wrapper import write_exit_file
+
+    write_exit_file(str(tmp_path / "missing-dir" / "1.exit"), 0, None)  # ENOENT stands in for ENOSPC: no raise
+    assert "cannot write the exit file" in capsys.readouterr().err
+    assert not (tmp_path / "missing-dir").exists()
