@@ -1,6 +1,6 @@
 """Log diagnosis: the tail of a crashed (or running) job's output + exit status -> one label with evidence.
 
-Pure: text in, a `Diagnosis` out; no I/O, no clock. The labels are fixed by DESIGN.md; the precedence,
+Pure: text in, a `Diagnosis` out; no I/O, no clock. The labels are a fixed set (LABELS); the precedence,
 patterns and how to add one are documented in docs/DIAGNOSIS.md.
 
 How it decides (root cause beats consequence):

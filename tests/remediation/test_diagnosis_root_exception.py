@@ -2,7 +2,7 @@
 
 When one rank dies of an ordinary exception (a bug, an injected `raise`), its peers fail in their next
 collective (gloo "Connection closed by peer", ncclRemoteError, watchdog timeouts). Those are consequences: the
-label is `python_exception` (DESIGN.md's fixed-set label for an uncaught error in the job's
+label is `python_exception` (the fixed set's label for an uncaught error in the job's
 code) with the exception line as evidence, not `nccl_error`. Controls: a real NCCL error first, an exception
 whose message is itself a known category, an exception long before the failure, and torchrun's Root Cause
 entry naming the NCCL rank all keep their label.
