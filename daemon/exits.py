@@ -119,7 +119,7 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     early = ran_s < sup.dcfg.early_death_s and not sup.attempt_progress
     sup.counters.consecutive_early_deaths = sup.counters.consecutive_early_deaths + 1 if early else 0
     evidence: dict[str, Any] = {"exit": status.describe(), "returncode": status.returncode, "signal": status.signal,
-                "diagnosis": diag_label, "evidence_lines": diag_evidence, "log_tail": tail[-8000:],
+                "diagnosis": diag_label, "diagnosis_confidence": diag_confidence, "evidence_lines": diag_evidence, "log_tail": tail[-8000:],
                 "ran_s": round(ran_s, 1), "early_death": early}
     if sup.rank_lost is not None:
         evidence["rank_lost"] = sup.rank_lost
@@ -173,7 +173,8 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     if save_failure is not None:
         what = (f"checkpoint save of {save_failure.get('tag')} failed: {save_failure.get('errno')} "
                 f"({save_failure.get('bytes_free')} bytes free); {what}")
-    iid = sup._incident(symptom, sup.last_step or 0, Severity.critical, f"{what}; diagnosis {diag_label}",
+    iid = sup._incident(symptom, sup.last_step or 0, Severity.critical,
+                        f"{what}; diagnosis {diag_label} ({diag_confidence or 'high'} confidence)",
                         evidence)
     decisions: list[Any] = []
     # The symptoms that mean "this crash": the supervisor's (it knows an early death from a mid-run one) and
