@@ -151,3 +151,47 @@ def test_a_broken_record_is_an_error_naming_the_file(tmp_path):
 def test_diagnose_attempt_is_the_log_diagnosis_plus_the_host_evidence():
     assert diagnose_attempt("step=1\n", None, 9, None).label == "host_oom_killed"
     assert diagnose_attempt("step=1\n", None, 9, {"oom_kills": 0, "kernel_lines": []}).label == "killed"
+
+
+def _attempt_ending_with(tmp_path, lines: str, status: ExitStatus):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos)
+    sup.host_oom_probe = _Probe(None, None)
+    sup.start()
+    job = sup.job
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 4)
+    with open(fos.jobs[job.pid]["log"], "a") as fh:
+        fh.write(lines)
+    fos.advance(1.0)
+    fos.die(job.pid, status)
+    sup.tick()
+    return sup
+
+
+def test_a_scheduler_time_limit_stops_the_run_instead_of_restarting(tmp_path):
+    from ulyssesd.daemon.store.enums import RunState
+
+    sup = _attempt_ending_with(tmp_path, "slurmstepd: error: *** STEP 494583.0 ON n1 CANCELLED AT "
+                               "2024-04-20T09:09:37 DUE TO TIME LIMIT ***\n", ExitStatus(None, 15, "wait"))
+    assert sup.state == RunState.FAILED and sup.attempt == 1
+    att = sup.store.list_attempts(sup.run_id)[0]
+    assert att.diagnosis == "killed"
+    assert any("scheduler ended attempt 1" in (i.summary or "") for i in sup.store.list_incidents(sup.run_id))
+
+
+def test_an_operator_kill_restarts_within_the_budget(tmp_path):
+    sup = _attempt_ending_with(tmp_path, "W0409 07:28:49.530000 1359 torch/distributed/elastic/agent/server/api.py:719]"
+                               " Received 15 death signal, shutting down workers\n", ExitStatus(1, None, "wait"))
+    assert sup.store.list_attempts(sup.run_id)[0].diagnosis == "killed"
+    assert sup.attempt == 2 or sup.state.value == "BACKOFF"
+
+
+def test_a_refused_deepspeed_config_fails_the_run_at_once_with_the_problem(tmp_path):
+    from ulyssesd.daemon.store.enums import RunState
+
+    sup = _attempt_ending_with(tmp_path, "[rank0]: AssertionError: Check batch related parameters. train_batch_size "
+                               "is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 8 != 2 * 1 * 1\n",
+                               ExitStatus(1, None, "wait"))
+    assert sup.state == RunState.FAILED and sup.attempt == 1
+    assert sup.store.list_attempts(sup.run_id)[0].diagnosis == "config_rejected"
