@@ -51,7 +51,9 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     sup.after_exit = None
     diag_label, diag_evidence, diag_confidence = None, None, None
     crashed = not status.ok and after is None
-    completed = status.ok and sup.last_exiting == "completed"
+    # A user's command job that says nothing (no client: no `exiting` event) has completed when it exits 0.
+    completed = status.ok and (sup.last_exiting == "completed" or (
+        sup.last_exiting is None and sup.spec.job_section.kind == "command"))
     if crashed or (status.ok and after is None and not completed):
         # One function for the daemon and `ulyssesctl diagnose` (daemon/attempt_diagnosis.py); a bare SIGKILL
         # asks the host's OOM counters before it is called an OOM kill (daemon/host_oom.py).

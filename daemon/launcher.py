@@ -16,6 +16,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ulyssesd.daemon.spec import LauncherSection
 
@@ -54,13 +55,28 @@ def rank_command(launcher: LauncherSection, config_path: Path, run_dir: Path, at
 
 
 def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attempt: int, config_version: int,
-                 base_env: dict[str, str] | None = None) -> LaunchPlan:
+                 base_env: dict[str, str] | None = None, job: Any = None) -> LaunchPlan:
+    """`job`: the spec's `[job]` section; kind=command runs the user's program (daemon/command_job.py)."""
     python = launcher.python or sys.executable
     config_path = run_dir / "configs" / f"v{config_version}.json"
     prog = rank_command(launcher, config_path, run_dir, attempt, config_version)
     kind = launcher.kind
+    # What each launcher starts: `direct` is exec'd as is (local, srun); torchrun and deepspeed are given a
+    # script (+ args) or a module, and add the interpreter themselves.
+    direct = [python, *prog]
+    via_torchrun = prog
+    via_deepspeed = ["--module", launcher.module, *prog[2:]]
+    if job is not None and job.kind == "command":
+        from ulyssesd.daemon.command_job import render_command
+
+        user = render_command(job, run_dir=run_dir, attempt=attempt, config_version=config_version)
+        script = user[0].endswith(".py")
+        # A non-Python program: the launchers' own "do not prepend python" switches.
+        direct = [python, *user] if script else user
+        via_torchrun = user if script else ["--no-python", *user]
+        via_deepspeed = user if script else ["--no_python", *user]
     if kind == "local":
-        cmd = [python, *prog]
+        cmd = direct
     elif kind == "torchrun":
         cmd = [python, "-m", "torch.distributed.run", f"--nnodes={launcher.nnodes}",
                f"--nproc-per-node={launcher.nproc_per_node}", "--max-restarts=0"]
@@ -69,7 +85,7 @@ def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attem
             cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}-{attempt}"]
         else:
             cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launcher.rdzv_endpoint}", f"--rdzv-id={run_id}-{attempt}"]
-        cmd += [*launcher.extra_args, *prog]
+        cmd += [*launcher.extra_args, *via_torchrun]
     elif kind == "deepspeed":
         cmd = [python, "-m", "deepspeed.launcher.runner", f"--num_nodes={launcher.nnodes}",
                f"--num_gpus={launcher.nproc_per_node}"]
@@ -77,10 +93,10 @@ def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attem
             cmd += [f"--hostfile={launcher.hostfile}"]
         if launcher.master_port:
             cmd += [f"--master_port={launcher.master_port}"]
-        cmd += [*launcher.extra_args, "--module", launcher.module, *prog[2:]]
+        cmd += [*launcher.extra_args, *via_deepspeed]
     elif kind == "srun":
         cmd = ["srun", f"--nodes={launcher.nnodes}", f"--ntasks-per-node={launcher.nproc_per_node}",
-               "--kill-on-bad-exit=1", *launcher.extra_args, python, *prog]
+               "--kill-on-bad-exit=1", *launcher.extra_args, *direct]
     else:  # pragma: no cover - the spec's Literal forbids it
         raise ValueError(f"launcher.kind={kind!r} is not supported")
     exit_file = run_dir / "attempts" / f"{attempt}.exit"

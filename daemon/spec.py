@@ -83,6 +83,37 @@ class LauncherSection(_Section):
         return self
 
 
+class JobSection(_Section):
+    """`[job]`: what the ranks run (docs/CLIENT.md "Supervise your own training script")."""
+
+    kind: Literal["builtin", "command"] = Field(
+        "builtin", description="builtin = ulyssesd's GPT job (the model/train/... sections); command = any program.")
+    command: list[str] = Field(default_factory=list, description="kind=command: the program and its arguments the "
+                               "launcher starts on every rank; placeholders {run_dir} {attempt} {config_version} "
+                               "{ds_config} {checkpoint_dir} {resume}.")
+    ds_config: str | None = Field(None, description="kind=command: the job's own DeepSpeed config JSON, copied to "
+                                  "{run_dir}/ds_config.json ({ds_config}) on the first launch.")
+    checkpoint_dir: str | None = Field(None, description="kind=command: where the job saves checkpoints "
+                                       "({checkpoint_dir}; default {run_dir}/checkpoints).")
+    resume_requires: list[str] = Field(default_factory=list, description="kind=command: files a checkpoint "
+                                       "directory without a manifest must hold to count as complete for {resume}.")
+    resume_first: bool = Field(False, description="kind=command: fill {resume} on the first attempt too "
+                               "(continue a run whose checkpoints already exist).")
+
+    @model_validator(mode="after")
+    def _check(self) -> JobSection:
+        from ulyssesd.daemon.command_job import placeholder_problems
+
+        if self.kind == "command" and not self.command:
+            raise ValueError("command is required for kind='command' (the program and its arguments)")
+        if self.kind == "builtin" and self.command:
+            raise ValueError("command is only used with kind='command'")
+        problems = placeholder_problems(self.command)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
 class DaemonSection(_Section):
     state_dir: str = Field(default_factory=default_state_dir, description="Runs, database and socket live here.")
     db_path: str | None = Field(None, description="SQLite file; default {state_dir}/ulyssesd.db.")
@@ -137,11 +168,28 @@ class RunSpec(BaseModel):
     detectors: DetectorsConfig
     remediation: RemediationConfig
     daemon: DaemonSection
+    job_section: JobSection = Field(default_factory=JobSection)
 
 
 def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: Path | None = None) -> RunSpec:
     problems: list[str] = []
     daemon_part = {k: v for k, v in data.items() if k in DAEMON_SECTIONS}
+    job_section = JobSection()
+    if "job" in data:  # `[job]` is the daemon's: the job's own sections never see it
+        try:
+            job_section = JobSection.model_validate(data["job"])
+        except ValidationError as exc:
+            problems.extend(f"[job] {p}" for p in format_validation_error(exc))
+        else:
+            cmd = job_section.command
+            if cmd and cmd[0].endswith(".py") and base_dir is not None and not Path(cmd[0]).is_absolute():
+                job_section.command = [str((Path(base_dir) / cmd[0]).resolve()), *cmd[1:]]  # the job runs in run_dir
+            for key in ("ds_config", "checkpoint_dir"):  # relative to the spec file, like the job's paths
+                value = getattr(job_section, key)
+                if value and base_dir is not None and not Path(value).is_absolute():
+                    setattr(job_section, key, str((Path(base_dir) / value).resolve()))
+            if job_section.ds_config and not Path(job_section.ds_config).is_file():
+                problems.append(f"[job] ds_config: {job_section.ds_config} is not a file")
     dspec: DaemonSpec | None = None
     job: JobSpec | None = None
     try:
@@ -149,7 +197,7 @@ def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
     except ValidationError as exc:
         problems.extend(format_validation_error(exc))
     try:
-        job = job_spec_from_dict(data, source, base_dir)
+        job = job_spec_from_dict({k: v for k, v in data.items() if k != "job"}, source, base_dir)
     except SpecError as exc:
         problems.extend(exc.problems)
     if dspec is not None and job is not None:
@@ -164,7 +212,8 @@ def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
     if problems:
         raise SpecError(source, problems)
     assert dspec is not None and job is not None
-    return RunSpec(source=source, raw=data, job=job, **{k: getattr(dspec, k) for k in DAEMON_SECTIONS})
+    return RunSpec(source=source, raw=data, job=job, job_section=job_section,
+                   **{k: getattr(dspec, k) for k in DAEMON_SECTIONS})
 
 
 def load_run_spec(path: str | Path) -> RunSpec:

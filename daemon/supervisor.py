@@ -32,7 +32,7 @@ from typing import Any
 
 import tenacity
 
-from ulyssesd.daemon import decisions, disk, exits, relaunch, resume, termination
+from ulyssesd.daemon import decisions, disk, exits, log_source, relaunch, resume, termination
 from ulyssesd.daemon import job_config as jc
 from ulyssesd.daemon.decisions import _split_outputs as _split_outputs  # re-exported (moved)
 from ulyssesd.daemon.files import LOG_TAIL_BYTES as LOG_TAIL_BYTES  # re-exported (moved)
@@ -138,6 +138,8 @@ class Supervisor:
 
     @property
     def telemetry_path(self) -> Path:
+        if log_source.stdout_source(self.config):  # records parsed from the job's log (daemon/log_source.py)
+            return self.run_dir / log_source.STDOUT_TELEMETRY_NAME
         p = jc.get_dotted(self.config, "telemetry.path")
         return Path(p) if p else self.run_dir / "telemetry.jsonl"
 
@@ -446,7 +448,7 @@ class Supervisor:
             launcher = launcher.model_copy(update={"env": {**launcher.env, **{k: str(v) for k, v in self.launch_env.items()
                                                                               if v is not None}}})
         plan = build_launch(launcher, run_id=self.run_id, run_dir=self.run_dir, attempt=self.attempt,
-                            config_version=self.config_version)
+                            config_version=self.config_version, job=self.spec.job_section)
         try:
             job = self._spawn_with_retries(plan)
         except LaunchError as exc:
@@ -577,6 +579,7 @@ class Supervisor:
 
     def _read_telemetry(self) -> None:
         assert self.reader is not None
+        log_source.pump(self)  # [telemetry] source = "stdout": the job's new log lines become records first
         offset_before = self.reader.cursor.offset
         batch = self.reader.read()
         if not batch and self.reader.cursor.offset == offset_before:

@@ -253,6 +253,8 @@ class CheckpointSpec(_Section):
 class TelemetrySpec(_Section):
     path: str | None = Field(None, description="Telemetry JSONL; default {run_dir}/telemetry.jsonl.")
     gather_per_rank: bool = Field(True, description="All-reduce per-rank step time and memory each step.")
+    source: Literal["job", "stdout"] = Field("job", description="Where the daemon gets telemetry: the job's own "
+                                            "telemetry file, or records parsed from the job's log (docs/CLIENT.md).")
 
 
 # --------------------------------------------------------------------------------------- faults

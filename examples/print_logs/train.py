@@ -8,7 +8,8 @@ own lines (OVERFLOW, step=/lr) and this script's `step=N loss=X` lines from the 
 
 Demo faults (environment, for tests and trying the daemon out): EXAMPLE_CRASH_AT=N raises at step N,
 EXAMPLE_HANG_AT=N sleeps forever at step N, EXAMPLE_SPIKE_AT=N multiplies the loss printed from step N on
-for 20 steps by 5.
+for 20 steps by 5. They fire on attempt EXAMPLE_FAULT_ATTEMPT (default 1) of a supervised run only
+($ULYSSESD_ATTEMPT), so the restarted attempt runs clean.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=DS_CONFIG)
-    crash_at = int(os.environ.get("EXAMPLE_CRASH_AT", "0"))
-    hang_at = int(os.environ.get("EXAMPLE_HANG_AT", "0"))
-    spike_at = int(os.environ.get("EXAMPLE_SPIKE_AT", "0"))
+    faulty = os.environ.get("ULYSSESD_ATTEMPT", "1") == os.environ.get("EXAMPLE_FAULT_ATTEMPT", "1")
+    crash_at = int(os.environ.get("EXAMPLE_CRASH_AT", "0")) if faulty else 0
+    hang_at = int(os.environ.get("EXAMPLE_HANG_AT", "0")) if faulty else 0
+    spike_at = int(os.environ.get("EXAMPLE_SPIKE_AT", "0")) if faulty else 0
     gen = torch.Generator().manual_seed(1 + engine.global_rank)
     w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))
     for step in range(1, args.steps + 1):

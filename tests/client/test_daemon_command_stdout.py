@@ -1,0 +1,96 @@
+"""The daemon supervising an unmodified DeepSpeed script that only prints logs: `[job] kind = "command"` runs
+examples/print_logs/train.py, `[telemetry] source = "stdout"` turns its log into records. A crash is
+diagnosed and restarted, a hang is detected and the job killed and restarted; both runs then complete."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from ulyssesd.daemon.process import RealOS
+from ulyssesd.daemon.spec import load_run_spec
+from ulyssesd.daemon.store import open_store
+from ulyssesd.daemon.store.enums import RunState
+from ulyssesd.daemon.supervisor import Supervisor
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "print_logs" / "train.py"
+DONE = (RunState.COMPLETED, RunState.FAILED, RunState.STOPPED)
+
+
+def _toml(v):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(x)}" for k, x in v.items()) + "}"
+    return repr(v)
+
+
+def _spec(tmp: Path, env: dict[str, str], steps: int = 60) -> Path:
+    sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
+    sections = {
+        "run": {"name": "printlogs"},
+        "job": {"kind": "command", "command": [str(SCRIPT), "--steps", str(steps), "--step-sleep", "0.03"]},
+        "telemetry": {"source": "stdout"},
+        "launcher": {"kind": "local", "python": sys.executable,
+                     "env": {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **env}},
+        "daemon": {"state_dir": str(tmp / "state"), "socket_path": str(sock), "tick_s": 0.1, "stop_grace_s": 5.0,
+                   "hang_grace_s": 2.0, "stack_dump_wait_s": 0.5, "backoff_base_s": 0.2, "backoff_max_s": 1.0,
+                   "early_death_s": 1.0, "preflight": False},
+        "detectors": {"warmup_steps": 3, "window": 10, "hang_timeout_floor_s": 15.0},
+    }
+    text = "\n".join(f"[{name}]\n" + "\n".join(f"{k} = {_toml(v)}" for k, v in body.items()) + "\n"
+                     for name, body in sections.items())
+    (tmp / "run.toml").write_text(text)
+    return tmp / "run.toml"
+
+
+def _run(spec_path: Path, timeout: float = 240.0) -> tuple[Supervisor, list[str]]:
+    spec = load_run_spec(spec_path)
+    say: list[str] = []
+    sup = Supervisor(spec, open_store(spec.daemon.resolved_db_path()), RealOS(), say=say.append)
+    sup.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while sup.state not in DONE:
+            assert time.monotonic() < deadline, f"state={sup.state} step={sup.last_step}: {say[-10:]}"
+            sup.tick()
+            time.sleep(0.05)
+    finally:
+        if sup.job is not None:
+            import signal
+
+            sup.os.signal_pids(sup.os.job_pids(sup.job, sup._marker()), signal.SIGKILL)
+    return sup, say
+
+
+def test_crash_of_a_printed_logs_job_is_diagnosed_and_restarted(tmp_path):
+    sup, say = _run(_spec(tmp_path, {"EXAMPLE_CRASH_AT": "25"}))
+    assert sup.state == RunState.COMPLETED, say
+    attempts = sup.store.list_attempts(sup.run_id)
+    assert [a.number for a in attempts] == [1, 2]
+    assert attempts[0].returncode not in (0, None) and attempts[0].diagnosis == "python_exception", attempts[0]
+    crash = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "crash"]
+    assert len(crash) == 1 and crash[0].step == 24  # the last step the log showed (it raised before printing 25)
+    assert sup.last_step == 60
+    recs = [json.loads(x) for x in (sup.run_dir / "telemetry-stdout.jsonl").read_text().splitlines()]
+    assert {r["attempt"] for r in recs} == {1, 2}
+    assert [r["step"] for r in recs if r["attempt"] == 2] == list(range(1, 61))
+
+
+def test_hang_of_a_printed_logs_job_is_detected_killed_and_restarted(tmp_path):
+    sup, say = _run(_spec(tmp_path, {"EXAMPLE_HANG_AT": "20"}))
+    assert sup.state == RunState.COMPLETED, say
+    hang = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "hang"]
+    assert len(hang) == 1 and hang[0].step == 19, hang
+    assert [a.number for a in sup.store.list_attempts(sup.run_id)] == [1, 2]
+    assert (sup.run_dir / "stacks").is_dir() or any("stack" in s for s in say)
