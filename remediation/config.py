@@ -25,6 +25,8 @@ class DetectorsConfig(_Section):
     loss_spike_mad: float = Field(8.0, gt=0, description="Loss spike = loss above median + k·sigma (sigma = 1.4826·MAD of the window).")
     loss_spike_min_rel: float = Field(0.10, ge=0, description="...and at least this fraction above the window median (ignores tiny-noise baselines).")
     loss_spike_min_records: int = Field(2, ge=2, description="Records in the baseline before the loss-spike test runs (below 10: a 2x relative rule; a log every 10 steps has few).")
+    loss_smooth_records: int = Field(1, ge=1, description="Loss spike tests the mean of the last N losses (1 = each raw loss; a preset whose per-step loss is multi-modal: more).")
+    loss_spike_persist_steps: int = Field(1, ge=1, description="Steps a loss must stay above the threshold before it is a spike (1 = at once; noisy tiny presets: more).")
     loss_spike_severe_rel: float = Field(0.5, gt=0, description="A spike this fraction above the median is severe: the engine's shorter severe grace applies.")
     loss_zero_min_prev: float = Field(0.1, ge=0, description="A loss of exactly 0 right after a loss of at least this is a broken loss (nan_loss), not convergence.")
     # --- loss oscillation
@@ -49,6 +51,7 @@ class DetectorsConfig(_Section):
     straggler_persist_steps: int = Field(10, ge=1, description="...with the same slowest rank for this many consecutive steps.")
     throughput_drop_frac: float = Field(0.25, gt=0, lt=1, description="Throughput drop = tokens/s below (1 - frac) × baseline median.")
     throughput_persist_steps: int = Field(20, ge=1, description="...sustained for this many consecutive steps.")
+    drift_enabled: bool = Field(True, description="Run the step-time drift CUSUM (off for a shared CPU box, whose step time follows its neighbours).")
     drift_baseline_window: int = Field(500, ge=20, description="Records in the long robust (median) step-time baseline of the drift CUSUM.")
     drift_min_baseline: int = Field(200, ge=10, description="Records the drift baseline needs before (and after each alarm, again before) the CUSUM runs.")
     drift_allowance: float = Field(0.015, gt=0, description="CUSUM allowance k: relative slowdown per step that never accumulates (half the smallest drift to find).")

@@ -326,7 +326,8 @@ class RemediationEngine:
             severe = p.severe or p.finding.severity == "critical"
             # Severe and still there after the short severe grace: act now. Otherwise wait the full grace (the
             # entry also stays pending that long so a recurrence inside it still counts).
-            act_early = severe and p.steps >= self.policy.severe_grace_steps and self._active(p.finding.symptom)
+            severe_grace = min(self.policy.severe_grace_steps, self.policy.grace_steps)   # never longer than grace
+            act_early = severe and p.steps >= severe_grace and self._active(p.finding.symptom)
             if act_early or p.steps >= self.policy.grace_steps:
                 del self.pending[ladder]
                 if self._active(p.finding.symptom):

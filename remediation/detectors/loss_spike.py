@@ -7,6 +7,7 @@ import math
 from collections import deque
 from itertools import repeat
 from operator import sub
+from typing import cast
 
 from ulyssesd.remediation.config import DetectorsConfig
 from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
@@ -37,6 +38,11 @@ class LossSpikeDetector(EpisodeDetector):
         super().reset()
         self._ready = False
         self._ep_severe = False   # the current episode already reported a severe value
+        n = self.cfg.loss_smooth_records
+        self._smooth: deque[float] | None = deque(maxlen=n) if n > 1 else None
+        self._smooth_sum = 0.0
+        self._lag: deque[tuple[int, float]] = deque()   # smoothed values waiting to join the baseline
+        self._run_start: int | None = None   # first step of the current run of values above the threshold
         self._median = math.nan
         self._sigma = math.nan
         self._threshold = math.inf
@@ -73,6 +79,18 @@ class LossSpikeDetector(EpisodeDetector):
         loss = rec.loss
         if loss - loss != 0.0:  # nan or ±inf (math.isfinite without the call)
             return []
+        if self._smooth is not None:
+            # A noisy preset compares the mean of the last N losses (its own noise averages out; a fault that
+            # lasts moves the mean) instead of each raw loss.
+            sm = self._smooth
+            if len(sm) == sm.maxlen:
+                self._smooth_sum -= sm[0]
+            sm.append(loss)
+            self._smooth_sum += loss
+            if len(sm) < cast(int, sm.maxlen):
+                self._clock.advance(rec.step)
+                return []
+            loss = self._smooth_sum / len(sm)
         span = self._clock.advance(rec.step)
         # Once ready, ready until reset (steps and the window only grow): skip the test then.
         ready = self._ready or self._check_ready(rec.step)
@@ -84,26 +102,48 @@ class LossSpikeDetector(EpisodeDetector):
             # Spikes stay out of the baseline so a multi-step spike keeps being measured against healthy data.
             # Severe: far above the band (a catastrophic jump); the engine's grace is shorter for these.
             severe = loss >= self._median + self.cfg.loss_spike_severe_rel * abs(self._median)
+            if not self._ep.active:
+                # A noisy preset may ask a spike to persist before it is one (iid noise rarely repeats).
+                if self._run_start is None:
+                    self._run_start = rec.step - span + 1
+                if rec.step - self._run_start + 1 < self.cfg.loss_spike_persist_steps:
+                    return []
             onset = not self._ep.active
             fire = self._ep.anomalous(rec.step)
             if onset:
                 self._ep_severe = False
+                if self._run_start is not None and self.cfg.loss_spike_persist_steps > 1:
+                    self._ep.started_step = self._run_start
             # An episode that turns severe is reported at once (not at the next refire): the engine acts sooner.
             escalated = severe and not self._ep_severe
             self._ep_severe = self._ep_severe or severe
+            if self._smooth is not None:
+                self._lag.clear()   # the values just before the spike may already carry it
             if not (fire or escalated):
                 return []
             ev = {"loss": loss, "median": self._median, "sigma": self._sigma, "threshold": self._threshold,
                   "window": len(self._win), "since_step": self._ep.started_step, "severe": severe}
-            msg = (f"step {rec.step}: loss {fmt(loss)} is {(loss - self._median) / self._sigma:.1f} sigma above "
+            if self._smooth is not None:
+                ev["raw_loss"], ev["smoothed_over"] = rec.loss, len(self._smooth)
+            msg = (f"step {rec.step}: {'mean ' if self._smooth is not None else ''}loss {fmt(loss)} is {(loss - self._median) / self._sigma:.1f} sigma above "
                    f"the {len(self._win)}-record median {fmt(self._median)} (threshold {fmt(self._threshold)})"
                    f"{f', {loss / self._median - 1:.0%} above it: severe' if severe else ''}.")
             return [Finding(self.symptom, rec.step, "critical" if severe else "warning", ev, msg, now)]
+        self._run_start = None
         if self._ep.active:
             self._ep.normal(rec.step)
         win, steps = self._win, self._win_steps
+        if self._smooth is not None:
+            # A smoothed value joins the baseline one smoothing window late: the rising edge of a lasting
+            # fault must not raise its own threshold before it crosses it.
+            self._lag.append((rec.step, loss))
+            if len(self._lag) <= cast(int, self._smooth.maxlen):
+                return []
+            step_in, loss = self._lag.popleft()
+        else:
+            step_in = rec.step
         win.append(loss)
-        steps.append(rec.step)
+        steps.append(step_in)
         span_limit = SPAN_FACTOR * self.cfg.window
         while len(win) > self._min and rec.step - steps[0] >= span_limit:
             win.popleft()

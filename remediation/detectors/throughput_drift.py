@@ -68,6 +68,8 @@ class ThroughputDriftDetector(EpisodeDetector):
         return max(self.cfg.drift_threshold, self.cfg.drift_noise_factor * var_per_step / k_left)
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
+        if not self.cfg.drift_enabled:
+            return []
         if isinstance(rec, EventRecord):
             if rec.event.startswith("checkpoint_") or rec.event in ("control_applied", "eval"):
                 self._skip_next = True
