@@ -133,6 +133,8 @@ _PROGRESS = re.compile(
 _PROGRESS_KEYS = ("step", "iter", "epoch", "batch", "/", "loss")
 # A bare exception line with no traceback header above it (a thread title, a one-line report).
 _BARE_EXC = re.compile(r"^(?:\[[^\]\n]*\]:?\s*)?((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception))(?::\s|:?$)")
+_LAUNCHER_FRAMES = ("bin/torchrun", "torch/distributed/run.py", "torch/distributed/elastic", "accelerate-launch",
+                    "accelerate/commands/launch", "deepspeed/launcher", "torch/distributed/launch.py")
 _BARE_EXC_KEYS = ("error:", "exception:", "error\n", "exception\n")
 # Applied to lowercased lines (case-sensitive is much faster than IGNORECASE in `re`).
 _STEP = re.compile(r"\b(?:global_step|steps?|iteration|iter)\b['\"]?\s*[=:]?\s*(\d+)\b|\bloss is nan at step (\d+)")
@@ -723,7 +725,7 @@ def _uncaught(scan: _Scan) -> tuple[_Exc, str] | None:
     if not excs:
         headers = scan.candidates(("traceback (most recent call last):",))
         ended = [e.line for e in scan.exceptions()]  # tracebacks that do end in an exception line (any)
-        headers = [h for h in headers[-1:] if not ended or h > ended[-1]]
+        headers = [h for h in headers[-1:] if (not ended or h > ended[-1]) and not _launcher_traceback(scan, h)]
         excs = [_Exc(h, "exception (its line is cut off)", _prefix_rank(scan.lines[h])) for h in headers]
         how = "the job (a traceback cut off before its exception line)"
     if not excs:
@@ -735,6 +737,13 @@ def _uncaught(scan: _Scan) -> tuple[_Exc, str] | None:
     if last.rank is not None:
         how = f"rank {last.rank[1]}"
     return last, how
+
+
+def _launcher_traceback(scan: _Scan, header: int) -> bool:
+    """A traceback whose first frames are the launcher's own (torchrun's agent, accelerate launch): its cut-off
+    exception is the launcher reporting the failed child, not the job's exception."""
+    frames = "\n".join(scan.lowered[header + 1: header + 4])
+    return any(k in frames for k in _LAUNCHER_FRAMES)
 
 
 def _reason(label: str, ev: list[str], sig: int | None, exit_code: int | None) -> str:
