@@ -267,7 +267,7 @@ class ControlServer:
             woken = False
             for key, _ in self._sel.select(wait):
                 if key.data == "accept":
-                    self._accept()
+                    answered += self._accept()
                 elif key.data == "wake":
                     woken = True
                     try:
@@ -281,12 +281,14 @@ class ControlServer:
             if answered or woken or time.monotonic() >= deadline:
                 return answered
 
-    def _accept(self) -> None:
+    def _accept(self) -> int:
+        """Accept what is pending; return how many connections were answered at once (refused, busy)."""
+        answered = 0
         for _ in range(self.max_connections):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                return answered
             sock.setblocking(False)
             try:
                 peer = peer_credentials(sock)
@@ -298,14 +300,17 @@ class ControlServer:
             if refusal is not None:  # before reading: an unauthorized peer's bytes are never parsed
                 self._log.warning("control connection refused", uid=peer.uid, pid=peer.pid, reason=refusal)
                 self._reply(sock, _error("permission_denied", refusal))
+                answered += 1
                 continue
             if len(self._conns) >= self.max_connections:
                 self._reply(sock, _error("busy", f"too many concurrent control connections "
                                                  f"(max {self.max_connections}); retry"))
+                answered += 1
                 continue
             conn = _Conn(sock, peer, time.monotonic() + self.read_timeout_s, None)
             self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
+        return answered
 
     def _authorize(self, peer: Peer) -> str | None:
         try:

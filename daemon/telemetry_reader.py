@@ -95,6 +95,10 @@ class TelemetryReader:
             self.cursor.offset = end_offset  # past this line whatever it holds: never re-read a bad line
             if not raw.strip():
                 continue
+            if len(raw) > self.max_line_bytes:  # complete but over-long: the same verdict as one skipped
+                self._garbage(pos + nl - len(raw), f"line is {len(raw)} bytes long; telemetry lines are at "
+                                                   f"most {self.max_line_bytes}")
+                continue
             try:
                 rec = parse_line(raw.decode("utf-8", errors="replace"))
             except RecordError as exc:

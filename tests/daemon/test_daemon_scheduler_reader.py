@@ -66,3 +66,124 @@ def test_reader_partial_line_garbage_truncation_and_replacement(tmp_path):
     q.write_bytes(_line(kind="step", step=1, loss=3.0) + _line(kind="step", step=2, loss=3.0))
     os.replace(q, p)
     assert [x[0].step for x in r2.read()] == [1, 2]
+
+
+# ------------------------------------------------------------- hostile telemetry (issue 13 regressions)
+def test_reader_skips_a_5_mib_line_across_several_batches_and_never_rereads_it(tmp_path):
+    from ulyssesd.daemon.telemetry_reader import MAX_BATCH_BYTES
+
+    p = tmp_path / "telemetry.jsonl"
+    huge = b'{"kind": "event", "event": "x", "blob": "' + b"a" * (5 << 20) + b'"}'
+    p.write_bytes(_line(kind="step", step=1, loss=2.0) + huge[: 3 << 20])  # the job is mid-write
+    r = TelemetryReader(p)
+    assert [x[0].step for x in r.read()] == [1]
+    start = r.cursor.offset
+    assert r.read() == [] and r.cursor.offset == start  # 3 MiB of an unfinished line: nothing yet
+    with open(p, "ab") as fh:
+        fh.write(huge[3 << 20:] + b"\n" + _line(kind="step", step=2, loss=1.9))
+    assert len(huge) > MAX_BATCH_BYTES  # the line is longer than one read: the old reader stopped here forever
+    got = []
+    for _ in range(4):
+        got += [x[0].step for x in r.read()]
+    assert got == [2] and r.garbage_lines == 1
+    assert r.cursor.offset == os.path.getsize(p)
+    # A restart from the persisted cursor starts after the skipped line, not at it.
+    r2 = TelemetryReader(p, Cursor(r.cursor.inode, start + len(huge) + 1))
+    assert [x[0].step for x in r2.read()] == [2] and r2.garbage_lines == 0
+
+
+def test_reader_reports_poison_lines_with_their_byte_offset_and_goes_on(tmp_path, capsys):
+    p = tmp_path / "telemetry.jsonl"
+    poison = [
+        b'{"kind": "step", "step": 18446744073709551616, "loss": 1.0}',  # 2^64: OverflowError in the store
+        b'{"kind": "step", "step": 1, "loss": 1.0, "note": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",  # RecursionError
+        b'{"kind": "event", "event": "x", "deep": ' + b"[" * 200 + b"]" * 200 + b"}",  # fine for json, not for us
+        b'{"kind": "step", "step": 3, "loss": 1.0, "time": "inf"}',  # the detectors' clock
+    ]
+    data = b"".join(line + b"\n" for line in poison)
+    p.write_bytes(data + _line(kind="step", step=7, loss=1.5))
+    r = TelemetryReader(p)
+    assert [x[0].step for x in r.read()] == [7]
+    assert r.garbage_lines == 4 and r.cursor.offset == os.path.getsize(p)
+    logged = [json.loads(line) for line in capsys.readouterr().out.splitlines() if "garbage" in line]
+    offsets = [0]
+    for line in poison[:-1]:
+        offsets.append(offsets[-1] + len(line) + 1)
+    assert [e["offset"] for e in logged] == offsets
+    assert "64-bit integer range" in logged[0]["error"] and "nests deeper" in logged[1]["error"]
+    assert "nests deeper" in logged[2]["error"] and "finite" in logged[3]["error"]
+
+
+def _fake_sup(tmp_path, fos=None):
+    from test_daemon_unit_fakeos import FakeOS, _sup
+
+    sup = _sup(tmp_path, fos or FakeOS())
+    sup.start()
+    return sup
+
+
+def test_supervisor_survives_poison_telemetry_and_a_restart_does_not_reread_it(tmp_path):
+    from test_daemon_unit_fakeos import _emit, _steps
+
+    from ulyssesd.daemon.store.enums import RunState
+
+    sup = _fake_sup(tmp_path)
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 3)
+    with open(sup.telemetry_path, "ab") as fh:
+        fh.write(b'{"kind": "step", "step": 18446744073709551616, "loss": 1.0}\n')
+        fh.write(b'{"kind": "event", "event": "x", "n": ' + b"[" * 50_000 + b"]" * 50_000 + b"}\n")
+        fh.write(b'{"kind": "event", "event": "x", "blob": "' + b"a" * (5 << 20) + b'"}\n')
+    for _ in range(4):
+        sup.tick()
+    assert sup.state == RunState.RUNNING and sup.reader.garbage_lines == 3
+    end = os.path.getsize(sup.telemetry_path)
+    cur = sup.store.get_telemetry_cursor(sup.run_id)
+    assert cur.offset == end  # persisted past the bad lines, though they produced no record
+    _steps(sup, 4, 5)
+    assert sup.last_step == 5
+    # A new daemon re-adopts from the stored cursor: its reader starts after the poison (its engine warm-up
+    # reads the processed part again, through the same bounded reader), and nothing fails.
+    sup2 = _fake_sup(tmp_path, sup.os)
+    assert sup2.run_id == sup.run_id and sup2.state == RunState.RUNNING and sup2.last_step == 5
+    assert sup2.reader.garbage_lines == 0
+    _steps(sup2, 6, 6)
+    assert sup2.last_step == 6
+
+
+def test_a_record_whose_handling_raises_is_logged_counted_and_skipped(tmp_path, monkeypatch):
+    from test_daemon_unit_fakeos import _emit, _steps
+
+    sup = _fake_sup(tmp_path)
+    _emit(sup, kind="event", event="started", step=0)
+    real = sup._on_event
+
+    def flaky(rec):
+        if rec.event == "checkpoint_saved":
+            raise RuntimeError("store hiccup")
+        return real(rec)
+
+    monkeypatch.setattr(sup, "_on_event", flaky)
+    _emit(sup, kind="event", event="checkpoint_saved", step=0, tag="step-00000000")
+    _steps(sup, 1, 2)  # the records after it are still handled
+    assert sup.record_errors == 1 and sup.last_step == 2
+    assert sup.status_dict()["telemetry_record_errors"] == 1
+
+
+def test_ack_with_a_bad_id_is_bad_request_and_a_handler_error_is_clean(tmp_path, monkeypatch):
+    sup = _fake_sup(tmp_path)
+    for bad in ("x", 1.5, None, True, [1], -3, 2**64):
+        resp = sup.handle_command({"cmd": "ack", "args": {"id": bad}})
+        assert resp["ok"] is False and resp["code"] == "bad_request" and "'args.id'" in resp["error"], resp
+    assert sup.handle_command({"cmd": "ack", "args": {"id": 99}}) == {
+        "ok": False, "code": "not_found", "error": "no incident 99"}
+    resp = sup.handle_command({"cmd": "ack", "args": {"id": 1, "by": {"x": 1}}})
+    assert resp["code"] == "bad_request" and "'args.by'" in resp["error"]
+
+    def broken(*a, **k):
+        raise OSError("disk I/O error at /secret/ulyssesd.db")
+
+    monkeypatch.setattr(sup.store, "ack_incident", broken)
+    resp = sup.handle_command({"cmd": "ack", "args": {"id": 1}})
+    assert resp == {"ok": False, "code": "internal", "error": "internal error handling 'ack' (OSError); see the daemon log"}
+    assert sup.handle_command({"cmd": "status"})["ok"] is True
