@@ -59,6 +59,19 @@ def _fsync_dir(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- probe
+def _header_problem(header: bytes, size: int) -> str | None:
+    """What the first 100 bytes and the size say is wrong (emptied, not SQLite, truncated), or None."""
+    if size == 0:
+        return "the database file is empty (0 bytes): it was emptied or truncated"
+    if not header.startswith(SQLITE_HEADER):
+        return f"not an SQLite database (first bytes {header[:16]!r})"
+    page = int.from_bytes(header[16:18], "big")
+    page = 65536 if page == 1 else page
+    if len(header) < 100 or page < 512 or size % page:
+        return f"truncated: {size} bytes is not a whole number of {page}-byte pages"
+    return None
+
+
 def probe_db_file(path: str | os.PathLike[str], budget_s: float = PROBE_BUDGET_S) -> str | None:
     """None if `path` is missing or a readable SQLite database that passes `PRAGMA quick_check` within
     `budget_s`; otherwise what is wrong, in words. Opens the file like the daemon will (read-write: a
@@ -70,14 +83,9 @@ def probe_db_file(path: str | os.PathLike[str], budget_s: float = PROBE_BUDGET_S
             header = fh.read(100)
     except FileNotFoundError:
         return None
-    if size == 0:
-        return "the database file is empty (0 bytes): it was emptied or truncated"
-    if not header.startswith(SQLITE_HEADER):
-        return f"not an SQLite database (first bytes {header[:16]!r})"
-    page = int.from_bytes(header[16:18], "big")
-    page = 65536 if page == 1 else page
-    if len(header) < 100 or page < 512 or size % page:
-        return f"truncated: {size} bytes is not a whole number of {page}-byte pages"
+    bad = _header_problem(header, size)
+    if bad is not None:
+        return bad
     deadline = time.monotonic() + budget_s
     try:
         conn = sqlite3.connect(str(p), timeout=5.0)
@@ -478,15 +486,8 @@ def header_problem(path: str | os.PathLike[str]) -> str | None:
         return None  # file_problem() reports a missing file
     except OSError as exc:
         return f"unreadable: {exc}"
-    if size == 0:
-        return "the database file was emptied (0 bytes) under the running daemon"
-    if not header.startswith(SQLITE_HEADER):
-        return f"the database file's header was overwritten (first bytes {header[:16]!r})"
-    page = int.from_bytes(header[16:18], "big")
-    page = 65536 if page == 1 else page
-    if page < 512 or size % page:
-        return f"the database file was truncated to {size} bytes"
-    return None
+    bad = _header_problem(header, size)
+    return None if bad is None else f"under the running daemon: {bad}"
 
 
 def mend_damaged_file(store: Any, state_dir: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 from uls_daemon_helpers import fake_spec
+from uls_daemon_helpers import wait_for as _wait
 
 from ulyssesd.daemon.control_socket import send_request
 from ulyssesd.daemon.store import open_store
@@ -32,16 +33,6 @@ def _daemon(spec: Path, log: Path, *extra: str, umask: int | None = None) -> sub
     return subprocess.Popen([sys.executable, "-m", "ulyssesd.daemon.cli", "run", "--spec", str(spec), *extra],
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
-
-
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _info(state: Path) -> dict | None:

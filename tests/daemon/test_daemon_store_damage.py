@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from uls_daemon_helpers import fake_spec
+from uls_daemon_helpers import wait_for as _wait
 
 from ulyssesd.daemon.store import open_store
 
@@ -22,19 +23,6 @@ from ulyssesd.daemon.store import open_store
 def _daemon(spec: Path, log: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ulyssesd.daemon.cli", "run", "--spec", str(spec), *extra],
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            v = pred()
-        except Exception:  # noqa: BLE001 - the database may be mid-recovery
-            v = None
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _steps(run_dir: Path) -> int:

@@ -67,3 +67,18 @@ def run_until(sup, pred, timeout: float = 60.0, tick: float = 0.05):
     raise AssertionError(f"condition not reached in {timeout}s; state={sup.state} step={sup.last_step}")
 
 
+
+
+def wait_for(pred, timeout: float, what: str, poll: float = 0.2):
+    """pred()'s first truthy value within `timeout` s (an exception counts as not yet: a database being
+    written or recovered, a file appearing); AssertionError naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            v = pred()
+        except Exception:  # noqa: BLE001
+            v = None
+        if v:
+            return v
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")
