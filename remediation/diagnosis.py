@@ -133,6 +133,7 @@ _PROGRESS = re.compile(
 _PROGRESS_KEYS = ("step", "iter", "epoch", "batch", "/", "loss")
 # A bare exception line with no traceback header above it (a thread title, a one-line report).
 _BARE_EXC = re.compile(r"^(?:\[[^\]\n]*\]:?\s*)?((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception))(?::\s|:?$)")
+_FRAME = re.compile(r'^(?:\[[^\]\n]*\]:?)?\s+File "[^"]+", line \d+, in ')
 _LAUNCHER_FRAMES = ("bin/torchrun", "torch/distributed/run.py", "torch/distributed/elastic", "accelerate-launch",
                     "accelerate/commands/launch", "deepspeed/launcher", "torch/distributed/launch.py")
 _BARE_EXC_KEYS = ("error:", "exception:", "error\n", "exception\n")
@@ -728,6 +729,12 @@ def _uncaught(scan: _Scan) -> tuple[_Exc, str] | None:
         headers = [h for h in headers[-1:] if (not ended or h > ended[-1]) and not _launcher_traceback(scan, h)]
         excs = [_Exc(h, "exception (its line is cut off)", _prefix_rank(scan.lines[h])) for h in headers]
         how = "the job (a traceback cut off before its exception line)"
+    if not excs:
+        # Last resort: the tail ends in traceback frames whose header and exception line were both cut off.
+        frames = [i for i in scan.candidates(('  file "',)) if _FRAME.match(scan.lines[i])]
+        if len(frames) >= 2 and frames[-1] >= len(scan.lines) - 4 and not _launcher_traceback(scan, frames[0] - 1):
+            excs = [_Exc(frames[-1], "exception (only its traceback frames are in the tail)", None)]
+            how = "the job (traceback frames at the end of the tail)"
     if not excs:
         return None
     last = excs[-1]
