@@ -321,10 +321,8 @@ def parse_line(line: str | bytes) -> Record:
             vals = _astuple(_step_decode(text))
         except (_DecodeError, RecursionError):  # msgspec recurses into an unknown field's deep JSON
             pass  # not a plain step line: the dict path parses it or names the problem
-        else:
-            t = vals[2]
-            if t is None or math.isfinite(t):
-                return StepRecord(*vals)
+        else:  # msgspec never yields a non-finite float from JSON (NaN literals and 1e400 are errors)
+            return StepRecord(*vals)
     try:
         d = _fast_loads(text)
     except Exception:  # noqa: BLE001 - orjson is strict (NaN literals, depth > 1024) or absent: the stdlib decides
