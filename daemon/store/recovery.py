@@ -422,12 +422,12 @@ def open_daemon_store(db_path: str | os.PathLike[str], state_dir: str | os.PathL
         try:
             run = store.get_run(run_dir.name)
         except NotFoundError:
-            same_spec = spec_source and _same_bytes(run_dir / "spec.toml", Path(spec_source))
+            same_spec = spec_source is not None and _same_bytes(run_dir / "spec.toml", Path(spec_source))
             run = adopt_run_dir(store, run_dir, run_dir.name,
-                                spec_path=str(Path(spec_source).resolve()) if same_spec else None)
+                                spec_path=str(Path(spec_source).resolve()) if spec_source and same_spec else None)
         if run.state in TERMINAL_RUN_STATES:
             continue
-        what = rederive_run(store, run.id, Path(run.run_dir))
+        what = rederive_run(store, run.id, Path(run.run_dir or run_dir))
         settle_adopted_state(store, run, what)
         what.update(restore.__dict__)
         summary = (f"database damaged ({problem}); "
