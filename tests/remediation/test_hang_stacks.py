@@ -28,6 +28,23 @@ def test_waiting_rank_and_straggler():
     assert "rank 1 is outside any collective at /site/ulyssesd/training/data.py:150 in sample" in r.summary
 
 
+PREFETCH = '''Thread 0x00007f2400001640 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/usr/lib/python3.11/queue.py", line 140 in put
+  File "/site/ulyssesd/training/loader.py", line 70 in _fill
+  File "/usr/lib/python3.11/threading.py", line 982 in run
+
+'''
+
+
+def test_the_data_prefetch_thread_is_not_taken_for_the_training_loop():
+    r = read_hang({0: PREFETCH + WAIT, 1: PREFETCH + LOADER})
+    assert r.label == "nccl_timeout" and r.waited_for == (1,)
+    # The loop's innermost frame, not the prefetch thread's queue wait.
+    assert r.ranks[0].where == "/site/torch/distributed/distributed_c10d.py:4000 in all_gather_into_tensor"
+    assert r.ranks[1].where.endswith("data.py:150 in sample")
+
+
 def test_no_rank_in_a_collective_is_not_a_communication_hang():
     r = read_hang({0: LOADER, 1: LOADER})
     assert r.label is None and r.waited_for == () and "no rank is inside a collective" in r.summary
