@@ -177,7 +177,7 @@ class SampleSource:
         used = self.schedule.consumed(n) if self.schedule is not None else [n]
         comps = [{"name": name, "samples": u, "windows": w.num_windows, "epoch": u // w.num_windows}
                  for (name, w), u in zip(self.components, used, strict=True)]
-        out["epoch"] = max(c["epoch"] for c in comps)
+        out["epoch"] = max(u // w.num_windows for (_, w), u in zip(self.components, used, strict=True))
         out["components"] = comps
         return out
 
