@@ -49,8 +49,8 @@ class ThroughputDriftDetector(EpisodeDetector):
         self._skip_next = False
         self._rebase_from: int | None = None   # alarm step: the baseline is being rebuilt since then
         self._h = self.cfg.drift_threshold
+        self._since_h = 50   # recompute h on the first CUSUM step
         self._clipped = 0
-        self._since_h = 0
 
     def _threshold(self, span: int) -> float:
         """h, raised for a noisy baseline: ~ drift_noise_factor · variance per step / allowance."""
@@ -108,7 +108,7 @@ class ThroughputDriftDetector(EpisodeDetector):
             self._clipped = 0
             x = -cfg.drift_clip if x < -cfg.drift_clip else x
         self._since_h += 1
-        if self._since_h >= 50 or self._s == 0.0:
+        if self._since_h >= 50:   # the noise estimate moves slowly: an O(window) MAD every 50 records is enough
             self._h, self._since_h = self._threshold(span), 0
         s = self._s + span * (x - cfg.drift_allowance)
         if s <= 0.0:
@@ -168,4 +168,5 @@ class ThroughputDriftDetector(EpisodeDetector):
         self._base.clear()
         self._spread_base.clear()
         self._rebase_from = rec.step
+        self._since_h = 50   # a new baseline: a new noise estimate on the next CUSUM step
         return [Finding(symptom, rec.step, "warning", ev, msg, now)]
