@@ -430,11 +430,6 @@ def job_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
     for entry in spec.data.blend:
         if base_dir is not None and not Path(entry.path).is_absolute():
             entry.path = str((base_dir / entry.path).resolve())
-    if base_dir is not None and spec.data.tokenizer and not Path(spec.data.tokenizer).is_absolute():
-        spec.data.tokenizer = str((base_dir / spec.data.tokenizer).resolve())
-    for entry in spec.data.blend if base_dir is not None else []:
-        if not Path(entry.path).is_absolute():
-            entry.path = str((base_dir / entry.path).resolve())
     return spec
 
 
