@@ -72,9 +72,10 @@ def _global(
 # ------------------------------------------------------------------------------------------ plumbing
 def _daemon_info() -> dict[str, Any]:
     try:
-        return json.loads((CTX.state_dir / "ulyssesd.daemon.json").read_text())
-    except (OSError, ValueError):
+        info = json.loads((CTX.state_dir / "ulyssesd.daemon.json").read_text())
+    except (OSError, ValueError, RecursionError):
         return {}
+    return info if isinstance(info, dict) else {}
 
 
 def _db_path() -> Path:
@@ -209,7 +210,7 @@ def _last_step_from_telemetry(run_dir: str | None) -> dict[str, Any] | None:
     for line in reversed(lines):
         try:
             d = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # garbage or a hostile deeply nested line: not a step
             continue
         if isinstance(d, dict) and d.get("kind") == "step":
             return d

@@ -547,3 +547,27 @@ def test_sigstopped_daemon_status_says_not_responding_and_a_timed_out_pause_is_n
     finally:
         child.kill()
         child.wait(5)
+
+
+def test_status_survives_a_poisoned_telemetry_tail_and_daemon_info(tmp_path):
+    """`ulyssesctl status` reads the telemetry tail and the daemon info file itself: hostile content there
+    (a 50,000-deep line, a JSON list as the info file) must not give a traceback."""
+    import contextlib
+    import io
+
+    from ulyssesd.daemon.ctl import main
+    from ulyssesd.daemon.store import open_store
+
+    state = tmp_path / "state"
+    run_dir = state / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "telemetry.jsonl").write_bytes(b'{"kind": "step", "step": 4, "loss": 1.5}\n'
+                                              + b"[" * 50_000 + b"]" * 50_000 + b"\n")
+    with open_store(state / "ulyssesd.db") as store:
+        store.create_run("r1", run_dir=str(run_dir))
+    (state / "ulyssesd.daemon.json").write_text("[1, 2]")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["--state-dir", str(state), "status", "--json"]) == 0
+    st = json.loads(buf.getvalue())
+    assert st["step"] == 4 and st["daemon"] == "not running"
