@@ -225,6 +225,8 @@ def _evidence(c: Context) -> Proposal | str:
 
 
 def _reduce_bucket(c: Context) -> Proposal | str:
+    if c.evidence.get("detector") == "cusum":   # the drift detector: evidence and an alert only
+        return "a few-percent step-time drift is not worth a restart"
     spread = c.evidence.get("rank_spread")
     if spread is not None and spread >= COMM_BOUND_MAX_SPREAD:
         return f"one rank is {spread:.2f}x slower than rank 0: not comm-bound"
