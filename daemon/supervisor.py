@@ -938,8 +938,9 @@ class Supervisor:
             except LookupError:  # the restored database predates this run: rebuild it from its directory
                 recovery.adopt_run_dir(self.store, self.run_dir, self.run_id,
                                        spec_path=str(Path(self.spec.source).resolve()))
-                self.store.set_run_state(self.run_id, self.state, "store restored under the running daemon",
-                                         allow_same=True)
+            # This daemon's state is the truth; a restored backup may hold an older one (no-op when equal).
+            self.store.set_run_state(self.run_id, self.state, "store restored under the running daemon",
+                                     attempt=self.attempt or None)
             what = recovery.rederive_run(self.store, self.run_id, self.run_dir, ckpt_dir=self.ckpt_dir,
                                          telemetry=self.telemetry_path)
             if self.reader is not None:  # what this daemon has processed, not the file's end
