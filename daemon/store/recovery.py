@@ -360,6 +360,13 @@ def settle_adopted_state(store: Any, run: Any, what: dict[str, Any]) -> None:
     checkpoint), STARTING when it never launched (launched)."""
     from .enums import RunState
 
+    live = what.get("live_job")
+    if live and live["attempt"] in what.get("attempts", []) and run.state not in (RunState.STARTING, RunState.RUNNING):
+        # The backup predates the live attempt: the restart (or backoff, or stop) it recorded as in progress
+        # is long over. Left as it is, re-adoption would "finish" that restart by killing the healthy job.
+        store.set_run_state(run.id, RunState.RUNNING,
+                            f"store restored: attempt {live['attempt']} (newer than the backup) is training")
+        return
     if run.state != RunState.STARTING or not what.get("last_attempt"):
         return
     if what.get("completed"):
