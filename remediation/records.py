@@ -1,4 +1,4 @@
-"""Typed telemetry records (DESIGN.md "Contract: telemetry") parsed from JSON lines or dicts.
+"""Typed telemetry records (docs/CONTRACTS.md "Telemetry records") parsed from JSON lines or dicts.
 
 Replay feeds millions of these, so parsing is not pydantic: a step line is decoded by msgspec straight into a
 typed wire struct (no intermediate dict; ~2.5x faster than orjson + checks), anything that struct rejects
