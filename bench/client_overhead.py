@@ -34,7 +34,7 @@ def reporter_cost(n: int, tmp: Path) -> float:
     return per
 
 
-def tiny_engine():
+def tiny_engine(width: int, batch: int):
     import deepspeed
     import torch
 
@@ -43,18 +43,18 @@ def tiny_engine():
         os.environ.setdefault(key, value)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9, "gradient_clipping": 1.0,
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+    cfg = {"train_micro_batch_size_per_gpu": batch, "steps_per_print": 10**9, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "zero_optimization": {"stage": 0}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
 
-def step_times(engine, steps: int) -> list[float]:
+def step_times(engine, steps: int, width: int, batch: int) -> list[float]:
     import torch
 
-    x = torch.randn(8, 16)
-    y = torch.randn(8, 1)
+    x = torch.randn(batch, width)
+    y = torch.randn(batch, 1)
     out = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -70,19 +70,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reporter-calls", type=int, default=200_000)
+    ap.add_argument("--width", type=int, default=16, help="MLP width (16: a sub-ms step; 2048: tens of ms)")
+    ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args()
     from ulyssesd.client.deepspeed import attach
 
     tmp = Path(tempfile.mkdtemp(prefix="client-bench-"))
     os.environ["ULYSSESD_RUN_DIR"] = str(tmp)
     rep_s = min(reporter_cost(args.reporter_calls // args.rounds, tmp) for _ in range(args.rounds))
-    engine = tiny_engine()
-    step_times(engine, 50)  # warm-up
+    engine = tiny_engine(args.width, args.batch)
+    step_times(engine, 20, args.width, args.batch)  # warm-up
     plain, attached = [], []
     for _ in range(args.rounds):
-        plain.append(statistics.median(step_times(engine, args.steps)))
+        plain.append(statistics.median(step_times(engine, args.steps, args.width, args.batch)))
         sup = attach(engine, signals=False)
-        attached.append(statistics.median(step_times(engine, args.steps)))
+        attached.append(statistics.median(step_times(engine, args.steps, args.width, args.batch)))
         sup.detach()
         sup.reporter.close()
     (tmp / "control.json").write_text(json.dumps({"version": 1, "lr_scale": 1.0}))
@@ -109,7 +111,7 @@ def main() -> None:
               "rounds_hooks_us": [x * 1e6 for x in hooks], "tiny_step_plain_ms": p * 1e3, "tiny_step_attached_ms": a * 1e3,
               "attach_overhead_us": (a - p) * 1e6, "attach_overhead_pct": 100 * (a - p) / p,
               "rounds_plain_ms": [x * 1e3 for x in plain], "rounds_attached_ms": [x * 1e3 for x in attached],
-              "steps_per_round": args.steps, "python": sys.version.split()[0]}
+              "steps_per_round": args.steps, "width": args.width, "batch": args.batch, "python": sys.version.split()[0]}
     print(json.dumps(result, indent=1))
 
 
