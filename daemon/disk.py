@@ -27,6 +27,8 @@ READ_ONLY = "EROFS"
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 #: The job's exit code when a checkpoint save failed (training/train.py EXIT_SAVE_FAILED).
 EXIT_SAVE_FAILED = 4
+#: The job's `exiting` reasons that mean "refused" -> the exit code they stand for (docs/CONTRACTS.md).
+JOB_REFUSAL_EXIT = {"config_rejected": 2, "no_checkpoint": 3}
 READ_ONLY_REASON = "run directory is read-only"
 #: Below this much free space the filesystem counts as full whatever the checkpoint size.
 MIN_FREE_BYTES = 64 << 20

@@ -134,8 +134,11 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         return
     returncode = status.returncode
     if returncode not in (2, 3) and status.signal is None:
-        # torchrun exits 1 whatever its ranks exited with; their own codes are in its failure report.
+        # torchrun exits 1 whatever its ranks exited with; their own codes are in its failure report, and
+        # the job's `exiting` event says why first (a rank that refused its config may still die by SIGABRT
+        # in the process group's teardown, and torchrun then reports -6 and -15, not 2).
         returncode = next((c for c in (2, 3) if c in rank_codes), returncode)
+        returncode = disk.JOB_REFUSAL_EXIT.get(sup.last_exiting or "", returncode)
     symptom = Symptom.launch_failure if early and diag_label == "launcher_error" else Symptom.crash
     if diag_label == "cuda_oom":
         symptom = Symptom.cuda_oom

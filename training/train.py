@@ -429,6 +429,13 @@ class Trainer:
             except OSError:
                 pass
             return EXIT_SAVE_FAILED
+        except (SpecError, CheckpointLoadError) as exc:
+            # Refusals (exit 2 / 3), said before exiting: a rank may still die by SIGABRT in the process
+            # group's teardown, and the launcher then reports a signal instead of the exit code.
+            self._event("exiting", reason="config_rejected" if isinstance(exc, SpecError) else "no_checkpoint",
+                        error=f"{type(exc).__name__}: {exc}"[:500],
+                        problems=list(exc.problems)[:40] if isinstance(exc, SpecError) else [str(exc)[:500]])
+            raise
         except BaseException as exc:
             self._event("exiting", reason="error", error=f"{type(exc).__name__}: {exc}"[:500])
             raise

@@ -351,3 +351,22 @@ def test_the_wrapper_survives_an_exit_file_it_cannot_write(tmp_path, capsys):
     write_exit_file(str(tmp_path / "missing-dir" / "1.exit"), 0, None)  # ENOENT stands in for ENOSPC: no raise
     assert "cannot write the exit file" in capsys.readouterr().err
     assert not (tmp_path / "missing-dir").exists()
+
+
+def test_a_refusal_whose_rank_then_aborted_still_fails_at_once_from_the_jobs_exiting_event(tmp_path):
+    # Seen with the real job: rank 1 printed its refusal, then died by SIGABRT in the process group's teardown
+    # ("terminate called without an active exception"); torchrun reported -6 and -15, not 2.
+    fos, sup = _running(tmp_path, steps=(1, 2))
+    _emit(sup, kind="event", event="exiting", step=2, reason="config_rejected",
+          error="SpecError: invalid run spec attention.backend: 1 problem(s)",
+          problems=["attention.backend='cudnn' needs a CUDA device; use 'auto' or 'math' on CPU"])
+    _log(fos, sup, "ulysses-train: invalid run spec attention.backend: 1 problem(s)\n"
+                   "  - attention.backend='cudnn' needs a CUDA device; use 'auto' or 'math' on CPU\n"
+                   "terminate called without an active exception\n"
+         + TORCHRUN_REPORT.format(code=-6).replace("exitcode  : -6 (pid: 7246)", "exitcode  : -15 (pid: 7246)"))
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    sup.tick()
+    assert sup.state == S.FAILED and sup.attempt == 1
+    (inc,) = sup.store.list_incidents(sup.run_id)
+    assert "needs a CUDA device" in inc.summary
+    assert sup.store.get_incident(inc.id).evidence["rank_exit_codes"] == [-15, -6]
