@@ -21,7 +21,7 @@ import typer
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.log_telemetry import looks_like_telemetry
-from ulyssesd.remediation.records import Record, RecordError, parse_line, parse_record
+from ulyssesd.remediation.records import MAX_LINE_BYTES, Record, RecordError, parse_line, parse_record
 from ulyssesd.remediation.replay import ReplayItem, replay
 
 
@@ -61,8 +61,18 @@ def read_records(path: Path, bad: list[BadLine]) -> Iterator[Record]:
         yield from read_log_records(path, bad)
         return
     with path.open("rb") as fh:  # bytes: no decode step (orjson takes bytes; bad UTF-8 is reported per line)
-        for no, line in enumerate(fh, 1):
-            if line.isspace():  # blank lines are no records (an empty `line` never comes from the loop)
+        # readline(limit), not `for line in fh`: a line longer than the bound is never held in memory whole.
+        readline, limit, no = fh.readline, MAX_LINE_BYTES + 1, 0
+        while line := readline(limit):
+            no += 1
+            if len(line) == limit and not line.endswith(b"\n"):
+                size = len(line)
+                while (rest := readline(limit)) and not rest.endswith(b"\n"):
+                    size += len(rest)
+                bad.append(BadLine(no, f"line is {size + len(rest)} bytes long; telemetry lines are at most "
+                                       f"{MAX_LINE_BYTES}"))
+                continue
+            if line.isspace():  # blank lines are no records (an empty `line` ends the loop)
                 continue
             try:
                 yield parse_line(line)

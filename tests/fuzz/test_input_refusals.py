@@ -94,3 +94,17 @@ def test_replay_on_a_50000_deep_line_counts_a_bad_line(tmp_path):
     assert run_replay(path, as_json=True, out=out, err=err) == 0
     assert json.loads(out.getvalue())["bad_lines"] == [{"line": 2, "error": "JSON nests deeper than 32 levels"}]
     assert "Traceback" not in err.getvalue()
+
+
+def test_replay_skips_a_line_longer_than_the_bound_without_holding_it(tmp_path):
+    from ulyssesd.remediation.records import MAX_LINE_BYTES
+
+    path = tmp_path / "telemetry.jsonl"
+    with open(path, "wb") as fh:
+        fh.write(b'{"kind": "step", "step": 1, "loss": 2.0}\n')
+        fh.write(b'{"kind": "event", "event": "x", "blob": "' + b"a" * (3 * MAX_LINE_BYTES) + b'"}\n')
+        fh.write(b'{"kind": "step", "step": 2, "loss": 2.0}\n')
+    out, err = io.StringIO(), io.StringIO()
+    assert run_replay(path, as_json=True, out=out, err=err) == 0
+    (bad,) = json.loads(out.getvalue())["bad_lines"]
+    assert bad["line"] == 2 and f"at most {MAX_LINE_BYTES}" in bad["error"]
