@@ -88,5 +88,5 @@ def tag_gib(ckpt_dir: Path, tag: str) -> float:
     try:
         files = json.loads((ckpt_dir / tag / "manifest.json").read_text()).get("files", {})
         return sum(int(f.get("size", 0)) for f in files.values()) / (1 << 30)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):  # a damaged manifest: size unknown
         return 0.0

@@ -187,13 +187,15 @@ def read_manifest(tag_dir: str | Path) -> dict[str, Any]:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{path}: manifest is not valid JSON: {exc}") from None
+    except (RecursionError, ValueError):  # hostile nesting, or an integer beyond Python's digit limit
+        raise ManifestError(f"{path}: manifest is not valid JSON (nested too deeply or a number too long)") from None
     if not isinstance(data, dict):
         raise ManifestError(f"{path}: manifest must be a JSON object")
     for key in ("step", "files"):
         if key not in data:
             raise ManifestError(f"{path}: manifest lacks '{key}'")
     if not isinstance(data["step"], int) or isinstance(data["step"], bool):
-        raise ManifestError(f"{path}: manifest 'step' must be an integer, got {data['step']!r}")
+        raise ManifestError(f"{path}: manifest 'step' must be an integer, got {type(data['step']).__name__}")
     files = data["files"]
     if not isinstance(files, dict) or not files:
         raise ManifestError(f"{path}: manifest 'files' must be a non-empty object")

@@ -108,3 +108,20 @@ def test_replay_skips_a_line_longer_than_the_bound_without_holding_it(tmp_path):
     assert run_replay(path, as_json=True, out=out, err=err) == 0
     (bad,) = json.loads(out.getvalue())["bad_lines"]
     assert bad["line"] == 2 and f"at most {MAX_LINE_BYTES}" in bad["error"]
+
+
+def test_a_hostile_checkpoint_manifest_makes_the_tag_invalid_not_the_daemon_crash(tmp_path):
+    from ulyssesd.daemon.resume import tag_gib
+    from ulyssesd.training.checkpoint import validate_tag
+
+    tag = tmp_path / "step-00000010"
+    tag.mkdir()
+    for body, fragment in (
+        (b'{"step": 10, "files": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "nested too deeply"),
+        (b'{"step": ' + b"[" * 500 + b"]" * 500 + b', "files": {}}', "'step' must be an integer, got list"),
+        (b'{"step": 10, "files": {"a": {"size": [1], "sha256": "x"}}}', "needs integer 'size'"),
+    ):
+        (tag / "manifest.json").write_bytes(body)
+        ok, reason = validate_tag(tag)
+        assert ok is False and fragment in reason, reason
+        assert tag_gib(tmp_path, tag.name) == 0.0
