@@ -23,8 +23,9 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 EVENTS = ("started", "checkpoint_saving", "checkpoint_saved", "checkpoint_loaded", "checkpoint_invalid",
-          "control_applied", "fault_injected", "exiting")
-EXIT_REASONS = ("completed", "sigterm", "error")
+          "checkpoint_save_failed", "control_applied", "fault_injected", "exiting")
+# checkpoint_save_failed: exit 4 (the errno is in the event); config_rejected / no_checkpoint: exit 2 / 3.
+EXIT_REASONS = ("completed", "sigterm", "error", "checkpoint_save_failed", "config_rejected", "no_checkpoint")
 TELEMETRY_NAME = "telemetry.jsonl"
 CONTROL_NAME = "control.json"
 STACK_DUMP_DIR = "stacks"

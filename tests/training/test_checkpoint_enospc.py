@@ -111,3 +111,16 @@ def test_read_only_checkpoint_dir_reports_erofs(tmp_path):
     assert ev["errno"] == "EROFS" and ev["tag"] == "step-00000002"
     assert "exitcode  : 4" in first.output
     assert ck.latest_valid_tag(tmp_path / "checkpoints") is None and ck.read_latest(tmp_path / "checkpoints") is None
+
+
+def test_the_events_of_a_failed_save_and_of_a_refusal_pass_the_telemetry_contract():
+    from ulyssesd.training.telemetry import validate_record
+
+    base = {"v": 1, "kind": "event", "time": 1.0, "attempt": 1, "step": 4}
+    failed = {**base, "event": "checkpoint_save_failed", "errno": "ENOSPC", "errno_code": 28,
+              "tag": "step-00000004", "path": "/x/a.pt", "bytes_free": 0, "error": "OSError", "rank": 0,
+              "failed_ranks": [0, 1]}
+    assert validate_record(failed) == []
+    for reason in ("checkpoint_save_failed", "config_rejected", "no_checkpoint"):
+        assert validate_record({**base, "event": "exiting", "reason": reason}) == [], reason
+    assert validate_record({**base, "event": "exiting", "reason": "bogus"})  # still checked
