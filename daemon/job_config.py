@@ -85,7 +85,7 @@ def read_control(run_dir: Path) -> dict[str, Any]:
     try:
         data = json.loads((run_dir / "control.json").read_text())
         return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
 
 

@@ -73,9 +73,12 @@ class OSInterface(Protocol):
 def _read_exit_file(path: Path) -> ExitStatus | None:
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    return ExitStatus(data.get("returncode"), data.get("signal"), "file")
+    if not isinstance(data, dict):  # damaged: as if absent (the status is then unknown), never a crash
+        return None
+    code, sig = data.get("returncode"), data.get("signal")
+    return ExitStatus(code if type(code) is int else None, sig if type(sig) is int else None, "file")
 
 
 class RealOS:

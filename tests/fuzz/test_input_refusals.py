@@ -125,3 +125,18 @@ def test_a_hostile_checkpoint_manifest_makes_the_tag_invalid_not_the_daemon_cras
         ok, reason = validate_tag(tag)
         assert ok is False and fragment in reason, reason
         assert tag_gib(tmp_path, tag.name) == 0.0
+
+
+def test_damaged_exit_and_control_files_read_as_absent(tmp_path):
+    from ulyssesd.daemon.job_config import read_control
+    from ulyssesd.daemon.process import _read_exit_file
+
+    exit_file = tmp_path / "1.exit"
+    for body in ("[1, 2]", "[" * 50_000, '{"returncode": "x", "signal": [9]}'):
+        exit_file.write_text(body)
+        status = _read_exit_file(exit_file)
+        assert status is None or (status.returncode is None and status.signal is None)
+        (tmp_path / "control.json").write_text(body)
+        assert isinstance(read_control(tmp_path), dict)  # a JSON object is returned as is, anything else: {}
+    exit_file.write_text('{"returncode": 0, "signal": null}')  # positive control
+    assert _read_exit_file(exit_file).returncode == 0
