@@ -68,12 +68,72 @@ def newest_complete_checkpoint(root: Path, requires: list[str] | tuple[str, ...]
     return max(numbered)[2] if numbered else None
 
 
+# Remediation's config keys (the built-in job's names) -> where they live in a DeepSpeed config.
+DS_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "train.gradient_clipping": ("gradient_clipping",),
+    "train.lr": ("optimizer", "params", "lr"),
+    "train.micro_batch_size": ("train_micro_batch_size_per_gpu",),
+    "train.gradient_accumulation_steps": ("gradient_accumulation_steps",),
+}
+_DS_PREFIX = "deepspeed.config."
+
+
+def ds_config_patch(base: dict[str, Any], current: dict[str, Any]) -> dict[tuple[str, ...], Any]:
+    """What remediation changed between two config versions, as DeepSpeed-config paths -> new values.
+    Keys with no DeepSpeed equivalent (model/precision/data of the built-in job) are left out."""
+    from ulyssesd.daemon.job_config import diff_configs
+
+    out: dict[tuple[str, ...], Any] = {}
+    for key, (_old, new) in diff_configs(base, current).items():
+        if key in DS_CONFIG_KEYS:
+            out[DS_CONFIG_KEYS[key]] = new
+        elif key.startswith(_DS_PREFIX):
+            out[tuple(key[len(_DS_PREFIX):].split("."))] = new
+    return out
+
+
+def patched_ds_config(run_dir: Path, config_version: int) -> Path:
+    """`{run_dir}/ds_config.json` (the job's own, copied) with what remediation changed up to this config
+    version applied: `ds_config.v{N}.json`, or the copy itself when nothing applies. A key the job's config
+    does not have in a nested place that does not exist (e.g. an optimizer lr without an `optimizer`
+    section) is not invented."""
+    import json
+
+    base_path = run_dir / "ds_config.json"
+    try:
+        v1 = json.loads((run_dir / "configs" / "v1.json").read_text())
+        cur = json.loads((run_dir / "configs" / f"v{config_version}.json").read_text())
+    except (OSError, ValueError):
+        return base_path
+    patch = ds_config_patch(v1, cur)
+    if not patch:
+        return base_path
+    ds = json.loads(base_path.read_text())
+    for path, value in patch.items():
+        node = ds
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                if len(path) > 1 and path[0] == "optimizer":
+                    node = None
+                    break
+                node[part] = {}
+            node = node[part]
+        if node is not None:
+            node[path[-1]] = value
+    out = run_dir / f"ds_config.v{config_version}.json"
+    out.write_text(json.dumps(ds, indent=1, sort_keys=True) + "\n")
+    return out
+
+
 def render_command(job: Any, *, run_dir: Path, attempt: int, config_version: int) -> list[str]:
-    """The job's command with its placeholders filled in; copies the job's ds_config into the run dir once."""
+    """The job's command with its placeholders filled in; copies the job's ds_config into the run dir once
+    and hands the job the copy with remediation's changes applied (`patched_ds_config`)."""
     run_dir = Path(run_dir)
     ds_config = run_dir / "ds_config.json"
     if job.ds_config and not ds_config.exists():
         shutil.copyfile(job.ds_config, ds_config)
+    if job.ds_config:
+        ds_config = patched_ds_config(run_dir, config_version)
     ckpt_root = Path(job.checkpoint_dir) if job.checkpoint_dir else run_dir / "checkpoints"
     resume = newest_complete_checkpoint(ckpt_root, job.resume_requires) if attempt > 1 or job.resume_first else None
     values = {"run_dir": str(run_dir), "attempt": str(attempt), "config_version": str(config_version),

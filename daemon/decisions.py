@@ -13,7 +13,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from ulyssesd.daemon import disk
+from ulyssesd.daemon import disk, log_source
 from ulyssesd.daemon import job_config as jc
 from ulyssesd.daemon.logging import get_logger
 from ulyssesd.daemon.relaunch import Relaunch, schedule_relaunch
@@ -154,6 +154,11 @@ def apply_decision(sup: Supervisor, dec: Any, step: int) -> None:
         sup._set_state(S.REMEDIATING, f"{symptom.value}: {reason}")
     from_v = sup.config_version
     patch = patch_of(sup, dec)
+    if apply == "hot" and log_source.stdout_source(sup.config):
+        # The job reads no control.json (telemetry from its log, no client): the fix takes effect on restart.
+        apply = params["apply"] = "restart_latest"
+        params["hot_unavailable"] = "the job does not read control.json ([telemetry] source = stdout): restart"
+        kind = ActionKind.set_config if patch else ActionKind.restart
     if apply == "hot":
         to_v, diff = sup._new_config_version(patch, f"{symptom.value}: {reason}") if patch else (from_v, {})
         hot = {k: v for k, v in dict(getattr(dec, "hot_control", {}) or {}).items() if k != "dump_stacks"}

@@ -15,6 +15,7 @@ for 20 steps by 5. They fire on attempt EXAMPLE_FAULT_ATTEMPT (default 1) of a s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -49,13 +50,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (demo pacing)")
+    ap.add_argument("--deepspeed_config", default=None, help="a DeepSpeed config JSON (default: the one above)")
     ap.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     args = ap.parse_args()
     _single_process_defaults()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=DS_CONFIG)
+    config = DS_CONFIG
+    if args.deepspeed_config:
+        with open(args.deepspeed_config) as fh:
+            config = json.load(fh)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    print(f"gradient_clipping={engine.gradient_clipping()}", flush=True)
     faulty = os.environ.get("ULYSSESD_ATTEMPT", "1") == os.environ.get("EXAMPLE_FAULT_ATTEMPT", "1")
     crash_at = int(os.environ.get("EXAMPLE_CRASH_AT", "0")) if faulty else 0
     hang_at = int(os.environ.get("EXAMPLE_HANG_AT", "0")) if faulty else 0

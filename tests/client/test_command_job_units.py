@@ -97,3 +97,23 @@ def test_log_source_tails_the_attempt_log_and_resumes_at_its_offset(tmp_path):
     assert [(r.step, r.loss, r.attempt, r.time) for r in recs] == [(1, 2.0, 2, 100.0), (2, 1.9, 2, 100.0),
                                                                    (3, 1.8, 2, 101.0)]
     assert json.loads((tmp_path / "telemetry-stdout.offsets.json").read_text()) == {"2": log.stat().st_size}
+
+
+def test_remediations_config_changes_land_in_the_jobs_own_ds_config(tmp_path):
+    from ulyssesd.daemon.command_job import patched_ds_config
+
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "ds_config.json").write_text(json.dumps({"gradient_clipping": 1.0, "zero_optimization": {"stage": 3}}))
+    v1 = {"train": {"gradient_clipping": 1.0, "lr": 3e-4}, "model": {"num_layers": 4}}
+    v2 = {"train": {"gradient_clipping": 0.5, "lr": 2.7e-4}, "model": {"num_layers": 4},
+          "deepspeed": {"config": {"zero_optimization": {"stage3_param_persistence_threshold": 1000}}}}
+    (tmp_path / "configs" / "v1.json").write_text(json.dumps(v1))
+    (tmp_path / "configs" / "v2.json").write_text(json.dumps(v2))
+    assert patched_ds_config(tmp_path, 1) == tmp_path / "ds_config.json"  # nothing changed yet
+    out = patched_ds_config(tmp_path, 2)
+    ds = json.loads(out.read_text())
+    assert out.name == "ds_config.v2.json"
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 1000}
+    assert "optimizer" not in ds  # the job's config has no optimizer section: no lr invented
+    assert json.loads((tmp_path / "ds_config.json").read_text())["gradient_clipping"] == 1.0  # the copy stays

@@ -94,3 +94,26 @@ def test_hang_of_a_printed_logs_job_is_detected_killed_and_restarted(tmp_path):
     assert len(hang) == 1 and hang[0].step == 19, hang
     assert [a.number for a in sup.store.list_attempts(sup.run_id)] == [1, 2]
     assert (sup.run_dir / "stacks").is_dir() or any("stack" in s for s in say)
+
+
+def test_loss_spike_from_log_lines_becomes_a_restart_with_the_users_ds_config_patched(tmp_path):
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10, "gradient_clipping": 1.0,
+                              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+                              "zero_optimization": {"stage": 0}}))
+    spec = _spec(tmp_path, {"EXAMPLE_SPIKE_AT": "40"}, steps=90)
+    text = spec.read_text().replace('"--step-sleep", "0.03"]', '"--step-sleep", "0.03", "--deepspeed_config", "{ds_config}"]')
+    spec.write_text(text.replace('kind = "command"', f'kind = "command"\nds_config = {json.dumps(str(ds))}'))
+    sup, say = _run(spec)
+    assert sup.state == RunState.COMPLETED, say
+    spikes = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "loss_spike"]
+    assert spikes, say
+    actions = [a for i in spikes for a in sup.store.list_actions(incident_id=i.id)]
+    assert any(a.mode.value == "restart" and "hot_unavailable" in a.parameters for a in actions), actions
+    attempts = sup.store.list_attempts(sup.run_id)
+    assert len(attempts) == 2
+    handed = [arg for arg in attempts[1].command if "ds_config" in arg]
+    assert handed and handed[0].endswith(f"ds_config.v{attempts[1].config_version}.json")
+    assert json.loads(Path(handed[0]).read_text())["gradient_clipping"] < 1.0  # the clip rung, in the job's file
+    log2 = (sup.run_dir / "logs" / "attempt-2.log").read_text()
+    assert f"gradient_clipping={json.loads(Path(handed[0]).read_text())['gradient_clipping']}" in log2
