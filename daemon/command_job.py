@@ -83,8 +83,14 @@ def ds_config_patch(base: dict[str, Any], current: dict[str, Any]) -> dict[tuple
     Keys with no DeepSpeed equivalent (model/precision/data of the built-in job) are left out."""
     from ulyssesd.daemon.job_config import diff_configs
 
+    def leaves(key: str, value: Any) -> list[tuple[str, Any]]:  # a section new in `current` diffs as a whole
+        if isinstance(value, dict):
+            return [leaf for k, v in value.items() for leaf in leaves(f"{key}.{k}", v)]
+        return [(key, value)]
+
     out: dict[tuple[str, ...], Any] = {}
-    for key, (_old, new) in diff_configs(base, current).items():
+    changed = [leaf for key, (_old, new) in diff_configs(base, current).items() for leaf in leaves(key, new)]
+    for key, new in changed:
         if key in DS_CONFIG_KEYS:
             out[DS_CONFIG_KEYS[key]] = new
         elif key.startswith(_DS_PREFIX):
