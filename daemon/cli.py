@@ -9,7 +9,8 @@ systemd unit lists 10 in RestartPreventExitStatus, so a failed run is not restar
 11 preflight refused the run; 12 another daemon already supervises this state dir or this run (its lock
 file, `{state_dir}/ulyssesd.lock` or `{run_dir}/supervisor.lock`, names its pid), or owns the socket;
 13 the state dir needs an operator (run directories the database does not know; see the message).
-All of 2, 10-13 are in the unit's RestartPreventExitStatus: restarting cannot help.
+All of 2, 10-13 are in the unit's RestartPreventExitStatus: restarting cannot help. 14 the database was
+found damaged mid-run: the job keeps training and a restart (systemd: Restart=on-failure) restores it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from ulyssesd.daemon.logging import configure_logging, get_logger
 DAEMON_INFO = "ulyssesd.daemon.json"
 
 EXIT_OK, EXIT_SPEC, EXIT_FAILED, EXIT_PREFLIGHT, EXIT_BUSY, EXIT_STATE_DIR = 0, 2, 10, 11, 12, 13
+#: The database was found damaged mid-run (a bad page behind a sound header): the daemon exits, the job keeps
+#: training, and the next start restores the newest backup. NOT in RestartPreventExitStatus: systemd restarts.
+EXIT_STORE_DAMAGED = 14
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -162,7 +166,18 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
         write_json_atomic(info, {"pid": os.getpid(), "socket": str(spec.daemon.resolved_socket_path()),
                                  "run_id": sup.run_id, "db": str(spec.daemon.resolved_db_path()),
                                  "started": time.time()})
-        final = sup.run_forever(poll=server.poll)
+        try:
+            final = sup.run_forever(poll=server.poll)
+        except Exception as exc:  # a damaged page found by a write: restart into the start-up recovery
+            from ulyssesd.daemon.store.errors import CorruptStoreError, classify
+
+            if not isinstance(classify(exc, store.path), CorruptStoreError):
+                raise
+            supervising = False  # no shutdown backup of a damaged database
+            print(f"ulyssesd: {classify(exc, store.path)}; the job keeps training; exiting {EXIT_STORE_DAMAGED} "
+                  f"so that the next start restores the store (systemd restarts the daemon)", file=sys.stderr)
+            log.error("store damaged mid-run; exiting for recovery", error=repr(exc)[:500])
+            return EXIT_STORE_DAMAGED
     finally:
         try:
             signal.set_wakeup_fd(-1)  # before the pipe closes: a later signal must not hit a reused fd

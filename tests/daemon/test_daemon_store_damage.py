@@ -153,3 +153,71 @@ def test_db_damaged_under_the_running_daemon_is_recovered_in_place(tmp_path, mak
     assert reader.get_run(sup.run_id).state == RunState.COMPLETED
     assert reader.latest_checkpoint(sup.run_id).step == 60
     assert len(reader.list_incidents(sup.run_id, symptom="store_damaged")) == 1
+
+
+@pytest.mark.slow
+def test_damaged_pages_under_a_live_daemon_lose_nothing(tmp_path):
+    """Random bytes over every page but the header while the daemon runs. In WAL mode the daemon's pages
+    usually live in the WAL and its cache, so it may never read a damaged one and finish normally (its
+    backups, copied through its connection, stay sound); if it does read one it exits 14 with one line, the
+    job keeps training, and the restart (what systemd does) restores the newest backup. Either way the
+    completed run is what the next start finds, on the same job."""
+    from ulyssesd.daemon.store.recovery import open_daemon_store
+
+    spec = fake_spec(tmp_path, steps=150, interval=10, step_s=0.1, daemon={"backup_every_s": 1.0})
+    state = tmp_path / "state"
+    db = state / "ulyssesd.db"
+    log = tmp_path / "daemon.log"
+    d1 = _daemon(spec, log)
+    d2 = None
+    try:
+        run = _wait(lambda: open_store(db, readonly=True).latest_run(), 60, "run row")
+        run_dir = state / "runs" / run.id
+        _wait(lambda: _steps(run_dir) >= 15 and list((state / "backups").glob("ulyssesd-*.db")), 60, "progress")
+        job_pid = open_store(db, readonly=True).list_attempts(run.id)[0].pid
+        with db.open("r+b") as fh:  # page 1 (header) intact: the per-tick header check cannot see it
+            page = int.from_bytes(fh.read(18)[16:18], "big")
+            size = db.stat().st_size
+            fh.seek(page)
+            fh.write(os.urandom(max(size - page, 8 * page)))
+        rc = d1.wait(120)
+        text = log.read_text()
+        assert rc in (0, 14) and "Traceback" not in text, text[-3000:]
+        if rc == 14:
+            assert "exiting 14" in text
+            d2 = _daemon(spec, log)
+            assert d2.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        for d in (d1, d2):
+            if d is not None and d.poll() is None:
+                os.killpg(d.pid, signal.SIGKILL)
+    opened = open_daemon_store(db, state)  # the next start: probe, restore if the file is damaged
+    st = opened.store
+    assert st.get_run(run.id).state.value == "COMPLETED"
+    assert st.list_attempts(run.id)[0].pid == job_pid
+    st.close()
+
+
+def test_damage_found_by_the_loop_exits_14_with_one_line(tmp_path, monkeypatch, capsys):
+    import sqlite3
+
+    from ulyssesd.daemon import cli
+    from ulyssesd.daemon.supervisor import Supervisor
+
+    def damaged(self, poll=None):
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    monkeypatch.setattr(Supervisor, "run_forever", damaged)
+    spec = fake_spec(tmp_path, steps=2000, step_s=0.2)
+    try:
+        assert cli.run_daemon(str(spec), preflight=False) == cli.EXIT_STORE_DAMAGED
+    finally:
+        st = open_store(tmp_path / "state" / "ulyssesd.db", readonly=True)
+        for a in st.list_attempts(st.latest_run().id):  # the job keeps running by design: end it here
+            try:
+                os.killpg(a.pgid, signal.SIGKILL)
+            except (ProcessLookupError, TypeError):
+                pass
+    err = capsys.readouterr().err
+    assert "damaged" in err and "exiting 14" in err and "Traceback" not in err
+    assert not list((tmp_path / "state" / "backups").glob("ulyssesd-*.db"))  # no backup of a damaged store
