@@ -242,7 +242,7 @@ class RemediationEngine:
         return [f, *self._decide("hang", f.symptom, f, f.step, now, f"{f.message}")]
 
     def on_crash(self, label: str, evidence: list[str] | dict[str, Any] | None, now: float) -> list[Decision]:
-        """The job exited abnormally; `label` is the log diagnosis (DESIGN.md's fixed set)."""
+        """The job exited abnormally; `label` is the log diagnosis (the fixed set of docs/DIAGNOSIS.md)."""
         ladder, symptom = ladder_for_crash(label)
         if isinstance(evidence, dict):
             first = next(iter(evidence.values()), "")

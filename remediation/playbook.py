@@ -1,4 +1,4 @@
-"""DESIGN.md's remediation ladders as data: ordered, bounded actions per symptom.
+"""The remediation ladders (docs/REMEDIATION.md, "The ladders as specified") as data: ordered, bounded actions per symptom.
 
 Each `Action` has a precondition + bound check (`build`) that either returns a `Proposal` (config patch over
 dotted JobSpec keys, how to apply it, hot control values) or a string saying why it does not apply (already at
@@ -253,7 +253,7 @@ STOP = Action("stop_alert", "stop", _stop)
 ROLLBACK = Action("rollback_skip", "rollback_skip", _rollback_skip, repeat="max_rollbacks")
 
 LADDERS: dict[str, tuple[Action, ...]] = {
-    # DESIGN.md: memory spike or CUDA OOM.
+    # Specified: memory spike or CUDA OOM.
     "memory": (
         Action("raise_persistence_threshold", "restart_latest", _persistence),
         Action("expandable_segments", "restart_latest", _expandable),
@@ -272,7 +272,7 @@ LADDERS: dict[str, tuple[Action, ...]] = {
         Action("restart", "restart_latest", _restart, repeat="max_crash_restarts"),
         STOP,
     ),
-    # DESIGN.md: loss oscillation / spike (and fp16 overflow storms).
+    # Specified: loss oscillation / spike (and fp16 overflow storms).
     "loss": (
         Action("lower_clip", "hot", _clip),
         Action("fp32_layers", "restart_latest", _fp32_layers),
@@ -280,7 +280,7 @@ LADDERS: dict[str, tuple[Action, ...]] = {
         ROLLBACK,
         STOP,
     ),
-    # DESIGN.md: NaN/Inf loss, loss scale at minimum: roll back + skip, then the loss ladder, then bf16.
+    # Specified: NaN/Inf loss, loss scale at minimum: roll back + skip, then the loss ladder, then bf16.
     "nan": (
         Action("rollback_skip", "rollback_skip", _rollback_skip),  # once, then the loss ladder
 
@@ -291,7 +291,7 @@ LADDERS: dict[str, tuple[Action, ...]] = {
         Action("fp16_to_bf16", "rollback_skip", _bf16),
         STOP,
     ),
-    # DESIGN.md: slow steps: evidence first, comm-bound → bigger reduce buckets, then alert.
+    # Specified: slow steps: evidence first, comm-bound → bigger reduce buckets, then alert.
     "slow": (
         Action("collect_evidence", "none", _evidence),
         Action("raise_reduce_bucket", "restart_latest", _reduce_bucket),
@@ -302,7 +302,7 @@ LADDERS: dict[str, tuple[Action, ...]] = {
         Action("collect_evidence", "none", _evidence),
         Action("alert", "none", _alert),
     ),
-    # DESIGN.md: hang: stacks → SIGTERM → SIGKILL → restart from latest valid.
+    # Specified: hang: stacks → SIGTERM → SIGKILL → restart from latest valid.
     "hang": (
         Action("hang_restart", "restart_latest", _restart, repeat="max_crash_restarts",
                procedure=("dump_stacks", "sigterm", "sigkill", "restart_latest")),
@@ -332,7 +332,7 @@ SYMPTOM_LADDER: dict[str, str] = {
     "nan_loss": "nan", "slow_step": "slow", "throughput_drop": "slow", "straggler": "straggler", "hang": "hang",
 }
 
-# Crash diagnosis label (DESIGN.md's fixed set) → (ladder, store symptom).
+# Crash diagnosis label (the fixed set of docs/DIAGNOSIS.md) → (ladder, store symptom).
 CRASH_LADDER: dict[str, tuple[str, str]] = {
     "cuda_oom": ("memory", "cuda_oom"),
     "host_oom_killed": ("host_memory", "crash"),

@@ -78,7 +78,7 @@ class Cluster:
         return cls(gpus_per_node=gpus_per_node, nodes=nodes, **fields)
 
 
-# Capacities are what torch reports as total_memory (A100-80GB: 79.18 GiB per FACTS.md's OOM message).
+# Capacities are what torch reports as total_memory (A100-80GB: 79.18 GiB per the real OOM message in docs/DEEPSPEED_docs/DEEPSPEED_FACTS.md).
 GPU_PRESETS: dict[str, dict[str, Any]] = {
     "a100-80g": dict(gpu_mem_gib=79.18, host_mem_gib=1024.0, gpu_name="A100-80GB"),
     "h100-80g": dict(gpu_mem_gib=79.11, host_mem_gib=2048.0, gpu_name="H100-80GB"),
@@ -608,7 +608,7 @@ def _compute(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
     dtype = job.precision.dtype
     st = model_stats(m, zero)
     c = _Ctx(m=m, zero=zero, st=st, dtype=dtype, d=DTYPE_BYTES[dtype], g=DTYPE_BYTES[zero.grad_accum_dtype or dtype],
-             # ZeRO-3 partitions over DP x SP = all GPUs (mpu passed, FACTS.md).
+             # ZeRO-3 partitions over DP x SP = all GPUs (mpu passed, docs/DEEPSPEED_FACTS.md).
              n=n, shard=math.ceil(st.total / n), gpn=cluster.gpus_per_node, sp=sp,
              tokens=job.train.micro_batch_size * (job.train.seq_len // sp))
     k = job.train.activation_checkpoint_every

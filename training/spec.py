@@ -52,10 +52,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                  mlp="gelu", ffn_hidden_size=256, tie_embeddings=True),
     "gpt-1b": dict(hidden_size=2048, num_layers=24, num_attention_heads=16, vocab_size=50304,
                    max_seq_len=32768, mlp="gelu", ffn_hidden_size=8192, tie_embeddings=False),
-    # The reference probe's 6.86B GPT (../shared/gpu/README.md): h 4096, L 32, 32 heads, GELU 4h, no bias.
+    # The reference probe's 6.86B GPT (bench/reference_gpt.py's shape at gpt-7b size): h 4096, L 32, 32 heads, GELU 4h, no bias.
     "gpt-7b": dict(hidden_size=4096, num_layers=32, num_attention_heads=32, vocab_size=50304,
                    max_seq_len=1 << 20, mlp="gelu", ffn_hidden_size=16384, tie_embeddings=False),
-    # The seed's 176B: h 12288, L 96, 96 heads, 32K context, vocab 50257, tied head (P = 174.6B, FACTS.md).
+    # The seed's 176B: h 12288, L 96, 96 heads, 32K context, vocab 50257, tied head (P = 174.6B, docs/DEEPSPEED_FACTS.md).
     "gpt-176b": dict(hidden_size=12288, num_layers=96, num_attention_heads=96, vocab_size=50257,
                      max_seq_len=32768, mlp="gelu", ffn_hidden_size=49152, tie_embeddings=True),
 }

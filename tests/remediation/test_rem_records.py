@@ -1,4 +1,4 @@
-"""Telemetry record parsing: the DESIGN.md contract, non-finite strings, extras, clear errors."""
+"""Telemetry record parsing: the docs/CONTRACTS.md contract, non-finite strings, extras, clear errors."""
 
 from __future__ import annotations
 
