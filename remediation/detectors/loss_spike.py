@@ -125,9 +125,12 @@ class LossSpikeDetector(EpisodeDetector):
                   "window": len(self._win), "since_step": self._ep.started_step, "severe": severe}
             if self._smooth is not None:
                 ev["raw_loss"], ev["smoothed_over"] = rec.loss, len(self._smooth)
-            msg = (f"step {rec.step}: {'mean ' if self._smooth is not None else ''}loss {fmt(loss)} is {(loss - self._median) / self._sigma:.1f} sigma above "
+            # A flat window (sigma 0) or a zero median must not turn the report into a ZeroDivisionError.
+            sigmas = (loss - self._median) / self._sigma if self._sigma else math.inf
+            above = loss / self._median - 1 if self._median else math.inf
+            msg = (f"step {rec.step}: {'mean ' if self._smooth is not None else ''}loss {fmt(loss)} is {sigmas:.1f} sigma above "
                    f"the {len(self._win)}-record median {fmt(self._median)} (threshold {fmt(self._threshold)})"
-                   f"{f', {loss / self._median - 1:.0%} above it: severe' if severe else ''}.")
+                   f"{f', {above:.0%} above it: severe' if severe else ''}.")
             return [Finding(self.symptom, rec.step, "critical" if severe else "warning", ev, msg, now)]
         self._run_start = None
         if self._ep.active:

@@ -32,7 +32,9 @@ class NanLossDetector(EpisodeDetector):
             what = f"loss is {loss}"
         elif loss == 0.0 and (self._ep.active or (self._last_nonzero is not None
                                                  and self._last_nonzero >= self.cfg.loss_zero_min_prev)):
-            what = (f"loss is exactly 0 right after {self._last_nonzero:.4g} (a broken loss: masked labels or "
+            # _last_nonzero is None when only non-finite losses came before (the episode is active).
+            prev = "a non-finite loss" if self._last_nonzero is None else f"{self._last_nonzero:.4g}"
+            what = (f"loss is exactly 0 right after {prev} (a broken loss: masked labels or "
                     f"zeroed NaN gradients, not convergence)")
         elif gn is not None and not math.isfinite(gn) and not rec.skipped:
             # fp16 overflow steps report inf grad norm but are skipped: that is not a NaN.

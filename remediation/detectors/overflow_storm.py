@@ -44,7 +44,8 @@ class OverflowStormDetector(EpisodeDetector):
         if scale is not None and scale > 0 and scale == scale:
             prev = self._prev_scale
             if prev is not None and scale < prev:
-                halvings = max(1, round(math.log2(prev / scale)))
+                ratio = prev / scale  # inf when a huge scale falls to a denormal one: count it as many halvings
+                halvings = max(1, round(math.log2(ratio))) if math.isfinite(ratio) else 1024
             self._prev_scale = scale
         floor = self.min_loss_scale
         # Halving to within a few x of the minimum is never calibration (that settles far above it).
