@@ -45,8 +45,10 @@ def placeholder_problems(command: list[str]) -> list[str]:
     return problems
 
 
-def newest_complete_checkpoint(root: Path, requires: list[str] | tuple[str, ...] = ()) -> Path | None:
-    """The checkpoint directory a restart resumes from (see the module docstring); None when there is none."""
+def newest_complete_checkpoint(root: Path, requires: list[str] | tuple[str, ...] = (),
+                               max_step: int | None = None) -> Path | None:
+    """The checkpoint directory a restart resumes from (see the module docstring); None when there is none.
+    `max_step`: a rollback's bound (the newest complete checkpoint at or before that step)."""
     from ulyssesd.client.manifest import MANIFEST_NAME, read_manifest, validate_manifest
 
     try:
@@ -58,12 +60,14 @@ def newest_complete_checkpoint(root: Path, requires: list[str] | tuple[str, ...]
         valid = []
         for d in with_manifest:
             if validate_manifest(d, verify_checksums=False)[0]:
-                valid.append((read_manifest(d)["step"], d.name, d))
+                step = read_manifest(d)["step"]
+                if max_step is None or step <= max_step:
+                    valid.append((step, d.name, d))
         return max(valid)[2] if valid else None
     numbered = []
     for d in dirs:
         m = _NUMBER.search(d.name)
-        if m and all((d / r).exists() for r in requires):
+        if m and all((d / r).exists() for r in requires) and (max_step is None or int(m.group(1)) <= max_step):
             numbered.append((int(m.group(1)), d.name, d))
     return max(numbered)[2] if numbered else None
 
@@ -131,7 +135,8 @@ def patched_ds_config(run_dir: Path, config_version: int) -> Path:
     return out
 
 
-def render_command(job: Any, *, run_dir: Path, attempt: int, config_version: int) -> list[str]:
+def render_command(job: Any, *, run_dir: Path, attempt: int, config_version: int,
+                   rollback_to_step: int | None = None) -> list[str]:
     """The job's command with its placeholders filled in; copies the job's ds_config into the run dir once
     and hands the job the copy with remediation's changes applied (`patched_ds_config`)."""
     run_dir = Path(run_dir)
@@ -141,7 +146,8 @@ def render_command(job: Any, *, run_dir: Path, attempt: int, config_version: int
     if job.ds_config:
         ds_config = patched_ds_config(run_dir, config_version)
     ckpt_root = Path(job.checkpoint_dir) if job.checkpoint_dir else run_dir / "checkpoints"
-    resume = newest_complete_checkpoint(ckpt_root, job.resume_requires) if attempt > 1 or job.resume_first else None
+    resume = (newest_complete_checkpoint(ckpt_root, job.resume_requires, rollback_to_step)
+              if attempt > 1 or job.resume_first else None)
     values = {"run_dir": str(run_dir), "attempt": str(attempt), "config_version": str(config_version),
               "ds_config": str(ds_config), "checkpoint_dir": str(ckpt_root), "resume": str(resume) if resume else ""}
     out: list[str] = []

@@ -55,8 +55,10 @@ def rank_command(launcher: LauncherSection, config_path: Path, run_dir: Path, at
 
 
 def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attempt: int, config_version: int,
-                 base_env: dict[str, str] | None = None, job: Any = None) -> LaunchPlan:
-    """`job`: the spec's `[job]` section; kind=command runs the user's program (daemon/command_job.py)."""
+                 base_env: dict[str, str] | None = None, job: Any = None,
+                 rollback_to_step: int | None = None) -> LaunchPlan:
+    """`job`: the spec's `[job]` section; kind=command runs the user's program (daemon/command_job.py), whose
+    {resume} is bounded by `rollback_to_step` on a rollback."""
     python = launcher.python or sys.executable
     config_path = run_dir / "configs" / f"v{config_version}.json"
     prog = rank_command(launcher, config_path, run_dir, attempt, config_version)
@@ -69,7 +71,8 @@ def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attem
     if job is not None and job.kind == "command":
         from ulyssesd.daemon.command_job import render_command
 
-        user = render_command(job, run_dir=run_dir, attempt=attempt, config_version=config_version)
+        user = render_command(job, run_dir=run_dir, attempt=attempt, config_version=config_version,
+                              rollback_to_step=rollback_to_step)
         script = user[0].endswith(".py")
         # A non-Python program: the launchers' own "do not prepend python" switches.
         direct = [python, *user] if script else user

@@ -448,7 +448,8 @@ class Supervisor:
             launcher = launcher.model_copy(update={"env": {**launcher.env, **{k: str(v) for k, v in self.launch_env.items()
                                                                               if v is not None}}})
         plan = build_launch(launcher, run_id=self.run_id, run_dir=self.run_dir, attempt=self.attempt,
-                            config_version=self.config_version, job=self.spec.job_section)
+                            config_version=self.config_version, job=self.spec.job_section,
+                            rollback_to_step=rollback_to_step)
         try:
             job = self._spawn_with_retries(plan)
         except LaunchError as exc:

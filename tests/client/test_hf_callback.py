@@ -30,3 +30,101 @@ def test_trainer_run_reports_steps_and_manifests(tmp_path):
     assert [r["tag"] for r in saved] == ["checkpoint-10", "checkpoint-20"]
     assert validate_manifest(tmp_path / "out" / "checkpoint-20") == (True, "ok")
     assert recs[-1]["event"] == "exiting" and recs[-1]["reason"] == "completed"
+
+
+def _daemon_run(tmp_path, env):
+    import tempfile
+    import time
+
+    from ulyssesd.daemon.process import RealOS
+    from ulyssesd.daemon.spec import load_run_spec
+    from ulyssesd.daemon.store import open_store
+    from ulyssesd.daemon.store.enums import RunState
+    from ulyssesd.daemon.supervisor import Supervisor
+
+    sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
+    envs = ", ".join(f'"{k}" = "{v}"' for k, v in {"OMP_NUM_THREADS": "1", **env}.items())
+    (tmp_path / "run.toml").write_text(f"""
+[run]
+name = "hf"
+[job]
+kind = "command"
+command = [{json.dumps(str(EXAMPLE))}, "--output-dir", "{{checkpoint_dir}}", "--max-steps", "40", "--save-steps", "5", "--resume", "{{resume}}"]
+checkpoint_dir = {json.dumps(str(tmp_path / "hf-out"))}
+[launcher]
+kind = "local"
+python = {json.dumps(sys.executable)}
+env = {{ {envs} }}
+[daemon]
+state_dir = {json.dumps(str(tmp_path / "state"))}
+socket_path = {json.dumps(str(sock))}
+tick_s = 0.1
+stop_grace_s = 20.0
+backoff_base_s = 0.2
+backoff_max_s = 1.0
+early_death_s = 1.0
+preflight = false
+[remediation]
+known_good_steps = 5
+[detectors]
+warmup_steps = 3
+window = 10
+hang_timeout_floor_s = 60.0
+""")
+    spec = load_run_spec(tmp_path / "run.toml")
+    say: list[str] = []
+    sup = Supervisor(spec, open_store(spec.daemon.resolved_db_path()), RealOS(), say=say.append)
+    sup.start()
+    deadline = time.monotonic() + 400
+    done = (RunState.COMPLETED, RunState.FAILED, RunState.STOPPED)
+    try:
+        while sup.state not in done:
+            assert time.monotonic() < deadline, say[-10:]
+            sup.tick()
+            time.sleep(0.05)
+    finally:
+        if sup.job is not None:
+            import signal
+
+            sup.os.signal_pids(sup.os.job_pids(sup.job, sup._marker()), signal.SIGKILL)
+    return sup, say
+
+
+def _steps_by_attempt(sup):
+    recs = [json.loads(x) for x in (sup.run_dir / "telemetry.jsonl").read_text().splitlines()]
+    out: dict[int, list[int]] = {}
+    for r in recs:
+        if r["kind"] == "step":
+            out.setdefault(r["attempt"], []).append(r["step"])
+    return out
+
+
+def test_hf_trainer_under_the_daemon_sigkill_resumes_from_its_own_checkpoint(tmp_path):
+    from ulyssesd.daemon.store.enums import RunState
+
+    sup, say = _daemon_run(tmp_path, {"EXAMPLE_KILL_AT": "13"})
+    assert sup.state == RunState.COMPLETED, say
+    attempts = sup.store.list_attempts(sup.run_id)
+    assert len(attempts) == 2 and attempts[0].signal == 9 or attempts[0].returncode == -9, attempts[0]
+    assert str(tmp_path / "hf-out" / "checkpoint-10") in attempts[1].command  # {resume}: newest complete
+    steps = _steps_by_attempt(sup)
+    # A SIGKILL loses what the Reporter had not written yet (at most its 0.2 s batch window).
+    assert steps[1] == list(range(1, steps[1][-1] + 1)) and 10 <= steps[1][-1] <= 13
+    assert steps[2] == list(range(11, 41))  # resumed after checkpoint-10, ran to the end
+
+
+def test_hf_trainer_under_the_daemon_nan_rolls_back_and_completes(tmp_path):
+    import math
+
+    from ulyssesd.daemon.store.enums import RunState
+
+    sup, say = _daemon_run(tmp_path, {"EXAMPLE_NAN_AT": "17"})
+    assert sup.state == RunState.COMPLETED, say
+    nan = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "nan_loss"]
+    assert nan and nan[0].step >= 17, say
+    attempts = sup.store.list_attempts(sup.run_id)
+    resume = attempts[1].command[attempts[1].command.index("--resume") + 1]
+    assert resume == str(tmp_path / "hf-out" / "checkpoint-10")  # the newest known-good one, before the NaN
+    recs = [json.loads(x) for x in (sup.run_dir / "telemetry.jsonl").read_text().splitlines()]
+    last = [r for r in recs if r["kind"] == "step" and r["attempt"] == attempts[-1].number]
+    assert last[-1]["step"] == 40 and all(isinstance(r["loss"], float) and math.isfinite(r["loss"]) for r in last)
