@@ -187,3 +187,57 @@ def test_ack_with_a_bad_id_is_bad_request_and_a_handler_error_is_clean(tmp_path,
     resp = sup.handle_command({"cmd": "ack", "args": {"id": 1}})
     assert resp == {"ok": False, "code": "internal", "error": "internal error handling 'ack' (OSError); see the daemon log"}
     assert sup.handle_command({"cmd": "status"})["ok"] is True
+
+
+def _hostile_records(rng, n: int, start_step: int):
+    """Records that pass the parser's bounds but sit at their edges (fixed seed: the same every run)."""
+    edge = [0, 0.0, -0.0, 5e-324, 1e300, -1e300, "nan", "inf", "-inf", -1, 2**62, 1.0, 2.0, 1e-9, None]
+    ints = [None, 0, 1, -1, 2**63 - 1, -(2**63), 7]
+    fields = ["grad_norm", "lr", "loss_scale", "step_time_s", "step_time_max_s", "tokens_per_s",
+              "mem_allocated_gib", "mem_max_allocated_gib", "mem_reserved_gib"]
+    for i in range(n):
+        if rng.random() < 0.15:
+            yield {"kind": "event", "event": rng.choice(["checkpoint_saved", "checkpoint_invalid", "fault_injected",
+                                                         "control_applied", "checkpoint_saving", "x"]),
+                   "step": rng.choice([start_step + i, 0, 2**63 - 1]), "tag": rng.choice(["step-00000010", 3, "", None]),
+                   "reason": rng.choice(["bad", None, 1.5]), "deep": [[[[rng.random()]]]]}
+            continue
+        rec = {"kind": "step", "step": rng.choice([start_step + i, start_step + i, 0, 2**63 - 1]),
+               "loss": rng.choice([*edge[:-1], 2.0, 2.0, 2.0])}
+        for name in rng.sample(fields, rng.randrange(len(fields))):
+            rec[name] = rng.choice(edge)
+        for name in rng.sample(["slowest_rank", "tokens", "mem_max_rank", "config_version"], rng.randrange(3)):
+            rec[name] = rng.choice(ints)
+        if rng.random() < 0.3:
+            rec["skipped"] = rng.choice([True, False])
+        if rng.random() < 0.2:
+            rec["samples"] = [rng.choice(ints[1:]), rng.choice(ints[1:])]
+        yield rec
+
+
+def test_a_live_tick_handles_thousands_of_edge_records_without_an_internal_error(tmp_path):
+    """The whole tick (reader, engine, decisions, store writes) on 2,000 records at the edges of the bounds, in
+    observe-only mode so the run keeps going: no record may raise inside the supervisor (record_errors stays 0:
+    the per-record guard is a last resort, not the way these are handled)."""
+    import random
+
+    from test_daemon_unit_fakeos import FakeOS, _emit, _sup
+
+    from ulyssesd.daemon.store.enums import RunState
+
+    sup = _sup(tmp_path, FakeOS(), remediation={"mode": "observe"})
+    sup.start()
+    _emit(sup, kind="event", event="started", step=0)
+    rng = random.Random(1307)
+    for batch in range(40):
+        with open(sup.telemetry_path, "a") as fh:
+            for rec in _hostile_records(rng, 50, batch * 50 + 1):
+                fh.write(json.dumps({"v": 1, "attempt": sup.attempt, "time": sup.os.time(), **rec}) + "\n")
+        sup.os.advance(1.0)
+        sup.tick()
+    assert sup.record_errors == 0
+    assert sup.reader.garbage_lines == 0  # all inside the bounds: every one reached the engine
+    assert sup.store.list_incidents(sup.run_id)  # and they did trip detectors (observe-only incidents)
+    assert sup.state in (RunState.RUNNING, RunState.REMEDIATING), sup.state
+    assert sup.store.get_telemetry_cursor(sup.run_id).offset == os.path.getsize(sup.telemetry_path)
+    assert sup.handle_command({"cmd": "status"})["ok"] is True
