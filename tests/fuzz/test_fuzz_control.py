@@ -10,9 +10,9 @@ import math
 import os
 import socket
 
-from conftest import MIN_CASES, fuzz_settings, variants
+from fuzz_helpers import MIN_CASES, fuzz_settings, variants
+from fuzz_strategies import control_requests
 from hypothesis import given, settings
-from strategies import control_requests
 
 from ulyssesd.daemon.control_socket import _CMD_RE, ControlServer, parse_request
 

@@ -11,10 +11,10 @@ import json
 import os
 from pathlib import Path
 
-from conftest import MIN_CASES, fuzz_settings, variants
+from fuzz_helpers import MIN_CASES, fuzz_settings, variants
+from fuzz_strategies import telemetry_lines
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import telemetry_lines
 
 from ulyssesd.daemon.ctl_diagnose import LogReadError, read_log_tail
 from ulyssesd.daemon.ctl_offline import run_replay

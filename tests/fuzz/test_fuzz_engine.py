@@ -5,7 +5,7 @@ raised would silently lose that record's findings.)"""
 
 from __future__ import annotations
 
-from conftest import MIN_CASES, fuzz_settings
+from fuzz_helpers import MIN_CASES, fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -38,7 +38,7 @@ EVENT = st.fixed_dictionaries(
 def test_engine_observe_and_tick_never_raise_on_bounded_records():
     cases = [0]
 
-    @fuzz_settings(cases_per_example=3.4)
+    @fuzz_settings(cases_per_example=2.8)
     @given(warm=st.sampled_from([0, 3, 12, 40]), flat=st.booleans(),
            stream=st.lists(st.one_of(STEP, STEP, EVENT), min_size=1, max_size=14), start=st.floats(0, 2e9),
            dt=st.sampled_from([0.0, 0.001, 1.0, 1e6]))

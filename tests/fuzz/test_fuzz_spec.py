@@ -9,10 +9,10 @@ import json
 import math
 from pathlib import Path
 
-from conftest import MIN_CASES, fuzz_settings, variants
+from fuzz_helpers import MIN_CASES, fuzz_settings, variants
+from fuzz_strategies import VALUES
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import VALUES
 
 from ulyssesd.daemon.spec import DaemonSpec, RunSpec, load_run_spec
 from ulyssesd.training.spec import JobSpec, SpecError, read_toml

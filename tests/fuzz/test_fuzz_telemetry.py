@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 import os
 
-from conftest import MIN_CASES, fuzz_settings, variants
+from fuzz_helpers import MIN_CASES, fuzz_settings, variants
+from fuzz_strategies import telemetry_lines
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import telemetry_lines
 
 from ulyssesd.daemon.telemetry_reader import TelemetryReader
 from ulyssesd.remediation.records import (
