@@ -190,7 +190,7 @@ def _request(cmd: str, args: dict | None, as_json: bool) -> dict:
         _die(str(exc), EXIT_NO_DAEMON, as_json)
     if not resp.get("ok"):
         code = {"permission_denied": EXIT_PERM, "expired": EXIT_NOT_RESPONDING,
-                "not_found": EXIT_NOT_FOUND}.get(resp.get("code"), EXIT_REFUSED)
+                "not_found": EXIT_NOT_FOUND}.get(str(resp.get("code")), EXIT_REFUSED)
         _die(f"daemon refused {cmd}: {resp.get('error')}", code, as_json)
     return resp
 
@@ -453,7 +453,7 @@ def ack(incident_id: int = typer.Argument(...), json_out: bool = typer.Option(Fa
                             with_deadline=True)
         if not resp.get("ok"):
             code = {"not_found": EXIT_NOT_FOUND, "expired": EXIT_NOT_RESPONDING,
-                    "permission_denied": EXIT_PERM}.get(resp.get("code"), EXIT_REFUSED)
+                    "permission_denied": EXIT_PERM}.get(str(resp.get("code")), EXIT_REFUSED)
             if "no incident" in str(resp.get("error")):
                 code = EXIT_NOT_FOUND
             _die(f"ack refused: {resp.get('error')}", code, json_out)
