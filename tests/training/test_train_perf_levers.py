@@ -232,3 +232,18 @@ def test_compiled_rotary_inside_keep_attention_checkpoints_gives_the_same_traini
     assert torch.allclose(eager_loss, fused_loss, rtol=1e-6)
     for (name, p1), (_, p2) in zip(eager.named_parameters(), fused.named_parameters(), strict=True):
         assert torch.allclose(p1.grad, p2.grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_shipped_1xh200_config_loads_and_the_planner_is_within_10_percent_of_its_measured_peak():
+    # configs/gpt-1b-1xh200.toml as measured on one H200 (bench/RESULTS.md, device call 7b: 78.25 GiB peak).
+    from pathlib import Path
+
+    from ulyssesd.training.planner import Cluster, predict_peak_gib
+    from ulyssesd.training.spec import load_job_spec
+
+    job = load_job_spec(Path(__file__).parents[2] / "configs" / "gpt-1b-1xh200.toml")
+    m = job.resolved_model()
+    assert m.rotary_fused and not m.qkv_copy and not m.norm_fp32_copy and job.train.zero3_leaf_blocks
+    ds, _ = build_ds_config(job, 1)
+    predicted = predict_peak_gib(job, Cluster.preset("h200-141g", gpus_per_node=1, nodes=1, host_mem_gib=64.0), ds)
+    assert abs(predicted - 78.25) / 78.25 < 0.10, predicted
