@@ -93,7 +93,7 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
     except OSError as exc:  # not ours to write (permissions, read-only file system, ...)
         print(f"ulyssesd: cannot use state dir {spec.daemon.state_dir}: {exc}", file=sys.stderr)
         return EXIT_STATE_DIR
-    if preflight and spec.daemon.preflight:
+    if preflight and spec.daemon.preflight and spec.job_section.kind == "builtin":  # plans the built-in GPT only
         verdict = _preflight(spec)
         if verdict is not None:
             print(f"ulyssesd: preflight refused the run: {verdict}\n(use --no-preflight to override)", file=sys.stderr)
@@ -113,7 +113,8 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
     )
     from ulyssesd.daemon.supervisor import Supervisor
 
-    say = say or (lambda m: log.info("event", msg=m))
+    # The narration repeats the structured lines (one line per event): debug only, unless a caller prints it.
+    say = say or (lambda m: log.debug("narration", msg=m))
     from ulyssesd.daemon.store.errors import StoreError
 
     try:
@@ -123,13 +124,17 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
         locks.release()
         return EXIT_STATE_DIR
     notifier = SdNotifier()
-    metrics = Metrics(spec.daemon.prometheus_port)
+    metrics = Metrics(spec.daemon.prometheus_port, host=spec.daemon.prometheus_address)
     metrics.start()
     alerts = None
     if spec.daemon.webhook_url:
         from ulyssesd.daemon.alerts import AlertConfig, AlertSender
 
-        alerts = AlertSender(AlertConfig(url=spec.daemon.webhook_url))
+        secret_env = spec.daemon.webhook_secret_env
+        alerts = AlertSender(AlertConfig(url=spec.daemon.webhook_url, events=tuple(spec.daemon.webhook_events),
+                                         secret=os.environ.get(secret_env) if secret_env else None))
+        if secret_env and not alerts.config.secret:
+            log.warning("webhook_secret_env names an unset variable; alerts go unsigned", variable=secret_env)
     sup = Supervisor(spec, store, os_ or RealOS(), run_id=run_id, notifier=notifier, scheduler=LoopScheduler(),
                      say=say, metrics=metrics, alerts=alerts, run_lock=locks.lock_run)
     try:

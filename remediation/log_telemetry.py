@@ -200,8 +200,8 @@ class LogTelemetryParser:
             return []
         mp = _DS_PIPE.search(seg)
         if mp:
-            rec = {"step": int(mp.group(1)), "loss": _num(mp.group(2)), "step_time_s": _num(mp.group(3))}
-            return self._emit_if_rank(rec, t, other_rank, "deepspeed_pipe")
+            pipe = {"step": int(mp.group(1)), "loss": _num(mp.group(2)), "step_time_s": _num(mp.group(3))}
+            return self._emit_if_rank(pipe, t, other_rank, "deepspeed_pipe")
         if "{'" in seg:
             mh = _HF_DICT.search(seg)
             if mh:

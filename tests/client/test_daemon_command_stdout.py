@@ -7,20 +7,15 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from uls_client_helpers import run_supervised
 
-from ulyssesd.daemon.process import RealOS
-from ulyssesd.daemon.spec import load_run_spec
-from ulyssesd.daemon.store import open_store
 from ulyssesd.daemon.store.enums import RunState
-from ulyssesd.daemon.supervisor import Supervisor
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "print_logs" / "train.py"
-DONE = (RunState.COMPLETED, RunState.FAILED, RunState.STOPPED)
 
 
 def _toml(v):
@@ -54,27 +49,8 @@ def _spec(tmp: Path, env: dict[str, str], steps: int = 60) -> Path:
     return tmp / "run.toml"
 
 
-def _run(spec_path: Path, timeout: float = 240.0) -> tuple[Supervisor, list[str]]:
-    spec = load_run_spec(spec_path)
-    say: list[str] = []
-    sup = Supervisor(spec, open_store(spec.daemon.resolved_db_path()), RealOS(), say=say.append)
-    sup.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while sup.state not in DONE:
-            assert time.monotonic() < deadline, f"state={sup.state} step={sup.last_step}: {say[-10:]}"
-            sup.tick()
-            time.sleep(0.05)
-    finally:
-        if sup.job is not None:
-            import signal
-
-            sup.os.signal_pids(sup.os.job_pids(sup.job, sup._marker()), signal.SIGKILL)
-    return sup, say
-
-
 def test_crash_of_a_printed_logs_job_is_diagnosed_and_restarted(tmp_path):
-    sup, say = _run(_spec(tmp_path, {"EXAMPLE_CRASH_AT": "25"}))
+    sup, say = run_supervised(_spec(tmp_path, {"EXAMPLE_CRASH_AT": "25"}))
     assert sup.state == RunState.COMPLETED, say
     attempts = sup.store.list_attempts(sup.run_id)
     assert [a.number for a in attempts] == [1, 2]
@@ -88,7 +64,7 @@ def test_crash_of_a_printed_logs_job_is_diagnosed_and_restarted(tmp_path):
 
 
 def test_hang_of_a_printed_logs_job_is_detected_killed_and_restarted(tmp_path):
-    sup, say = _run(_spec(tmp_path, {"EXAMPLE_HANG_AT": "20"}))
+    sup, say = run_supervised(_spec(tmp_path, {"EXAMPLE_HANG_AT": "20"}))
     assert sup.state == RunState.COMPLETED, say
     hang = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "hang"]
     assert len(hang) == 1 and hang[0].step == 19, hang
@@ -104,7 +80,7 @@ def test_loss_spike_from_log_lines_becomes_a_restart_with_the_users_ds_config_pa
     spec = _spec(tmp_path, {"EXAMPLE_SPIKE_AT": "40"}, steps=90)
     text = spec.read_text().replace('"--step-sleep", "0.03"]', '"--step-sleep", "0.03", "--deepspeed_config", "{ds_config}"]')
     spec.write_text(text.replace('kind = "command"', f'kind = "command"\nds_config = {json.dumps(str(ds))}'))
-    sup, say = _run(spec)
+    sup, say = run_supervised(spec)
     assert sup.state == RunState.COMPLETED, say
     spikes = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "loss_spike"]
     assert spikes, say

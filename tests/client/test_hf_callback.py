@@ -34,13 +34,8 @@ def test_trainer_run_reports_steps_and_manifests(tmp_path):
 
 def _daemon_run(tmp_path, env):
     import tempfile
-    import time
 
-    from ulyssesd.daemon.process import RealOS
-    from ulyssesd.daemon.spec import load_run_spec
-    from ulyssesd.daemon.store import open_store
-    from ulyssesd.daemon.store.enums import RunState
-    from ulyssesd.daemon.supervisor import Supervisor
+    from uls_client_helpers import run_supervised
 
     sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
     envs = ", ".join(f'"{k}" = "{v}"' for k, v in {"OMP_NUM_THREADS": "1", **env}.items())
@@ -71,23 +66,7 @@ warmup_steps = 3
 window = 10
 hang_timeout_floor_s = 60.0
 """)
-    spec = load_run_spec(tmp_path / "run.toml")
-    say: list[str] = []
-    sup = Supervisor(spec, open_store(spec.daemon.resolved_db_path()), RealOS(), say=say.append)
-    sup.start()
-    deadline = time.monotonic() + 400
-    done = (RunState.COMPLETED, RunState.FAILED, RunState.STOPPED)
-    try:
-        while sup.state not in done:
-            assert time.monotonic() < deadline, say[-10:]
-            sup.tick()
-            time.sleep(0.05)
-    finally:
-        if sup.job is not None:
-            import signal
-
-            sup.os.signal_pids(sup.os.job_pids(sup.job, sup._marker()), signal.SIGKILL)
-    return sup, say
+    return run_supervised(tmp_path / "run.toml", timeout=400)
 
 
 def _steps_by_attempt(sup):
