@@ -173,6 +173,7 @@ class ControlServer:
         self.max_connections = max_connections
         self._log = get_logger("ulyssesd.control", socket=str(self.path))
         self._conns: dict[int, _Conn] = {}
+        self.refused = 0  # connections refused by the authorizer since start
         self._sel = selectors.DefaultSelector()
         self._listener = self._listen(mode, group)
         self._ino = os.stat(self.path).st_ino
@@ -298,7 +299,10 @@ class ControlServer:
                 continue
             refusal = self._authorize(peer)
             if refusal is not None:  # before reading: an unauthorized peer's bytes are never parsed
-                self._log.warning("control connection refused", uid=peer.uid, pid=peer.pid, reason=refusal)
+                self.refused += 1
+                if self.refused <= 5 or self.refused % 100 == 0:  # a connection flood must not flood the log
+                    self._log.warning("control connection refused", uid=peer.uid, pid=peer.pid, reason=refusal,
+                                      refused_so_far=self.refused)
                 self._reply(sock, _error("permission_denied", refusal))
                 answered += 1
                 continue

@@ -411,6 +411,7 @@ def test_unauthorized_peer_is_refused_before_anything_is_read(sockdir, monkeypat
         assert resp == {"ok": False, "code": "permission_denied", "error": f"permission denied: uid {me} (test)"}
         assert _raw(path, b'{"cmd": "pause"}\n')["code"] == "permission_denied"
         assert parsed == [] and handler.requests == [] and handler.paused is False
+        assert loop.server.refused == 2
     finally:
         loop.close()
 
