@@ -1,4 +1,11 @@
-"""Webhook alerts (Slack-compatible `{"text": ...}` POST), retried with tenacity, never raising.
+"""Webhook alerts: structured JSON events with a Slack-compatible `text`, retried with tenacity, never raising.
+
+Every POST body is one JSON object: `{"text": "<prefix> run R: ...", "event": KIND, "host": ..., "time": ...,
+"details": {...}}` — Slack, Mattermost and Teams-style incoming webhooks show `text` and ignore the rest;
+other receivers route on `event` (one of EVENTS) and read `details` (run_id, attempt, step, state, and the
+event's own fields). Only the kinds listed in `events` are sent. With a `secret`, each POST carries
+`X-Ulyssesd-Signature: sha256=<hex HMAC-SHA256 of the raw body>` (GitHub's scheme) and
+`X-Ulyssesd-Timestamp`, so a receiver can reject forged or replayed alerts.
 
 The main loop is single-threaded and pings the systemd watchdog, so it must not sit in HTTP retries.
 `AlertSender.send(text)` only enqueues (bounded queue; when full the alert is dropped and counted) and one
@@ -11,6 +18,8 @@ The URL carries a secret (Slack puts the token in the path), so logs only ever s
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import queue
 import socket
@@ -40,9 +49,26 @@ except ImportError:  # pragma: no cover
     from tenacity import stop_after_delay as _stop_delay
 
 
+#: Every event kind the daemon can send. incident: a detector or the store found trouble (an escalation too);
+#: action: a remediation was recorded; restart: the run goes to RESTARTING/BACKOFF; hang: a hang incident;
+#: completed / stopped / failed: the run ended so.
+EVENTS = ("incident", "action", "restart", "hang", "completed", "stopped", "failed")
+#: Sent when the spec does not choose: everything but `action` (each action follows an incident already sent).
+DEFAULT_EVENTS = ("incident", "restart", "hang", "completed", "stopped", "failed")
+SIGNATURE_HEADER = "X-Ulyssesd-Signature"
+TIMESTAMP_HEADER = "X-Ulyssesd-Timestamp"
+
+
+def sign(secret: str, body: bytes) -> str:
+    """The signature header's value for `body`: "sha256=" + hex HMAC-SHA256 keyed with `secret`."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
 @dataclass(frozen=True)
 class AlertConfig:
     url: str  # webhook URL (http/https); a secret — never logged in full
+    events: tuple[str, ...] = DEFAULT_EVENTS  # event kinds to send (a subset of EVENTS); others are skipped
+    secret: str | None = None  # HMAC-SHA256 key for the signature header; None = unsigned
     timeout_s: float = 3.0  # per-attempt HTTP timeout
     max_attempts: int = 4  # attempts per alert, first one included
     max_total_s: float = 15.0  # wall-clock bound per alert, all attempts and waits included
@@ -86,18 +112,32 @@ class AlertSender:
         scheme = urlsplit(config.url).scheme
         if scheme not in ("http", "https"):  # urllib would also open file:// and ftp://
             raise ValueError(f"daemon.webhook_url must be an http(s) URL, got scheme {scheme!r}")
+        unknown = sorted(set(config.events) - set(EVENTS))
+        if unknown:
+            raise ValueError(f"daemon.webhook_events: unknown event kind(s) {unknown}; known: {', '.join(EVENTS)}")
         self.config = config
         self.dropped = 0
-        self._queue: queue.Queue[str | None] = queue.Queue(maxsize=config.queue_size)
+        self._queue: queue.Queue[tuple[str, str, dict] | None] = queue.Queue(maxsize=config.queue_size)
         self._outcomes: queue.SimpleQueue[AlertOutcome] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._log = get_logger("ulyssesd.alerts", webhook=redact(config.url))
 
     # -- synchronous, bounded -------------------------------------------------------------------------
-    def send_now(self, text: str) -> AlertOutcome:
+    def payload(self, text: str, event: str = "incident", details: dict | None = None) -> bytes:
+        """The POST body: Slack-compatible `text` plus the structured event (see module doc)."""
         cfg = self.config
         message = f"{cfg.prefix} {text}" if cfg.prefix else text
-        body = json.dumps({"text": message}).encode()
+        return json.dumps({"text": message, "event": event, "host": socket.gethostname(), "time": time.time(),
+                           "details": details or {}}, default=str).encode()
+
+    def send_now(self, text: str, event: str = "incident", details: dict | None = None) -> AlertOutcome:
+        cfg = self.config
+        message = f"{cfg.prefix} {text}" if cfg.prefix else text
+        body = self.payload(text, event, details)
+        headers = {"Content-Type": "application/json", "User-Agent": "ulyssesd"}
+        if cfg.secret:
+            headers[SIGNATURE_HEADER] = sign(cfg.secret, body)
+            headers[TIMESTAMP_HEADER] = str(int(time.time()))
         start = time.monotonic()
         attempts = 0
         last_status: int | None = None
@@ -106,8 +146,7 @@ class AlertSender:
             nonlocal attempts, last_status
             attempts += 1
             left = cfg.max_total_s - (time.monotonic() - start)
-            req = urllib.request.Request(cfg.url, data=body, method="POST",
-                                         headers={"Content-Type": "application/json", "User-Agent": "ulyssesd"})
+            req = urllib.request.Request(cfg.url, data=body, method="POST", headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=max(0.1, min(cfg.timeout_s, left))) as resp:
                     last_status = resp.status
@@ -141,17 +180,24 @@ class AlertSender:
         outcome = AlertOutcome(text=message, ok=ok, attempts=attempts, status=last_status, error=error,
                                elapsed_s=round(time.monotonic() - start, 3))
         if ok:
-            self._log.info("alert sent", attempts=attempts, status=last_status)
+            self._log.info("alert sent", alert_event=event, attempts=attempts, status=last_status)
         else:
-            self._log.warning("alert not delivered", attempts=attempts, status=last_status, error=error)
+            self._log.warning("alert not delivered", alert_event=event, attempts=attempts, status=last_status,
+                              error=error)
         return outcome
 
     # -- asynchronous, for the main loop -------------------------------------------------------------
-    def send(self, text: str) -> bool:
-        """Queue an alert for the worker; False (and counted in `dropped`) if the queue is full."""
+    def wants(self, event: str) -> bool:
+        return event in self.config.events
+
+    def send(self, text: str, event: str = "incident", details: dict | None = None) -> bool:
+        """Queue an alert for the worker; False if the spec did not choose `event`, or (counted in
+        `dropped`) if the queue is full."""
+        if not self.wants(event):
+            return False
         self._ensure_worker()
         try:
-            self._queue.put_nowait(text)
+            self._queue.put_nowait((text, event, dict(details or {})))
             return True
         except queue.Full:
             self.dropped += 1
@@ -185,7 +231,7 @@ class AlertSender:
 
     def _work(self) -> None:
         while True:
-            text = self._queue.get()
-            if text is None:
+            item = self._queue.get()
+            if item is None:
                 return
-            self._outcomes.put(self.send_now(text))
+            self._outcomes.put(self.send_now(*item))

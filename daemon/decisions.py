@@ -58,7 +58,7 @@ def decision_write_failed(sup: Supervisor, dec: Any, exc: OSError) -> None:
     log.warning("a decision's write to the run directory failed; the job continues unchanged",
                 decision=what, errno=disk.errno_of(exc), error=repr(exc))
     sup.say(f"  could not apply {what}: {exc} (the job continues unchanged)")
-    sup._alert(f"could not apply {what}: {disk.errno_of(exc)} writing to {sup.run_dir}")
+    sup._alert("incident", f"could not apply {what}: {disk.errno_of(exc)} writing to {sup.run_dir}")
     if sup.state == S.REMEDIATING and sup.term is None:
         sup._set_state(S.RUNNING, f"decision not applied: {disk.errno_of(exc)} writing to the run directory")
 
@@ -138,7 +138,8 @@ def apply_decision(sup: Supervisor, dec: Any, step: int) -> None:
                     {}, ApplyMode.none, observe_only=observe)
         if not observe:
             sup.store.update_incident_status(iid, IncidentStatus.escalated, reason)
-            sup._alert(f"{symptom.value} at step {dstep} escalated: {reason}")
+            sup._alert("incident", f"{symptom.value} at step {dstep} escalated: {reason}",
+                       symptom=symptom.value, escalated=True)
         sup.say(f"  {'observe-only: would' if observe else 'action:'} {params['rung']} — {reason}")
         return
     if sup.term is not None and apply != "stop":

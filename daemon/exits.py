@@ -87,8 +87,10 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     rank_codes = disk.rank_exit_codes(tail)
     sup.store.end_attempt(sup.run_id, sup.attempt, returncode=status.returncode, signal=status.signal,
                           diagnosis=diag_label, diagnosis_evidence=diag_evidence)
-    log.info("attempt ended", run_id=sup.run_id, attempt=sup.attempt, status=status.describe(),
-             ran_s=round(ran_s, 1), last_step=sup.last_step, after=str(after), exiting=sup.last_exiting)
+    # A crash is an error (journalctl -p err); a requested end or a completion is progress.
+    (log.error if crashed else log.info)("attempt ended", run_id=sup.run_id, attempt=sup.attempt,
+                                         status=status.describe(), ran_s=round(ran_s, 1), last_step=sup.last_step,
+                                         after=str(after), exiting=sup.last_exiting)
     sup.say(f"attempt {sup.attempt} ended: {status.describe()} after {ran_s:.0f}s (last step {sup.last_step})")
     if completed:
         sup._resolve_all("run completed")

@@ -1,21 +1,96 @@
-"""Optional Prometheus metrics on 127.0.0.1:PORT (off by default: `daemon.prometheus_port` unset).
+"""Prometheus metrics of the supervised run, served on `daemon.prometheus_address:daemon.prometheus_port`.
 
-The main loop calls `Metrics.update(...)` with whatever it knows each tick (None = unchanged); the
-prometheus_client HTTP server thread only reads. Disabled (`port=None`) means every call is a no-op and
-no socket is opened. Own registry per instance: no process-wide globals, tests can run several.
+Off unless the spec sets `daemon.prometheus_port`; the address defaults to 127.0.0.1 (loopback: the
+endpoint has no authentication; bind 0.0.0.0 only on a trusted network or behind a proxy). The main loop
+calls `Metrics.update(...)` with whatever it knows each tick (None = unchanged) and the prometheus_client
+HTTP server thread only reads a snapshot under a lock. Own registry per instance: no process-wide globals.
+
+Names follow Prometheus conventions: base units (bytes, seconds), counters end in `_total` (they count
+from the run's store, so they survive daemon restarts), `_timestamp_seconds` are Unix times. METRIC_NAMES
+lists every exposed family; docs/grafana/ulyssesd.json uses only these (a test checks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+import math
+import threading
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Gauge, Info, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from ulyssesd.daemon.logging import get_logger
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
+
+GIB = 1024 ** 3
+
+#: family name (as scraped, counters with their `_total`) -> (type, help). The exposition contract.
+METRICS: dict[str, tuple[str, str]] = {
+    "ulyssesd_run_info": ("info", "The supervised run (label run_id)."),
+    "ulyssesd_state": ("gauge", "1 for the supervisor's current state (label state), 0 for states seen before."),
+    "ulyssesd_step": ("gauge", "Last training step seen in telemetry."),
+    "ulyssesd_last_step_timestamp_seconds": ("gauge", "Unix time of the last step record (its own time)."),
+    "ulyssesd_loss": ("gauge", "Loss of the last step (NaN if non-finite)."),
+    "ulyssesd_tokens_per_second": ("gauge", "Training throughput of the last step (tokens over the slowest rank)."),
+    "ulyssesd_rank_step_duration_seconds": ("gauge", "Step time of the last step by rank (label rank): rank 0 and, "
+                                                      "with per-rank telemetry, the slowest rank."),
+    "ulyssesd_memory_allocated_bytes": ("gauge", "Allocated accelerator memory on rank 0 at the last step."),
+    "ulyssesd_memory_max_allocated_bytes": ("gauge", "Peak allocated accelerator memory over ranks, last step."),
+    "ulyssesd_config_version": ("gauge", "Active config version."),
+    "ulyssesd_restarts_total": ("counter", "Job relaunches in this run (attempts after the first)."),
+    "ulyssesd_incidents_total": ("counter", "Incidents recorded in this run, by symptom (label symptom)."),
+    "ulyssesd_actions_total": ("counter", "Remediation actions recorded by this daemon, by kind (label kind)."),
+    "ulyssesd_last_update_timestamp_seconds": ("gauge", "Unix time the main loop last updated these metrics."),
+}
+METRIC_NAMES = frozenset(METRICS)
+
+
+def _num(value: Any) -> float:
+    return float(value)  # also takes telemetry's "nan"/"inf" strings
+
+
+class _Snapshot:
+    """What the loop last published; collect() turns it into metric families."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.values: dict[str, float] = {}
+        self.run_id: str | None = None
+        self.states: dict[str, float] = {}
+        self.rank_step_s: dict[str, float] = {}
+        self.incidents: dict[str, float] = {}
+        self.actions: dict[str, float] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            values, states, ranks = dict(self.values), dict(self.states), dict(self.rank_step_s)
+            incidents, actions, run_id = dict(self.incidents), dict(self.actions), self.run_id
+        if run_id is not None:
+            info = InfoMetricFamily("ulyssesd_run", METRICS["ulyssesd_run_info"][1])
+            info.add_metric([], {"run_id": run_id})
+            yield info
+        labelled = {"ulyssesd_state": ("state", states), "ulyssesd_rank_step_duration_seconds": ("rank", ranks)}
+        counters = {"ulyssesd_incidents_total": ("symptom", incidents), "ulyssesd_actions_total": ("kind", actions)}
+        for name, (kind, doc) in METRICS.items():
+            if name in labelled:
+                label, series = labelled[name]
+                fam: Metric = GaugeMetricFamily(name, doc, labels=[label])
+                for key, v in sorted(series.items()):
+                    fam.add_metric([key], v)
+                yield fam
+            elif name in counters:
+                label, series = counters[name]
+                fam = CounterMetricFamily(name.removesuffix("_total"), doc, labels=[label])
+                for key, v in sorted(series.items()):
+                    fam.add_metric([key], v)
+                yield fam
+            elif kind == "counter" and name in values:
+                yield CounterMetricFamily(name.removesuffix("_total"), doc, value=values[name])
+            elif kind == "gauge" and name in values:
+                yield GaugeMetricFamily(name, doc, value=values[name])
 
 
 class Metrics:
@@ -24,24 +99,13 @@ class Metrics:
         self.host = host
         self.enabled = False
         self._server: WSGIServer | None = None
-        self._states: set[str] = set()
-        self._symptoms: set[str] = set()
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.step = Gauge("ulyssesd_step", "Last training step seen in telemetry.", registry=r)
-        self.loss = Gauge("ulyssesd_loss", "Loss of the last step (NaN if non-finite).", registry=r)
-        self.tokens_per_s = Gauge("ulyssesd_tokens_per_second", "Training throughput of the last step.", registry=r)
-        self.mem_allocated = Gauge("ulyssesd_memory_allocated_gib", "Allocated accelerator memory (rank 0).", registry=r)
-        self.mem_max_allocated = Gauge("ulyssesd_memory_max_allocated_gib",
-                                       "Max allocated accelerator memory over ranks.", registry=r)
-        self.state = Gauge("ulyssesd_state", "1 for the supervisor's current state, 0 for states seen before.",
-                           ["state"], registry=r)
-        self.restarts = Gauge("ulyssesd_restarts", "Job restarts in this run.", registry=r)
-        self.incidents = Gauge("ulyssesd_incidents", "Incidents in this run by symptom.", ["symptom"], registry=r)
-        self.config_version = Gauge("ulyssesd_config_version", "Active config version.", registry=r)
-        self.last_update = Gauge("ulyssesd_last_update_timestamp_seconds", "When the main loop last updated.",
-                                 registry=r)
-        self.run_info = Info("ulyssesd_run", "The supervised run.", registry=r)
+        self._snap = _Snapshot()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self._snap)  # type: ignore[arg-type]  # any object with collect()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
 
     def start(self) -> bool:
         """Listen on host:port if enabled; False (logged, never raised) if the port cannot be bound."""
@@ -51,40 +115,58 @@ class Metrics:
             result = start_http_server(self.port, addr=self.host, registry=self.registry)
         except OSError as exc:
             get_logger("ulyssesd.metrics").error("cannot serve Prometheus metrics; continuing without",
-                                                 address=f"{self.host}:{self.port}", error=str(exc))
+                                                 address=self.address, error=str(exc))
             return False
         self._server = result[0] if isinstance(result, tuple) else result
         self.enabled = True
+        get_logger("ulyssesd.metrics").info("serving Prometheus metrics", url=f"http://{self.address}/metrics")
         return True
 
-    def update(self, *, run_id: str | None = None, step: int | None = None, loss: float | None = None,
-               tokens_per_s: float | None = None, mem_allocated_gib: float | None = None,
-               mem_max_allocated_gib: float | None = None, state: str | None = None,
-               restarts: int | None = None, incidents_by_symptom: Mapping[str, int] | None = None,
+    def update(self, *, run_id: str | None = None, step: int | None = None, step_time: float | None = None,
+               loss: float | None = None, tokens_per_s: float | None = None,
+               step_time_s: float | None = None, step_time_max_s: float | None = None,
+               slowest_rank: int | None = None,
+               mem_allocated_gib: float | None = None, mem_max_allocated_gib: float | None = None,
+               state: str | None = None, restarts: int | None = None,
+               incidents_by_symptom: Mapping[str, int] | None = None,
+               actions_by_kind: Mapping[str, int] | None = None,
                config_version: int | None = None, now: float | None = None) -> None:
-        """Set what is known; None leaves a value unchanged. Cheap no-op when disabled."""
+        """Set what is known; None leaves a value unchanged. Memory comes in GiB (telemetry's unit) and is
+        exposed in bytes. Cheap no-op when disabled."""
         if not self.enabled:
             return
-        if run_id is not None:
-            self.run_info.info({"run_id": run_id})
-        for gauge, value in ((self.step, step), (self.loss, loss), (self.tokens_per_s, tokens_per_s),
-                             (self.mem_allocated, mem_allocated_gib), (self.mem_max_allocated, mem_max_allocated_gib),
-                             (self.restarts, restarts), (self.config_version, config_version)):
-            if value is not None:
-                gauge.set(float(value))  # also takes telemetry's "nan"/"inf" strings
-        if state is not None:
-            self._states.add(state)
-            for s in self._states:
-                self.state.labels(state=s).set(1 if s == state else 0)
-        if incidents_by_symptom is not None:
-            # Symptoms that disappeared (e.g. a new run) drop to 0 rather than vanish: rates stay sane.
-            for symptom in self._symptoms | set(incidents_by_symptom):
-                self.incidents.labels(symptom=symptom).set(incidents_by_symptom.get(symptom, 0))
-            self._symptoms |= set(incidents_by_symptom)
-        if now is not None:
-            self.last_update.set(now)
-        else:
-            self.last_update.set_to_current_time()
+        import time
+
+        snap = self._snap
+        with snap.lock:
+            if run_id is not None:
+                snap.run_id = run_id
+            for name, value, scale in (
+                    ("ulyssesd_step", step, 1), ("ulyssesd_last_step_timestamp_seconds", step_time, 1),
+                    ("ulyssesd_loss", loss, 1), ("ulyssesd_tokens_per_second", tokens_per_s, 1),
+                    ("ulyssesd_memory_allocated_bytes", mem_allocated_gib, GIB),
+                    ("ulyssesd_memory_max_allocated_bytes", mem_max_allocated_gib, GIB),
+                    ("ulyssesd_restarts_total", restarts, 1), ("ulyssesd_config_version", config_version, 1)):
+                if value is not None:
+                    v = _num(value)
+                    snap.values[name] = v * scale if math.isfinite(v) else v
+            if step_time_s is not None or step_time_max_s is not None:
+                ranks = {}
+                if step_time_s is not None:
+                    ranks["0"] = _num(step_time_s)
+                if step_time_max_s is not None and slowest_rank is not None:
+                    ranks[str(slowest_rank)] = _num(step_time_max_s)
+                snap.rank_step_s = ranks  # the slowest rank changes: only this step's ranks are current
+            if state is not None:
+                snap.states = {s: 0.0 for s in snap.states}
+                snap.states[state] = 1.0
+            # Kinds that disappear (a new run) stay at their last count rather than vanish: counters never
+            # go back, and rate() over them stays sane.
+            if incidents_by_symptom is not None:
+                snap.incidents.update({k: float(v) for k, v in incidents_by_symptom.items()})
+            if actions_by_kind is not None:
+                snap.actions.update({k: float(v) for k, v in actions_by_kind.items()})
+            snap.values["ulyssesd_last_update_timestamp_seconds"] = time.time() if now is None else now
 
     def close(self) -> None:
         if self._server is not None:
@@ -92,4 +174,3 @@ class Metrics:
             self._server.server_close()
             self._server = None
         self.enabled = False
-

@@ -39,7 +39,7 @@ from ulyssesd.daemon.files import LOG_TAIL_BYTES as LOG_TAIL_BYTES  # re-exporte
 from ulyssesd.daemon.files import _read_tail as _read_tail  # re-exported (moved)
 from ulyssesd.daemon.files import _size
 from ulyssesd.daemon.launcher import LaunchPlan, build_launch, job_marker
-from ulyssesd.daemon.logging import get_logger
+from ulyssesd.daemon.logging import bind_run, get_logger
 from ulyssesd.daemon.process import ExitStatus, JobHandle, OSInterface
 from ulyssesd.daemon.rank_watch import RankWatch
 from ulyssesd.daemon.relaunch import Counters, Relaunch
@@ -88,6 +88,7 @@ class Supervisor:
         self.metrics = metrics  # ulyssesd.daemon.metrics.Metrics (optional, off by default)
         self.alerts = alerts  # ulyssesd.daemon.alerts.AlertSender (optional): escalations and failures
         self.incident_counts: dict[str, int] = {}
+        self.actions_by_kind: dict[str, int] = {}  # for the metrics: actions of this daemon's run, by kind
         self.scheduler = scheduler
         self.say = say or (lambda msg: None)
         self.preflight = preflight
@@ -157,7 +158,10 @@ class Supervisor:
         table_reason = check_transition(self.state, to)
         full = reason if table_reason in reason else f"{reason} ({table_reason})"
         self.store.set_run_state(self.run_id, to, full, attempt=self.attempt or None)
-        log.info("state", run_id=self.run_id, frm=self.state.value, to=to.value, reason=full)
+        # FAILED is the one line an operator must not miss (journald priority 2, `journalctl -p crit`).
+        (log.critical if to == S.FAILED else log.info)("state", run_id=self.run_id, frm=self.state.value,
+                                                         to=to.value, reason=full)
+        self._alert_state(to, full)
         self.say(f"state {self.state.value} -> {to.value}: {reason}")
         self.state = to
         if self.notifier is not None:
@@ -218,6 +222,7 @@ class Supervisor:
             f"run directory {run_dir} re-adopted with --run-id (the store did not know it): "
             f"{len(what['config_versions'])} config version(s), {len(what['checkpoints'])} checkpoint(s), "
             f"{len(what['attempts'])} attempt(s) re-derived, telemetry cursor at step {what['last_step']}"))
+        log.info("run re-adopted from its directory", run_id=rid, run_dir=str(run_dir))
         self.say(f"run {rid} re-adopted from its directory {run_dir}")
         return self.store.get_run(rid)
 
@@ -324,6 +329,7 @@ class Supervisor:
         target = (last.parameters or {}).get("rollback_to_step")
         rollback = target if isinstance(target, int) and not isinstance(target, bool) else None
         if rollback is not None:
+            log.info("pending rollback picked up from the store", to_step=rollback, action=last.id)
             self.say(f"pending rollback to <= step {rollback} (action {last.id}) picked up from the store")
             reason += f"; pending rollback to <= step {rollback}"
         return Relaunch(reason, last.incident_id, rollback, counts_against_budget=counts)
@@ -435,6 +441,7 @@ class Supervisor:
                                  attempt=self.attempt + 1)
             self._action(sid, ActionKind.restart, {"resume_from": tag, "skipped": notes}, {}, ApplyMode.restart)
             self.store.update_incident_status(sid, IncidentStatus.resolved, f"previous valid checkpoint {tag} used")
+            log.warning("checkpoint problem", notes=notes, using=tag)
             self.say(f"checkpoint problem: {'; '.join(notes)} -> using {tag}")
         if rollback_to_step is not None:
             from ulyssesd.training.checkpoint import step_of_tag
@@ -501,6 +508,7 @@ class Supervisor:
 
     # --------------------------------------------------------------------------- the tick
     def tick(self) -> None:
+        bind_run(self.run_id, self.attempt)  # every log line of this tick names the run and attempt
         self._check_store_file()
         self._drain_events()
         if self.scheduler is not None:
@@ -534,18 +542,32 @@ class Supervisor:
         if self.metrics is not None:
             r = self.last_step_record
             self.metrics.update(run_id=self.run_id, step=self.last_step, loss=r.loss if r else None,
-                                tokens_per_s=r.tokens_per_s if r else None,
+                                step_time=r.time if r else None, tokens_per_s=r.tokens_per_s if r else None,
+                                step_time_s=r.step_time_s if r else None,
+                                step_time_max_s=r.step_time_max_s if r else None,
+                                slowest_rank=r.slowest_rank if r else None,
                                 mem_allocated_gib=r.mem_allocated_gib if r else None,
                                 mem_max_allocated_gib=r.mem_max_allocated_gib if r else None,
                                 state=self.state.value, restarts=max(0, self.attempt - 1),
-                                incidents_by_symptom=self.incident_counts, config_version=self.config_version)
+                                incidents_by_symptom=self.incident_counts, actions_by_kind=self.actions_by_kind,
+                                config_version=self.config_version)
         if self.alerts is not None:
             for out in self.alerts.drain():
                 log.info("alert outcome", ok=out.ok, attempts=out.attempts, error=out.error)
 
-    def _alert(self, text: str) -> None:
+    def _alert(self, event: str, text: str, **details: Any) -> None:
+        """Queue a webhook event (never blocks; the sender drops kinds the spec did not choose)."""
         if self.alerts is not None:
-            self.alerts.send(f"run {self.run_id}: {text}")
+            self.alerts.send(f"run {self.run_id}: {text}", event=event,
+                             details={"run_id": self.run_id, "attempt": self.attempt or None,
+                                      "step": self.last_step, "state": self.state.value, **details})
+
+    def _alert_state(self, to: RunState, reason: str) -> None:
+        event = {S.RESTARTING: "restart", S.BACKOFF: "restart", S.COMPLETED: "completed", S.STOPPED: "stopped",
+                 S.FAILED: "failed"}.get(to)
+        if event is not None:
+            self._alert(event, f"{to.value} at step {self.last_step}: {reason}", state=to.value,
+                        frm=self.state.value, reason=reason)
 
     def run_forever(self, poll: Callable[[float], object] | None = None) -> RunState:
         """Tick until the run ends or the daemon is told to detach. `poll(timeout)` doubles as the sleep
@@ -627,6 +649,7 @@ class Supervisor:
             self.store.upsert_checkpoint(self.run_id, f["tag"], step=rec.step or 0, loss=None, valid=True,
                                          attempt=self.attempt, config_version=self.config_version)
             self._verify_open_incidents(rec.step or 0)
+            log.info("checkpoint saved", tag=f["tag"], step=rec.step)
             self.say(f"checkpoint {f['tag']} saved")
         elif rec.event == "checkpoint_invalid":
             sid = self._incident(Symptom.checkpoint_corrupt, rec.step or 0, Severity.warning,
@@ -636,6 +659,7 @@ class Supervisor:
         elif rec.event == "exiting":
             self.last_exiting = str(f.get("reason"))
         elif rec.event == "fault_injected":
+            log.info("fault injected by the job", fault=f.get("fault", f.get("kind")), step=rec.step)
             self.say(f"[fault injected by the job: {f.get('fault', f.get('kind'))} at step {rec.step}]")
 
     # ---------------------------------------------------------------- remediation outputs
@@ -648,7 +672,12 @@ class Supervisor:
                                          symptom=symptom, step=step, severity=severity, summary=summary,
                                          evidence=_jsonable(evidence))
         self.incident_counts[symptom.value] = self.incident_counts.get(symptom.value, 0) + 1
-        log.info("incident", run_id=self.run_id, id=iid, symptom=symptom.value, step=step, summary=summary)
+        # Warning for what the ladder handles; error for a crash, a hang, a failed launch or a critical one.
+        serious = severity == Severity.critical or symptom.value in ("crash", "crash_loop", "hang", "launch_failure")
+        (log.error if serious else log.warning)("incident", run_id=self.run_id, id=iid, symptom=symptom.value,
+                                                step=step, severity=severity.value, summary=summary)
+        self._alert("hang" if symptom.value == "hang" else "incident", f"incident #{iid} {symptom.value} at step "
+                    f"{step}: {summary}", incident_id=iid, symptom=symptom.value, step=step, severity=severity.value)
         self.say(f"INCIDENT #{iid} {symptom.value} at step {step}: {summary}")
         return iid
 
@@ -659,6 +688,12 @@ class Supervisor:
                                        to_config_version=to_v, observe_only=observe_only).id
         if incident_id is not None:
             self.open_incidents[incident_id] = {"action_id": aid, "step": self.last_step or 0}
+        log.warning("action", run_id=self.run_id, id=aid, incident=incident_id, kind=kind.value, mode=mode.value,
+                    observe_only=observe_only, config_from=from_v, config_to=to_v, rung=params.get("rung"))
+        self.actions_by_kind[kind.value] = self.actions_by_kind.get(kind.value, 0) + 1
+        self._alert("action", f"action #{aid} {kind.value} ({mode.value})"
+                    + (f" for incident #{incident_id}" if incident_id is not None else ""),
+                    action_id=aid, incident_id=incident_id, kind=kind.value, mode=mode.value)
         return aid
 
     def _settle_unacted(self, reason: str, before_step: int | None = None) -> None:
@@ -752,7 +787,6 @@ class Supervisor:
         self.backoff_until, self.pending_relaunch = None, None
         self._set_state(S.FAILED, reason)
         self.say(f"RUN FAILED: {reason} (everything kept in {self.run_dir})")
-        self._alert(f"FAILED at step {self.last_step}: {reason}")
 
     def _resolve_all(self, reason: str) -> None:
         for iid, meta in list(self.open_incidents.items()):
@@ -895,7 +929,7 @@ class Supervisor:
                                  f"integrity_check failed: {'; '.join(res.integrity[:3])[:300]}; restart the "
                                  "daemon to restore the newest good backup (the job keeps training)",
                                  {"integrity": res.integrity[:20], "path": str(self.store.path)})
-            self._alert(f"store {self.store.path} damaged: {res.integrity[:1]}")
+            self._alert("incident", f"store {self.store.path} damaged: {res.integrity[:1]}")
             log.error("store integrity check failed", incident=iid, integrity=res.integrity[:5])
 
     def job_backup(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from structlog.testing import capture_logs
 from uls_daemon_helpers import fake_spec, run_until
 
 from ulyssesd.daemon.store.enums import RunState
@@ -10,9 +11,11 @@ from ulyssesd.daemon.store.enums import RunState
 class FakeAlerts:
     def __init__(self):
         self.sent: list[str] = []
+        self.events: list[tuple[str, dict]] = []
 
-    def send(self, text):
+    def send(self, text, event="incident", details=None):
         self.sent.append(text)
+        self.events.append((event, details or {}))
         return True
 
     def drain(self):
@@ -37,8 +40,26 @@ def test_failed_run_alerts_and_metrics_follow_the_loop(tmp_path, make_sup):
                                    remediation={"max_restarts_per_hour": 2}))
     alerts, metrics = FakeAlerts(), FakeMetrics()
     sup = Supervisor(spec, open_store(spec.daemon.resolved_db_path()), RealOS(), alerts=alerts, metrics=metrics)
-    sup.start()
-    run_until(sup, lambda s: s.state == RunState.FAILED, timeout=60)
-    sup.tick()
-    assert len(alerts.sent) == 1 and "FAILED" in alerts.sent[0] and sup.run_id in alerts.sent[0]
+    with capture_logs() as logs:
+        sup.start()
+        run_until(sup, lambda s: s.state == RunState.FAILED, timeout=60)
+        sup.tick()
+    kinds = [e for e, _ in alerts.events]
+    assert kinds[-1] == "failed" and kinds.count("failed") == 1, kinds  # one FAILED alert, the last one
+    assert "FAILED" in alerts.sent[-1] and sup.run_id in alerts.sent[-1]
+    assert "restart" in kinds and "incident" in kinds and "action" in kinds, kinds  # crash -> restart -> ...
+    assert alerts.events[-1][1]["run_id"] == sup.run_id and alerts.events[-1][1]["state"] == "FAILED"
     assert metrics.last["state"] == "FAILED" and metrics.last["incidents_by_symptom"]
+    assert metrics.last["actions_by_kind"] and metrics.last["restarts"] >= 1
+    # levels that mean something: the crash incidents at error, the FAILED transition at critical, and the
+    # narration copies no longer duplicate the structured lines
+    by_event = {}
+    for rec in logs:
+        by_event.setdefault(rec["event"], []).append(rec)
+    assert {r["log_level"] for r in by_event["incident"] if r["symptom"] in ("crash", "crash_loop")} == {"error"}
+    failed = [r for r in by_event["state"] if r["to"] == "FAILED"]
+    assert len(failed) == 1 and failed[0]["log_level"] == "critical"
+    healthy = [r for r in by_event["state"] if r["to"] != "FAILED"]
+    assert healthy and {r["log_level"] for r in healthy} == {"info"}
+    assert {r["log_level"] for r in by_event["attempt ended"]} == {"error"}  # every attempt crashed
+    assert "event" not in by_event and "narration" not in by_event

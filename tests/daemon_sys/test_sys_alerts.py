@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from ulyssesd.daemon.alerts import AlertConfig, AlertSender, redact
+from ulyssesd.daemon.alerts import EVENTS, SIGNATURE_HEADER, AlertConfig, AlertSender, redact, sign
 
 
 class Hook:
@@ -19,12 +19,14 @@ class Hook:
     def __init__(self, statuses):
         self.statuses = list(statuses)
         self.bodies = []
+        self.raw = []  # (body bytes, signature header)
         hook = self
 
         class H(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 hook.bodies.append((self.path, self.headers["Content-Type"], json.loads(body)))
+                hook.raw.append((body, self.headers.get(SIGNATURE_HEADER)))
                 code = hook.statuses.pop(0) if len(hook.statuses) > 1 else hook.statuses[0]
                 self.send_response(code)
                 self.end_headers()
@@ -57,7 +59,7 @@ def test_fails_twice_then_succeeds():
         assert len(hook.bodies) == 3
         path, ctype, body = hook.bodies[-1]
         assert path == "/services/T000/B000/SECRET" and ctype == "application/json"
-        assert body == {"text": "[test] run tiny FAILED: crash loop"}
+        assert body["text"] == "[test] run tiny FAILED: crash loop" and body["event"] == "incident"
     finally:
         hook.close()
 
@@ -114,7 +116,7 @@ def test_worker_queue_send_and_drain_without_blocking():
 def test_full_queue_drops_and_counts():
     gate = threading.Event()
     sender = AlertSender(_cfg("http://127.0.0.1:9/x", queue_size=2))
-    sender.send_now = lambda text: gate.wait(5) or None  # worker stuck in a slow POST
+    sender.send_now = lambda *a: gate.wait(5) or None  # worker stuck in a slow POST
     results = [sender.send(f"a{i}") for i in range(6)]
     assert results.count(False) >= 3 and sender.dropped == results.count(False)
     gate.set()
@@ -124,3 +126,53 @@ def test_bad_scheme_and_redaction():
     with pytest.raises(ValueError, match="must be an http"):
         AlertSender(_cfg("file:///etc/passwd"))
     assert redact("https://hooks.slack.com/services/T/B/SECRET") == "https://hooks.slack.com/…"
+
+
+def test_every_event_kind_reaches_the_receiver_signed():
+    """Each kind the daemon sends arrives as structured JSON with a Slack `text`, signed with HMAC-SHA256."""
+    hook = Hook([200])
+    sender = AlertSender(_cfg(hook.url, events=EVENTS, secret="s3cret"))
+    try:
+        for kind in EVENTS:
+            assert sender.send(f"{kind} happened", event=kind, details={"run_id": "tiny", "step": 12})
+        deadline = time.monotonic() + 10
+        while len(hook.bodies) < len(EVENTS) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(b["event"] for _, _, b in hook.bodies) == sorted(EVENTS)
+        for (_, ctype, body), (raw, signature) in zip(hook.bodies, hook.raw, strict=True):
+            assert ctype == "application/json" and body["text"] == f"[test] {body['event']} happened"
+            assert body["details"] == {"run_id": "tiny", "step": 12} and body["host"] and body["time"] > 0
+            assert signature == sign("s3cret", raw)  # what a receiver recomputes from the raw body
+            assert signature != sign("wrong", raw)
+        assert all(o.ok for o in sender.close())
+    finally:
+        hook.close()
+
+
+def test_only_the_chosen_events_are_sent_and_unknown_kinds_are_refused():
+    hook = Hook([200])
+    try:
+        sender = AlertSender(_cfg(hook.url, events=("failed",)))
+        assert sender.send("x", event="incident") is False and sender.dropped == 0  # not chosen: skipped
+        assert sender.send("run failed", event="failed")
+        sender.close()
+        assert [b["event"] for _, _, b in hook.bodies] == ["failed"]
+        assert sender.send_now("no secret").ok and hook.raw[-1][1] is None  # unsigned without a secret
+    finally:
+        hook.close()
+    with pytest.raises(ValueError, match="unknown event kind.*'crashed'"):
+        AlertSender(_cfg("http://127.0.0.1:9/x", events=("crashed",)))
+
+
+def test_receiver_rejecting_the_signature_neither_blocks_nor_raises():
+    """A receiver with another secret answers 401: not retried, reported in the outcome, the caller goes on."""
+    hook = Hook([401])
+    try:
+        sender = AlertSender(_cfg(hook.url, secret="not-the-receivers"))
+        t0 = time.monotonic()
+        assert sender.send("hang at step 3", event="hang")
+        assert time.monotonic() - t0 < 0.1  # send() only enqueues
+        out = sender.close()
+        assert len(out) == 1 and not out[0].ok and out[0].attempts == 1 and out[0].status == 401
+    finally:
+        hook.close()
