@@ -6,6 +6,8 @@ step time, memory), applies control.json between steps (LR scale, clipping: hot,
 dumps stacks on SIGUSR1. Under the daemon the run directory comes from $ULYSSESD_RUN_DIR.
 
     DS_ACCELERATOR=cpu python examples/deepspeed_attach/train.py --steps 50 --save-dir /tmp/ckpt
+
+Demo fault: EXAMPLE_SPIKE_AT=N multiplies the loss by 8 for 30 steps from step N (attempt 1 only).
 """
 
 from __future__ import annotations
@@ -59,11 +61,14 @@ def main() -> None:
     if args.resume:
         engine.load_checkpoint(args.save_dir)  # DeepSpeed's `latest` file names the newest tag
     sup = attach(engine, save_dir=args.save_dir, tokens_per_step=8 * 2 * 16)  # <- the one line
+    spike_at = int(os.environ.get("EXAMPLE_SPIKE_AT", "0")) if os.environ.get("ULYSSESD_ATTEMPT", "1") == "1" else 0
     gen = torch.Generator().manual_seed(1 + engine.global_rank)
     w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))
     while engine.global_steps < args.steps:
         x = torch.randn(8, 16, generator=gen).to(engine.device)
         loss = torch.nn.functional.mse_loss(engine(x), x @ w_true.to(engine.device))
+        if spike_at and spike_at <= engine.global_steps + 1 < spike_at + 30:
+            loss = loss * 8.0
         engine.backward(loss)
         engine.step()
         if args.step_sleep and engine.is_gradient_accumulation_boundary():

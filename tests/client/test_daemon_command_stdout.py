@@ -93,3 +93,28 @@ def test_loss_spike_from_log_lines_becomes_a_restart_with_the_users_ds_config_pa
     assert json.loads(Path(handed[0]).read_text())["gradient_clipping"] < 1.0  # the clip rung, in the job's file
     log2 = (sup.run_dir / "logs" / "attempt-2.log").read_text()
     assert f"gradient_clipping={json.loads(Path(handed[0]).read_text())['gradient_clipping']}" in log2
+
+
+def test_attach_job_gets_the_daemons_hot_fix_without_a_restart(tmp_path):
+    script = SCRIPT.parents[1] / "deepspeed_attach" / "train.py"
+    spec = _spec(tmp_path, {"EXAMPLE_SPIKE_AT": "60"}, steps=150)
+    text = spec.read_text().replace('[telemetry]\nsource = "stdout"\n', "")
+    text = text.replace(json.dumps(str(SCRIPT)), json.dumps(str(script)))
+    text = text.replace('"--step-sleep", "0.03"]', '"--step-sleep", "0.03", "--save-dir", "{checkpoint_dir}"]')
+    spec.write_text(text)
+    sup, say = run_supervised(spec)
+    assert sup.state == RunState.COMPLETED, say
+    assert len(sup.store.list_attempts(sup.run_id)) == 1, say  # no restart
+    spikes = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "loss_spike"]
+    actions = [a for i in spikes for a in sup.store.list_actions(incident_id=i.id)]
+    assert any(a.mode.value == "hot" for a in actions), (say, actions)
+    recs = [json.loads(x) for x in (sup.run_dir / "telemetry.jsonl").read_text().splitlines()]
+    hot = next(a for a in actions if a.mode.value == "hot").parameters["control"]
+    # (the first control_applied is the neutral control.json every launch writes)
+    applied = [r for r in recs if r.get("event") == "control_applied" and r["control_version"] == hot["version"]]
+    assert applied and applied[0]["step"] > 60, say
+    assert {"gradient_clipping", "lr_scale"} & set(hot), hot
+    if "gradient_clipping" in hot:  # the job's engine reports the clip it now uses
+        assert applied[0]["gradient_clipping"] == hot["gradient_clipping"]
+    if "lr_scale" in hot:
+        assert applied[0]["lr_scale"] == hot["lr_scale"]
