@@ -39,6 +39,7 @@ class TelemetryReader:
         self.cursor = cursor or Cursor(inode=0, offset=0)
         self.garbage_lines = 0
         self.max_logged_garbage = max_logged_garbage
+        self.garbage_samples: list[tuple[int, str]] = []  # (byte offset, error) of the logged bad lines
         self.max_batch_bytes = max(max_batch_bytes, max_line_bytes + 1)  # a line of the maximum length fits
         self.max_line_bytes = max_line_bytes
         # While skipping an over-long line: how far past the cursor (its start) the newline search got.
@@ -53,6 +54,7 @@ class TelemetryReader:
     def _garbage(self, offset: int, error: str) -> None:
         self.garbage_lines += 1
         if self.garbage_lines <= self.max_logged_garbage:
+            self.garbage_samples.append((offset, error))
             log.warning("garbage telemetry line skipped", path=str(self.path), offset=offset, error=error,
                         count=self.garbage_lines)
 
