@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q -c constraints-cpu.txt torch==2.13.0
-	$(PIP) install -q -c constraints-cpu.txt -e '.[dev]'
+	$(PIP) install -q -c constraints-cpu.txt -e '.[dev,hf,parquet]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -33,9 +33,9 @@ test-fast: $(STAMP)
 # builds a symlink tree .cache/mypy-src/ulyssesd -> the source folders (idempotent: ln -sfn).
 MYPY_SRC := .cache/mypy-src
 lint: $(STAMP)
-	$(VENV)/bin/ruff check daemon remediation training migrations ulyssesd_pkg tests bench
+	$(VENV)/bin/ruff check daemon remediation training migrations client ulyssesd_pkg tests bench examples
 	mkdir -p $(MYPY_SRC)/ulyssesd
-	for d in daemon remediation training migrations; do ln -sfn ../../../$$d $(MYPY_SRC)/ulyssesd/$$d; done
+	for d in daemon remediation training migrations client; do ln -sfn ../../../$$d $(MYPY_SRC)/ulyssesd/$$d; done
 	ln -sfn ../../../ulyssesd_pkg/__init__.py $(MYPY_SRC)/ulyssesd/__init__.py
 	MYPYPATH=$(MYPY_SRC) $(VENV)/bin/mypy -p ulyssesd
 
