@@ -543,7 +543,7 @@ def db_current_cmd(json_out: bool = typer.Option(False, "--json")) -> None:
 def _register_optional() -> None:
     """Commands owned by other parts (replay, diagnose, plan), wired when their modules are installed."""
     for mod, fn in (("ulyssesd.daemon.ctl_offline", "register"), ("ulyssesd.daemon.ctl_diagnose", "register_diagnose"),
-                    ("ulyssesd.daemon.ctl_plan", "register_plan")):
+                    ("ulyssesd.daemon.ctl_plan", "register_plan"), ("ulyssesd.daemon.report", "register_report")):
         try:
             module = __import__(mod, fromlist=[fn])
         except ImportError:
