@@ -78,7 +78,10 @@ def _raw(path, data: bytes, read=True, shutdown=False) -> dict:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(5)
     s.connect(path)
-    s.sendall(data)
+    try:
+        s.sendall(data)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered (e.g. refused at accept) and closed before reading it all: read the answer
     if shutdown:
         s.shutdown(socket.SHUT_WR)
     buf = b""
