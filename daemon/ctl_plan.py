@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import subprocess
@@ -19,9 +20,10 @@ from typing import Any
 import typer
 
 from ulyssesd.remediation.goodput import HOUR, optimal_interval, scaled_inputs
+from ulyssesd.remediation.memory_evidence import PlanView, Replan
 from ulyssesd.training.ds_config import build_ds_config
 from ulyssesd.training.planner import ALLOCATOR_HEADROOM, GPU_PRESETS, Cluster, Plan, PlanInputError, plan
-from ulyssesd.training.spec import SpecError
+from ulyssesd.training.spec import JobSpec, SpecError
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_GPU = "a100-80g"
@@ -118,6 +120,54 @@ def _render_interval(sug: dict[str, Any]) -> str:
             f"{sug['ettr']:.2%} (goodput model: Llama 3 failure rate, MTBF {sug['mtbf_h']:.0f} h for these GPUs; "
             f"a save blocks ~{sug['save_block_s']:.0f} s and a restart takes ~{sug['restart_s']:.0f} s, scaled "
             f"from 1x H200 by checkpoint bytes per node; docs/REMEDIATION.md 'Goodput model')")
+
+
+# Planner items that are model states (parameter/gradient/optimizer shards, gathered params, buckets); every
+# other GPU item is activations, transients or logits.
+MODEL_STATE_ITEMS = ("parameter shard", "gradient partition", "fp32 master", "fp32 grad", "persistent params",
+                     "gathered params", "full grad of module", "reduce bucket")
+
+
+def plan_view(result: Plan) -> PlanView:
+    """The plain-data view of a plan the memory remediation reads (remediation/memory_evidence.py)."""
+    peak = result.peak_phase
+    gpu = [it for it in result.items if it.where == "gpu" and peak in it.phases]
+    states = sum(it.bytes for it in gpu if any(k in it.name for k in MODEL_STATE_ITEMS))
+    gib = float(1 << 30)
+    return PlanView(fits=result.fits, required_gib=result.gpu_required / gib, capacity_gib=result.cluster.gpu_mem_gib,
+                    peak_allocated_gib=result.gpu_peak_allocated / gib, model_states_gib=states / gib,
+                    activations_gib=(sum(it.bytes for it in gpu) - states) / gib, problems=tuple(result.problems))
+
+
+def memory_replanner(run_spec: Any, config: dict[str, Any], launch_env: dict[str, Any],
+                     cluster: Cluster | None) -> Replan | None:
+    """The planner over the daemon's current job config (`config`: dotted-patchable JobSpec dump, `launch_env`:
+    the launcher env the daemon adds), for the memory ladder's re-planning; None without a cluster to plan for."""
+    if cluster is None:
+        return None
+
+    def replan(patch: dict[str, Any]) -> PlanView:
+        cfg = copy.deepcopy(config)
+        env = {**(run_spec.launcher.env or {}), **{k: v for k, v in launch_env.items() if v is not None}}
+        for key, val in patch.items():
+            if key.startswith("launcher.env."):
+                env[key.removeprefix("launcher.env.")] = val
+                continue
+            node = cfg
+            parts = key.split(".")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = val
+        try:
+            job = JobSpec.model_validate(cfg)
+            ds, _warnings = build_ds_config(job, cluster.world_size)
+        except (SpecError, PlanInputError, ValueError) as exc:   # pydantic's ValidationError is a ValueError
+            raise ValueError(f"config with {patch} is invalid: {str(exc)[:300]}") from None
+        conf = str(env.get("PYTORCH_CUDA_ALLOC_CONF") or "").replace(" ", "").lower()
+        headroom = EXPANDABLE_HEADROOM if "expandable_segments:true" in conf else ALLOCATOR_HEADROOM
+        return plan_view(plan(job, cluster, ds, search=False, allocator_headroom=headroom))
+
+    return replan
 
 
 def _cluster_from_flags(run_spec: Any, gpu: str, gpus: int | None, nodes: int | None, gpu_mem: float | None,

@@ -195,7 +195,8 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
             # ladder, whose rungs may all be inapplicable and end the run.
             label = "sigkill_unexplained"
         this_crash.add(ladder_for_crash(label)[1])
-        _, decisions = _split_outputs(sup.engine.on_crash(label, diag_evidence or [], sup.os.time()))
+        replan = _memory_replanner(sup) if label == "cuda_oom" else None
+        _, decisions = _split_outputs(sup.engine.on_crash(label, diag_evidence or [], sup.os.time(), replan=replan))
     relaunch = Relaunch(f"crash ({diag_label})", iid)
     acted = False
     for dec in decisions:
@@ -203,6 +204,8 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         reason = getattr(dec, "reason", "") or f"crash {diag_label}"
         params = {"rung": getattr(dec, "action_kind", None), "ladder": getattr(dec, "ladder", None),
                   "apply": dec_apply, "reason": reason}
+        if getattr(dec, "evidence", None):
+            params["evidence"] = dec.evidence   # the memory ladder's OOM numbers and plan (memory_evidence.py)
         target = iid
         if getattr(dec, "symptom", symptom.value) not in this_crash:
             # e.g. crash_loop / no_progress: its own incident, so the budget stop is visible as such.
@@ -245,3 +248,19 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
                     ApplyMode.restart, sup.config_version, sup.config_version)
     sup.store.update_incident_status(iid, IncidentStatus.remediating, "relaunching")
     schedule_relaunch(sup, relaunch, early=early)
+
+
+def _memory_replanner(sup: Supervisor) -> Any:
+    """The planner over the current config for the memory ladder (built-in GPT job on a GPU host), else None.
+    Never raises: without it the ladder falls back to the OOM message alone."""
+    if sup.spec.job_section.kind != "builtin":
+        return None
+    try:
+        from ulyssesd.daemon import ctl_plan
+
+        launcher = sup.spec.launcher
+        cluster = ctl_plan.detect_local_cluster(launcher.nnodes, launcher.nproc_per_node)
+        return ctl_plan.memory_replanner(sup.spec, sup.config, dict(sup.launch_env or {}), cluster)
+    except Exception as exc:  # noqa: BLE001 - a planner problem must not break crash handling; say so
+        log.warning("memory re-planning unavailable", error=repr(exc))
+        return None

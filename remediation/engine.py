@@ -10,9 +10,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ulyssesd.remediation import memory_evidence
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding, HangDetector, build_detectors
 from ulyssesd.remediation.detectors.throughput_drop import tokens_per_s
+from ulyssesd.remediation.memory_evidence import Replan
 from ulyssesd.remediation.playbook import (
     DEFAULTS,
     K_CLIP,
@@ -65,6 +67,7 @@ class Decision:
     procedure: tuple[str, ...] = ()
     would_apply: Apply | None = None   # observe-only: what would have been applied
     reverted: dict[str, Any] = field(default_factory=dict)
+    evidence: dict[str, Any] = field(default_factory=dict)   # what the decision rests on (memory: OOM + plan)
 
     def diff(self) -> str:
         return ", ".join(f"{k}: {self.previous.get(k)!r} -> {v!r}" for k, v in self.config_patch.items())
@@ -241,8 +244,11 @@ class RemediationEngine:
             return []
         return [f, *self._decide("hang", f.symptom, f, f.step, now, f"{f.message}")]
 
-    def on_crash(self, label: str, evidence: list[str] | dict[str, Any] | None, now: float) -> list[Decision]:
-        """The job exited abnormally; `label` is the log diagnosis (the fixed set of docs/DIAGNOSIS.md)."""
+    def on_crash(self, label: str, evidence: list[str] | dict[str, Any] | None, now: float, *,
+                 replan: Replan | None = None) -> list[Decision]:
+        """The job exited abnormally; `label` is the log diagnosis (the fixed set of docs/DIAGNOSIS.md).
+        For a CUDA OOM, `replan` (the daemon's planner over the current config, remediation/memory_evidence.py)
+        lets the memory ladder jump to the change predicted to fit."""
         ladder, symptom = ladder_for_crash(label)
         if isinstance(evidence, dict):
             first = next(iter(evidence.values()), "")
@@ -253,7 +259,13 @@ class RemediationEngine:
         if st is not None and st.verify_left <= 0 and st.position < len(LADDERS[ladder]) \
                 and LADDERS[ladder][st.position].max_uses(self.policy) > 1:
             st.uses = 0  # a crash long after the last one starts the restart count afresh
-        return self._decide(ladder, symptom, None, self.last_step, now, f"the job crashed with {label}{ev}")
+        choice = None
+        if ladder == "memory" and not self.failed and not (st is not None and st.exhausted):
+            lines = list(evidence.values()) if isinstance(evidence, dict) else list(evidence or [])
+            choice = memory_evidence.choose([str(x) for x in lines], Context(
+                self.values, self.initial, self.launched, self.policy), replan)
+        return self._decide(ladder, symptom, None, self.last_step, now, f"the job crashed with {label}{ev}",
+                            memory=choice)
 
     def on_restart(self, now: float, attempt: int | None = None) -> None:
         """A new attempt started: all patches are now launched, detectors warm up again."""
@@ -397,21 +409,21 @@ class RemediationEngine:
             return int(known[k][0] + (step - k) * sps), True
         return int((step - 1) * sps) if step > 0 else 0, True
 
-    def _budget_stop(self, now: float) -> tuple[str, str] | None:
+    def _budget_stop(self, now: float, no_progress: bool = True) -> tuple[str, str] | None:
         while self.restart_times and self.restart_times[0] < now - 3600.0:
             self.restart_times.popleft()
         pol = self.policy
         if len(self.restart_times) >= pol.max_restarts_per_hour:
             return "crash_loop", (f"{len(self.restart_times)} restarts in the last hour reached the budget of "
                                   f"{pol.max_restarts_per_hour} (remediation.max_restarts_per_hour)")
-        if self.restarts_without_progress >= pol.no_progress_restarts:
+        if no_progress and self.restarts_without_progress >= pol.no_progress_restarts:
             return "no_progress", (f"{self.restarts_without_progress} restarts without a checkpoint advancing past "
                                    f"step {self.max_ckpt_step} (remediation.no_progress_restarts="
                                    f"{pol.no_progress_restarts})")
         return None
 
     def _decide(self, ladder: str, symptom: str, finding: Finding | None, step: int | None, now: float,
-                why: str) -> list[Decision]:
+                why: str, memory: memory_evidence.MemoryChoice | None = None) -> list[Decision]:
         if self.failed:
             return []
         rungs = LADDERS[ladder]
@@ -426,7 +438,12 @@ class RemediationEngine:
         skipped: list[str] = []
         action: Action  # both set on the iteration that breaks
         built: Proposal | str
-        while True:
+        while memory is not None:   # the evidence chose the rung (or to stop): no walk
+            action, built = memory.action, memory.proposal
+            if action is not STOP:
+                st.position, st.uses = rungs.index(action), 0
+            break
+        while memory is None:
             action = rungs[st.position] if st.position < len(rungs) else STOP
             if st.uses >= action.max_uses(self.policy) and action is not STOP:
                 st.position += 1
@@ -449,7 +466,10 @@ class RemediationEngine:
                 patch.update(extra.patch)
         if action.kind == "alert" and ladder in NON_FATAL:
             st.exhausted = True
-        stop_why = self._budget_stop(now) if apply in RESTARTING else None
+        # A memory ladder whose next change is predicted to fit is converging: the no-progress rule (restarts
+        # without a checkpoint advancing, which OOMs before the first save always are) does not cut it off.
+        converging = memory is not None and memory.predicted_fit is True
+        stop_why = self._budget_stop(now, no_progress=not converging) if apply in RESTARTING else None
         if stop_why is not None:
             symptom, budget = stop_why
             action, apply, patch, plan = STOP, "stop", {}, None
@@ -473,7 +493,8 @@ class RemediationEngine:
                 hot["lr_scale"] = reverted[K_LR] / float(self.launched.get(K_LR) or reverted[K_LR])
         d = Decision(action_kind=action.kind, symptom=symptom, apply=apply, reason=reason, ladder=ladder,
                      ladder_step=min(st.position, len(rungs) - 1), step=step, time=now, config_patch=patch,
-                     previous=previous, hot_control=hot, procedure=action.procedure, reverted=reverted)
+                     previous=previous, hot_control=hot, procedure=action.procedure, reverted=reverted,
+                     evidence=dict(memory.evidence) if memory is not None else {})
         if reverted:
             d.config_patch = {**reverted, **patch}
             d.previous = {**{k: self.values.get(k) for k in reverted}, **previous}

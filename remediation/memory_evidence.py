@@ -1,0 +1,253 @@
+"""Evidence-driven memory remediation: read a CUDA OOM message, name its cause, and pick the memory-ladder
+change predicted to fit instead of walking the ladder blind (issue 21).
+
+Pure: the planner's view of a configuration comes in as plain data (`PlanView`) from a `Replan` callable the
+daemon passes (daemon/ctl_plan.py `memory_replanner`); nothing here imports the daemon or the training job.
+
+Causes, from the evidence:
+- fragmentation: the allocator holds at least the requested size reserved-but-unallocated (torch's own hint)
+  and expandable segments are off -> `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`;
+- activations: the planner's breakdown of the failing config has more activation bytes than model-state bytes
+  -> smaller micro-batch with more accumulation (global batch kept), then recompute every layer;
+- model states: the opposite -> fewer live parameters, then offload the optimizer state.
+
+With a planner, the changes of the cause (then the others) are applied cumulatively, each re-planned, until
+the patched config is predicted to fit; the prediction is calibrated by the OOM itself (what PyTorch had
+allocated plus the request is a lower bound on the failing config's peak: when the planner predicted less,
+the shortfall is added to every candidate). When nothing is predicted to fit, the choice is to stop, with the
+planner's explanation.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ulyssesd.remediation.playbook import K_ALLOC, LADDERS, STOP, Action, Context, Proposal
+
+_UNITS = {"b": 1 / 2**30, "bytes": 1 / 2**30, "kib": 1 / 2**20, "mib": 1 / 2**10, "gib": 1.0, "tib": 2**10}
+_SIZE = r"([0-9]+(?:\.[0-9]+)?)\s*(bytes|B|KiB|MiB|GiB|TiB)"
+_REQUESTED = re.compile(r"Tried to allocate " + _SIZE, re.I)
+# torch >= 2.5: "GPU 3 has a total capacity of 79.18 GiB of which 23.04 GiB is free. Including non-PyTorch
+# memory, this process has 56.13 GiB memory in use. Of the allocated memory 51.20 GiB is allocated by PyTorch,
+# [with 50.00 MiB allocated in private pools (e.g., CUDA Graphs),] and 3.41 GiB is reserved by PyTorch but
+# unallocated." ("Process 105400 has ..." when another process is named).
+_NEW_TOTAL = re.compile(r"total capacity of " + _SIZE + r" of which " + _SIZE + r" is free", re.I)
+_NEW_IN_USE = re.compile(r"(?:this process|Process \d+) has " + _SIZE + r" memory in use", re.I)
+_NEW_ALLOC = re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch", re.I)
+_NEW_UNALLOC = re.compile(_SIZE + r" is reserved by PyTorch but unallocated", re.I)
+# torch < 2.5: "(GPU 0; 39.59 GiB total capacity; 35.12 GiB already allocated; 1.04 GiB free; 36.80 GiB
+# reserved in total by PyTorch)".
+_OLD_TOTAL = re.compile(_SIZE + r" total capacity", re.I)
+_OLD_ALLOC = re.compile(_SIZE + r" already allocated", re.I)
+_OLD_FREE = re.compile(_SIZE + r" free", re.I)
+_OLD_RESERVED = re.compile(_SIZE + r" reserved in total by PyTorch", re.I)
+
+# Which memory-ladder rungs address which cause, cheapest first (rung kinds of playbook.LADDERS["memory"]).
+CAUSE_RUNGS: dict[str, tuple[str, ...]] = {
+    "fragmentation": ("expandable_segments",),
+    "activations": ("halve_micro_batch", "checkpoint_every_layer"),
+    "model_states": ("halve_live_parameters", "offload_optimizer"),
+}
+CAUSE_ORDER = ("fragmentation", "activations", "model_states")
+MAX_CHANGES = 12   # cumulative changes tried per choice (micro-batch halvings included): bounded re-planning
+
+
+def _gib(m: re.Match[str] | None) -> float | None:
+    return None if m is None else float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+@dataclass(frozen=True)
+class OomReport:
+    """The numbers of one CUDA OOM message, GiB (None where the message's format does not say)."""
+
+    requested_gib: float
+    total_gib: float | None
+    free_gib: float | None
+    allocated_gib: float | None             # allocated by PyTorch's caching allocator
+    reserved_unallocated_gib: float | None  # reserved by the allocator but not allocated (fragmentation)
+    in_use_gib: float | None                # the process's whole use, non-PyTorch memory included
+    line: str
+
+    def describe(self) -> str:
+        def f(v: float | None) -> str:
+            return "?" if v is None else f"{v:.2f}"
+        return (f"CUDA OOM: requested {f(self.requested_gib)} GiB with {f(self.allocated_gib)} GiB allocated, "
+                f"{f(self.reserved_unallocated_gib)} GiB reserved but unallocated, {f(self.free_gib)} GiB free "
+                f"of {f(self.total_gib)} GiB")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requested_gib": self.requested_gib, "total_gib": self.total_gib, "free_gib": self.free_gib,
+                "allocated_gib": self.allocated_gib, "reserved_unallocated_gib": self.reserved_unallocated_gib,
+                "in_use_gib": self.in_use_gib}
+
+
+def parse_oom(lines: Iterable[str] | str) -> OomReport | None:
+    """The first CUDA OOM message with a requested size among `lines` (either torch format); None if none."""
+    for line in [lines] if isinstance(lines, str) else lines:
+        if not isinstance(line, str) or "out of memory" not in line.lower():
+            continue
+        req = _gib(_REQUESTED.search(line))
+        if req is None:
+            continue
+        total_free = _NEW_TOTAL.search(line)
+        if total_free is not None:
+            total = float(total_free.group(1)) * _UNITS[total_free.group(2).lower()]
+            free = float(total_free.group(3)) * _UNITS[total_free.group(4).lower()]
+            return OomReport(req, total, free, _gib(_NEW_ALLOC.search(line)), _gib(_NEW_UNALLOC.search(line)),
+                             _gib(_NEW_IN_USE.search(line)), line.strip())
+        alloc, reserved = _gib(_OLD_ALLOC.search(line)), _gib(_OLD_RESERVED.search(line))
+        unalloc = None if alloc is None or reserved is None else max(0.0, reserved - alloc)
+        return OomReport(req, _gib(_OLD_TOTAL.search(line)), _gib(_OLD_FREE.search(line)), alloc, unalloc,
+                         reserved, line.strip())
+    return None
+
+
+@dataclass(frozen=True)
+class PlanView:
+    """The planner's view of one configuration, as plain data (GiB per GPU)."""
+
+    fits: bool                 # the planner's verdict
+    required_gib: float        # peak allocated + allocator headroom + CUDA context
+    capacity_gib: float        # the GPU's usable memory
+    peak_allocated_gib: float  # predicted torch.cuda.max_memory_allocated()
+    model_states_gib: float    # parameter/gradient/optimizer shards, gathered params, buckets at the peak
+    activations_gib: float     # saved activations, transients, logits at the peak
+    problems: tuple[str, ...] = ()
+
+
+# Plan the current config with these dotted changes applied (the daemon's planner); raises ValueError when the
+# patched config is not a valid one.
+Replan = Callable[[dict[str, Any]], PlanView]
+
+
+@dataclass
+class MemoryChoice:
+    """What the evidence says to do: one decision's rung, patch and explanation."""
+
+    cause: str                     # fragmentation | activations | model_states | unknown
+    action: Action                 # the last rung whose change is part of the patch (STOP: cannot converge)
+    proposal: Proposal             # the combined patch; `what` names the changes, the evidence, the prediction
+    predicted_fit: bool | None     # None: no planner, the rung follows from the OOM message alone
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def _rung(kind: str) -> Action:
+    return next(a for a in LADDERS["memory"] if a.kind == kind)
+
+
+def _expandable_on(values: dict[str, Any]) -> bool:
+    return "expandable_segments:true" in str(values.get(K_ALLOC) or "").replace(" ", "").lower()
+
+
+def classify(oom: OomReport | None, base: PlanView | None, values: dict[str, Any]) -> tuple[str, str]:
+    """(cause, why) from the OOM numbers and the planner's breakdown of the failing config."""
+    if oom is not None and oom.reserved_unallocated_gib is not None \
+            and oom.reserved_unallocated_gib >= oom.requested_gib and not _expandable_on(values):
+        return "fragmentation", (f"{oom.reserved_unallocated_gib:.2f} GiB reserved but unallocated >= the "
+                                 f"{oom.requested_gib:.2f} GiB requested")
+    if base is not None and base.activations_gib + base.model_states_gib > 0:
+        if base.activations_gib >= base.model_states_gib:
+            return "activations", (f"planner: activations {base.activations_gib:.1f} GiB vs model states "
+                                   f"{base.model_states_gib:.1f} GiB of the {base.peak_allocated_gib:.1f} GiB peak")
+        return "model_states", (f"planner: model states {base.model_states_gib:.1f} GiB vs activations "
+                                f"{base.activations_gib:.1f} GiB of the {base.peak_allocated_gib:.1f} GiB peak")
+    return "unknown", "no planner breakdown and no sign of fragmentation"
+
+
+def _calibrated_fit(view: PlanView, under_gib: float) -> bool:
+    return view.fits and view.required_gib + under_gib <= view.capacity_gib
+
+
+def _drop_unneeded(steps: list[tuple[str, dict[str, Any]]], patch: dict[str, Any], view: PlanView, under: float,
+                   replan: Replan) -> tuple[dict[str, Any], list[str], PlanView]:
+    """Leave out earlier changes the fitting config does not need (a later rung alone may fit), re-planned."""
+    kept = list(steps)
+    for i in range(len(steps) - 2, -1, -1):
+        what, own = steps[i]
+        later = {k for _, p in kept[kept.index(steps[i]) + 1:] for k in p}
+        mine = [k for k in own if k not in later]   # keys a later change overwrites are not this change's
+        if not mine:
+            continue
+        trial_patch = {k: v for k, v in patch.items() if k not in mine}
+        try:
+            trial = replan(trial_patch)
+        except Exception:  # noqa: BLE001 - keep the change when the smaller config cannot be planned
+            continue
+        if _calibrated_fit(trial, under):
+            patch, view = trial_patch, trial
+            kept.remove(steps[i])
+    return patch, [w for w, p in kept if any(k in patch for k in p)], view
+
+
+def choose(lines: Iterable[str] | str, ctx: Context, replan: Replan | None = None) -> MemoryChoice | None:
+    """The evidence-driven memory decision for a CUDA OOM, or None when there is no evidence to go on (no
+    parsable OOM and no planner): the plain ladder applies then."""
+    oom = parse_oom(lines)
+    base: PlanView | None = None
+    problems: list[str] = []
+    if replan is not None:
+        try:
+            base = replan({})
+        except Exception as exc:  # noqa: BLE001 - a planner that fails leaves the message alone to go on
+            problems.append(f"planner: {exc}")
+    cause, why = classify(oom, base, ctx.values)
+    evidence: dict[str, Any] = {"cause": cause, "why": why, "oom": oom.to_dict() if oom else None}
+    if base is not None:
+        evidence["plan"] = {"required_gib": base.required_gib, "capacity_gib": base.capacity_gib,
+                            "model_states_gib": base.model_states_gib, "activations_gib": base.activations_gib}
+    if oom is None and base is None:
+        return None
+    said = (oom.describe() if oom else "CUDA OOM (no sizes in the message)") + f"; cause: {cause} ({why})"
+    order = [*CAUSE_RUNGS.get(cause, ()), *(k for c in CAUSE_ORDER if c != cause for k in CAUSE_RUNGS[c])]
+    if base is None:
+        # No planner: the cause's first applicable rung, from the message alone (fragmentation only).
+        if cause == "unknown":
+            return None
+        for kind in CAUSE_RUNGS[cause]:
+            built = _rung(kind).build(ctx)
+            if isinstance(built, Proposal):
+                return MemoryChoice(cause, _rung(kind), replace(built, what=f"{built.what} ({said})"), None, evidence)
+        return None
+    # The OOM is a lower bound on the failing config's peak: a planner that predicted less is short by that much.
+    under = 0.0
+    if oom is not None and oom.allocated_gib is not None:
+        under = max(0.0, oom.allocated_gib + oom.requested_gib - base.peak_allocated_gib)
+    evidence["planner_shortfall_gib"] = under
+    values = dict(ctx.values)
+    patch: dict[str, Any] = {}
+    changes: list[str] = []
+    view = base
+    steps: list[tuple[str, dict[str, Any]]] = []   # (what, patch) of each change, in order
+    for kind in order:
+        action = _rung(kind)
+        while len(changes) < MAX_CHANGES:
+            built = action.build(replace(ctx, values=values))
+            if isinstance(built, str):
+                break
+            try:
+                trial = replan({**patch, **built.patch})
+            except Exception as exc:  # noqa: BLE001 - e.g. a config the spec rejects: try the next rung
+                problems.append(f"{action.kind}: {exc}")
+                break
+            patch.update(built.patch)
+            values.update(built.patch)
+            changes.append(built.what)
+            steps.append((built.what, dict(built.patch)))
+            view = trial
+            if _calibrated_fit(view, under):
+                patch, changes, view = _drop_unneeded(steps, patch, view, under, replan)
+                what = (f"{'; '.join(changes)} ({said}; re-planned: {view.required_gib:.1f} GiB needed of "
+                        f"{view.capacity_gib:.1f} GiB" + (f", +{under:.1f} GiB the planner missed" if under else "")
+                        + ")")
+                evidence["predicted_required_gib"] = view.required_gib
+                return MemoryChoice(cause, action, Proposal(patch, what=what), True, evidence)
+            if kind != "halve_micro_batch":
+                break   # one use per rung; only the micro-batch halves again
+    expl = "; ".join([*view.problems, *problems]) or (
+        f"needs {view.required_gib + under:.1f} GiB of {view.capacity_gib:.1f} GiB")
+    tried = ", ".join(changes) or "nothing applicable"
+    return MemoryChoice(cause, STOP, Proposal(what=f"stop: no memory change is predicted to fit ({said}; tried "
+                                                   f"{tried}; planner: {expl})"), False, evidence)
