@@ -20,18 +20,31 @@ from ulyssesd.daemon.store.enums import RunState
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.fixture
-def crashed_and_rolled_back_run(tmp_path, make_sup):
-    """SIGKILL at step 12 (restart from step 10), NaN at step 20 of attempt 2 (rollback), then completes."""
-    spec = fake_spec(tmp_path, steps=30, interval=5, faults=[{"kind": "sigkill", "at_step": 12},
-                                                             {"kind": "nan_loss", "at_step": 20, "attempts": [2]}],
-                     remediation={"known_good_steps": 2, "rollback_steps_back": 1, "skip_min_batches": 2,
-                                  "skip_max_batches": 4})
-    sup = make_sup(spec)
+@pytest.fixture(scope="module")
+def crashed_and_rolled_back_run(tmp_path_factory):
+    """SIGKILL at step 12 (restart from step 10), NaN at step 20 of attempt 2 (rollback), then completes.
+    One real supervised run shared by the tests of this module (they only read it)."""
+    from ulyssesd.daemon.process import RealOS
+    from ulyssesd.daemon.spec import load_run_spec
+    from ulyssesd.daemon.supervisor import Supervisor
+
+    tmp = tmp_path_factory.mktemp("report-run")
+    spec = load_run_spec(fake_spec(tmp, steps=30, interval=5, faults=[
+        {"kind": "sigkill", "at_step": 12}, {"kind": "nan_loss", "at_step": 20, "attempts": [2]}],
+        remediation={"known_good_steps": 2, "rollback_steps_back": 1, "skip_min_batches": 2, "skip_max_batches": 4}))
+    store = open_store(spec.daemon.resolved_db_path())
+    sup = Supervisor(spec, store, RealOS())
     sup.start()
-    run_until(sup, lambda s: s.state in (RunState.COMPLETED, RunState.FAILED), timeout=90)
+    try:
+        run_until(sup, lambda s: s.state in (RunState.COMPLETED, RunState.FAILED), timeout=90)
+    finally:
+        if sup.job is not None:  # no test may leave a job behind
+            import signal
+
+            sup.os.signal_pids(sup.os.job_pids(sup.job, sup._marker()), signal.SIGKILL)
+        store.close()
     assert sup.state == RunState.COMPLETED
-    return tmp_path / "state", sup.run_id
+    return tmp / "state", sup.run_id
 
 
 def test_report_of_a_real_run_and_its_goodput(crashed_and_rolled_back_run, tmp_path):
