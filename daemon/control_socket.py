@@ -48,6 +48,7 @@ from ulyssesd.remediation.records import bounded_repr, nesting_depth_exceeds
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_REQUEST_DEPTH = 8  # requests are {"cmd", "args": {flat values}}: 2 levels; deep JSON recurses in json
 ANSWER_GRACE_S = 2.0  # the client waits this long past the request's deadline for the answer
+REFUSED_LINGER_S = 1.0  # a refused connection stays open (never read) this long, then is closed
 DEFAULT_SOCKET_NAME = "ulyssesd.sock"
 SYSTEM_SOCKET_PATH = "/run/ulyssesd/ulyssesd.sock"  # RuntimeDirectory of the packaged unit
 _CMD_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -174,6 +175,7 @@ class ControlServer:
         self._log = get_logger("ulyssesd.control", socket=str(self.path))
         self._conns: dict[int, _Conn] = {}
         self.refused = 0  # connections refused by the authorizer since start
+        self._lingering: list[tuple[float, socket.socket]] = []  # refused, answered, closed at this deadline
         self._sel = selectors.DefaultSelector()
         self._listener = self._listen(mode, group)
         self._ino = os.stat(self.path).st_ino
@@ -303,7 +305,7 @@ class ControlServer:
                 if self.refused <= 5 or self.refused % 100 == 0:  # a connection flood must not flood the log
                     self._log.warning("control connection refused", uid=peer.uid, pid=peer.pid, reason=refusal,
                                       refused_so_far=self.refused)
-                self._reply(sock, _error("permission_denied", refusal))
+                self._reply(sock, _error("permission_denied", refusal), linger=True)
                 answered += 1
                 continue
             if len(self._conns) >= self.max_connections:
@@ -375,6 +377,8 @@ class ControlServer:
         return response
 
     def _expire(self, now: float) -> None:
+        while self._lingering and self._lingering[0][0] <= now:
+            self._lingering.pop(0)[1].close()
         for conn in [c for c in self._conns.values() if c.deadline <= now]:
             self._finish(conn, _error("timeout", f"no complete request within {self.read_timeout_s:g} s "
                                                  f"(send one JSON object followed by a newline)"))
@@ -385,7 +389,9 @@ class ControlServer:
         self._reply(conn.sock, response)
         return 1
 
-    def _reply(self, sock: socket.socket, response: dict) -> None:
+    def _reply(self, sock: socket.socket, response: dict, linger: bool = False) -> None:
+        """Send `response` and close. linger: half-close and keep the socket open (unread) for REFUSED_LINGER_S,
+        so a client still sending its request gets the answer instead of EPIPE; its bytes are never read."""
         try:
             data = (json.dumps(response, default=str) + "\n").encode()
         except (TypeError, ValueError) as exc:
@@ -393,10 +399,16 @@ class ControlServer:
         try:
             sock.settimeout(1.0)  # responses are small; a client that does not read is its problem
             sock.sendall(data)
+            if linger:
+                sock.shutdown(socket.SHUT_WR)
         except OSError:
-            pass
-        finally:
+            linger = False
+        if not linger:
             sock.close()
+            return
+        self._lingering.append((time.monotonic() + REFUSED_LINGER_S, sock))
+        while len(self._lingering) > self.max_connections:  # bounded: the oldest goes first
+            self._lingering.pop(0)[1].close()
 
     def _drop(self, conn: _Conn) -> None:
         self._sel.unregister(conn.sock)
@@ -407,6 +419,9 @@ class ControlServer:
         """Close everything; unlink the socket only if it is still ours (not a newer daemon's)."""
         for conn in list(self._conns.values()):
             self._drop(conn)
+        for _, sock in self._lingering:
+            sock.close()
+        self._lingering.clear()
         try:
             if os.stat(self.path).st_ino == self._ino:
                 self.path.unlink()

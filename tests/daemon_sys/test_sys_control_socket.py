@@ -575,3 +575,24 @@ def test_status_survives_a_poisoned_telemetry_tail_and_daemon_info(tmp_path):
         assert main(["--state-dir", str(state), "status", "--json"]) == 0
     st = json.loads(buf.getvalue())
     assert st["step"] == 4 and st["daemon"] == "not running"
+
+
+def test_a_refused_client_still_sending_gets_the_answer_not_epipe(sockdir):
+    """Refused at accept, the connection stays open (unread) a moment: a plain client that sends its request
+    after the server has already answered gets the answer, not a broken pipe."""
+    path = os.path.join(sockdir, "ctl.sock")
+    server = ControlServer(path, Recorder(), authorize=lambda peer: "permission denied: test")
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(path)
+        assert server.poll(0.5) == 1  # accepted, refused and answered before the client sent anything
+        s.sendall(b'{"cmd": "stop"}\n' * 100)  # would raise BrokenPipeError if the server had closed
+        assert json.loads(s.recv(4096))["code"] == "permission_denied"
+        assert s.recv(4096) == b""  # then EOF: the server half-closed
+        s.close()
+        time.sleep(1.1)
+        server.poll(0)
+        assert server._lingering == []  # closed after the linger time
+    finally:
+        server.close()
