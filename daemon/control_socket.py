@@ -18,7 +18,7 @@ silent client is cut off after `read_timeout_s`; a flood beyond `max_connections
 
 Access: the socket file is 0660 (the first gate is file permission), and every peer's SO_PEERCRED is
 checked (second gate) at accept, before a byte is read: an unauthorized peer gets `permission_denied` and the
-connection is closed unread, so nothing it sends is ever parsed. Root, the daemon's own uid, `allowed_uids`,
+connection is never read (half-closed, closed after REFUSED_LINGER_S), so nothing it sends is ever parsed. Root, the daemon's own uid, `allowed_uids`,
 or members of `group` (primary or supplementary, via pwd/grp/os.getgrouplist) may talk to it. The handler gets the validated envelope plus
 `"peer": {"pid", "uid", "gid"}` so actions can be attributed.
 """
