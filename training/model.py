@@ -14,6 +14,7 @@
   `rotary_fused` compiles the q/k rotation into one kernel per tensor pass, `qkv_copy=false` hands v to
   attention as a strided view of the qkv output (SP=1), `checkpoint_keep_attention` makes checkpointed blocks
   keep the attention kernel's outputs so recompute skips the attention forward (torch selective checkpoint).
+- `mlp_chunk_tokens=N` (long sequences) runs each block's MLP over checkpointed chunks of N local tokens.
 """
 
 from __future__ import annotations
@@ -151,6 +152,8 @@ class Block(nn.Module):
         self.fc_out = _Linear(f, h, cfg.bias, out_std)
         self.attn = attn
         self.rotary_fused, self.qkv_copy = cfg.rotary_fused, cfg.qkv_copy or attn.sp_size > 1
+        # TiledMLP: the MLP over chunks of this many local tokens, each checkpointed (0 = whole sequence).
+        self.mlp_chunk_tokens = cfg.mlp_chunk_tokens
 
     def _lin(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         # Calling the module lets ZeRO-3's module hooks fetch (and prefetch) its weight; measured on
@@ -169,14 +172,30 @@ class Block(nn.Module):
         # are (attention then keeps the whole qkv output alive for backward instead of a v copy: +2h/token).
         a = self.attn(q, k, v.contiguous() if self.qkv_copy else v).reshape(b, s, -1)
         x = x + self._lin(a, self.proj)
-        u = self._lin(self.ln2(x), self.fc_in)
+        hn = self.ln2(x)
+        n = self.mlp_chunk_tokens
+        if n and torch.is_grad_enabled() and b * s > n:
+            x = x + self._tiled_mlp(hn, n)
+        else:
+            x = x + self._mlp(hn)
+        return x.to(in_dtype)
+
+    def _mlp(self, hn: torch.Tensor) -> torch.Tensor:
+        u = self._lin(hn, self.fc_in)
         if self.swiglu:
             gate, up = u.chunk(2, dim=-1)
             u = F.silu(gate) * up
         else:
             u = F.gelu(u, approximate="tanh")
-        x = x + self._lin(u, self.fc_out)
-        return x.to(in_dtype)
+        return self._lin(u, self.fc_out)
+
+    def _tiled_mlp(self, hn: torch.Tensor, n: int) -> torch.Tensor:
+        """The MLP `n` tokens at a time (DeepSpeed ALST's TiledMLP idea), each chunk checkpointed: only the
+        chunk inputs (views of `hn`) are kept, and the [tokens, ffn] intermediates of one chunk exist at a
+        time, in forward and when the chunk is recomputed in backward. Costs one more MLP forward."""
+        flat = hn.reshape(-1, hn.shape[-1])
+        out = [checkpoint(self._mlp, chunk, use_reentrant=False) for chunk in flat.split(n)]
+        return torch.cat(out).view(hn.shape)
 
 
 # F.cross_entropy's default ignore_index: labels equal to it count neither in the loss nor in its mean.

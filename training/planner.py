@@ -285,6 +285,10 @@ def block_saved_bytes_per_token(m: ResolvedModel, d: int, sp: int = 1) -> int:
     v_view = 2 * h if not m.qkv_copy and sp == 1 else 0
     attention = d * (h + 3 * h + v_view + h + (h if sp > 1 else 0)) + 4 * a
     mlp = d * h + (2 * d * f if m.mlp == "gelu" else 4 * d * f)
+    if m.mlp_chunk_tokens:
+        # model.mlp_chunk_tokens (TiledMLP): each chunk is checkpointed; only its input (a view of the
+        # LayerNorm output) is kept, the [tokens, ffn] intermediates are recomputed chunk by chunk.
+        mlp = d * h
     return layernorms + attention + mlp
 
 
@@ -297,7 +301,16 @@ def _norm_input_bytes(m: ResolvedModel, d: int) -> int:
 def _backward_transient_per_token(m: ResolvedModel, d: int, sp: int) -> int:
     fin = (2 if m.mlp == "swiglu" else 1) * m.ffn_hidden_size
     staging = 4 * d * m.hidden_size if sp > 1 else 0   # all-to-all permute/contiguous copies
+    if m.mlp_chunk_tokens:  # TiledMLP: the ffn-wide gradients exist for one chunk only (_mlp_chunk_transient)
+        return d * 2 * m.hidden_size + staging
     return d * (2 * fin + 2 * m.hidden_size) + staging
+
+
+def _mlp_chunk_transient(m: ResolvedModel, d: int, tokens: int) -> int:
+    """TiledMLP in backward: one recomputed chunk's saved intermediates plus their gradients, 2·2·d·ffn_in per
+    chunk token (GELU: fc_in output and GELU output; SwiGLU: the fused input, silu(gate) and the product)."""
+    fin = (2 if m.mlp == "swiglu" else 1) * m.ffn_hidden_size
+    return min(m.mlp_chunk_tokens, tokens) * 4 * d * fin
 
 
 # ------------------------------------------------------------------------------------- plan
@@ -497,6 +510,8 @@ def _model_state_items(c: _Ctx) -> list[Item]:
 def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None = None,
                       loss_chunk: int = 0) -> list[Item]:
     m, d, t = c.m, c.d, c.tokens
+    if m.mlp_chunk_tokens >= t:  # a sequence no longer than one MLP chunk runs untiled
+        m = m.model_copy(update={"mlp_chunk_tokens": 0})
     L = m.num_layers
     blk = [block_saved_bytes_per_token(m, 4 if i < fp32_layers else d, c.sp) for i in range(L)]
     items: list[Item] = []
@@ -529,8 +544,12 @@ def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None =
                           t * n_kept * (d * m.hidden_size + 4 * m.num_attention_heads), "gpu",
                           f"b·s/sp·{n_kept}·(d·h + 4·heads)", FWD_BWD))
     items.append(Item("block backward transients", t * _backward_transient_per_token(m, d, c.sp), "gpu",
-                      "b·s/sp·d·(2·ffn_in + 2h)" + (" + all-to-all staging 4·d·h" if c.sp > 1 else ""),
-                      ("backward",)))
+                      ("b·s/sp·d·2h" if m.mlp_chunk_tokens else "b·s/sp·d·(2·ffn_in + 2h)")
+                      + (" + all-to-all staging 4·d·h" if c.sp > 1 else ""), ("backward",)))
+    if m.mlp_chunk_tokens:
+        items.append(Item("TiledMLP chunk in backward", _mlp_chunk_transient(m, d, t), "gpu",
+                          f"min(N={m.mlp_chunk_tokens}, b·s/sp)·4·d·ffn_in (one recomputed chunk + its grads)",
+                          ("backward",)))
     nb = _norm_input_bytes(m, d)
     items.append(Item("final norm + head inputs", t * (nb * m.hidden_size + 8 + d * m.hidden_size), "gpu",
                       f"b·s/sp·({nb}h + d·h)", ("loss",)))

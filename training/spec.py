@@ -84,6 +84,8 @@ class ModelSpec(_Section):
     checkpoint_keep_attention: bool = Field(False, description="Checkpointed blocks keep the attention kernel's output "
                                                                "and logsumexp: no attention forward in recompute, "
                                                                "+(d·h + 4·heads) bytes per token per block.")
+    mlp_chunk_tokens: int = Field(0, ge=0, description="TiledMLP: each block's MLP over checkpointed chunks of N local "
+                                                       "tokens (long sequences; one more MLP forward); 0 = untiled.")
 
     def resolved(self) -> ResolvedModel:
         base = dict(PRESETS[self.preset]) if self.preset else {}
@@ -103,7 +105,8 @@ class ModelSpec(_Section):
             base["ffn_hidden_size"] = 4 * h if base["mlp"] == "gelu" else 256 * ((8 * h // 3 + 255) // 256)
         return ResolvedModel(bias=self.bias, rope_theta=self.rope_theta, init_std=self.init_std,
                              norm_fp32_copy=self.norm_fp32_copy, rotary_fused=self.rotary_fused,
-                             qkv_copy=self.qkv_copy, checkpoint_keep_attention=self.checkpoint_keep_attention, **base)
+                             qkv_copy=self.qkv_copy, checkpoint_keep_attention=self.checkpoint_keep_attention,
+                             mlp_chunk_tokens=self.mlp_chunk_tokens, **base)
 
 
 class ResolvedModel(BaseModel):
@@ -124,6 +127,7 @@ class ResolvedModel(BaseModel):
     rotary_fused: bool = False
     qkv_copy: bool = True
     checkpoint_keep_attention: bool = False
+    mlp_chunk_tokens: int = 0
 
     @property
     def head_dim(self) -> int:
