@@ -220,6 +220,8 @@ def _plot(plot_id: str, title: str, unit: str, series: list[Series], col: int, t
         d = " ".join(f"{'M' if i == 0 else 'L'}{px:.1f},{py:.1f}" for i, (px, py) in enumerate(line))
         out.append(f'<path d="{d}" fill="none" stroke="{colour}" stroke-width="1.5" class="series" '
                    f'data-attempt="{s.attempt}"/>')
+        if len(line) <= 3:  # a path of one point draws nothing: an attempt that ran a step or two shows as dots
+            out.extend(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3" fill="{colour}"/>' for px, py in line)
     for t, colour, label in marks:
         if t0 <= t <= t1 + 1:
             out.append(f'<g class="mark"><line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top}" y2="{h - bottom}" '
