@@ -7,6 +7,8 @@ from pathlib import Path
 
 import psutil
 
+MAX_LINE_CHARS = 1 << 20
+
 
 def read_records(path: Path) -> list[dict]:
     """Every JSON object line of a JSONL file; unreadable files and garbage lines are skipped (benchmarks
@@ -17,9 +19,11 @@ def read_records(path: Path) -> list[dict]:
         return []
     out = []
     for line in text.splitlines():
+        if len(line) > MAX_LINE_CHARS:  # a poison line of the chaos runs: no record is this long
+            continue
         try:
             d = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(d, dict):
             out.append(d)

@@ -319,9 +319,10 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=5.0, help="duration of the chaos phase")
     ap.add_argument("--work-dir", default=None)
     ap.add_argument("--results", default=None, help="append a 'Chaos (CPU)' section to this markdown file")
-    ap.add_argument("--scenarios", choices=["store", "storage"], default=None,
+    ap.add_argument("--scenarios", choices=["store", "storage", "daemon"], default=None,
                     help="store: second daemon, store deleted, store corruption on one run (see main_store); "
-                         "storage: disk full and read-only filesystem, one run each (see main_storage)")
+                         "storage: disk full and read-only filesystem, one run each (see main_storage); "
+                         "daemon: poison telemetry lines, unauthorized peer, daemon SIGSTOP (see main_daemon)")
     args = ap.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="ulyssesd-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -329,6 +330,8 @@ def main() -> int:
         return main_store(work, args.results)
     if args.scenarios == "storage":
         return main_storage(work, args.results)
+    if args.scenarios == "daemon":
+        return main_daemon(work, args.results)
     res = Chaos(work, args.every, args.minutes).run()
     cmd = f"python bench/chaos.py --every {args.every:g} --minutes {args.minutes:g}"
     text = render(res, cmd)
@@ -611,6 +614,181 @@ def main_storage(work: Path, results: str | None) -> int:
         with open(results, "a") as fh:
             fh.write("\n## Chaos (CPU): disk full, read-only file system\n\n" + text)
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+# ------------------------------------------------------------------ daemon-side hostile inputs (#13)
+# Run with `--scenarios daemon`: one supervised run of the real 2-rank job.
+#   poison_lines       append a step over 64 bits, 50,000-deep JSON and a 5 MiB line to telemetry.jsonl ->
+#                      counted and skipped; the cursor moves past them; no incident, the daemon lives.
+#   unauthorized_peer  a deep, oversized request from uid 65534 (socket mode opened up, so only the daemon's
+#                      peer check stands in the way) -> permission_denied before parsing; the daemon lives.
+#   daemon_sigstop     SIGSTOP the daemon for longer than the hang floor; meanwhile `ulyssesctl status` and
+#                      `pause` -> exit 7 "not responding", the pause "not applied"; SIGCONT -> the daemon catches
+#                      up on the telemetry, the pause is never carried out, no false hang.
+DAEMON_STEPS, SIGSTOP_S = 400, 20.0
+
+
+def _cursor(c: Chaos, run_id: str) -> tuple[int, int]:
+    cur = _try(lambda: c.store().get_telemetry_cursor(run_id))
+    return (cur.last_step or -1, cur.offset) if cur else (-1, -1)
+
+
+def _job_step(rd: Path) -> int:
+    """The job's newest step (the poison line's step over 64 bits is not the job's)."""
+    return max((r["step"] for r in records(rd) if r.get("kind") == "step" and isinstance(r.get("step"), int)
+                and r["step"] < 1 << 40), default=-1)
+
+
+def _as_nobody(sock: Path, payload: bytes) -> bytes:
+    """Send `payload` from a child that dropped to uid/gid 65534; the daemon's answer (b"" if it hung up)."""
+    import socket as _socket
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        out = b""
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            s.settimeout(10)
+            s.connect(str(sock))
+            try:
+                s.sendall(payload)
+            except OSError:
+                pass
+            try:
+                out = s.recv(65536)
+            except OSError:
+                out = b""
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            out = f"<child error {exc!r}>".encode()
+        finally:
+            os.write(w, out or b"<closed>")
+            os._exit(0)
+    os.close(w)
+    got = b""
+    while chunk := os.read(r, 65536):
+        got += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return b"" if got == b"<closed>" else got
+
+
+def run_daemon_scenarios(work: Path) -> dict:
+    c = Chaos(work, every=0, minutes=0)
+    # configs/tiny-cpu.toml's calibration for the tiny model's own loss noise and this shared box's step times
+    c.spec.write_text(SPEC.format(state=c.state, sock=c.sock).replace("steps = 100000", f"steps = {DAEMON_STEPS}")
+                      .replace("[detectors]\n", "[detectors]\nloss_spike_min_rel = 1.0\nloss_spike_persist_steps = 5\n"
+                                                 "slow_step_ratio = 5.0\nslow_step_min_consecutive = 5\n"))
+    t0 = time.time()
+    c.start_daemon()
+    rd = _wait_for(c.run_dir, 120)
+    assert rd is not None, f"no run dir; see {c.log}"
+    assert _wait_for(lambda: c.current_attempt_training(rd), 300), f"job never trained; see {c.log}"
+    run_id = rd.name
+    rows: dict[str, dict] = {}
+    incidents_before = len(c.store().list_incidents(run_id))
+
+    # poison telemetry lines
+    t = time.time()
+    with open(rd / "telemetry.jsonl", "ab") as fh:
+        fh.write(b'{"v":1,"kind":"step","time":1.0,"attempt":1,"step":%d,"loss":1.0}\n' % (2 ** 64 + 5))
+        fh.write(b'{"v":1,"kind":"event","event":"x","step":1,"deep":' + b"[" * 50_000 + b"]" * 50_000 + b"}\n")
+        fh.write(b'{"v":1,"kind":"step","pad":"' + b"x" * (5 << 20) + b'"}\n')
+        end = fh.tell()
+    passed = _wait_for(lambda: _cursor(c, run_id)[1] > end and time.time(), 60, poll=0.2)
+    alive = c.daemon is not None and c.daemon.poll() is None
+    rows["poison_lines"] = {"n": 3, "ok": bool(passed) and alive, "detect_s": round(passed - t, 1) if passed else None,
+                            "recover_s": None, "detail": f"cursor past the 5 MiB line: {bool(passed)}; daemon alive: {alive}"}
+    print(f"[{time.strftime('%H:%M:%S')}] poison lines: {rows['poison_lines']['detail']}", flush=True)
+
+    # unauthorized peer with a deep, oversized request
+    modes = (c.sock.parent.stat().st_mode & 0o7777, c.sock.stat().st_mode & 0o7777)
+    os.chmod(c.sock.parent, 0o755)
+    os.chmod(c.sock, 0o666)
+    try:
+        t = time.time()
+        ans = _as_nobody(c.sock, b'{"cmd":"stop","args":' + b"[" * 30_000 + b"]" * 30_000 + b"}\n")
+        took = time.time() - t
+    finally:
+        os.chmod(c.sock.parent, modes[0])
+        os.chmod(c.sock, modes[1])
+    refused = ans == b"" or b"permission_denied" in ans
+    alive = c.daemon.poll() is None
+    rows["unauthorized_peer"] = {"n": 1, "ok": refused and alive, "detect_s": round(took, 2), "recover_s": None,
+                                 "detail": f"answer {ans[:80]!r}; daemon alive: {alive}"}
+    print(f"[{time.strftime('%H:%M:%S')}] unauthorized peer: {rows['unauthorized_peer']['detail']}", flush=True)
+
+    # SIGSTOP of the daemon, longer than the hang floor
+    ctl = [sys.executable, "-m", "ulyssesd.daemon.ctl", "--state-dir", str(c.state), "--socket", str(c.sock)]
+    c.daemon.send_signal(signal.SIGSTOP)
+    t = time.time()
+    try:
+        st = subprocess.run([*ctl, "status"], capture_output=True, text=True, timeout=60)
+        status_s = time.time() - t
+        pz = subprocess.run([*ctl, "pause"], capture_output=True, text=True, timeout=60)
+        time.sleep(max(0.0, SIGSTOP_S - (time.time() - t)))
+        job_step_at_cont = _job_step(rd)
+    finally:
+        c.daemon.send_signal(signal.SIGCONT)
+    t_cont = time.time()
+    caught_up = _wait_for(lambda: _cursor(c, run_id)[0] >= job_step_at_cont and time.time(), 60, poll=0.2)
+    time.sleep(3.0)
+    st_after = c.store()
+    paused = [x for x in st_after.list_transitions(run_id) if x.to_state.value == "PAUSED"]
+    hangs = st_after.list_incidents(run_id, symptom="hang")
+    ok = (st.returncode == 7 and pz.returncode == 7 and "not applied" in (pz.stdout + pz.stderr) and not paused
+          and not hangs and bool(caught_up))
+    rows["daemon_sigstop"] = {
+        "n": 1, "ok": ok, "detect_s": round(status_s, 1),
+        "recover_s": round(caught_up - t_cont, 1) if caught_up else None,
+        "detail": f"{SIGSTOP_S:g} s stopped; status rc {st.returncode}, pause rc {pz.returncode} (not applied: "
+                  f"{'not applied' in (pz.stdout + pz.stderr)}); after SIGCONT: PAUSED transitions {len(paused)}, "
+                  f"hang incidents {len(hangs)}, telemetry caught up: {bool(caught_up)}"}
+    print(f"[{time.strftime('%H:%M:%S')}] daemon SIGSTOP: {rows['daemon_sigstop']['detail']}", flush=True)
+
+    rc = c.daemon.wait(1800)
+    st = c.store()
+    run = st.get_run(run_id)
+    ck = rd / "checkpoints"
+    quarantined = [p.name for p in ck.iterdir() if ".corrupt-" in p.name] if ck.exists() else []
+    new_incidents = [(i.symptom.value, i.summary[:120]) for i in st.list_incidents(run_id)][incidents_before:]
+    return {"wall_s": time.time() - t0, "daemon_rc": rc, "final_state": run.state.value,
+            "final_step": _job_step(rd), "attempts": len(st.list_attempts(run_id)), "lost_checkpoints": len(quarantined),
+            "incidents_after_first_input": new_incidents,
+            "load_avg_end": [round(x, 1) for x in os.getloadavg()], "rows": rows}
+
+
+def render_daemon_scenarios(res: dict, cmd: str) -> str:
+    lines = [f"Command: `{cmd}` — {res['wall_s'] / 60:.1f} min wall, 2 CPU cores, real 2-rank job (torchrun, gloo, "
+             f"ZeRO-3, Ulysses SP=2), {DAEMON_STEPS} steps; load average at the end {res['load_avg_end']}; "
+             f"{time.strftime('%Y-%m-%d', time.gmtime())}.", "",
+             f"- final state: {res['final_state']} at step {res['final_step']} (daemon exit {res['daemon_rc']}) after "
+             f"{res['attempts']} attempt(s); lost checkpoints: {res['lost_checkpoints']}; incidents recorded after "
+             f"the first hostile input: {res['incidents_after_first_input'] or 'none'}", "",
+             "| fault class | n | survived | detection (s) | recovery (s) | what happened |", "|---|---|---|---|---|---|"]
+    for k, v in res["rows"].items():
+        rec = v["recover_s"]
+        lines.append(f"| {k} | {v['n']} | {'yes' if v['ok'] else 'NO'} | {v['detect_s']} | "
+                     f"{'—' if rec is None else rec} | {v['detail']} |")
+    lines.append("\ndetection = poison_lines: until the stored cursor passed the last poison line; unauthorized_peer: "
+                 "until the refusal; daemon_sigstop: `ulyssesctl status` until it said not responding. recovery = "
+                 "daemon_sigstop: SIGCONT until the stored cursor reached the job's step at SIGCONT.")
+    return "\n".join(lines) + "\n"
+
+
+def main_daemon(work: Path, results: str | None) -> int:
+    res = run_daemon_scenarios(work)
+    text = render_daemon_scenarios(res, "python bench/chaos.py --scenarios daemon")
+    print(text)
+    print(json.dumps(res, indent=1, default=str))
+    if results:
+        with open(results, "a") as fh:
+            fh.write("\n## Chaos (CPU): poison telemetry, unauthorized peer, daemon SIGSTOP\n\n" + text)
+    ok = res["final_state"] == "COMPLETED" and all(v["ok"] for v in res["rows"].values())
+    return 0 if ok and res["lost_checkpoints"] == 0 else 1
 
 
 if __name__ == "__main__":
