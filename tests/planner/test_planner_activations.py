@@ -69,3 +69,34 @@ def test_head_and_loss_saved_bytes():
     measured = _saved_bytes(head, _param_ptrs(model) | {labels.untyped_storage().data_ptr()})
     per_token = 4 * m.hidden_size + 8 + 2 * m.hidden_size + 4 * m.vocab_size
     assert B * S * per_token == pytest.approx(measured, rel=0.02)
+
+
+# Speed and long-sequence levers (bench/RESULTS.md, issue 20): the planner's terms against autograd.
+def test_qkv_view_lever_keeps_the_whole_qkv_output_as_the_planner_says():
+    # model.qkv_copy=false: attention saves v as a view of qkv, so the [tokens, 3h] qkv output stays alive.
+    model, m = _model("gelu", torch.bfloat16)
+    view_model, mv = _model("gelu", torch.bfloat16)
+    for blk in view_model.blocks:
+        blk.qkv_copy = False
+    mv = mv.model_copy(update={"qkv_copy": False})
+    x = torch.randn(B, S, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rotary_cos_sin(torch.arange(S)[None].expand(B, S), m.head_dim, m.rope_theta)
+    exclude = {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    copy = _saved_bytes(lambda: model.blocks[0](x, cos, sin), exclude | _param_ptrs(model))
+    view = _saved_bytes(lambda: view_model.blocks[0](x, cos, sin), exclude | _param_ptrs(view_model))
+    assert view - copy == B * S * 2 * 2 * m.hidden_size  # + 2h bf16 per token
+    assert B * S * block_saved_bytes_per_token(mv, 2, sp=1) == pytest.approx(view, rel=0.01)
+
+
+def test_tiled_mlp_saved_bytes_match_the_planner():
+    model, m = _model("gelu", torch.bfloat16)
+    for blk in model.blocks:
+        blk.mlp_chunk_tokens = 64
+    mt = m.model_copy(update={"mlp_chunk_tokens": 64})
+    x = torch.randn(B, S, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rotary_cos_sin(torch.arange(S)[None].expand(B, S), m.head_dim, m.rope_theta)
+    exclude = {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()} | _param_ptrs(model)
+    measured = _saved_bytes(lambda: model.blocks[0](x, cos, sin), exclude)
+    assert B * S * block_saved_bytes_per_token(mt, 2, sp=1) == pytest.approx(measured, rel=0.01)
+    # Negative control: the untiled formula is far off (the GELU MLP's 2·d·4h per token are gone).
+    assert B * S * block_saved_bytes_per_token(m, 2, sp=1) > 1.3 * measured
