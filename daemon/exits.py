@@ -204,8 +204,8 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         reason = getattr(dec, "reason", "") or f"crash {diag_label}"
         params = {"rung": getattr(dec, "action_kind", None), "ladder": getattr(dec, "ladder", None),
                   "apply": dec_apply, "reason": reason}
-        if getattr(dec, "evidence", None):
-            params["evidence"] = dec.evidence   # the memory ladder's OOM numbers and plan (memory_evidence.py)
+        if getattr(dec, "ladder", None) == "memory" and getattr(sup.engine, "memory_evidence", None):
+            params["evidence"] = sup.engine.memory_evidence   # the OOM numbers and plans (memory_evidence.py)
         target = iid
         if getattr(dec, "symptom", symptom.value) not in this_crash:
             # e.g. crash_loop / no_progress: its own incident, so the budget stop is visible as such.

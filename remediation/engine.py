@@ -67,7 +67,6 @@ class Decision:
     procedure: tuple[str, ...] = ()
     would_apply: Apply | None = None   # observe-only: what would have been applied
     reverted: dict[str, Any] = field(default_factory=dict)
-    evidence: dict[str, Any] = field(default_factory=dict)   # what the decision rests on (memory: OOM + plan)
 
     def diff(self) -> str:
         return ", ".join(f"{k}: {self.previous.get(k)!r} -> {v!r}" for k, v in self.config_patch.items())
@@ -178,6 +177,7 @@ class RemediationEngine:
             maxlen=4 * self.policy.skip_max_batches + self.policy.rollback_steps_back)
         self.last_step: int | None = None
         self.failed = False
+        self.memory_evidence: dict[str, Any] | None = None   # of the last decision (memory_evidence.choose)
 
     def _active(self, symptom: str) -> bool:
         """Whether an episode of `symptom` persists in any detector that reports it."""
@@ -493,8 +493,9 @@ class RemediationEngine:
                 hot["lr_scale"] = reverted[K_LR] / float(self.launched.get(K_LR) or reverted[K_LR])
         d = Decision(action_kind=action.kind, symptom=symptom, apply=apply, reason=reason, ladder=ladder,
                      ladder_step=min(st.position, len(rungs) - 1), step=step, time=now, config_patch=patch,
-                     previous=previous, hot_control=hot, procedure=action.procedure, reverted=reverted,
-                     evidence=dict(memory.evidence) if memory is not None else {})
+                     previous=previous, hot_control=hot, procedure=action.procedure, reverted=reverted)
+        # What an evidence-driven memory decision rests on (the OOM numbers, the plans), for the daemon's store.
+        self.memory_evidence = dict(memory.evidence) if memory is not None else None
         if reverted:
             d.config_patch = {**reverted, **patch}
             d.previous = {**{k: self.values.get(k) for k in reverted}, **previous}

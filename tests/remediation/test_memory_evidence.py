@@ -86,7 +86,7 @@ def test_issue_case_activations_jump_to_the_micro_batch_rung():
     [d] = engine.on_crash("cuda_oom", [line], 100.0, replan=replan)
     assert d.action_kind == "halve_micro_batch" and d.apply == "restart_latest"
     assert d.config_patch == {K_MB: 2, K_GA: 2}
-    assert d.evidence["cause"] == "activations" and d.evidence["oom"]["allocated_gib"] == 136.10
+    assert engine.memory_evidence["cause"] == "activations" and engine.memory_evidence["oom"]["allocated_gib"] == 136.10
     assert "activations 221" in d.reason and "re-planned" in d.reason and "136.10 GiB allocated" in d.reason
     assert replan(d.config_patch).fits   # the choice was re-planned: the config it launches fits
     # The blind ladder (no planner, no fragmentation in the message) would not have started there.
@@ -106,7 +106,7 @@ def test_fragmentation_goes_to_expandable_segments_with_and_without_planner():
         assert d.action_kind == "expandable_segments", d.reason
         assert d.config_patch == {K_ALLOC: "expandable_segments:True"}
         assert "55.80 GiB reserved but unallocated" in d.reason and "fragmentation" in d.reason
-        assert d.evidence.get("predicted_required_gib", 0) < 139.8
+        assert engine.memory_evidence.get("predicted_required_gib", 0) < 139.8
     # The same numbers with expandable segments already on are not fragmentation.
     assert classify(parse_oom(line), None, {K_ALLOC: "expandable_segments:True"})[0] == "unknown"
     # A healthy-looking allocator (little reserved-but-unallocated) is not fragmentation either.
@@ -121,7 +121,7 @@ def test_model_states_go_to_offload_and_only_the_change_that_is_needed():
     base = replan({})
     assert not base.fits and base.model_states_gib > base.activations_gib
     [d] = engine.on_crash("cuda_oom", [oom_new(1.0, 79.18, 0.9, 78.2, 76.5, 0.7)], 100.0, replan=replan)
-    assert d.action_kind == "offload_optimizer" and d.evidence["cause"] == "model_states"
+    assert d.action_kind == "offload_optimizer" and engine.memory_evidence["cause"] == "model_states"
     # Halving the live parameters alone did not fit; with offload it is not needed, so it is left out.
     assert d.config_patch == {K_OFFLOAD: "cpu"}
     assert replan(d.config_patch).fits
@@ -157,7 +157,7 @@ def test_converging_ladder_is_not_cut_off_by_no_progress_but_a_blind_one_is():
     engine.on_restart(t + 60, attempt=5)
     [d2] = engine.on_crash("cuda_oom", [oom_new(3.0, 139.81, 0.5, 139.3, 137.5, 1.8)], t + 120, replan=replan2)
     assert d2.apply == "restart_latest" and d2.config_patch == {K_MB: 1, K_GA: 4}, d2.reason
-    assert d2.evidence["planner_shortfall_gib"] > 0 and "the planner missed" in d2.reason
+    assert engine.memory_evidence["planner_shortfall_gib"] > 0 and "the planner missed" in d2.reason
     # Without a planner and without fragmentation in the message, the plain ladder meets the no-progress rule.
     blind, _, _ = setup("gpt-1b-1xh200.toml", H200, seq_len=32768, micro_batch_size=4, activation_checkpoint_every=0)
     for attempt in range(1, 5):
