@@ -3,6 +3,12 @@ math unchanged (or change it only as documented) and be off by default."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from model_helpers import assert_same_loss_and_grads
@@ -185,8 +191,6 @@ def test_compiled_rotary_inside_keep_attention_checkpoints_gives_the_same_traini
 
 def test_shipped_1xh200_config_loads_and_the_planner_is_within_10_percent_of_its_measured_peak():
     # configs/gpt-1b-1xh200.toml as measured on one H200 (bench/RESULTS.md, device call 7b: 78.25 GiB peak).
-    from pathlib import Path
-
     from ulyssesd.training.planner import Cluster, predict_peak_gib
     from ulyssesd.training.spec import load_job_spec
 
@@ -277,3 +281,55 @@ def test_deepspeed_zero3_sp2_tiled_mlp_and_keep_attention_match_the_plain_job(tm
     g0, g1 = (torch.load(runs[n].run_dir / "grads" / "grads-step1.pt") for n in ("plain", "levers"))
     assert g0.keys() == g1.keys()
     assert max((g0[k] - g1[k]).abs().max().item() for k in g0) < 1e-6
+
+
+# ------------------------------------------- the plain reference of bench/reference_gpt.py (issue 20)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench_module(name: str):
+    import importlib
+
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO_ROOT / "bench"))
+
+
+@pytest.mark.parametrize("train, problem", [({"activation_checkpoint_layers": 2}, "every layer or none"),
+                                            ({"activation_checkpoint_every": 2}, "every layer or none"),
+                                            ({"micro_batch_size": 2}, "micro-batch 1 at SP=1")])
+def test_reference_refuses_settings_it_cannot_match_naming_them(tmp_path, train, problem):
+    ref = _bench_module("reference_gpt")
+    spec = tmp_path / "spec.toml"
+    body = "\n".join(f"{k} = {v}" for k, v in train.items())
+    spec.write_text(f'[model]\npreset = "tiny"\n[train]\n{body}\n')
+    with pytest.raises(SystemExit, match=problem):
+        ref.settings(spec)
+
+
+def test_reference_model_has_the_products_parameter_count():
+    ref = _bench_module("reference_gpt")
+    m = JobSpec.model_validate({"model": {"preset": "tiny", "tie_embeddings": False}}).resolved_model()
+    plain = ref.PlainGPT(m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads, m.ffn_hidden_size, False)
+    assert sum(p.numel() for p in plain.parameters()) == m.num_params()
+
+
+@pytest.mark.slow
+def test_gpu_bench_times_the_reference_and_the_product_with_one_method(tmp_path):
+    """Both programs through bench/gpu_bench.py on the CPU (1 rank, tiny model): same fields, same tokens."""
+    out = tmp_path / "bench.jsonl"
+    case = "model.preset=tiny model.tie_embeddings=false train.device=cpu train.seq_len=64 " \
+           "train.activation_checkpoint_every=1 steps=4 timeout=240"
+    res = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gpu_bench.py"), "--base",
+                          str(REPO_ROOT / "configs" / "gpt-1b-1xh200.toml"), "--nproc", "1", "--workdir",
+                          str(tmp_path / "runs"), "--out", str(out), "--case", f"name=ref program=reference {case}",
+                          "--case", f"name=prod {case}"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["name"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for name in ("ref", "prod"):
+        assert rows[name]["rc"] == 0 and rows[name]["steps_done"] == 4, rows[name].get("log_tail")
+        assert rows[name]["tokens_per_step"] == 64 and rows[name]["median_step_s"] > 0
+    assert rows["ref"]["program"] == "reference" and "predicted_peak_gib" in rows["prod"]
