@@ -554,8 +554,8 @@ def prune_for_space(ckpt_dir: str | Path, anchors: Iterable[str | int] = (),
 
 # ----------------------------------------------------------------------------- asynchronous saves
 # Why our own writer: torch.distributed.checkpoint.async_save stages and writes DCP's own format (not the
-# DeepSpeed files `load_checkpoint` reads); DeepSpeed's decoupled engine writes from a side process but its
-# commit does not fsync, hash or vouch for the tag. This one plugs in where DeepSpeed calls
+# DeepSpeed files `load_checkpoint` reads); DeepSpeed's decoupled engine writes from a side process but
+# records no sizes or checksums and writes no manifest resume could check. This one plugs in where DeepSpeed calls
 # `checkpoint_engine.save(state_dict, path)`, keeps DeepSpeed's file layout, and commits our manifest only
 # once every rank's shards are durable, so the previous tag stays the newest valid one until then.
 DONE_PREFIX = ".done-rank"       # a rank's marker: all its shards of the tag are written and fsynced
