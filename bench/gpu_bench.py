@@ -8,6 +8,9 @@ peak `mem_max_allocated_gib` over ranks. Results: one JSON line per case on stdo
 
     python bench/gpu_bench.py --nproc 2 --steps 12 --out $OUT/bench.jsonl \
         --case 'name=7b-32k-ckpt1 model.preset=gpt-7b train.seq_len=32768 train.activation_checkpoint_every=1'
+
+A case with `program=reference` runs the plain DeepSpeed GPT of bench/reference_gpt.py on the same spec
+instead of the product (same timing, same MFU), so a comparison can run in one device call.
 """
 
 from __future__ import annotations
