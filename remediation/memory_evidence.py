@@ -20,6 +20,7 @@ planner's explanation.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -55,8 +56,16 @@ CAUSE_ORDER = ("fragmentation", "activations", "model_states")
 MAX_CHANGES = 12   # cumulative changes tried per choice (micro-batch halvings included): bounded re-planning
 
 
+MAX_GIB = float(1 << 20)   # a size above 1 PiB in an OOM message is garbage, not evidence
+
+
+def _size(number: str, unit: str) -> float | None:
+    v = float(number) * _UNITS[unit.lower()]
+    return v if math.isfinite(v) and v <= MAX_GIB else None
+
+
 def _gib(m: re.Match[str] | None) -> float | None:
-    return None if m is None else float(m.group(1)) * _UNITS[m.group(2).lower()]
+    return None if m is None else _size(m.group(1), m.group(2))
 
 
 @dataclass(frozen=True)
@@ -94,8 +103,7 @@ def parse_oom(lines: Iterable[str] | str) -> OomReport | None:
             continue
         total_free = _NEW_TOTAL.search(line)
         if total_free is not None:
-            total = float(total_free.group(1)) * _UNITS[total_free.group(2).lower()]
-            free = float(total_free.group(3)) * _UNITS[total_free.group(4).lower()]
+            total, free = _size(total_free.group(1), total_free.group(2)), _size(total_free.group(3), total_free.group(4))
             return OomReport(req, total, free, _gib(_NEW_ALLOC.search(line)), _gib(_NEW_UNALLOC.search(line)),
                              _gib(_NEW_IN_USE.search(line)), line.strip())
         alloc, reserved = _gib(_OLD_ALLOC.search(line)), _gib(_OLD_RESERVED.search(line))

@@ -70,6 +70,14 @@ def test_parse_legacy_format_mib_and_zero_bytes():
     assert small is not None and small.requested_gib == pytest.approx(978 / 1024) and small.free_gib == 0.0
 
 
+def test_absurd_sizes_are_not_evidence():
+    huge = "9" * 400
+    assert parse_oom([f"CUDA out of memory. Tried to allocate {huge} GiB"]) is None
+    oom = parse_oom([oom_new(2.0, 139.81, 1.2, 138.6, 136.1, 1.4).replace("136.10 GiB is allocated",
+                                                                          f"{huge} GiB is allocated")])
+    assert oom is not None and oom.allocated_gib is None and oom.requested_gib == 2.0
+
+
 @pytest.mark.parametrize("line", ["RuntimeError: CUDA error: out of memory", "loss 2.31 step 10",
                                   "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"])
 def test_no_sizes_no_report(line):
