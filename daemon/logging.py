@@ -64,7 +64,7 @@ def writes_to_journal(stream: Any, environ: dict[str, str] | None = None) -> boo
     return (st.st_dev, st.st_ino) == (int(dev), int(ino))
 
 
-def _with_priority_prefix(render: Callable[..., str]) -> Callable[..., str]:
+def _with_priority_prefix(render: Callable[..., Any]) -> Callable[..., str]:
     def render_for_journald(logger: Any, method_name: str, event_dict: dict[str, Any]) -> str:
         level = str(event_dict.get("level", method_name)).lower()
         return f"<{SYSLOG_PRIORITY.get(level, 6)}>{render(logger, method_name, event_dict)}"
@@ -86,7 +86,8 @@ def configure_logging(level: str | None = None, json: bool | None = None, stream
         journald = writes_to_journal(stream)
     if json is None:
         json = journald or not (hasattr(stream, "isatty") and stream.isatty())
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+    renderer: Callable[..., Any] = (structlog.processors.JSONRenderer() if json
+                                    else structlog.dev.ConsoleRenderer(colors=stream.isatty()))
     if journald:
         renderer = _with_priority_prefix(renderer)
     structlog.configure(

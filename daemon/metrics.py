@@ -77,16 +77,16 @@ class _Snapshot:
         for name, (kind, doc) in METRICS.items():
             if name in labelled:
                 label, series = labelled[name]
-                fam: Metric = GaugeMetricFamily(name, doc, labels=[label])
+                gauge = GaugeMetricFamily(name, doc, labels=[label])
                 for key, v in sorted(series.items()):
-                    fam.add_metric([key], v)
-                yield fam
+                    gauge.add_metric([key], v)
+                yield gauge
             elif name in counters:
                 label, series = counters[name]
-                fam = CounterMetricFamily(name.removesuffix("_total"), doc, labels=[label])
+                counter = CounterMetricFamily(name.removesuffix("_total"), doc, labels=[label])
                 for key, v in sorted(series.items()):
-                    fam.add_metric([key], v)
-                yield fam
+                    counter.add_metric([key], v)
+                yield counter
             elif kind == "counter" and name in values:
                 yield CounterMetricFamily(name.removesuffix("_total"), doc, value=values[name])
             elif kind == "gauge" and name in values:

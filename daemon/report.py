@@ -22,7 +22,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -97,11 +97,19 @@ def _ts(t: datetime | None) -> float | None:
     return t.timestamp() if t is not None else None
 
 
+def _known(values: Iterable[float | None]) -> list[float]:
+    return [v for v in values if v is not None]
+
+
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
+
+
 def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]) -> tuple[list[Series], Goodput]:
     """Two streaming passes over the telemetry file: the curves (sampled) and the goodput breakdown."""
     good = Goodput()
-    starts = [_ts(a.started_at) for a in attempts if a.started_at is not None]
-    ends = [_ts(a.ended_at) for a in attempts if a.ended_at is not None]
+    starts = _known(_ts(a.started_at) for a in attempts)
+    ends = _known(_ts(a.ended_at) for a in attempts)
     if path is None or not path.is_file():
         if starts:
             good.wall_s = max(0.0, (max(ends) if ends else max(starts)) - min(starts))
@@ -109,9 +117,10 @@ def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]
     per: dict[int, _AttemptSteps] = {}
     for rec in _steps(path):
         a = per.setdefault(rec.attempt or 0, _AttemptSteps())
+        t = rec.time or 0.0  # never None here: _steps yields timed records only
         if a.first_step is None:
-            a.first_step, a.first_time = rec.step, rec.time
-        a.last_time = rec.time
+            a.first_step, a.first_time = rec.step, t
+        a.last_time = t
         a.count += 1
     numbers = sorted(per)
     # A step of attempt n is redone if a later attempt started at or before it: its cutoff is the lowest
@@ -142,8 +151,9 @@ def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]
         n = rec.attempt or 0
         if n not in per:  # appended between the passes
             continue
+        t = rec.time or 0.0
         d = _duration(rec, prev_time[n])
-        prev_time[n] = rec.time
+        prev_time[n] = t
         cut = cutoff.get(n)
         if cut is not None and rec.step >= cut[0]:
             if by_rollback(n, cut[1]):
@@ -152,16 +162,16 @@ def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]
                 good.redone_restart_s += d
         else:
             good.productive_s += d
-        if seen[n] % stride[n] == 0 or per[n].last_time == rec.time:
+        if seen[n] % stride[n] == 0 or per[n].last_time == t:
             mem = rec.mem_max_allocated_gib if rec.mem_max_allocated_gib is not None else rec.mem_allocated_gib
-            series[n].points.append((rec.time, rec.loss if math.isfinite(rec.loss) else None, rec.tokens_per_s, mem))
+            series[n].points.append((t, _finite(rec.loss), _finite(rec.tokens_per_s), _finite(mem)))
         seen[n] += 1
     for earlier, later in zip(numbers, numbers[1:], strict=False):
         lt, ft = per[earlier].last_time, per[later].first_time
         if lt is not None and ft is not None and ft > lt:
             good.restart_downtime_s += ft - lt
-    first_times = [per[n].first_time for n in numbers if per[n].first_time is not None]
-    last_times = [per[n].last_time for n in numbers if per[n].last_time is not None]
+    first_times = _known(per[n].first_time for n in numbers)
+    last_times = _known(per[n].last_time for n in numbers)
     begin = min(starts + first_times) if starts or first_times else 0.0
     end = max(ends + last_times) if ends or last_times else begin
     good.wall_s = max(0.0, end - begin)
@@ -184,7 +194,7 @@ def _plot(plot_id: str, title: str, unit: str, series: list[Series], col: int, t
           marks: list[tuple[float, str, str]], bands: list[tuple[float, int]]) -> str:
     """One inline SVG line chart over hours since t0; marks = (time, colour, label), bands = attempt starts."""
     w, h, left, right, top, bottom = 960, 260, 64, 16, 28, 36
-    values = [p[col] for s in series for p in s.points if p[col] is not None and math.isfinite(p[col])]
+    values = _known(_finite(p[col]) for s in series for p in s.points)
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
@@ -213,7 +223,7 @@ def _plot(plot_id: str, title: str, unit: str, series: list[Series], col: int, t
         out.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top}" y2="{h - bottom}" class="attempt"/>'
                    f'<text x="{x(t) + 3:.1f}" y="{top + 11}" class="tick">#{number}</text>')
     for s in series:
-        line = [(x(p[0]), y(p[col])) for p in s.points if p[col] is not None and math.isfinite(p[col])]
+        line = [(x(p[0]), y(val)) for p in s.points if (val := _finite(p[col])) is not None]
         if not line:
             continue
         colour = PALETTE[(s.attempt - 1) % len(PALETTE)]
@@ -319,15 +329,15 @@ def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str
     series, good = analyse_telemetry(path, attempts, actions)
 
     times = [p[0] for s in series for p in s.points]
-    stamps = [_ts(a.started_at) for a in attempts] + [_ts(a.ended_at) for a in attempts]
-    stamps = [t for t in stamps if t is not None]
+    stamps = _known([_ts(a.started_at) for a in attempts] + [_ts(a.ended_at) for a in attempts])
     t0 = min(times + stamps) if times or stamps else 0.0
     t1 = max(times + stamps) if times or stamps else 1.0
-    marks = [(_ts(i.detected_at), INCIDENT_COLOUR, f"incident #{i.id} {_val(i.symptom)} at step {i.step}: {i.summary}")
-             for i in incidents if i.detected_at is not None]
-    marks += [(_ts(a.applied_at), ACTION_COLOUR, f"action #{a.id} {_val(a.kind)} ({_val(a.mode)})"
-               + (f" for incident #{a.incident_id}" if a.incident_id else "")) for a in actions]
-    bands = [(_ts(a.started_at), a.number) for a in attempts if a.started_at is not None]
+    marks = [(t, INCIDENT_COLOUR, f"incident #{i.id} {_val(i.symptom)} at step {i.step}: {i.summary}")
+             for i in incidents if (t := _ts(i.detected_at)) is not None]
+    marks += [(t, ACTION_COLOUR, f"action #{a.id} {_val(a.kind)} ({_val(a.mode)})"
+               + (f" for incident #{a.incident_id}" if a.incident_id else ""))
+              for a in actions if (t := _ts(a.applied_at)) is not None]
+    bands = [(t, a.number) for a in attempts if (t := _ts(a.started_at)) is not None]
     plots = [_plot("plot-loss", "Loss", "per step", series, 1, t0, t1, marks, bands),
              _plot("plot-throughput", "Throughput", "tokens/s", series, 2, t0, t1, marks, bands),
              _plot("plot-memory", "Peak allocated accelerator memory", "GiB", series, 3, t0, t1, marks, bands)]
