@@ -224,6 +224,7 @@ def choose(lines: Iterable[str] | str, ctx: Context, replan: Replan | None = Non
     if oom is not None and oom.allocated_gib is not None:
         under = max(0.0, oom.allocated_gib + oom.requested_gib - base.peak_allocated_gib)
     evidence["planner_shortfall_gib"] = under
+    trusted = not _calibrated_fit(base, under)   # the planner explains the OOM (with the OOM's own correction)
     values = dict(ctx.values)
     patch: dict[str, Any] = {}
     changes: list[str] = []
@@ -251,7 +252,12 @@ def choose(lines: Iterable[str] | str, ctx: Context, replan: Replan | None = Non
                         f"{view.capacity_gib:.1f} GiB" + (f", +{under:.1f} GiB the planner missed" if under else "")
                         + ")")
                 evidence["predicted_required_gib"] = view.required_gib
-                return MemoryChoice(cause, action, Proposal(patch, what=what), True, evidence)
+                if trusted:
+                    return MemoryChoice(cause, action, Proposal(patch, what=what), True, evidence)
+                # The planner said the config that just failed fits and the message gives no allocated bytes
+                # to correct it: its "fits" now is no prediction (the no-progress rule keeps applying).
+                what += "; the planner predicted the failing config to fit, so this is not a prediction"
+                return MemoryChoice(cause, action, Proposal(patch, what=what), None, evidence)
             if kind != "halve_micro_batch":
                 break   # one use per rung; only the micro-batch halves again
     expl = "; ".join([*view.problems, *problems]) or (

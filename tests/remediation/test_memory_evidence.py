@@ -174,6 +174,22 @@ def test_converging_ladder_is_not_cut_off_by_no_progress_but_a_blind_one_is():
     assert b.apply == "stop" and b.symptom == "no_progress"
 
 
+def test_a_planner_that_thought_the_failing_config_fits_predicts_nothing():
+    # The shipped gpt-1b spec is predicted to fit (78 GiB of 139.8); an OOM without allocator numbers cannot
+    # correct that, so the change made is no prediction and the no-progress rule still applies.
+    engine, replan, _ = setup("gpt-1b-1xh200.toml", H200)
+    assert replan({}).fits
+    for attempt in range(1, 5):
+        engine.on_restart(100.0 + 60 * attempt, attempt=attempt)
+    [d] = engine.on_crash("cuda_oom", ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 25.96 GiB"],
+                          500.0, replan=replan)
+    assert d.apply == "stop" and d.symptom == "no_progress", d.reason
+    fresh, replan, _ = setup("gpt-1b-1xh200.toml", H200)
+    [d] = fresh.on_crash("cuda_oom", ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 25.96 GiB"],
+                         500.0, replan=replan)
+    assert d.apply == "restart_latest" and "not a prediction" in d.reason
+
+
 def test_restart_budget_still_bounds_a_converging_ladder():
     engine, replan, _ = setup("gpt-1b-1xh200.toml", H200, seq_len=32768, micro_batch_size=4,
                               activation_checkpoint_every=0)
