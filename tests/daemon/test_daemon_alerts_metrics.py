@@ -63,3 +63,34 @@ def test_failed_run_alerts_and_metrics_follow_the_loop(tmp_path, make_sup):
     assert healthy and {r["log_level"] for r in healthy} == {"info"}
     assert {r["log_level"] for r in by_event["attempt ended"]} == {"error"}  # every attempt crashed
     assert "event" not in by_event and "narration" not in by_event
+
+
+def test_hang_and_operator_stop_send_their_events(tmp_path):
+    """A hang is its own event kind (paged apart from other incidents) and an operator stop says `stopped`;
+    a healthy stretch of the same run sends nothing at all."""
+    from ulyssesd.daemon.process import RealOS
+    from ulyssesd.daemon.spec import load_run_spec
+    from ulyssesd.daemon.store import open_store
+    from ulyssesd.daemon.supervisor import Supervisor
+
+    spec = load_run_spec(fake_spec(tmp_path, steps=400, interval=5, faults=[{"kind": "hang", "at_step": 8}]))
+    alerts = FakeAlerts()
+    sup = Supervisor(spec, open_store(spec.daemon.resolved_db_path()), RealOS(), alerts=alerts)
+    sup.start()
+    try:
+        run_until(sup, lambda s: (s.last_step or 0) >= 6, timeout=60)
+        assert alerts.events == []  # healthy steps: no alert
+        run_until(sup, lambda s: s.attempt >= 2 and (s.last_step or 0) >= 12, timeout=60)
+        kinds = [e for e, _ in alerts.events]
+        assert "hang" in kinds and "restart" in kinds, kinds
+        hang = dict(alerts.events)["hang"]
+        assert hang["symptom"] == "hang" and hang["attempt"] == 1 and hang["run_id"] == sup.run_id
+        assert sup.handle_command({"cmd": "stop"})["ok"]
+        run_until(sup, lambda s: s.state == RunState.STOPPED, timeout=30)
+    finally:
+        if sup.job is not None:
+            import signal
+
+            sup.os.signal_pids(sup.os.job_pids(sup.job, sup._marker()), signal.SIGKILL)
+    assert alerts.events[-1][0] == "stopped" and alerts.events[-1][1]["state"] == "STOPPED"
+    assert "failed" not in [e for e, _ in alerts.events]
