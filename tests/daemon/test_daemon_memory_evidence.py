@@ -1,0 +1,40 @@
+"""The daemon's CUDA OOM path with the planner (issue 21): the fake job (real processes, files, SQLite) dies
+with torch's OOM message; on a (stubbed) H200 host the memory decision is re-planned and stored with its
+evidence, the relaunched config carries the change, and the run completes."""
+
+from __future__ import annotations
+
+from uls_daemon_helpers import fake_spec, run_until
+
+from ulyssesd.daemon import ctl_plan
+from ulyssesd.daemon.store.enums import RunState
+from ulyssesd.training.planner import Cluster
+
+DONE = (RunState.COMPLETED, RunState.FAILED, RunState.STOPPED)
+
+
+def test_cuda_oom_decision_is_replanned_and_names_its_evidence(tmp_path, make_sup, monkeypatch):
+    monkeypatch.setattr(ctl_plan, "detect_local_cluster",
+                        lambda nnodes, nproc: Cluster.preset("h200-141g", gpus_per_node=nproc, nodes=nnodes))
+    spec = fake_spec(tmp_path, steps=20, interval=5, faults=[{"kind": "cuda_oom", "at_step": 7}])
+    spec.write_text(spec.read_text().replace("micro_batch_size = 1", "micro_batch_size = 4"))
+    ev: list[str] = []
+    sup = make_sup(spec, ev)
+    sup.start()
+    run_until(sup, lambda s: s.state in DONE, timeout=90)
+    assert sup.state == RunState.COMPLETED, ev
+    assert len(sup.store.list_attempts(sup.run_id)) == 2
+    [inc] = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "cuda_oom"]
+    actions = sup.store.list_actions(incident_id=inc.id)
+    memory = [a for a in actions if (a.parameters or {}).get("ladder") == "memory"]
+    assert memory, [a.parameters for a in actions]
+    params = memory[0].parameters
+    # Not the blind ladder's first rung (the persistence threshold): the cause's rung, with its evidence.
+    assert params["rung"] != "raise_persistence_threshold", params
+    assert params["evidence"]["oom"]["requested_gib"] == 25.96 and params["evidence"]["cause"] in (
+        "activations", "model_states")
+    assert "re-planned" in params["reason"] and "25.96 GiB" in params["reason"]
+    # The tiny model was predicted to fit at micro-batch 4 and the message has no allocator numbers: the
+    # change is made, and the decision says it is no prediction.
+    assert "not a prediction" in params["reason"]
+    assert memory[0].config_diff == {"train.micro_batch_size": [4, 2], "train.gradient_accumulation_steps": [1, 2]}
