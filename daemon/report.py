@@ -245,6 +245,39 @@ def _secs(s: float) -> str:
     return f"{s:,.0f} s" if s >= 100 else f"{s:.2f} s"
 
 
+STATE_COLOURS = {"STARTING": "#aec7e8", "RUNNING": "#2ca02c", "REMEDIATING": "#ff7f0e", "RESTARTING": "#d62728",
+                 "BACKOFF": "#ff9896", "PAUSED": "#c7c7c7", "STOPPING": "#9467bd", "COMPLETED": "#17becf",
+                 "FAILED": "#000000", "STOPPED": "#7f7f7f"}
+
+
+def _timeline(transitions: list[Any], t0: float, t1: float, marks: list[tuple[float, str, str]]) -> str:
+    """The run's states as one bar over the same time axis as the curves; incidents and actions on it."""
+    w, left, right = 960, 64, 16
+    span = max(t1 - t0, 1e-9)
+
+    def x(t: float) -> float:
+        return left + (min(max(t, t0), t1) - t0) / span * (w - left - right)
+
+    timed = [(t, _val(tr.to_state), tr) for tr in transitions if (t := _ts(tr.at)) is not None]
+    out = [f'<svg class="plot" id="plot-timeline" viewBox="0 0 {w} 58" width="100%" '
+           f'xmlns="http://www.w3.org/2000/svg"><text x="{left}" y="12" class="title">States</text>']
+    for i, (t, state, tr) in enumerate(timed):
+        end = timed[i + 1][0] if i + 1 < len(timed) else t1
+        width = max(x(end) - x(t), 1.0)
+        out.append(f'<rect x="{x(t):.1f}" y="18" width="{width:.1f}" height="20" '
+                   f'fill="{STATE_COLOURS.get(state, "#bbbbbb")}"><title>{_e(state)} from {_time(tr.at)} '
+                   f'(attempt {_e(tr.attempt)}): {_e(tr.reason)}</title></rect>')
+    for t, colour, label in marks:
+        out.append(f'<circle cx="{x(t):.1f}" cy="46" r="3.5" fill="{colour}"><title>{html.escape(label)}</title>'
+                   f'</circle>')
+    out.append("</svg>")
+    seen = dict.fromkeys(state for _, state, _ in timed)
+    out.append('<p class="legend">' + "".join(
+        f'<span><span class="sw" style="background:{STATE_COLOURS.get(st, "#bbbbbb")}"></span>{_e(st)}</span>'
+        for st in seen) + "</p>")
+    return "".join(out)
+
+
 def _goodput_bar(good: Goodput) -> str:
     colours = ("#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#bbbbbb")
     total = good.wall_s or 1.0
@@ -377,6 +410,7 @@ def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str
 <meta name="viewport" content="width=device-width, initial-scale=1"><style>{_CSS}</style></head>
 <body><div id="hover"></div>
 <h1>Postmortem of run {_e(run.id)}</h1>{summary}
+<h2>Timeline</h2>{_timeline(transitions, t0, t1, marks)}
 <h2>Curves</h2><p class="legend">{legend}</p>{no_tele}
 {''.join(plots)}
 <h2>Goodput</h2>{_goodput_bar(good)}

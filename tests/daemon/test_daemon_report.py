@@ -53,7 +53,7 @@ def test_report_of_a_real_run_and_its_goodput(crashed_and_rolled_back_run, tmp_p
     assert main(["--state-dir", str(state), "report", run_id, "--out", str(out)]) == 0
     page = out.read_text()
     assert page.startswith("<!DOCTYPE html>") and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
-    for plot in ("plot-loss", "plot-throughput", "plot-memory", "plot-goodput"):
+    for plot in ("plot-timeline", "plot-loss", "plot-throughput", "plot-memory", "plot-goodput"):
         assert f'id="{plot}"' in page
     assert page.count('class="series"') >= 3 * 3  # three curves, one path per attempt (3 attempts)
     store = open_store(state / "ulyssesd.db", readonly=True)
@@ -99,7 +99,7 @@ def test_report_renders_in_headless_chromium(crashed_and_rolled_back_run, tmp_pa
     assert _console_errors(_chromium(bad, "--dump-dom")[1]), "the console check must see a broken page"
     dom, log = _chromium(out, "--dump-dom")
     assert not _console_errors(log), _console_errors(log)
-    assert re.search(r'<body[^>]*data-plots="4"', dom), "the inline script ran and found 4 plots with curves"
+    assert re.search(r'<body[^>]*data-plots="5"', dom), "the inline script ran and found 5 plots with curves"
     shot = Path(os.environ.get("ULYSSESD_REPORT_SCREENSHOT", tmp_path / "report.png"))
     _chromium(out, f"--screenshot={shot}", "--window-size=1100,2200")
     assert shot.is_file() and shot.stat().st_size > 20_000  # a real picture, not a blank page
