@@ -115,10 +115,17 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
 
     # The narration repeats the structured lines (one line per event): debug only, unless a caller prints it.
     say = say or (lambda m: log.debug("narration", msg=m))
+
+    def say_store(msg: str) -> None:
+        """The store's recovery story has no structured line of its own: a warning, never hidden at debug."""
+        say(msg)
+        log.warning("store recovered", detail=msg)
+
     from ulyssesd.daemon.store.errors import StoreError
 
     try:
-        store = open_daemon_store(spec.daemon.resolved_db_path(), state, spec_source=spec.source, say=say).store
+        store = open_daemon_store(spec.daemon.resolved_db_path(), state, spec_source=spec.source,
+                                  say=say_store).store
     except (StoreError, OSError) as exc:  # e.g. the database is not readable by this uid
         print(f"ulyssesd: cannot open the store {spec.daemon.resolved_db_path()}: {exc}", file=sys.stderr)
         locks.release()
