@@ -24,8 +24,10 @@ from ulyssesd.daemon.store.enums import RunState
 REPO = Path(__file__).resolve().parents[2]
 
 
-def real_spec(tmp: Path, *, steps: int, faults=None, interval: int = 4, name="real") -> Path:
-    sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
+def real_spec(tmp: Path, *, steps: int, faults=None, interval: int = 4, name="real", sock: Path | None = None,
+              detectors: dict | None = None, daemon: dict | None = None, file_name: str = "run.toml") -> Path:
+    """The real 2-rank tiny job under the daemon; `detectors`/`daemon` replace or add keys of those sections."""
+    sock = sock or Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
     sections = {
         "run": {"name": name},
         "launcher": {"kind": "torchrun", "nproc_per_node": 2},
@@ -37,12 +39,13 @@ def real_spec(tmp: Path, *, steps: int, faults=None, interval: int = 4, name="re
         "deepspeed.config.zero_optimization": {"stage": 3, "overlap_comm": False},
         "data": {"kind": "synthetic"},
         "checkpoint": {"interval_steps": interval, "keep_last": 10},
-        "detectors": {"warmup_steps": 3, "window": 10, "hang_timeout_floor_s": 12.0},
+        "detectors": detectors if detectors is not None else {"warmup_steps": 3, "window": 10, "hang_timeout_floor_s": 12.0},
         "remediation": {"max_restarts_per_hour": 10},
         "daemon": {"state_dir": str(tmp / "state"), "socket_path": str(sock), "tick_s": 0.25, "stop_grace_s": 60.0,
-                   "hang_grace_s": 5.0, "stack_dump_wait_s": 2.0, "early_death_s": 5.0, "preflight": False},
+                   "hang_grace_s": 5.0, "stack_dump_wait_s": 2.0, "early_death_s": 5.0, "preflight": False,
+                   **(daemon or {})},
     }
-    return write_spec(tmp / "run.toml", sections, faults)
+    return write_spec(tmp / file_name, sections, faults)
 
 
 def final_loss(run_dir: Path) -> tuple[int, float]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from uls_daemon_helpers import write_spec
+from test_daemon_e2e_real import _daemon, real_spec
 
 from ulyssesd.daemon.store import open_store
 from ulyssesd.training import checkpoint as ck
@@ -36,25 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_DETECTORS = tomllib.loads((REPO / "configs" / "tiny-cpu.toml").read_text())["detectors"]
 
 
-def _spec(tmp: Path, sock: Path, name: str = "hostile") -> Path:
-    sections = {
-        "run": {"name": name},
-        "launcher": {"kind": "torchrun", "nproc_per_node": 2},
-        "model": {"preset": "tiny"},
-        "parallel": {"sequence_parallel_size": 2},
-        "precision": {"dtype": "fp32"},
-        "train": {"steps": STEPS, "seq_len": 64, "micro_batch_size": 1, "lr": 1e-3, "warmup_steps": 2,
-                  "device": "cpu"},
-        "deepspeed.config.zero_optimization": {"stage": 3, "overlap_comm": False},
-        "data": {"kind": "synthetic"},
-        "checkpoint": {"interval_steps": 4, "keep_last": 6},
-        # The shipped tiny preset's thresholds (calibrated on its own noise): the test must not flag noise.
-        "detectors": {**TINY_DETECTORS, "hang_timeout_floor_s": 20.0},
-        "remediation": {"max_restarts_per_hour": 10},
-        "daemon": {"state_dir": str(tmp / "state"), "socket_path": str(sock), "tick_s": 0.25, "stop_grace_s": 60.0,
-                   "hang_grace_s": 5.0, "stack_dump_wait_s": 2.0, "early_death_s": 5.0, "preflight": False,
-                   "backup_every_s": 2.0},
-    }
+def _spec(tmp: Path, sock: Path, file_name: str = "run.toml") -> Path:
     faults = [
         # Paces the job (both ranks alike, so no straggler) so the hostile inputs land while it trains.
         *({"kind": "slow_rank", "probability": 1.0, "magnitude": 0.15, "rank": r, "attempts": [1, 2, 3]}
@@ -62,12 +44,9 @@ def _spec(tmp: Path, sock: Path, name: str = "hostile") -> Path:
         # The checkpoints' file system fills up during the save of step 8 (attempt 1 only).
         {"kind": "disk_full", "at_step": 8},
     ]
-    return write_spec(tmp / f"{name}.toml", sections, faults)
-
-
-def _daemon(spec: Path, log: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ulyssesd.daemon.cli", "run", "--spec", str(spec), *extra],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    # The shipped tiny preset's thresholds (calibrated on its own noise): the test must not flag noise.
+    return real_spec(tmp, steps=STEPS, interval=4, name="hostile", sock=sock, faults=faults, file_name=file_name,
+                     detectors={**TINY_DETECTORS, "hang_timeout_floor_s": 20.0}, daemon={"backup_every_s": 2.0})
 
 
 def _wait(pred, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
@@ -236,7 +215,7 @@ def test_hostile_inputs_against_a_live_daemon_and_the_run_still_completes(tmp_pa
         r = subprocess.run([sys.executable, "-m", "ulyssesd.daemon.cli", "run", "--spec", str(spec)],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 12 and str(d1.pid) in r.stderr, (r.returncode, r.stderr[-1500:])
-        other = _spec(tmp_path, sock_dir / "other.sock", name="hostile")
+        other = _spec(tmp_path, sock_dir / "other.sock", file_name="other.toml")
         r = subprocess.run([sys.executable, "-m", "ulyssesd.daemon.cli", "run", "--spec", str(other),
                             "--run-id", run.id], capture_output=True, text=True, timeout=120)
         assert r.returncode == 12 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-1500:])
