@@ -234,26 +234,21 @@ def _checkpoint_dir_problem(spec) -> str | None:
 
 
 def _preflight(spec) -> str | None:
-    """None if the planner says the run fits (or no planner is installed), else its reason."""
-    try:
-        from ulyssesd.daemon.ctl_plan import preflight
-    except ImportError:
-        try:
-            from ulyssesd.training.planner import preflight  # type: ignore[attr-defined,no-redef]
-        except ImportError:
-            return None
+    """None if the planner says the run fits, else why it refused. Fails closed: a planner that cannot be
+    imported or raises refuses the run with its error (the operator overrides with --no-preflight)."""
+    from ulyssesd.daemon.ctl_plan import preflight
+
     try:
         ok, plan = preflight(spec)
-    except Exception as exc:  # noqa: BLE001 - a planner bug must not block a run; say so
-        get_logger("ulyssesd").warning("preflight errored; continuing", error=repr(exc))
-        return None
+    except Exception as exc:  # noqa: BLE001 - a planner that cannot decide must not let an unplanned run start
+        get_logger("ulyssesd").warning("preflight errored; refusing the run", error=repr(exc))
+        return f"the planner failed: {exc!r}"
     if ok:
         return None
     problems = getattr(plan, "problems", None)
     if problems:
         return "; ".join(str(p) for p in problems)
     return plan.render() if hasattr(plan, "render") else str(plan)
-
 
 if __name__ == "__main__":
     sys.exit(main())

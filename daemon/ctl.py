@@ -540,20 +540,19 @@ def db_current_cmd(json_out: bool = typer.Option(False, "--json")) -> None:
                       f"{'' if st['up_to_date'] else ' — run `ulyssesctl db upgrade`'}")
 
 
-def _register_optional() -> None:
-    """Commands owned by other parts (replay, diagnose, plan), wired when their modules are installed."""
-    for mod, fn in (("ulyssesd.daemon.ctl_offline", "register"), ("ulyssesd.daemon.ctl_diagnose", "register_diagnose"),
-                    ("ulyssesd.daemon.ctl_plan", "register_plan"), ("ulyssesd.daemon.report", "register_report")):
-        try:
-            module = __import__(mod, fromlist=[fn])
-        except ImportError:
-            continue
-        register = getattr(module, fn, None)
-        if register is not None:
-            register(app)
+def _register_subcommands() -> None:
+    """Commands that live in their own modules (replay, diagnose, plan, report). Imported unguarded: a broken
+    module must fail `ulyssesctl` loudly, not make its command silently vanish."""
+    from ulyssesd.daemon.ctl_diagnose import register_diagnose
+    from ulyssesd.daemon.ctl_offline import register
+    from ulyssesd.daemon.ctl_plan import register_plan
+    from ulyssesd.daemon.report import register_report
+
+    for register_fn in (register, register_diagnose, register_plan, register_report):
+        register_fn(app)
 
 
-_register_optional()
+_register_subcommands()
 
 
 def main(argv: list[str] | None = None) -> int:
