@@ -115,11 +115,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+    """`write(binary file)` into a hidden temp file, fsync, rename over `path`, fsync the directory."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with open(tmp, "wb") as fh:
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -127,6 +128,10 @@ def _atomic_write_text(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    _atomic_write(path, lambda fh: fh.write(text.encode("utf-8")))
 
 
 def _json_float(x: float | None) -> float | str | None:
@@ -610,16 +615,7 @@ def durable_torch_save(obj: Any, path: str | Path) -> int:
     import torch
 
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.partial")
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    _atomic_write(path, lambda fh: torch.save(obj, fh))
     return path.stat().st_size
 
 

@@ -37,7 +37,7 @@ def test_snapshot_is_taken_at_collect_and_committed_after_the_write(tmp_path):
     assert writer.wait(10)
     assert torch.equal(torch.load(tag_dir / "a.pt")["w"], torch.ones(1000))
     assert ck.validate_tag(tag_dir) == (True, "ok")
-    assert not list(tag_dir.glob(f"{ck.DONE_PREFIX}*")) and not list(tag_dir.glob(".*.partial"))
+    assert not list(tag_dir.glob(f"{ck.DONE_PREFIX}*")) and not list(tag_dir.glob(".*.tmp-*"))
     assert ck.read_latest(tmp_path / "ckpt") == tag_dir.name and writer.last_bytes > 4000
 
 
