@@ -1,6 +1,6 @@
-"""The log diagnosis' pattern table: one `_Rule` per label, and the precedence between labels.
+"""The log diagnosis' pattern table: one `Rule` per label, and the precedence between labels.
 
-Pure data (regex strings and lowercase key literals); `diagnosis.py` compiles and applies it. Sources of
+Pure data (regex strings and lowercase key literals); `scanner.py` compiles it, `decide.py` applies it. Sources of
 the patterns: the real logs of tests/fixtures/logs_real (public issue threads, each case cites its thread)
 and the fixtures under tests/fixtures/logs. How to add one: docs/DIAGNOSIS.md.
 """
@@ -196,7 +196,7 @@ RULES: tuple[Rule, ...] = (
 # refuses is decided before anything runs; device faults beat the NCCL errors they trigger on peers; a
 # killed/segfaulted rank beats its peers' NCCL errors; the loss family only matters when nothing crashed it;
 # a termination from outside ends a job that had no failure of its own; launcher errors are the outermost
-# layer. `python_exception` (an uncaught exception no rule explains) is decided in diagnosis.py, after all of
+# layer. `python_exception` (an uncaught exception no rule explains) is decided in decide.py, after all of
 # these.
 PRECEDENCE: tuple[str, ...] = (
     "gpu_hardware", "disk_full", "checkpoint_corrupt", "config_rejected", "cuda_oom", "illegal_memory_access",
