@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ulyssesd.training.data import DataCursor, SampleSource
-from ulyssesd.training.loader import PrefetchLoader
-from ulyssesd.training.preprocess import Options, preprocess, read_meta
+from ulyssesd.training.data.batches import DataCursor, SampleSource
+from ulyssesd.training.data.loader import PrefetchLoader
+from ulyssesd.training.data.preprocess import Options, preprocess, read_meta
+from ulyssesd.training.data.tokenizer import train_bpe
 from ulyssesd.training.spec import DataSpec
-from ulyssesd.training.tokenizer import train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
 

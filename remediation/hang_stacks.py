@@ -46,9 +46,9 @@ def _training_threads(text: str) -> list[list[tuple[str, str, str]]]:
     dump's current thread, else the first thread with Python frames."""
     starts = [m.start() for m in _THREAD_RE.finditer(text)]
     blocks = [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)], strict=True)] or [text]
-    # The data prefetch thread (training/loader.py) runs training code too, but never a collective: not the loop.
+    # The data prefetch thread (training/data/loader.py) runs training code too, but never a collective: not the loop.
     training = [f for f in map(_frames, blocks) if any(_TRAINING in p for p, _, _ in f)
-                and not any(p.endswith("training/loader.py") and fn == "_fill" for p, _, fn in f)]
+                and not any(p.endswith("training/data/loader.py") and fn == "_fill" for p, _, fn in f)]
     if training:
         return training
     current = [b for b in blocks if b.startswith("Current thread")]

@@ -23,10 +23,10 @@ import torch
 
 from . import checkpoint as ckpt
 from .control import ControlPoller, engine_clip, set_engine_clip
-from .data import DataCursor, SampleSource, slice_for_sp
+from .data.batches import DataCursor, SampleSource, slice_for_sp
+from .data.loader import PrefetchLoader
 from .ds_config import build_ds_config
 from .faults import FaultInjector
-from .loader import PrefetchLoader
 from .model import GPT
 from .spec import JobSpec, SpecError
 from .telemetry import TelemetryWriter, gather_step_stats, memory_gib

@@ -31,7 +31,7 @@ def test_waiting_rank_and_straggler():
 PREFETCH = '''Thread 0x00007f2400001640 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 331 in wait
   File "/usr/lib/python3.11/queue.py", line 140 in put
-  File "/site/ulyssesd/training/loader.py", line 70 in _fill
+  File "/site/ulyssesd/training/data/loader.py", line 70 in _fill
   File "/usr/lib/python3.11/threading.py", line 982 in run
 
 '''

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ulyssesd.training.data import DataCursor, batch_indices, normalize_ranges
+from ulyssesd.training.data.batches import DataCursor, batch_indices, normalize_ranges
 
 ranges_st = st.lists(st.tuples(st.integers(0, 300), st.integers(1, 60)).map(lambda t: (t[0], t[0] + t[1])),
                      max_size=6)
@@ -114,7 +114,7 @@ def test_huge_skip_range_is_jumped_not_iterated():
 
 
 def test_cursor_for_merges_checkpoint_state_with_spec_skip_ranges():
-    from ulyssesd.training.data import cursor_for
+    from ulyssesd.training.data.batches import cursor_for
     from ulyssesd.training.spec import DataSpec
 
     spec = DataSpec(skip_ranges=[(100, 200)])

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ulyssesd.training.indexed_dataset import IndexedDataset
+from ulyssesd.training.data.indexed_dataset import IndexedDataset
 from ulyssesd.training.spec import job_spec_from_dict, read_toml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def test_tiny_model_learns_real_text_below_its_unigram_entropy(tmp_path):
     assert out.returncode == 0, out.stderr
     assert corpus.stat().st_size > 1_000_000  # >= ~1 MB of real text
     prefix, tok = tmp_path / "stdlib", tmp_path / "tokenizer.json"
-    out = subprocess.run([sys.executable, "-m", "ulyssesd.training.preprocess", str(corpus), "--train-tokenizer",
+    out = subprocess.run([sys.executable, "-m", "ulyssesd.training.data.preprocess", str(corpus), "--train-tokenizer",
                           str(tok), "--vocab-size", "1024", "--output-prefix", str(prefix), "--workers", "2",
                           "--chunk-mb", "0.5"], **run)
     assert out.returncode == 0, out.stderr

@@ -8,8 +8,8 @@ import struct
 import numpy as np
 import pytest
 
-from ulyssesd.training.data import DataError, SampleSource
-from ulyssesd.training.indexed_dataset import (
+from ulyssesd.training.data.batches import DataError, SampleSource
+from ulyssesd.training.data.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetError,
     IndexedDatasetWriter,

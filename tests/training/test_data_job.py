@@ -11,8 +11,8 @@ import pytest
 import torch
 from train_job_helpers import launch, tiny_spec
 
-from ulyssesd.training.preprocess import preprocess
-from ulyssesd.training.tokenizer import train_bpe
+from ulyssesd.training.data.preprocess import preprocess
+from ulyssesd.training.data.tokenizer import train_bpe
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from ulyssesd.training import preprocess as pp
-from ulyssesd.training.data import DataError, SampleSource
-from ulyssesd.training.indexed_dataset import IndexedDataset
+from ulyssesd.training.data import preprocess as pp
+from ulyssesd.training.data.batches import DataError, SampleSource
+from ulyssesd.training.data.indexed_dataset import IndexedDataset
+from ulyssesd.training.data.tokenizer import Tokenizer, TokenizerError, check_model_vocab, train_bpe
 from ulyssesd.training.spec import DataSpec
-from ulyssesd.training.tokenizer import Tokenizer, TokenizerError, check_model_vocab, train_bpe
 
 TEXTS = [f"Document {i}: the quick brown fox jumps over {i % 13} lazy dogs. " * (1 + i % 5) for i in range(400)]
 
@@ -188,7 +188,7 @@ def test_dataset_preprocessed_for_another_vocabulary_fails_at_start(tmp_path, js
 
 
 def test_cli_trains_a_tokenizer_preprocesses_and_reports(tmp_path, jsonl):
-    cmd = [sys.executable, "-m", "ulyssesd.training.preprocess", str(jsonl), "--train-tokenizer",
+    cmd = [sys.executable, "-m", "ulyssesd.training.data.preprocess", str(jsonl), "--train-tokenizer",
            str(tmp_path / "tok.json"), "--vocab-size", "300", "--output-prefix", str(tmp_path / "ds"),
            "--workers", "2", "--chunk-mb", "0.01"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from ulyssesd.training.blend import BlendSchedule, slot_counts
-from ulyssesd.training.data import DataCursor, DataError, SampleSource, cursor_for
-from ulyssesd.training.indexed_dataset import IndexedDatasetWriter
-from ulyssesd.training.loader import PrefetchLoader
+from ulyssesd.training.data.batches import DataCursor, DataError, SampleSource, cursor_for
+from ulyssesd.training.data.blend import BlendSchedule, slot_counts
+from ulyssesd.training.data.indexed_dataset import IndexedDatasetWriter
+from ulyssesd.training.data.loader import PrefetchLoader
 from ulyssesd.training.spec import DataSpec
 
 SEQ = 16

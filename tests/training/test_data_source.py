@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ulyssesd.training.data import DataError, SampleSource, permute_index
+from ulyssesd.training.data.batches import DataError, SampleSource, permute_index
 from ulyssesd.training.spec import DataSpec
 
 

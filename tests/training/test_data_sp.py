@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ulyssesd.training.data import slice_for_sp
+from ulyssesd.training.data.batches import slice_for_sp
 
 
 @settings(max_examples=60, deadline=None)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .data import DataCursor, SampleSource, batch_indices
+from .batches import DataCursor, SampleSource, batch_indices
 
 
 @dataclass

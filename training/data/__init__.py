@@ -1,0 +1,1 @@
+"""The data pipeline: tokenizer, preprocessing CLI, indexed dataset, blends, sample order, cursor, prefetch."""
