@@ -6,28 +6,10 @@ Every enum is a stdlib `str` enum whose *value* is what lands in SQLite (readabl
 
 from __future__ import annotations
 
-from enum import Enum
-from typing import TypeVar
-
-_T = TypeVar("_T", bound="_StrEnum")
-
-
-class _StrEnum(str, Enum):
-    """str-valued enum whose str() is the value (stable across Python versions)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def parse(cls: type[_T], value: str | _T) -> _T:
-        """Return the member for ``value`` or raise ValueError naming the allowed values."""
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            allowed = ", ".join(m.value for m in cls)
-            raise ValueError(f"unknown {cls.__name__} {value!r}; allowed: {allowed}") from None
+# The symptom/severity vocabulary is remediation's (detectors and playbook speak it); the store imports it
+# for its columns, and the daemon and ulyssesctl keep importing all domain enums from here.
+from ulyssesd.remediation.vocabulary import ParsedStrEnum as _StrEnum
+from ulyssesd.remediation.vocabulary import Severity, Symptom
 
 
 class RunState(_StrEnum):
@@ -62,35 +44,6 @@ class IncidentStatus(_StrEnum):
 TERMINAL_INCIDENT_STATUSES: frozenset[IncidentStatus] = frozenset(
     {IncidentStatus.resolved, IncidentStatus.escalated, IncidentStatus.failed}
 )
-
-
-class Symptom(_StrEnum):
-    """What a detector saw."""
-
-    memory_spike = "memory_spike"
-    cuda_oom = "cuda_oom"
-    loss_spike = "loss_spike"
-    loss_oscillation = "loss_oscillation"
-    nan_loss = "nan_loss"
-    overflow_storm = "overflow_storm"
-    slow_step = "slow_step"
-    straggler = "straggler"
-    throughput_drop = "throughput_drop"
-    hang = "hang"
-    crash = "crash"
-    crash_loop = "crash_loop"
-    no_progress = "no_progress"
-    checkpoint_corrupt = "checkpoint_corrupt"
-    disk_full = "disk_full"
-    launch_failure = "launch_failure"
-    #: The store's database was damaged, emptied or deleted; the incident says what was recovered and how.
-    store_damaged = "store_damaged"
-
-
-class Severity(_StrEnum):
-    info = "info"
-    warning = "warning"
-    critical = "critical"
 
 
 class ActionKind(_StrEnum):

@@ -12,7 +12,7 @@ from ulyssesd.remediation.records import Record
 if TYPE_CHECKING:
     from ulyssesd.remediation.config import DetectorsConfig
 
-# Exactly the store's symptom names that detectors emit (the store's enum also has crash-side ones).
+# Exactly the `vocabulary.Symptom` names that detectors emit (the vocabulary also has crash-side ones).
 SYMPTOMS = ("memory_spike", "loss_spike", "loss_oscillation", "nan_loss", "overflow_storm", "slow_step",
             "straggler", "throughput_drop", "hang")
 
@@ -64,6 +64,19 @@ class EpisodeDetector:
     def reset(self) -> None:
         self._ep.reset()
         self._clock.reset()
+        self._run = 0   # consecutive anomalous training steps (not records) of the current run
+
+    def _normal_step(self, step: int) -> None:
+        """A normal record: the run of anomalous steps starts over, and an open episode may end."""
+        self._run = 0
+        if self._ep.active:   # fast path: almost every record is normal with no episode open
+            self._ep.normal(step)
+
+    def _anomalous_steps(self, step: int, span: int, persist_steps: int) -> bool:
+        """An anomalous record standing for `span` training steps: True when the run has lasted
+        `persist_steps` steps and the episode emits a finding now (onset or refire)."""
+        self._run += span
+        return self._run >= persist_steps and self._ep.anomalous(step)
 
 
 class RollingMedian:

@@ -24,7 +24,6 @@ class SlowStepDetector(EpisodeDetector):
     def reset(self) -> None:
         self._win.clear()
         super().reset()
-        self._run = 0
         self._skip_next = False
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
@@ -45,13 +44,10 @@ class SlowStepDetector(EpisodeDetector):
         win = self._win
         med = win.med
         if med is None or self._clock.since_start(rec.step) < cfg.warmup_steps or t <= cfg.slow_step_ratio * med:
-            self._run = 0
-            if self._ep.active:
-                self._ep.normal(rec.step)
+            self._normal_step(rec.step)
             win.add(t)
             return []
-        self._run += span  # consecutive slow training steps, not records
-        if self._run < cfg.slow_step_min_consecutive or not self._ep.anomalous(rec.step):
+        if not self._anomalous_steps(rec.step, span, cfg.slow_step_min_consecutive):
             return []
         spread = (rec.step_time_max_s / rec.step_time_s
                   if rec.step_time_max_s and rec.step_time_s else None)

@@ -13,7 +13,6 @@ class StragglerDetector(EpisodeDetector):
     def reset(self) -> None:
         super().reset()
         self._rank: int | None = None
-        self._run = 0
         self._spread_sum = 0.0
         self._records = 0
 
@@ -26,16 +25,15 @@ class StragglerDetector(EpisodeDetector):
         span = self._clock.advance(rec.step)
         spread = tmax / t
         if self._clock.since_start(rec.step) < self.cfg.warmup_steps or spread <= self.cfg.straggler_ratio:
-            self._run, self._rank, self._spread_sum, self._records = 0, None, 0.0, 0
-            if self._ep.active:
-                self._ep.normal(rec.step)
+            self._rank, self._spread_sum, self._records = None, 0.0, 0
+            self._normal_step(rec.step)
             return []
         if rank != self._rank:
             self._rank, self._run, self._spread_sum, self._records = rank, 0, 0.0, 0
-        self._run += span  # training steps with the same slowest rank, not records
         self._records += 1
         self._spread_sum += spread
-        if self._run < self.cfg.straggler_persist_steps or not self._ep.anomalous(rec.step):
+        # The run counts training steps with the same slowest rank, not records.
+        if not self._anomalous_steps(rec.step, span, self.cfg.straggler_persist_steps):
             return []
         mean_spread = self._spread_sum / self._records
         ev = {"slowest_rank": rank, "consecutive": self._run, "mean_spread": round(mean_spread, 3),

@@ -31,7 +31,6 @@ class ThroughputDropDetector(EpisodeDetector):
     def reset(self) -> None:
         self._win.clear()
         super().reset()
-        self._run = 0
         self._skip_next = False
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
@@ -54,13 +53,10 @@ class ThroughputDropDetector(EpisodeDetector):
         win = self._win
         base = win.med  # = self.baseline()
         if base is None or self._clock.since_start(rec.step) < cfg.warmup_steps or v >= (1 - cfg.throughput_drop_frac) * base:
-            self._run = 0
-            if self._ep.active:
-                self._ep.normal(rec.step)
+            self._normal_step(rec.step)
             win.add(v)
             return []
-        self._run += span  # consecutive low training steps, not records
-        if self._run < cfg.throughput_persist_steps or not self._ep.anomalous(rec.step):
+        if not self._anomalous_steps(rec.step, span, cfg.throughput_persist_steps):
             return []
         ev = {"tokens_per_s": v, "baseline_tokens_per_s": base, "consecutive": self._run,
               "since_step": self._ep.started_step}
