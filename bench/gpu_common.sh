@@ -37,7 +37,7 @@ if ! $PY -c "import ulyssesd.training.train" 2>/dev/null; then
   SHIM=/tmp/ulyssesd-shim; shim_ulyssesd "$SHIM" || { echo "shim of ulyssesd failed" >&2; exit 1; }
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
   # Fail the call at once (not once per case) when the product cannot be imported.
-  $PY -c "import ulyssesd.training.train, ulyssesd.training.model" || { echo "ulyssesd not importable" >&2; exit 1; }
+  $PY -c "import ulyssesd.training.train, ulyssesd.training.model.gpt" || { echo "ulyssesd not importable" >&2; exit 1; }
 fi
 $PY -c "import torch, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__)" \
   > "$OUT/versions.txt" 2>/dev/null

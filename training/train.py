@@ -27,7 +27,7 @@ from .data.batches import DataCursor, SampleSource, slice_for_sp
 from .data.loader import PrefetchLoader
 from .ds_config import build_ds_config
 from .faults import FaultInjector
-from .model import GPT
+from .model.gpt import GPT
 from .spec import JobSpec, SpecError
 from .telemetry import TelemetryWriter, gather_step_stats, memory_gib
 
@@ -155,7 +155,7 @@ class Trainer:
     def _build(self) -> None:
         import deepspeed
 
-        from .attention import resolve_backend
+        from .model.attention import resolve_backend
 
         spec = self.spec
         self.ds_config, warnings = build_ds_config(spec, self.world, self.run_dir)
@@ -186,7 +186,7 @@ class Trainer:
             # Must precede deepspeed.initialize, which installs the ZeRO-3 module hooks.
             from deepspeed.utils import set_z3_leaf_modules
 
-            from .model import Block
+            from .model.gpt import Block
 
             set_z3_leaf_modules(model, [Block])
         self.engine, _, _, _ = deepspeed.initialize(model=model,

@@ -1,7 +1,7 @@
 """SP=4 / SP=8 / DP=2×SP=2 on the CPU: 4 and 8 oversubscribed gloo ranks of the real job (torchrun,
 DeepSpeed ZeRO-3 + Ulysses), compared with a 1-rank SP=1 run on the same global batch.
 
-Global batch equivalence (training/data.py batch_indices): a step takes the next dp·mb·ga global sample
+Global batch equivalence (training/data/batches.py batch_indices): a step takes the next dp·mb·ga global sample
 indices and micro-step m of DP rank r gets block m·dp + r. With mb=1, ga=1, DP=2 rank r reads sample 2k + r
 at step k+1, so DP=2×SP=2 consumes samples {2k, 2k+1} - the same as one rank with micro_batch_size=2, the
 reference. SP=4 and SP=8 (DP=1) use mb=2 and read the same two samples. Every rank's loss is a mean over the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ulyssesd.training.model import GPT, rotary_cos_sin
+from ulyssesd.training.model.gpt import GPT, rotary_cos_sin
 from ulyssesd.training.planner import block_saved_bytes_per_token
 from ulyssesd.training.spec import JobSpec
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
 
-from ulyssesd.training.model import GPT
+from ulyssesd.training.model.gpt import GPT
 from ulyssesd.training.planner import Cluster, param_shapes, plan
 from ulyssesd.training.spec import JobSpec
 

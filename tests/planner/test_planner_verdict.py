@@ -97,7 +97,7 @@ def test_more_sp_means_less_activation_memory():
 
 def test_checkpointing_order_for_7b_and_the_176b_exception():
     """Backward-phase memory (stored chunk inputs + one recomputed chunk): every layer <= chunks of 4 <= none
-    for the 7B (L=32). training/model.py checkpoints chunks of k blocks (Megatron semantics), so k=1 keeps L
+    for the 7B (L=32). training/model/gpt.py checkpoints chunks of k blocks (Megatron semantics), so k=1 keeps L
     chunk inputs: for the 176B (L=96) chunks of 4 are smaller than every layer - the planner must say so."""
     back = {k: plan(_job7b(seq_len=16384, activation_checkpoint_every=k), H200_2, search=False).phase_bytes["backward"]
             for k in (0, 1, 4)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ulyssesd.training.model import GPT
+from ulyssesd.training.model.gpt import GPT
 from ulyssesd.training.spec import ModelSpec
 
 

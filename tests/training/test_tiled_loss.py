@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from train_job_helpers import launch, tiny_spec
 
-from ulyssesd.training.model import GPT, IGNORE_INDEX
+from ulyssesd.training.model.gpt import GPT, IGNORE_INDEX
 from ulyssesd.training.spec import ModelSpec, SpecError, job_spec_from_dict
 from ulyssesd.training.train import DUMP_GRADS_ENV
 

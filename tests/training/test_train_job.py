@@ -15,8 +15,8 @@ import torch
 from train_job_helpers import JobRun, launch, start, tiny_spec, wait_for
 
 from ulyssesd.training.__main__ import main
-from ulyssesd.training.attention import UNSAFE_NO_ULYSSES_ENV
 from ulyssesd.training.checkpoint import validate_tag
+from ulyssesd.training.model.attention import UNSAFE_NO_ULYSSES_ENV
 from ulyssesd.training.telemetry import validate_record
 from ulyssesd.training.train import DUMP_GRADS_ENV, lr_at
 

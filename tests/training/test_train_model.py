@@ -8,7 +8,7 @@ from model_helpers import assert_same_loss_and_grads
 from model_helpers import tiny_model as _model
 from model_helpers import token_batch as _batch
 
-from ulyssesd.training.model import apply_rotary, rotary_cos_sin
+from ulyssesd.training.model.gpt import apply_rotary, rotary_cos_sin
 from ulyssesd.training.spec import ModelSpec
 
 

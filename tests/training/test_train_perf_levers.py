@@ -16,7 +16,7 @@ from model_helpers import tiny_model as _model
 from model_helpers import token_batch as _batch
 
 from ulyssesd.training.ds_config import build_ds_config
-from ulyssesd.training.model import LayerNorm32
+from ulyssesd.training.model.gpt import LayerNorm32
 from ulyssesd.training.spec import JobSpec, SpecError, job_spec_from_dict
 
 
@@ -89,7 +89,7 @@ class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
 def _sdpa_model(**kw):
     """Tiny GPT on the fused CPU SDPA kernel (`_scaled_dot_product_flash_attention_for_cpu`), as cuDNN on GPU."""
     torch.manual_seed(0)
-    from ulyssesd.training.model import GPT
+    from ulyssesd.training.model.gpt import GPT
     from ulyssesd.training.spec import ModelSpec
 
     return GPT(ModelSpec(preset="tiny", **kw.pop("model", {})).resolved(), "sdpa", **kw)
@@ -134,7 +134,7 @@ def test_keep_attention_checkpoint_skips_the_attention_forward_in_recompute():
 
 def test_compiled_rotary_matches_the_eager_fp32_rotary_forward_and_backward():
     # The GPU lever runs the same function through inductor; here inductor's CPU backend (C++) compiles it.
-    from ulyssesd.training.model import _compiled_rotate_qk, rotary_cos_sin, rotate_qk
+    from ulyssesd.training.model.gpt import _compiled_rotate_qk, rotary_cos_sin, rotate_qk
 
     heads, d = 4, 16
     g = torch.Generator().manual_seed(3)
@@ -171,7 +171,7 @@ def test_keep_attention_costs_one_output_and_logsumexp_per_checkpointed_block():
 def test_compiled_rotary_inside_keep_attention_checkpoints_gives_the_same_training_math(monkeypatch):
     # On the GPU the compiled rotary runs inside torch's selective-checkpoint dispatch mode (forward and
     # recompute); here the CPU compiled kernel is forced into the same place.
-    from ulyssesd.training import model as model_mod
+    from ulyssesd.training.model import gpt as model_mod
 
     keep = {"checkpoint_keep_attention": True}
     x, pos, y = _batch()

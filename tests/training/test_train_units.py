@@ -172,7 +172,7 @@ def test_lr_schedule_warmup_then_cosine_to_min():
 
 # ---------------------------------------------------------------------------------- attention
 def test_backend_resolution_on_cpu():
-    from ulyssesd.training.attention import LocalAttention, resolve_backend
+    from ulyssesd.training.model.attention import LocalAttention, resolve_backend
 
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu) == "sdpa" and resolve_backend("math", cpu) == "math"

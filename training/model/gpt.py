@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..spec import ResolvedModel
 from .attention import UlyssesAttention
-from .spec import ResolvedModel
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The built-in GPT: transformer blocks, rotary embeddings, tiled LM loss, and the Ulysses attention wrapper."""
