@@ -25,7 +25,7 @@ log = get_logger("ulyssesd.supervisor")
 NO_SPACE = frozenset({"ENOSPC", "EDQUOT"})
 READ_ONLY = "EROFS"
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
-#: The job's exit code when a checkpoint save failed (training/train.py EXIT_SAVE_FAILED).
+#: The job's exit code when a checkpoint save failed (training/train_checkpoints.py EXIT_SAVE_FAILED).
 EXIT_SAVE_FAILED = 4
 #: The job's `exiting` reasons that mean "refused" -> the exit code they stand for (docs/CONTRACTS.md).
 JOB_REFUSAL_EXIT = {"config_rejected": 2, "no_checkpoint": 3}

@@ -78,7 +78,7 @@ def choose_checkpoint(ckpt_dir: Path, rollback_to_step: int | None, *, verify: b
         ck.point_latest_to(ckpt_dir, chosen)
     except OSError as exc:
         # A full or read-only disk fails this small temp write; the job rewrites `latest` itself before it
-        # loads (training/train.py), so the resume still goes to `chosen`. Not a checkpoint problem.
+        # loads (training/train_checkpoints.py), so the resume still goes to `chosen`. Not a checkpoint problem.
         log.warning("could not rewrite latest (the job will)", tag=chosen, error=repr(exc))
     return chosen, notes
 

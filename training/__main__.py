@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_SPEC
     if spec.train.device == "cpu" or (spec.train.device == "auto" and not _cuda_available()):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
-    from .train import CheckpointLoadError, Trainer
+    from .train import Trainer
+    from .train_checkpoints import CheckpointLoadError
 
     run_dir = Path(args.run_dir or ".").resolve()
     _register_stack_dumps(run_dir, args.attempt)

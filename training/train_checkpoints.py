@@ -1,0 +1,264 @@
+"""The Trainer's checkpoint half: choose and agree on the resume tag, load it, save with agreed failures.
+
+`TrainerCheckpoints` is a base class of `training.train.Trainer`: the methods run on the Trainer (they
+use its engine, data cursor, telemetry and process group, declared below), and keep train.py about the
+step loop. The on-disk layout and manifests are `training.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import checkpoint as ckpt
+from .control import set_engine_clip
+from .data.batches import DataCursor, SampleSource
+from .faults import FaultInjector
+from .spec import JobSpec
+
+log = logging.getLogger("ulyssesd.training")
+
+
+class CheckpointLoadError(RuntimeError):
+    """No usable checkpoint to resume from (exit code 3)."""
+
+
+#: Exit code of a job whose checkpoint save failed (its errno is in the `checkpoint_save_failed` event).
+EXIT_SAVE_FAILED = 4
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed on some rank (exit code 4); `failure` = the event's fields."""
+
+    def __init__(self, failure: dict[str, Any]):
+        self.failure = failure
+        super().__init__(f"checkpoint save of {failure['tag']} failed: {failure['errno']} ({failure['error']})")
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class TrainerCheckpoints:
+    """Resume and save for one rank's Trainer (see the module docstring)."""
+
+    # Set by Trainer (__init__, _init_distributed, _build, run).
+    spec: JobSpec
+    run_dir: Path
+    attempt: int
+    config_version: int | None
+    step: int
+    last_loss: float | None
+    rank: int
+    world: int
+    dist: Any  # torch.distributed
+    engine: Any  # DeepSpeedEngine
+    cursor: DataCursor
+    source: SampleSource
+    faults: FaultInjector
+
+    def _event(self, name: str, **fields: Any) -> None:
+        raise NotImplementedError  # Trainer's: one telemetry event at the current step
+
+    def _set_lr(self, step: int) -> float:
+        raise NotImplementedError  # Trainer's: the scheduled lr times the live lr_scale
+
+    @property
+    def ckpt_dir(self) -> Path:
+        d = self.spec.checkpoint.dir
+        return Path(d) if d else self.run_dir / "checkpoints"
+
+    def _choose_tag(self) -> tuple[str | None, str | None]:
+        """Rank 0: (tag to load or None, fatal error or None). Quarantines invalid tags it skips."""
+        cs = self.spec.checkpoint
+        root = self.ckpt_dir
+        if cs.load == "none" or not root.is_dir():
+            return None, None
+
+        def invalid(tag: str, reason: str) -> None:
+            moved = ckpt.quarantine(root / tag)
+            log.warning("checkpoint %s is invalid (%s); quarantined as %s", tag, reason, moved.name)
+            self._event("checkpoint_invalid", tag=tag, reason=reason, quarantined_as=moved.name)
+
+        if cs.load == "latest":
+            had_tags = bool(ckpt.list_tags(root))
+            tag = ckpt.latest_valid_tag(root, cs.verify_checksums, on_invalid=invalid)
+            if tag is None and had_tags:
+                return None, f"no valid checkpoint left in {root} (all tags failed validation)"
+        else:
+            tag = cs.load
+            ok, reason = ckpt.validate_tag(root / tag, cs.verify_checksums)
+            if not ok:
+                if (root / tag).is_dir():
+                    invalid(tag, reason)
+                return None, f"checkpoint.load={tag!r} is not loadable: {reason}"
+        if tag is not None:
+            # Upstream #8499: ZeRO-3 may load what `latest` names rather than the tag asked for.
+            ckpt.point_latest_to(root, tag)
+        return tag, None
+
+    def _agree_on_tag(self) -> str | None:
+        """Collective, before the model is built: a run that cannot resume fails fast (exit 3)."""
+        box: list[Any] = [self._choose_tag() if self.rank == 0 else None]
+        self.dist.broadcast_object_list(box, src=0)
+        tag, error = box[0]
+        if error:
+            raise CheckpointLoadError(error)
+        return tag
+
+    def _resume(self, tag: str | None) -> tuple[str | None, float]:
+        t0 = time.time()
+        if tag is None:
+            return None, 0.0
+        try:
+            path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag, load_optimizer_states=True,
+                                                       load_lr_scheduler_states=False)
+        except Exception as exc:  # a shard the manifest vouched for still failed to load
+            if self.rank == 0 and (self.ckpt_dir / tag).is_dir():
+                ckpt.quarantine(self.ckpt_dir / tag)
+                self._event("checkpoint_invalid", tag=tag, reason=f"load failed: {exc}")
+            raise CheckpointLoadError(f"loading checkpoint {tag} failed: {exc}") from exc
+        if path is None or client is None:
+            raise CheckpointLoadError(f"DeepSpeed found no checkpoint {tag} in {self.ckpt_dir}")
+        self.step = int(client["ulyssesd_step"])
+        self.cursor.load_state_dict(client["data_cursor"])
+        saved_data = client.get("data_fingerprint")
+        if saved_data is not None and saved_data != self.source.fingerprint():
+            # Same sample indices, other data: the run goes on, but the order is not the one it had.
+            log.warning("data changed since checkpoint %s: %s -> %s", tag, saved_data, self.source.fingerprint())
+            self._event("data_changed", tag=tag, saved=saved_data, now=self.source.fingerprint())
+        for start, end in self.spec.data.skip_ranges:  # ranges added by a later config version
+            self.cursor.add_skip(start, end)
+        rng = client.get("rng", {}).get(self.rank)
+        if rng is not None:
+            _set_rng_state(rng)
+        self.last_loss = client.get("loss")
+        self._reapply_config_after_load()
+        return tag, time.time() - t0
+
+    def _reapply_config_after_load(self) -> None:
+        # docs/DEEPSPEED_FACTS.md: the checkpoint wins for lr (we set it every step anyway) and the whole fp16 loss
+        # scaler; the current config must win for everything the operator or the daemon changed.
+        set_engine_clip(self.engine, self.spec.train.gradient_clipping)
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        ls = self.spec.precision.loss_scale
+        if self.spec.precision.dtype == "fp16" and scaler is not None and hasattr(scaler, "min_scale"):
+            scaler.min_scale = ls.min_loss_scale
+            scaler.scale_window = ls.loss_scale_window
+            scaler.delayed_shift = ls.hysteresis
+            scaler.cur_hysteresis = min(getattr(scaler, "cur_hysteresis", ls.hysteresis), ls.hysteresis)
+        self._set_lr(self.step + 1)
+
+    def _save(self) -> None:
+        tag = ckpt.tag_for_step(self.step)
+        tag_dir = self.ckpt_dir / tag
+        self._event("checkpoint_saving", tag=tag)
+        t0 = time.time()
+        # A failed write (full disk, read-only filesystem, quota, I/O error) is caught on the rank that saw
+        # it and agreed on by all ranks at the next collective (which replaces a plain barrier), so every
+        # rank stops at the same point and rank 0 reports the errno (`checkpoint_save_failed`).
+        failure: dict[str, Any] | None = None
+        try:
+            if self.rank == 0:
+                self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+                if tag_dir.exists():
+                    # A tag from a timeline that was rolled back (or a partial save): keep it as evidence.
+                    moved = ckpt.quarantine(tag_dir)
+                    log.warning("checkpoint %s already existed; moved aside to %s", tag, moved.name)
+            self.faults.before_save(self.step, tag_dir)
+        except OSError as exc:
+            failure = ckpt.save_failure(exc, tag_dir, tag, self.rank)
+        self._agree_on_save(failure)
+        client = {"ulyssesd_step": self.step, "data_cursor": self.cursor.state_dict(),
+                  "data_position": self.source.position(self.cursor), "data_fingerprint": self.source.fingerprint(),
+                  "config_version": self.config_version, "loss": self.last_loss,
+                  "rng": {self.rank: _rng_state()}, "attempt": self.attempt}
+        failure = self._save_files(tag, tag_dir, client)
+        self._agree_on_save(failure)  # every rank's shards are on disk before the manifest vouches for them
+        nbytes = 0
+        if self.rank == 0:
+            try:
+                manifest = ckpt.write_manifest(tag_dir, self.step, self.last_loss, self.cursor.next_sample,
+                                               self.config_version)
+                nbytes = sum(f["size"] for f in manifest["files"].values())
+                # `latest` only ever names a tag with a manifest (DeepSpeed would write it before ours).
+                ckpt.point_latest_to(self.ckpt_dir, tag)
+            except OSError as exc:
+                failure = ckpt.save_failure(exc, tag_dir / ckpt.MANIFEST_NAME, tag, self.rank)
+        self._agree_on_save(failure)
+        self.faults.after_save(self.step, tag_dir)
+        self._event("checkpoint_saved", tag=tag, seconds=round(time.time() - t0, 3), bytes=nbytes)
+        # Under the daemon, retention is the daemon's (it keeps the known-good anchors a rollback needs);
+        # a job run by hand keeps the last K valid tags itself.
+        if self.rank == 0 and not os.environ.get("ULYSSESD_RUN_DIR"):
+            removed = ckpt.prune(self.ckpt_dir, self.spec.checkpoint.keep_last)
+            if removed:
+                log.info("retention removed %s", ", ".join(removed))
+        self.dist.barrier()
+
+    def _save_files(self, tag: str, tag_dir: Path, client: dict[str, Any]) -> dict[str, Any] | None:
+        """DeepSpeed's save with every file write guarded: the first failed write is recorded and the
+        remaining writes of this save are skipped, so DeepSpeed still reaches its own collectives (one rank
+        raising there would leave its peers blocked in a barrier). Returns this rank's failure or None."""
+        engine = self.engine.checkpoint_engine
+        real_save, real_copy = engine.save, self.engine._copy_recovery_script
+        failed: list[dict[str, Any]] = []
+
+        def guarded(write: Any, path: str) -> None:
+            if failed:
+                return
+            try:
+                write()
+            except (OSError, RuntimeError) as exc:
+                if not ckpt.is_write_error(exc):
+                    raise
+                failed.append(ckpt.save_failure(exc, path, tag, self.rank))
+
+        def guarded_save(state_dict: Any, path: str) -> None:
+            guarded(lambda: self.faults.checkpoint_write(self.step, str(path), lambda: real_save(state_dict, path)),
+                    str(path))
+
+        # Rank 0 also copies DeepSpeed's zero_to_fp32.py into the tag with a plain copyfile.
+        engine.save = guarded_save
+        self.engine._copy_recovery_script = lambda save_path: guarded(lambda: real_copy(save_path), str(save_path))
+        try:
+            self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
+        finally:
+            # Drop the instance attributes: the classes' methods show through again.
+            del engine.save, self.engine._copy_recovery_script
+        return failed[0] if failed else None
+
+    def _agree_on_save(self, failure: dict[str, Any] | None) -> None:
+        """Collective: if any rank's save failed, all ranks raise CheckpointSaveError (rank 0 first reports
+        the lowest failing rank's errno as `checkpoint_save_failed`)."""
+        box: list[Any] = [None] * self.world
+        self.dist.all_gather_object(box, failure)
+        failures = [f for f in box if f is not None]
+        if not failures:
+            return
+        first = failures[0]
+        log.error("checkpoint save failed: %s (%s) writing %s; %s bytes free", first["errno"], first["error"],
+                  first["path"], first["bytes_free"])
+        try:
+            self._event("checkpoint_save_failed", **first, failed_ranks=[f["rank"] for f in failures])
+        except OSError as exc:  # the telemetry file is on the same full disk: the log line above remains
+            log.error("could not record checkpoint_save_failed in telemetry: %s", exc)
+        raise CheckpointSaveError(first)
