@@ -222,7 +222,7 @@ class Chaos:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        from ulyssesd.daemon.control_socket import send_request
+        from ulyssesd.daemon.control.server import send_request
 
         try:
             send_request(self.sock, {"cmd": "stop"}, timeout_s=10)
@@ -722,7 +722,7 @@ def run_daemon_scenarios(work: Path) -> dict:
     print(f"[{time.strftime('%H:%M:%S')}] unauthorized peer: {rows['unauthorized_peer']['detail']}", flush=True)
 
     # SIGSTOP of the daemon, longer than the hang floor
-    ctl = [sys.executable, "-m", "ulyssesd.daemon.ctl", "--state-dir", str(c.state), "--socket", str(c.sock)]
+    ctl = [sys.executable, "-m", "ulyssesd.daemon.operator.ctl", "--state-dir", str(c.state), "--socket", str(c.sock)]
     c.daemon.send_signal(signal.SIGSTOP)
     t = time.time()
     try:

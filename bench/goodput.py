@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.daemon.ctl_plan import allocator_headroom, effective_ds_config
+from ulyssesd.daemon.operator.ctl_plan import allocator_headroom, effective_ds_config
 from ulyssesd.daemon.spec import load_run_spec
 from ulyssesd.remediation.goodput import (
     ASYNC_TARGET,

@@ -175,7 +175,7 @@ try:
     rc = daemon.wait(timeout=max(60.0, deadline - time.time() - 20))
 except subprocess.TimeoutExpired:  # out of call time: stop the run gracefully, then report what happened
     rc = "timeout"
-    subprocess.run([sys.executable, "-m", "ulyssesd.daemon.ctl", "--state-dir", str(work / "state"),
+    subprocess.run([sys.executable, "-m", "ulyssesd.daemon.operator.ctl", "--state-dir", str(work / "state"),
                     "--socket", str(sock), "stop"],
                    timeout=30, capture_output=True)
     try:
@@ -250,7 +250,7 @@ case "$PHASE" in
   dry-run)
     bash -n bench/gpu_x8.sh || exit 1
     for f in configs/gpt-7b-8xh200.toml configs/gpt-1b-8xh200-sp8.toml; do
-      $PY -m ulyssesd.daemon.ctl plan --spec "$f" --gpu h200-141g --gpus 8 >/dev/null \
+      $PY -m ulyssesd.daemon.operator.ctl plan --spec "$f" --gpu h200-141g --gpus 8 >/dev/null \
         && echo "ulyssesctl plan $f: fits" || { echo "ulyssesctl plan $f: does NOT fit" >&2; exit 1; }
     done
     [ "$plan_rc" = 0 ] || { echo "a case is invalid or does not fit" >&2; exit 1; }

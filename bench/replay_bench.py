@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ulyssesd.daemon.ctl_offline import BadLine, read_records
+from ulyssesd.daemon.operator.ctl_offline import BadLine, read_records
 from ulyssesd.remediation import records as records_mod
 from ulyssesd.remediation.replay import replay
 from ulyssesd.remediation.synthetic import Injection, TraceSpec, trace

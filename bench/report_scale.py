@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 
-from ulyssesd.daemon.report import analyse_telemetry
+from ulyssesd.daemon.operator.report import analyse_telemetry
 
 
 def main(n: int) -> None:

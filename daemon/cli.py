@@ -100,7 +100,7 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
             locks.release()
             return EXIT_PREFLIGHT
 
-    from ulyssesd.daemon.control_socket import ControlServer, ControlSocketError
+    from ulyssesd.daemon.control.server import ControlServer, ControlSocketError
     from ulyssesd.daemon.metrics import Metrics
     from ulyssesd.daemon.process import RealOS
     from ulyssesd.daemon.scheduler import LoopScheduler
@@ -236,7 +236,7 @@ def _checkpoint_dir_problem(spec) -> str | None:
 def _preflight(spec) -> str | None:
     """None if the planner says the run fits, else why it refused. Fails closed: a planner that cannot be
     imported or raises refuses the run with its error (the operator overrides with --no-preflight)."""
-    from ulyssesd.daemon.ctl_plan import preflight
+    from ulyssesd.daemon.operator.ctl_plan import preflight
 
     try:
         ok, plan = preflight(spec)

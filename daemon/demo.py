@@ -145,8 +145,8 @@ def _console():
 
 
 def run_demo(work_dir: str | None = None) -> int:
-    from ulyssesd.daemon.ctl import incidents_table
     from ulyssesd.daemon.logging import configure_logging
+    from ulyssesd.daemon.operator.ctl import incidents_table
     from ulyssesd.daemon.process import RealOS
     from ulyssesd.daemon.spec import load_run_spec
     from ulyssesd.daemon.store import open_store

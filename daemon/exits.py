@@ -256,7 +256,7 @@ def _memory_replanner(sup: Supervisor) -> Any:
     if sup.spec.job_section.kind != "builtin":
         return None
     try:
-        from ulyssesd.daemon import ctl_plan
+        from ulyssesd.daemon.operator import ctl_plan
 
         launcher = sup.spec.launcher
         cluster = ctl_plan.detect_local_cluster(launcher.nnodes, launcher.nproc_per_node)

@@ -2,7 +2,7 @@
 change predicted to fit instead of walking the ladder blind (issue 21).
 
 Pure: the planner's view of a configuration comes in as plain data (`PlanView`) from a `Replan` callable the
-daemon passes (daemon/ctl_plan.py `memory_replanner`); nothing here imports the daemon or the training job.
+daemon passes (daemon/operator/ctl_plan.py `memory_replanner`); nothing here imports the daemon or the training job.
 
 Causes, from the evidence:
 - fragmentation: the allocator holds at least the requested size reserved-but-unallocated (torch's own hint)

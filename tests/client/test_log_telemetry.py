@@ -176,7 +176,7 @@ def test_ulyssesctl_replay_accepts_a_raw_log(tmp_path):
     import io
     import json
 
-    from ulyssesd.daemon.ctl_offline import run_replay
+    from ulyssesd.daemon.operator.ctl_offline import run_replay
 
     log = tmp_path / "attempt-1.log"
     log.write_text("\n".join(["some banner", "[rank0]: Traceback-free noise"] + _deepspeed_script_log(

@@ -6,7 +6,7 @@ import json
 
 from uls_daemon_helpers import fake_spec, run_until
 
-from ulyssesd.daemon.ctl import main
+from ulyssesd.daemon.operator.ctl import main
 from ulyssesd.daemon.store.enums import RunState
 
 

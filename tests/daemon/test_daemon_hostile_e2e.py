@@ -95,7 +95,7 @@ def _stored_step(db: Path, run_id: str) -> int:
 
 
 def _ctl(state: Path, sock: Path, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ulyssesd.daemon.ctl", "--state-dir", str(state), "--socket",
+    return subprocess.run([sys.executable, "-m", "ulyssesd.daemon.operator.ctl", "--state-dir", str(state), "--socket",
                            str(sock), *args], capture_output=True, text=True, timeout=timeout)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from uls_daemon_helpers import fake_spec, run_until
 
-from ulyssesd.daemon import ctl_plan
+from ulyssesd.daemon.operator import ctl_plan
 from ulyssesd.daemon.store.enums import RunState
 from ulyssesd.training.planner import Cluster
 

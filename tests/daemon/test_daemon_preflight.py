@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from uls_daemon_helpers import fake_spec
 
-from ulyssesd.daemon import cli, ctl_plan
+from ulyssesd.daemon import cli
+from ulyssesd.daemon.operator import ctl_plan
 
 
 def _planner_bug(run_spec, cluster=None):

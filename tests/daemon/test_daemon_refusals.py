@@ -85,7 +85,7 @@ def test_unusable_checkpoint_dir_refused_before_anything_starts(tmp_path):
 
 
 def test_ctl_readonly_commands_without_daemon_or_database(tmp_path):
-    from ulyssesd.daemon.ctl import main
+    from ulyssesd.daemon.operator.ctl import main
 
     assert main(["--state-dir", str(tmp_path), "status"]) == 20  # no database: a store code, not "not found"
     assert main(["--state-dir", str(tmp_path), "pause"]) == 3
@@ -112,7 +112,7 @@ def test_unauthorized_socket_peer_is_refused_and_nothing_changes(tmp_path):
         run = store.latest_run()
         assert run.state.value in ("STARTING", "RUNNING")
         # the authorized owner (root) is still served
-        from ulyssesd.daemon.control_socket import send_request
+        from ulyssesd.daemon.control.server import send_request
         assert send_request(sock, {"cmd": "stop"})["ok"]
         assert d.wait(60) == 0
         assert open_store(tmp_path / "state" / "ulyssesd.db", readonly=True).latest_run().state.value == "STOPPED"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from uls_daemon_helpers import fake_spec, run_until
 
-from ulyssesd.daemon.ctl import main
-from ulyssesd.daemon.report import analyse_telemetry, render_report, telemetry_path_of
+from ulyssesd.daemon.operator.ctl import main
+from ulyssesd.daemon.operator.report import analyse_telemetry, render_report, telemetry_path_of
 from ulyssesd.daemon.store import open_store
 from ulyssesd.daemon.store.enums import RunState
 

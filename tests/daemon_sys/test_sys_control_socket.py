@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ulyssesd.daemon.control_socket import (
+from ulyssesd.daemon.control.server import (
     ControlPermissionError,
     ControlServer,
     ControlSocketError,
@@ -334,7 +334,7 @@ def test_parse_request_and_resolve_path(monkeypatch, tmp_path):
 
 
 def test_find_socket_path_falls_back_to_the_units_socket(monkeypatch, tmp_path):
-    import ulyssesd.daemon.control_socket as cs
+    import ulyssesd.daemon.control.server as cs
 
     monkeypatch.delenv("ULYSSESD_SOCKET", raising=False)
     system = tmp_path / "run" / "ulyssesd.sock"
@@ -398,7 +398,7 @@ def test_deeply_nested_request_is_bad_request_and_the_server_lives(running):
 
 
 def test_unauthorized_peer_is_refused_before_anything_is_read(sockdir, monkeypatch):
-    import ulyssesd.daemon.control_socket as cs
+    import ulyssesd.daemon.control.server as cs
 
     parsed = []
     monkeypatch.setattr(cs, "parse_request", lambda *a: parsed.append(a) or pytest.fail("parsed a refused peer"))
@@ -479,7 +479,7 @@ def test_expired_answer_names_the_lateness(running):
 
 _CHILD_DAEMON = r"""
 import json, sys
-from ulyssesd.daemon.control_socket import ControlServer
+from ulyssesd.daemon.control.server import ControlServer
 path, applied = sys.argv[1], sys.argv[2]
 def handler(req):
     if req["cmd"] != "status":
@@ -500,7 +500,7 @@ def test_sigstopped_daemon_status_says_not_responding_and_a_timed_out_pause_is_n
     import subprocess
     import sys
 
-    from ulyssesd.daemon.ctl import EXIT_NOT_RESPONDING, main
+    from ulyssesd.daemon.operator.ctl import EXIT_NOT_RESPONDING, main
     from ulyssesd.daemon.store import open_store
 
     path = os.path.join(sockdir, "ctl.sock")
@@ -559,7 +559,7 @@ def test_status_survives_a_poisoned_telemetry_tail_and_daemon_info(tmp_path):
     import contextlib
     import io
 
-    from ulyssesd.daemon.ctl import main
+    from ulyssesd.daemon.operator.ctl import main
     from ulyssesd.daemon.store import open_store
 
     state = tmp_path / "state"

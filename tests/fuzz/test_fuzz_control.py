@@ -14,7 +14,7 @@ from fuzz_helpers import MIN_CASES, fuzz_settings, variants
 from fuzz_strategies import control_requests
 from hypothesis import given, settings
 
-from ulyssesd.daemon.control_socket import _CMD_RE, ControlServer, parse_request
+from ulyssesd.daemon.control.server import _CMD_RE, ControlServer, parse_request
 
 # Real socket round trips cost ~1 ms each: the volume (MIN_CASES) is parse_request's above, in-process; the
 # live server gets a fifth of it through the socket, with the same hostile requests.

@@ -16,8 +16,8 @@ from fuzz_strategies import telemetry_lines
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ulyssesd.daemon.ctl_diagnose import LogReadError, read_log_tail
-from ulyssesd.daemon.ctl_offline import run_replay
+from ulyssesd.daemon.operator.ctl_diagnose import LogReadError, read_log_tail
+from ulyssesd.daemon.operator.ctl_offline import run_replay
 from ulyssesd.remediation.diagnosis import LABELS, diagnose
 from ulyssesd.remediation.records import RecordError, parse_line
 

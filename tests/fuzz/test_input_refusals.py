@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ulyssesd.daemon.cli import EXIT_SPEC, run_daemon
-from ulyssesd.daemon.ctl import main as ctl_main
-from ulyssesd.daemon.ctl_offline import run_replay
+from ulyssesd.daemon.operator.ctl import main as ctl_main
+from ulyssesd.daemon.operator.ctl_offline import run_replay
 from ulyssesd.daemon.spec import load_run_spec, run_id_problem
 from ulyssesd.training.spec import SpecError
 

@@ -9,8 +9,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from ulyssesd.daemon import ctl_plan
-from ulyssesd.daemon.ctl_plan import SkippedPlan, preflight, register_plan
+from ulyssesd.daemon.operator import ctl_plan
+from ulyssesd.daemon.operator.ctl_plan import SkippedPlan, preflight, register_plan
 from ulyssesd.daemon.spec import load_run_spec
 from ulyssesd.training.planner import Cluster
 

@@ -22,8 +22,8 @@ from ulyssesd.daemon.attempt_diagnosis import (
     record_path,
     write_record,
 )
-from ulyssesd.daemon.ctl_diagnose import register_diagnose
 from ulyssesd.daemon.host_oom import HostOomProbe, read_kernel_oom_lines, read_oom_kill
+from ulyssesd.daemon.operator.ctl_diagnose import register_diagnose
 from ulyssesd.daemon.process import ExitStatus
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))

@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from ulyssesd.daemon.ctl_diagnose import read_log_tail, register_diagnose
+from ulyssesd.daemon.operator.ctl_diagnose import read_log_tail, register_diagnose
 from ulyssesd.remediation.diagnosis import TAIL_BYTES
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "logs"

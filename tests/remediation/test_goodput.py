@@ -122,7 +122,7 @@ def test_ulyssesctl_plan_suggests_the_optimal_interval():
     import typer
     from typer.testing import CliRunner
 
-    from ulyssesd.daemon.ctl_plan import register_plan
+    from ulyssesd.daemon.operator.ctl_plan import register_plan
 
     app = typer.Typer()
 

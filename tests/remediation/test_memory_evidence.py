@@ -1,5 +1,5 @@
 """Evidence-driven memory remediation (remediation/memory_evidence.py + the engine's crash path), with the real
-planner over real run specs (daemon/ctl_plan.py `memory_replanner`) and torch's real OOM message formats."""
+planner over real run specs (daemon/operator/ctl_plan.py `memory_replanner`) and torch's real OOM message formats."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ulyssesd.daemon.ctl_plan import memory_replanner
+from ulyssesd.daemon.operator.ctl_plan import memory_replanner
 from ulyssesd.daemon.spec import load_run_spec
 from ulyssesd.remediation.config import RemediationConfig
 from ulyssesd.remediation.engine import RemediationEngine
@@ -217,7 +217,8 @@ def test_a_failing_planner_falls_back_to_the_message():
 def test_daemon_builds_the_replanner_from_its_current_config(monkeypatch):
     from types import SimpleNamespace
 
-    from ulyssesd.daemon import ctl_plan, exits
+    from ulyssesd.daemon import exits
+    from ulyssesd.daemon.operator import ctl_plan
 
     rs = load_run_spec(CONFIGS / "gpt-1b-1xh200.toml")
     cfg = rs.job.model_dump(mode="json")

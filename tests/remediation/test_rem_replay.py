@@ -11,7 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from ulyssesd.daemon import ctl_offline
+from ulyssesd.daemon.operator import ctl_offline
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.engine import Decision

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.daemon.ctl_offline import item_to_dict
+from ulyssesd.daemon.operator.ctl_offline import item_to_dict
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.records import parse_line, parse_record
 from ulyssesd.remediation.replay import replay

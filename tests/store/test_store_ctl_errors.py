@@ -19,7 +19,7 @@ NO_DB, DAMAGED, SCHEMA, BUSY, PERM = 20, 21, 22, 23, 24
 
 
 def _ctl(state: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ulyssesd.daemon.ctl", "--state-dir", str(state), *args],
+    return subprocess.run([sys.executable, "-m", "ulyssesd.daemon.operator.ctl", "--state-dir", str(state), *args],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -107,7 +107,7 @@ def test_permission_denied(tmp_path):
     os.chmod(tmp_path, 0o755)
     out: dict[str, int] = {}
     # Imported here: after setuid the child cannot read this interpreter's tree under /root.
-    from ulyssesd.daemon.ctl import main
+    from ulyssesd.daemon.operator.ctl import main
     from ulyssesd.daemon.store import errors, migrate, opener, repository  # noqa: F401
 
     def as_nobody() -> None:

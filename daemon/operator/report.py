@@ -447,7 +447,7 @@ def register_report(app: Any) -> None:
                telemetry: Path = typer.Option(None, "--telemetry",
                                               help="telemetry file (default: the run directory's)")) -> None:
         """Write a self-contained HTML postmortem: curves with incidents and actions, timeline, goodput."""
-        from ulyssesd.daemon import ctl
+        from ulyssesd.daemon.operator import ctl
 
         store = ctl._store(False)
         try:

@@ -86,7 +86,7 @@ def _db_path() -> Path:
 
 
 def _socket_path() -> Path:
-    from ulyssesd.daemon.control_socket import resolve_socket_path
+    from ulyssesd.daemon.control.server import resolve_socket_path
 
     if CTX.socket:
         return CTX.socket
@@ -168,7 +168,7 @@ def _daemon_pid_alive() -> int | None:
 
 def _request(cmd: str, args: dict | None, as_json: bool) -> dict:
     """A mutating request, sent with a deadline: one the daemon handles too late is refused, never applied."""
-    from ulyssesd.daemon.control_socket import (
+    from ulyssesd.daemon.control.server import (
         ControlError,
         ControlPermissionError,
         ControlTimeout,
@@ -251,7 +251,7 @@ def status_data(store, run) -> dict[str, Any]:
     live = None
     daemon = "not running"
     if info.get("run_id") == run.id:
-        from ulyssesd.daemon.control_socket import ControlTimeout, send_request
+        from ulyssesd.daemon.control.server import ControlTimeout, send_request
 
         try:
             live = send_request(_socket_path(), {"cmd": "status"}, timeout_s=2.0).get("status")
@@ -443,7 +443,7 @@ def restart(json_out: bool = typer.Option(False, "--json")) -> None:
 def ack(incident_id: int = typer.Argument(...), json_out: bool = typer.Option(False, "--json"),
         by: str = typer.Option(None, "--by", help="operator name (default: $USER)")) -> None:
     """Acknowledge an incident (through the daemon; directly in the database if no daemon runs)."""
-    from ulyssesd.daemon.control_socket import ControlError, ControlTimeout, DaemonNotRunning, send_request
+    from ulyssesd.daemon.control.server import ControlError, ControlTimeout, DaemonNotRunning, send_request
     from ulyssesd.daemon.store import open_store
     from ulyssesd.daemon.store.errors import NotFoundError
 
@@ -543,10 +543,10 @@ def db_current_cmd(json_out: bool = typer.Option(False, "--json")) -> None:
 def _register_subcommands() -> None:
     """Commands that live in their own modules (replay, diagnose, plan, report). Imported unguarded: a broken
     module must fail `ulyssesctl` loudly, not make its command silently vanish."""
-    from ulyssesd.daemon.ctl_diagnose import register_diagnose
-    from ulyssesd.daemon.ctl_offline import register
-    from ulyssesd.daemon.ctl_plan import register_plan
-    from ulyssesd.daemon.report import register_report
+    from ulyssesd.daemon.operator.ctl_diagnose import register_diagnose
+    from ulyssesd.daemon.operator.ctl_offline import register
+    from ulyssesd.daemon.operator.ctl_plan import register_plan
+    from ulyssesd.daemon.operator.report import register_report
 
     for register_fn in (register, register_diagnose, register_plan, register_report):
         register_fn(app)

@@ -1,0 +1,1 @@
+"""The operator side: `ulyssesctl` (ctl), its socket client calls and offline readers (replay, diagnose, plan, report)."""
