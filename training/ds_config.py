@@ -49,14 +49,17 @@ MISPLACED_ZERO_KEYS: dict[str, str] = {
     "stage3_max_reuse_distance": "stage3_max_reuse_distance",
     "offload_optimizer": "offload_optimizer",
     "offload_param": "offload_param",
+    "sub_group_size": "sub_group_size",
 }
 
 _INT_ZERO_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "allgather_bucket_size",
                   "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                  "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters")
+                  "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "sub_group_size")
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` merged into a copy of `base`: nested objects merge key by key, anything else in `over` wins.
+    The one merge of the user's DeepSpeed config (the planner uses it too)."""
     out = copy.deepcopy(base)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):

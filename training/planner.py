@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-from .spec import JobSpec, ResolvedModel
+from .ds_config import MISPLACED_ZERO_KEYS, deep_merge, load_user_config
+from .spec import JobSpec, ResolvedModel, SpecError
 
 GiB = 1 << 30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -110,12 +109,10 @@ class ZeroSettings:
     def from_ds_config(cls, cfg: dict[str, Any] | None) -> ZeroSettings:
         cfg = cfg or {}
         zo = dict(cfg.get("zero_optimization", {}) or {})
-        # ZeRO keys written at the top level (the seed's §5.2 snippet): ds_config.build_ds_config moves them in.
-        for key in ("reduce_bucket_size", "prefetch_bucket_size", "stage3_prefetch_bucket_size", "overlap_comm",
-                    "stage3_param_persistence_threshold", "stage3_max_live_parameters", "offload_optimizer",
-                    "offload_param", "sub_group_size"):
-            if key in cfg and key not in zo:
-                zo[key] = cfg[key]
+        # ZeRO keys written at the top level (the seed's §5.2 snippet): build_ds_config moves them in the same way.
+        for key, inner in MISPLACED_ZERO_KEYS.items():
+            if key in cfg and inner not in zo:
+                zo[inner] = cfg[key]
         stage = int(zo.get("stage", 3))
         if stage != 3:
             raise PlanInputError(f"deepspeed zero_optimization.stage={stage}: the planner models ZeRO stage 3 only")
@@ -162,23 +159,13 @@ class ZeroSettings:
         )
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
-
-
 def effective_ds_config(job: JobSpec) -> dict[str, Any]:
-    """The user's base ds_config file (deepspeed.config_path) with the inline deepspeed.config merged over it."""
-    base: dict[str, Any] = {}
-    if job.deepspeed.config_path:
-        path = Path(job.deepspeed.config_path)
-        try:
-            base = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise PlanInputError(f"deepspeed.config_path={str(path)!r} unreadable: {exc}") from None
-    return _deep_merge(base, job.deepspeed.config)
+    """The user's base ds_config file (deepspeed.config_path) with the inline deepspeed.config merged over it
+    (the job's own merge, `ds_config.load_user_config`)."""
+    try:
+        return load_user_config(job)[0]
+    except SpecError as exc:
+        raise PlanInputError(f"{exc.source}: {'; '.join(exc.problems)}") from None
 
 
 # ---------------------------------------------------------------------------- model parameters
@@ -704,7 +691,7 @@ def _set_zero(ds: dict[str, Any], **kv: Any) -> dict[str, Any]:
     zo = out.setdefault("zero_optimization", {})
     zo.setdefault("stage", 3)
     for key, val in kv.items():
-        zo[key] = _deep_merge(zo.get(key) or {}, val) if isinstance(val, dict) else val
+        zo[key] = deep_merge(zo.get(key) or {}, val) if isinstance(val, dict) else val
     return out
 
 
