@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from .durable import atomic_write, atomic_write_text, fsync_dir
+
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"  # DeepSpeed's pointer file
 MANIFEST_VERSION = 1
@@ -101,38 +103,6 @@ def _hash_many(tag_dir: Path, rels: list[str]) -> dict[str, str]:
         return dict(zip(rels, pool.map(lambda r: sha256_file(tag_dir / r), rels), strict=True))
 
 
-# ------------------------------------------------------------------------------- atomic I/O
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # some filesystems do not allow opening directories; the rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    """`write(binary file)` into a hidden temp file, fsync, rename over `path`, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    _atomic_write(path, lambda fh: fh.write(text.encode("utf-8")))
-
 
 def _json_float(x: float | None) -> float | str | None:
     # Same convention as telemetry: non-finite floats as strings, so the file stays strict JSON.
@@ -175,7 +145,7 @@ def write_manifest(tag_dir: str | Path, step: int, loss: float | None, samples_s
         "files": files,
         "extra": extra or {},
     }
-    _atomic_write_text(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    atomic_write_text(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 
 
@@ -283,7 +253,7 @@ def quarantine(tag_dir: str | Path) -> Path:
         target = tag_dir.with_name(f"{base}-{n}")
         n += 1
     os.rename(tag_dir, target)
-    _fsync_dir(tag_dir.parent)
+    fsync_dir(tag_dir.parent)
     return target
 
 
@@ -305,7 +275,7 @@ def point_latest_to(ckpt_dir: str | Path, tag: str) -> None:
     root = Path(ckpt_dir)
     if not (root / tag).is_dir():
         raise FileNotFoundError(f"cannot point latest to {tag}: {root / tag} does not exist")
-    _atomic_write_text(root / LATEST_NAME, tag)  # DeepSpeed writes the bare tag and strips on read
+    atomic_write_text(root / LATEST_NAME, tag)  # DeepSpeed writes the bare tag and strips on read
 
 
 # --------------------------------------------------------------------------------- retention
@@ -596,8 +566,8 @@ def host_snapshot(obj: Any, pin_memory: bool = True) -> Any:
             out.copy_(t, non_blocking=pin)
             return out
         if isinstance(x, dict):
-            out = {k: walk(v) for k, v in x.items()}
-            return out if type(x) is dict else type(x)(out)   # OrderedDict (module state dicts) stays one
+            items = {k: walk(v) for k, v in x.items()}
+            return items if type(x) is dict else type(x)(items)   # OrderedDict (module state dicts) stays one
         if isinstance(x, list):
             return [walk(v) for v in x]
         if isinstance(x, tuple) and not hasattr(x, "_fields"):
@@ -615,7 +585,7 @@ def durable_torch_save(obj: Any, path: str | Path) -> int:
     import torch
 
     path = Path(path)
-    _atomic_write(path, lambda fh: torch.save(obj, fh))
+    atomic_write(path, lambda fh: torch.save(obj, fh))
     return path.stat().st_size
 
 
@@ -718,9 +688,9 @@ class AsyncCheckpointWriter:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
                 total += durable_torch_save(obj, path)
             pending.clear()   # drop the host copies as soon as they are on disk
-            _fsync_dir(tag_dir)
+            fsync_dir(tag_dir)
             path = str(tag_dir / f"{DONE_PREFIX}{self.rank}")
-            _atomic_write_text(Path(path), "")
+            atomic_write_text(Path(path), "")
             if commit is not None:
                 path = str(tag_dir / MANIFEST_NAME)
                 commit()

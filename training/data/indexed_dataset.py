@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..durable import durable_replace
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # 34
@@ -72,12 +74,6 @@ def encode_index(dtype: np.dtype, sequence_lengths: np.ndarray, document_indices
     return b"".join([MAGIC, struct.pack("<Q", VERSION), struct.pack("<B", _CODE_OF[dt.str]),
                      struct.pack("<Q", len(lengths)), struct.pack("<Q", len(docs)),
                      lengths.tobytes(), pointers.tobytes(), docs.tobytes()])
-
-
-def _fsync_replace(tmp: Path, final: Path) -> None:
-    with tmp.open("rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
 
 
 class IndexedDatasetWriter:
@@ -132,8 +128,8 @@ class IndexedDatasetWriter:
         self._fh.close()
         lengths = np.asarray(self._lengths, dtype=np.int64)
         self._idx_tmp.write_bytes(encode_index(self.dtype, lengths, np.arange(len(lengths) + 1)))
-        _fsync_replace(self._bin_tmp, self.bin_path)
-        _fsync_replace(self._idx_tmp, self.idx_path)  # last: its presence means the pair is complete
+        durable_replace(self._bin_tmp, self.bin_path)
+        durable_replace(self._idx_tmp, self.idx_path)  # last: its presence means the pair is complete
 
     def abort(self) -> None:
         self._fh.close()

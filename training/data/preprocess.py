@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ..durable import atomic_write_text
 from .indexed_dataset import (
     IndexedDataset,
     IndexedDatasetError,
@@ -410,9 +411,8 @@ def preprocess(inputs: list[str | Path], tokenizer_path: str | Path, output_pref
     record_ = {"fingerprint": fp, "stats": {k: v for k, v in asdict(stats).items()
                                             if k not in ("reused_parts", "already_complete")},
                "max_token_id": max_id, "eos_id": tok.eos_id, "bos_id": tok.bos_id}
-    tmp = meta_path(output_prefix).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record_, indent=2, sort_keys=True))
-    os.replace(tmp, meta_path(output_prefix))  # last: the dataset is complete from here on
+    # Last, and durable: the dataset is complete from here on.
+    atomic_write_text(meta_path(output_prefix), json.dumps(record_, indent=2, sort_keys=True))
     shutil.rmtree(parts_dir, ignore_errors=True)
     return stats
 
