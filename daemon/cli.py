@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from ulyssesd.daemon.job_config import write_json_atomic
-from ulyssesd.daemon.logging import configure_logging, get_logger
+from ulyssesd.daemon.host.logging import configure_logging, get_logger
+from ulyssesd.daemon.job.config import write_json_atomic
 
 DAEMON_INFO = "ulyssesd.daemon.json"
 
@@ -80,7 +80,7 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
     if problem:
         print(f"ulyssesd: {problem}; nothing was started or changed", file=sys.stderr)
         return EXIT_SPEC
-    from ulyssesd.daemon.locks import InstanceLocks, LockHeld
+    from ulyssesd.daemon.host.locks import InstanceLocks, LockHeld
     from ulyssesd.daemon.store.permissions import private_dir
 
     try:
@@ -101,10 +101,10 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
             return EXIT_PREFLIGHT
 
     from ulyssesd.daemon.control.server import ControlServer, ControlSocketError
-    from ulyssesd.daemon.metrics import Metrics
-    from ulyssesd.daemon.process import RealOS
-    from ulyssesd.daemon.scheduler import LoopScheduler
-    from ulyssesd.daemon.sdnotify import SdNotifier
+    from ulyssesd.daemon.core.scheduler import LoopScheduler
+    from ulyssesd.daemon.host.metrics import Metrics
+    from ulyssesd.daemon.host.process import RealOS
+    from ulyssesd.daemon.host.sdnotify import SdNotifier
     from ulyssesd.daemon.store.recovery import (
         BACKUP_DIR_NAME,
         UnknownRunDirs,
@@ -135,7 +135,7 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
     metrics.start()
     alerts = None
     if spec.daemon.webhook_url:
-        from ulyssesd.daemon.alerts import AlertConfig, AlertSender
+        from ulyssesd.daemon.host.alerts import AlertConfig, AlertSender
 
         secret_env = spec.daemon.webhook_secret_env
         alerts = AlertSender(AlertConfig(url=spec.daemon.webhook_url, events=tuple(spec.daemon.webhook_events),

@@ -13,10 +13,11 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from ulyssesd.daemon import disk, log_source
-from ulyssesd.daemon import job_config as jc
-from ulyssesd.daemon.logging import get_logger
-from ulyssesd.daemon.relaunch import Relaunch, schedule_relaunch
+from ulyssesd.daemon.core.relaunch import Relaunch, schedule_relaunch
+from ulyssesd.daemon.host import disk
+from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.job import config as jc
+from ulyssesd.daemon.job import log_source
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.remediation.hang_stacks import read_hang
 

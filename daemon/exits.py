@@ -8,12 +8,13 @@ import re
 import signal
 from typing import TYPE_CHECKING, Any
 
-from ulyssesd.daemon import attempt_diagnosis, disk, host_oom
+from ulyssesd.daemon.core import attempt_diagnosis
+from ulyssesd.daemon.core.files import _read_tail
+from ulyssesd.daemon.core.relaunch import Relaunch, schedule_relaunch
 from ulyssesd.daemon.decisions import _split_outputs, action_kind, patch_of
-from ulyssesd.daemon.files import _read_tail
-from ulyssesd.daemon.logging import get_logger
-from ulyssesd.daemon.process import ExitStatus
-from ulyssesd.daemon.relaunch import Relaunch, schedule_relaunch
+from ulyssesd.daemon.host import disk, host_oom
+from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.host.process import ExitStatus
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.remediation.diagnosis import Diagnosis
 from ulyssesd.remediation.playbook import ladder_for_crash
@@ -55,8 +56,8 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     completed = status.ok and (sup.last_exiting == "completed" or (
         sup.last_exiting is None and sup.spec.job_section.kind == "command"))
     if crashed or (status.ok and after is None and not completed):
-        # One function for the daemon and `ulyssesctl diagnose` (daemon/attempt_diagnosis.py); a bare SIGKILL
-        # asks the host's OOM counters before it is called an OOM kill (daemon/host_oom.py).
+        # One function for the daemon and `ulyssesctl diagnose` (daemon/core/attempt_diagnosis.py); a bare SIGKILL
+        # asks the host's OOM counters before it is called an OOM kill (daemon/host/host_oom.py).
         d = attempt_diagnosis.diagnose_attempt(tail, status.returncode, status.signal, None)
         host = host_oom.evidence_for_attempt(sup) if d.label == "host_oom_killed" and d.confidence != "high" else None
         if host is not None:

@@ -102,7 +102,7 @@ class JobSection(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> JobSection:
-        from ulyssesd.daemon.command_job import placeholder_problems
+        from ulyssesd.daemon.job.command import placeholder_problems
 
         if self.kind == "command" and not self.command:
             raise ValueError("command is required for kind='command' (the program and its arguments)")

@@ -6,7 +6,7 @@ and feed the remediation engine → the engine's clock check (hang) → advance 
 fail) → launch when a backoff is over → sd_notify. Signal handlers and the control socket only enqueue
 or answer from the same thread; nothing else mutates supervisor state.
 
-The run's state machine is `ulyssesd.daemon.states`; every transition, attempt, incident, action and
+The run's state machine is `ulyssesd.daemon.core.states`; every transition, attempt, incident, action and
 config version goes to the store (SQLite), which is also what makes re-adoption exact: the telemetry
 cursor is persisted only after the records before it were acted upon, and incidents are deduplicated by
 (run, attempt, symptom, step), so a daemon killed at any point neither loses nor doubles an incident.
@@ -32,27 +32,30 @@ from typing import Any
 
 import tenacity
 
-from ulyssesd.daemon import decisions, disk, exits, log_source, relaunch, resume, termination
-from ulyssesd.daemon import job_config as jc
+from ulyssesd.daemon import decisions, exits
+from ulyssesd.daemon.core import relaunch, resume, termination
+from ulyssesd.daemon.core.files import LOG_TAIL_BYTES as LOG_TAIL_BYTES  # re-exported (moved)
+from ulyssesd.daemon.core.files import _read_tail as _read_tail  # re-exported (moved)
+from ulyssesd.daemon.core.files import _size
+from ulyssesd.daemon.core.rank_watch import RankWatch
+from ulyssesd.daemon.core.relaunch import Counters, Relaunch
+from ulyssesd.daemon.core.scheduler import LoopScheduler
+from ulyssesd.daemon.core.states import LIVE_JOB_STATES, TERMINAL, check_transition
+from ulyssesd.daemon.core.termination import STACKS_MAX_BYTES as STACKS_MAX_BYTES  # re-exported (moved)
+from ulyssesd.daemon.core.termination import Termination
 from ulyssesd.daemon.decisions import _split_outputs as _split_outputs  # re-exported (moved)
-from ulyssesd.daemon.files import LOG_TAIL_BYTES as LOG_TAIL_BYTES  # re-exported (moved)
-from ulyssesd.daemon.files import _read_tail as _read_tail  # re-exported (moved)
-from ulyssesd.daemon.files import _size
-from ulyssesd.daemon.launcher import LaunchPlan, build_launch, job_marker
-from ulyssesd.daemon.logging import bind_run, get_logger
-from ulyssesd.daemon.process import ExitStatus, JobHandle, OSInterface
-from ulyssesd.daemon.rank_watch import RankWatch
-from ulyssesd.daemon.relaunch import Counters, Relaunch
-from ulyssesd.daemon.scheduler import LoopScheduler
+from ulyssesd.daemon.host import disk
+from ulyssesd.daemon.host.logging import bind_run, get_logger
+from ulyssesd.daemon.host.process import ExitStatus, JobHandle, OSInterface
+from ulyssesd.daemon.job import config as jc
+from ulyssesd.daemon.job import log_source
+from ulyssesd.daemon.job.launcher import LaunchPlan, build_launch, job_marker
+from ulyssesd.daemon.job.telemetry_reader import Cursor, TelemetryReader
 from ulyssesd.daemon.spec import RunSpec
-from ulyssesd.daemon.states import LIVE_JOB_STATES, TERMINAL, check_transition
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.daemon.store.errors import NotFoundError
 from ulyssesd.daemon.store.permissions import private_dir
 from ulyssesd.daemon.store.recovery import refuse_unknown_run_dirs
-from ulyssesd.daemon.telemetry_reader import Cursor, TelemetryReader
-from ulyssesd.daemon.termination import STACKS_MAX_BYTES as STACKS_MAX_BYTES  # re-exported (moved)
-from ulyssesd.daemon.termination import Termination
 from ulyssesd.remediation.records import INT64_MAX, EventRecord, Record, StepRecord, bounded_repr
 from ulyssesd.training.control import STACK_DUMP_DIR, stack_dump_files
 
@@ -79,14 +82,14 @@ class Supervisor:
                  metrics: Any = None, alerts: Any = None,
                  run_lock: Callable[[Path, str], None] | None = None) -> None:
         self.spec = spec
-        # Takes the per-run supervisor lock (ulyssesd.daemon.locks) once the run is known; raises LockHeld.
+        # Takes the per-run supervisor lock (ulyssesd.daemon.host.locks) once the run is known; raises LockHeld.
         # None in in-process tests, which simulate a dead daemon by starting a second Supervisor.
         self.run_lock = run_lock
         self.store = store
         self.os = os_
         self.notifier = notifier
-        self.metrics = metrics  # ulyssesd.daemon.metrics.Metrics (optional, off by default)
-        self.alerts = alerts  # ulyssesd.daemon.alerts.AlertSender (optional): escalations and failures
+        self.metrics = metrics  # ulyssesd.daemon.host.metrics.Metrics (optional, off by default)
+        self.alerts = alerts  # ulyssesd.daemon.host.alerts.AlertSender (optional): escalations and failures
         self.incident_counts: dict[str, int] = {}
         self.actions_by_kind: dict[str, int] = {}  # for the metrics: actions of this daemon's run, by kind
         self.scheduler = scheduler
@@ -139,7 +142,7 @@ class Supervisor:
 
     @property
     def telemetry_path(self) -> Path:
-        if log_source.stdout_source(self.config):  # records parsed from the job's log (daemon/log_source.py)
+        if log_source.stdout_source(self.config):  # records parsed from the job's log (daemon/job/log_source.py)
             return self.run_dir / log_source.STDOUT_TELEMETRY_NAME
         p = jc.get_dotted(self.config, "telemetry.path")
         return Path(p) if p else self.run_dir / "telemetry.jsonl"
@@ -996,7 +999,7 @@ class Supervisor:
     def job_sweep(self) -> None:
         """Attempts the store thinks are live but whose process is gone (e.g. left by a crashed daemon
         for another run) are closed with what their exit file says."""
-        from ulyssesd.daemon.process import _read_exit_file
+        from ulyssesd.daemon.host.process import _read_exit_file
 
         for a in self.store.list_attempts(self.run_id):
             if a.ended_at is not None or a.number == self.attempt or not a.pid or not a.proc_start_time:

@@ -310,7 +310,7 @@ LADDERS: dict[str, tuple[Action, ...]] = {
     ),
     "nccl": (Action("restart", "restart_latest", _restart, repeat="max_crash_restarts"), STOP),
     "gpu_hardware": (STOP,),
-    # The daemon prunes (daemon/disk.py) before the restart. Repeatable: on a multi-day run the disk may
+    # The daemon prunes (daemon/host/disk.py) before the restart. Repeatable: on a multi-day run the disk may
     # fill again days later; `max_crash_restarts` full disks in a row (no verified window between) stop.
     "disk": (Action("prune_and_restart", "restart_latest",
                     lambda c: Proposal(what="prune old checkpoints (keep known-good and newest) and restart"),

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.daemon.logging import get_logger
+from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.remediation.records import bounded_repr, nesting_depth_exceeds
 
 MAX_REQUEST_BYTES = 64 * 1024

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.text import Text
 
-from ulyssesd.daemon.attempt_diagnosis import RecordError, from_record, read_record, record_for_log
+from ulyssesd.daemon.core.attempt_diagnosis import RecordError, from_record, read_record, record_for_log
 from ulyssesd.remediation.diagnosis import TAIL_BYTES, Diagnosis, diagnose
 from ulyssesd.training.spec import UnreadableFile, read_regular_file
 

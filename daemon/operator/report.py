@@ -341,7 +341,7 @@ def telemetry_path_of(run: Any) -> Path | None:
     """The run's telemetry file: the job's telemetry.jsonl, or the records the daemon parsed from its log."""
     if not run.run_dir:
         return None
-    from ulyssesd.daemon.log_source import STDOUT_TELEMETRY_NAME
+    from ulyssesd.daemon.job.log_source import STDOUT_TELEMETRY_NAME
 
     for name in ("telemetry.jsonl", STDOUT_TELEMETRY_NAME):
         p = Path(run.run_dir) / name
@@ -431,7 +431,7 @@ def _diff_html(versions: list[Any], v: Any) -> str:
     parent = next((p for p in versions if p.version == v.parent_version), None)
     if parent is None:
         return "(initial)"
-    from ulyssesd.daemon.job_config import diff_configs
+    from ulyssesd.daemon.job.config import diff_configs
 
     diff = diff_configs(parent.config, v.config)
     return "<br>".join(f"{_e(k)}: {_e(b)} → {_e(a)}" for k, (b, a) in diff.items()) or "(no change)"

@@ -253,16 +253,22 @@ def _last_exiting_reason(path: Path) -> str | None:
     return None
 
 
+#: The wrapper's module path now, and before daemon/ had sub-packages: a job launched by an older daemon is
+#: still found (and re-adopted) after an upgrade.
+JOB_WRAPPER_MODULES = ("ulyssesd.daemon.job.wrapper", "ulyssesd.daemon.job_wrapper")
+
+
 def find_live_job(run_id: str, run_dir: Path, attempt: int) -> tuple[int, float] | None:
     """(pid, create_time) of the attempt's job wrapper if it still runs (found by its environment marker)."""
     import psutil
 
-    from ulyssesd.daemon.launcher import job_marker
+    from ulyssesd.daemon.job.launcher import job_marker
 
     key, value = job_marker(run_id, run_dir, attempt)
     for proc in psutil.process_iter(["pid", "cmdline", "create_time"]):
         try:
-            if "ulyssesd.daemon.job_wrapper" not in " ".join(proc.info["cmdline"] or ()):
+            cmdline = " ".join(proc.info["cmdline"] or ())
+            if not any(module in cmdline for module in JOB_WRAPPER_MODULES):
                 continue
             if proc.environ().get(key) == value:
                 return proc.info["pid"], proc.info["create_time"]
@@ -274,7 +280,7 @@ def find_live_job(run_id: str, run_dir: Path, attempt: int) -> tuple[int, float]
 def rederive_run(store: Any, run_id: str, run_dir: Path, *, ckpt_dir: Path | None = None,
                  telemetry: Path | None = None) -> dict[str, Any]:
     """Bring the store's view of one run up to what its run directory holds; returns what was added."""
-    from ulyssesd.daemon.process import _read_exit_file
+    from ulyssesd.daemon.host.process import _read_exit_file
     from ulyssesd.training import checkpoint as ck
 
     got: dict[str, Any] = {"config_versions": [], "checkpoints": [], "attempts": [], "telemetry_cursor": None}

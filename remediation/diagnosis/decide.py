@@ -142,7 +142,7 @@ def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = N
 
 def refine_with_host(d: Diagnosis, oom_kills: int | None, kernel_oom_lines: list[str] | None = None) -> Diagnosis:
     """Sharpen a SIGKILL diagnosis with the host's OOM evidence (pure: the daemon reads it, see
-    daemon/host_oom.py). `oom_kills`: the cgroup's `memory.events` oom_kill count during the attempt (None:
+    daemon/host/host_oom.py). `oom_kills`: the cgroup's `memory.events` oom_kill count during the attempt (None:
     unreadable); `kernel_oom_lines`: OOM-killer lines of the kernel log during the attempt (None: unreadable).
 
     Only a `host_oom_killed` that is not already `high` changes: evidence of a kill makes it `high`; counters

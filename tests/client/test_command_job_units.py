@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from ulyssesd.client import write_manifest
-from ulyssesd.daemon.command_job import newest_complete_checkpoint, render_command
-from ulyssesd.daemon.launcher import build_launch
-from ulyssesd.daemon.log_source import LogSource
+from ulyssesd.daemon.job.command import newest_complete_checkpoint, render_command
+from ulyssesd.daemon.job.launcher import build_launch
+from ulyssesd.daemon.job.log_source import LogSource
 from ulyssesd.daemon.spec import JobSection, LauncherSection, run_spec_from_dict
 from ulyssesd.remediation.records import parse_line
 from ulyssesd.training.spec import SpecError
@@ -100,7 +100,7 @@ def test_log_source_tails_the_attempt_log_and_resumes_at_its_offset(tmp_path):
 
 
 def test_remediations_config_changes_land_in_the_jobs_own_ds_config(tmp_path):
-    from ulyssesd.daemon.command_job import patched_ds_config
+    from ulyssesd.daemon.job.command import patched_ds_config
 
     (tmp_path / "configs").mkdir()
     (tmp_path / "ds_config.json").write_text(json.dumps({"gradient_clipping": 1.0, "zero_optimization": {"stage": 3}}))

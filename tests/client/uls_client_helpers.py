@@ -6,7 +6,7 @@ import signal
 import time
 from pathlib import Path
 
-from ulyssesd.daemon.process import RealOS
+from ulyssesd.daemon.host.process import RealOS
 from ulyssesd.daemon.spec import load_run_spec
 from ulyssesd.daemon.store import open_store
 from ulyssesd.daemon.store.enums import RunState

@@ -9,7 +9,7 @@ import pytest
 
 @pytest.fixture
 def make_sup(tmp_path):
-    from ulyssesd.daemon.process import RealOS
+    from ulyssesd.daemon.host.process import RealOS
     from ulyssesd.daemon.spec import load_run_spec
     from ulyssesd.daemon.store import open_store
     from ulyssesd.daemon.supervisor import Supervisor

@@ -31,7 +31,7 @@ class FakeMetrics:
 
 
 def test_failed_run_alerts_and_metrics_follow_the_loop(tmp_path, make_sup):
-    from ulyssesd.daemon.process import RealOS
+    from ulyssesd.daemon.host.process import RealOS
     from ulyssesd.daemon.spec import load_run_spec
     from ulyssesd.daemon.store import open_store
     from ulyssesd.daemon.supervisor import Supervisor
@@ -68,7 +68,7 @@ def test_failed_run_alerts_and_metrics_follow_the_loop(tmp_path, make_sup):
 def test_hang_and_operator_stop_send_their_events(tmp_path):
     """A hang is its own event kind (paged apart from other incidents) and an operator stop says `stopped`;
     a healthy stretch of the same run sends nothing at all."""
-    from ulyssesd.daemon.process import RealOS
+    from ulyssesd.daemon.host.process import RealOS
     from ulyssesd.daemon.spec import load_run_spec
     from ulyssesd.daemon.store import open_store
     from ulyssesd.daemon.supervisor import Supervisor

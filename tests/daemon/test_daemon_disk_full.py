@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from test_daemon_unit_fakeos import FakeOS, _emit, _make_tag, _steps, _sup
 
-from ulyssesd.daemon import disk, relaunch
-from ulyssesd.daemon.process import ExitStatus
+from ulyssesd.daemon.core import relaunch
+from ulyssesd.daemon.host import disk
+from ulyssesd.daemon.host.process import ExitStatus
 from ulyssesd.daemon.store.enums import RunState
 from ulyssesd.training import checkpoint as ck
 
@@ -207,7 +208,7 @@ def test_daemon_write_on_a_read_only_run_dir_stops_cleanly(tmp_path, monkeypatch
 
 def test_a_hot_fix_whose_control_write_fails_leaves_the_job_running(tmp_path, monkeypatch):
     from ulyssesd.daemon import decisions
-    from ulyssesd.daemon import job_config as jc
+    from ulyssesd.daemon.job import config as jc
     from ulyssesd.remediation.engine import Decision
 
     fos, sup = _running(tmp_path)
@@ -294,7 +295,7 @@ def test_real_job_disk_full_mid_save_is_pruned_and_the_run_completes(tmp_path, m
 
 
 def test_a_failed_atomic_write_leaves_neither_a_temp_file_nor_a_changed_target(tmp_path):
-    from ulyssesd.daemon import job_config as jc
+    from ulyssesd.daemon.job import config as jc
 
     target = tmp_path / "control.json"
     jc.write_json_atomic(target, {"version": 1})
@@ -346,7 +347,7 @@ def test_a_launch_whose_log_file_cannot_be_created_is_retried_later_with_the_sam
 
 
 def test_the_wrapper_survives_an_exit_file_it_cannot_write(tmp_path, capsys):
-    from ulyssesd.daemon.job_wrapper import write_exit_file
+    from ulyssesd.daemon.job.wrapper import write_exit_file
 
     write_exit_file(str(tmp_path / "missing-dir" / "1.exit"), 0, None)  # ENOENT stands in for ENOSPC: no raise
     assert "cannot write the exit file" in capsys.readouterr().err

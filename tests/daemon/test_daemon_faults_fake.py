@@ -45,8 +45,8 @@ def test_hang_dumps_stacks_kills_group_and_resumes(tmp_path, make_sup):
     first_pid = sup.store.list_attempts(sup.run_id)[0].pid
     assert not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == psutil.STATUS_ZOMBIE
     # No process of attempt 1 survives (environment marker scan, not just the group).
-    from ulyssesd.daemon.launcher import job_marker
-    from ulyssesd.daemon.process import JobHandle
+    from ulyssesd.daemon.host.process import JobHandle
+    from ulyssesd.daemon.job.launcher import job_marker
     assert sup.os.job_pids(JobHandle(first_pid, 0.0), job_marker(sup.run_id, sup.run_dir, 1)) == []
     run_until(sup, lambda s: s.state in DONE, timeout=60)
     assert sup.state == RunState.COMPLETED, ev

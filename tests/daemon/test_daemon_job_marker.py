@@ -6,8 +6,8 @@ import os
 import subprocess
 import sys
 
-from ulyssesd.daemon.launcher import JOB_MARKER_ENV, build_launch, job_marker
-from ulyssesd.daemon.process import JobHandle, RealOS
+from ulyssesd.daemon.host.process import JobHandle, RealOS
+from ulyssesd.daemon.job.launcher import JOB_MARKER_ENV, build_launch, job_marker
 from ulyssesd.daemon.spec import LauncherSection
 
 

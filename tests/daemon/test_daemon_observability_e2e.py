@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client.parser import text_string_to_metric_families
 from uls_daemon_helpers import fake_spec
 
-from ulyssesd.daemon.alerts import SIGNATURE_HEADER, sign
+from ulyssesd.daemon.host.alerts import SIGNATURE_HEADER, sign
 
 
 def _free_port() -> int:

@@ -24,7 +24,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def crashed_and_rolled_back_run(tmp_path_factory):
     """SIGKILL at step 12 (restart from step 10), NaN at step 20 of attempt 2 (rollback), then completes.
     One real supervised run shared by the tests of this module (they only read it)."""
-    from ulyssesd.daemon.process import RealOS
+    from ulyssesd.daemon.host.process import RealOS
     from ulyssesd.daemon.spec import load_run_spec
     from ulyssesd.daemon.supervisor import Supervisor
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from uls_daemon_helpers import fake_spec
 
-from ulyssesd.daemon.process import ExitStatus, JobHandle
+from ulyssesd.daemon.core.states import TRANSITIONS, IllegalTransition, can_transition, check_transition
+from ulyssesd.daemon.host.process import ExitStatus, JobHandle
 from ulyssesd.daemon.spec import load_run_spec
-from ulyssesd.daemon.states import TRANSITIONS, IllegalTransition, can_transition, check_transition
 from ulyssesd.daemon.store import open_store
 from ulyssesd.daemon.store.enums import TERMINAL_RUN_STATES, RunState
 from ulyssesd.daemon.supervisor import Supervisor
@@ -48,7 +48,7 @@ def test_illegal_transition_names_both_states_and_allowed_ones():
 
 
 def test_transition_table_is_commented_with_a_reason():
-    src = (Path(__file__).parents[2] / "daemon" / "states.py").read_text()
+    src = (Path(__file__).parents[2] / "daemon" / "core" / "states.py").read_text()
     for a, b in TRANSITIONS:
         assert f"# {a.value} -> {b.value} because" in src, (a, b)
 

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from ulyssesd.daemon.alerts import EVENTS, SIGNATURE_HEADER, AlertConfig, AlertSender, redact, sign
+from ulyssesd.daemon.host.alerts import EVENTS, SIGNATURE_HEADER, AlertConfig, AlertSender, redact, sign
 
 
 class Hook:

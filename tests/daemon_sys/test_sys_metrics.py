@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ulyssesd.daemon.metrics import METRIC_NAMES, Metrics
+from ulyssesd.daemon.host.metrics import METRIC_NAMES, Metrics
 
 
 def _free_port() -> int:

@@ -8,7 +8,7 @@ import uuid
 
 from structlog.testing import capture_logs
 
-from ulyssesd.daemon.sdnotify import SdNotifier
+from ulyssesd.daemon.host.sdnotify import SdNotifier
 
 
 def _listener(addr):

@@ -111,7 +111,7 @@ def test_replay_skips_a_line_longer_than_the_bound_without_holding_it(tmp_path):
 
 
 def test_a_hostile_checkpoint_manifest_makes_the_tag_invalid_not_the_daemon_crash(tmp_path):
-    from ulyssesd.daemon.resume import tag_gib
+    from ulyssesd.daemon.core.resume import tag_gib
     from ulyssesd.training.checkpoint import validate_tag
 
     tag = tmp_path / "step-00000010"
@@ -128,8 +128,8 @@ def test_a_hostile_checkpoint_manifest_makes_the_tag_invalid_not_the_daemon_cras
 
 
 def test_damaged_exit_and_control_files_read_as_absent(tmp_path):
-    from ulyssesd.daemon.job_config import read_control
-    from ulyssesd.daemon.process import _read_exit_file
+    from ulyssesd.daemon.host.process import _read_exit_file
+    from ulyssesd.daemon.job.config import read_control
 
     exit_file = tmp_path / "1.exit"
     for body in ("[1, 2]", "[" * 50_000, '{"returncode": "x", "signal": [9]}'):

@@ -15,16 +15,16 @@ from pathlib import Path
 import typer
 from typer.testing import CliRunner
 
-from ulyssesd.daemon.attempt_diagnosis import (
+from ulyssesd.daemon.core.attempt_diagnosis import (
     diagnose_attempt,
     read_record,
     record_for_log,
     record_path,
     write_record,
 )
-from ulyssesd.daemon.host_oom import HostOomProbe, read_kernel_oom_lines, read_oom_kill
+from ulyssesd.daemon.host.host_oom import HostOomProbe, read_kernel_oom_lines, read_oom_kill
+from ulyssesd.daemon.host.process import ExitStatus
 from ulyssesd.daemon.operator.ctl_diagnose import register_diagnose
-from ulyssesd.daemon.process import ExitStatus
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 from test_daemon_unit_fakeos import FakeOS, _emit, _steps, _sup  # noqa: E402
@@ -61,7 +61,7 @@ class _Probe:
         self.kills, self.lines, self.calls = kills, lines, 0
 
     def evidence(self, since):
-        from ulyssesd.daemon.host_oom import HostOomEvidence
+        from ulyssesd.daemon.host.host_oom import HostOomEvidence
 
         self.calls += 1
         return HostOomEvidence(self.kills, self.lines, "test probe")

@@ -11,7 +11,7 @@ import sys
 import structlog
 from structlog.testing import capture_logs
 
-from ulyssesd.daemon.logging import (
+from ulyssesd.daemon.host.logging import (
     SYSLOG_PRIORITY,
     bind_run,
     configure_logging,
@@ -60,7 +60,7 @@ def test_level_filter_and_capture_logs() -> None:
 
 _EMIT = """
 import sys
-from ulyssesd.daemon.logging import bind_run, configure_logging, get_logger
+from ulyssesd.daemon.host.logging import bind_run, configure_logging, get_logger
 configure_logging()
 bind_run("tiny-7", 3)
 log = get_logger("t")

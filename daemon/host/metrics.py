@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
-from ulyssesd.daemon.logging import get_logger
+from ulyssesd.daemon.host.logging import get_logger
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer

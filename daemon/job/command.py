@@ -85,7 +85,7 @@ _DS_PREFIX = "deepspeed.config."
 def ds_config_patch(base: dict[str, Any], current: dict[str, Any]) -> dict[tuple[str, ...], Any]:
     """What remediation changed between two config versions, as DeepSpeed-config paths -> new values.
     Keys with no DeepSpeed equivalent (model/precision/data of the built-in job) are left out."""
-    from ulyssesd.daemon.job_config import diff_configs
+    from ulyssesd.daemon.job.config import diff_configs
 
     def leaves(key: str, value: Any) -> list[tuple[str, Any]]:  # a section new in `current` diffs as a whole
         if isinstance(value, dict):

@@ -5,7 +5,7 @@ Multi-node always goes through an existing launcher, never a home-made agent:
 - `deepspeed`: the DeepSpeed launcher with a hostfile (pdsh/ssh fan-out);
 - `srun`: Slurm starts one task per rank inside the allocation;
 - `local`: one process, no launcher (world size 1; fakes and debugging).
-Every attempt runs under `ulyssesd.daemon.job_wrapper`, which records the exit status for re-adoption.
+Every attempt runs under `ulyssesd.daemon.job.wrapper`, which records the exit status for re-adoption.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def rank_command(launcher: LauncherSection, config_path: Path, run_dir: Path, at
 def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attempt: int, config_version: int,
                  base_env: dict[str, str] | None = None, job: Any = None,
                  rollback_to_step: int | None = None) -> LaunchPlan:
-    """`job`: the spec's `[job]` section; kind=command runs the user's program (daemon/command_job.py), whose
+    """`job`: the spec's `[job]` section; kind=command runs the user's program (daemon/job/command.py), whose
     {resume} is bounded by `rollback_to_step` on a rollback."""
     python = launcher.python or sys.executable
     config_path = run_dir / "configs" / f"v{config_version}.json"
@@ -69,7 +69,7 @@ def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attem
     via_torchrun = prog
     via_deepspeed = ["--module", launcher.module, *prog[2:]]
     if job is not None and job.kind == "command":
-        from ulyssesd.daemon.command_job import render_command
+        from ulyssesd.daemon.job.command import render_command
 
         user = render_command(job, run_dir=run_dir, attempt=attempt, config_version=config_version,
                               rollback_to_step=rollback_to_step)
@@ -104,7 +104,7 @@ def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attem
         raise ValueError(f"launcher.kind={kind!r} is not supported")
     exit_file = run_dir / "attempts" / f"{attempt}.exit"
     log_path = run_dir / "logs" / f"attempt-{attempt}.log"
-    argv = [python, "-m", "ulyssesd.daemon.job_wrapper", "--exit-file", str(exit_file), "--", *cmd]
+    argv = [python, "-m", "ulyssesd.daemon.job.wrapper", "--exit-file", str(exit_file), "--", *cmd]
     marker = job_marker(run_id, run_dir, attempt)
     env = dict(base_env if base_env is not None else os.environ)
     env.update(launcher.env)

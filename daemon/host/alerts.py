@@ -40,7 +40,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from ulyssesd.daemon.logging import get_logger
+from ulyssesd.daemon.host.logging import get_logger
 
 _stop_delay: Callable[[float], stop_base]  # either class below: same constructor
 try:  # tenacity >= 8.3: also counts the upcoming wait, so an alert never sleeps past its bound

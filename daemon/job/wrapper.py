@@ -1,4 +1,4 @@
-"""The launcher wrapper: `python -m ulyssesd.daemon.job_wrapper --exit-file F -- LAUNCHER ARGV...`.
+"""The launcher wrapper: `python -m ulyssesd.daemon.job.wrapper --exit-file F -- LAUNCHER ARGV...`.
 
 The daemon spawns this as the leader of a new session/process group; it runs the launcher (torchrun,
 deepspeed, srun, or the rank module directly) as its child and, when the launcher exits, writes
@@ -92,7 +92,7 @@ def write_exit_file(path: str, returncode: int | None, sig: int | None, extra: d
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 3 or argv[0] != "--exit-file" or "--" not in argv:
-        print("usage: python -m ulyssesd.daemon.job_wrapper --exit-file FILE -- ARGV...", file=sys.stderr)
+        print("usage: python -m ulyssesd.daemon.job.wrapper --exit-file FILE -- ARGV...", file=sys.stderr)
         return 2
     exit_file = argv[1]
     cmd = argv[argv.index("--") + 1:]

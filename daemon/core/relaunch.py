@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ulyssesd.daemon.logging import get_logger
+from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def own_write_failed(sup: Supervisor, exc: BaseException, relaunch: Relaunch) ->
     """The daemon could not write to the run directory before a launch. Read-only: a clear incident and a
     clean stop, nothing deleted. Full: prune what is prunable, then retry the launch later with a growing
     delay, OWN_WRITE_RETRIES times at most, then FAILED with a disk_full incident. Returns False."""
-    from ulyssesd.daemon import disk
+    from ulyssesd.daemon.host import disk
 
     code = disk.errno_of(exc) or "unknown"  # the OSError itself, or the cause of a LaunchError
     sup.counters.own_write_failures += 1

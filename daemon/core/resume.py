@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.daemon.logging import get_logger
+from ulyssesd.daemon.host.logging import get_logger
 
 log = get_logger("ulyssesd.supervisor")
 

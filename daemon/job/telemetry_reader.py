@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ulyssesd.daemon.logging import get_logger
+from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.remediation.records import MAX_LINE_BYTES, Record, RecordError, parse_line
 
 log = get_logger("ulyssesd.telemetry")

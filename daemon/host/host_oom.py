@@ -140,7 +140,7 @@ def evidence_for_attempt(sup: Any) -> dict[str, Any] | None:
     there is no real host to ask (a test's fake OS without a probe)."""
     probe = getattr(sup, "host_oom_probe", None)
     if probe is None:
-        from ulyssesd.daemon.process import RealOS
+        from ulyssesd.daemon.host.process import RealOS
 
         if not isinstance(sup.os, RealOS):
             return None

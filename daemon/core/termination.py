@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.daemon.files import _read_tail, _size
-from ulyssesd.daemon.logging import get_logger
-from ulyssesd.daemon.process import JobHandle, OSInterface
+from ulyssesd.daemon.core.files import _read_tail, _size
+from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.host.process import JobHandle, OSInterface
 
 log = get_logger("ulyssesd.supervisor")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ulyssesd.daemon.logging import get_logger
+from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, Severity, Symptom
 
 if TYPE_CHECKING:
