@@ -147,7 +147,7 @@ def test_peak_memory_drops_by_the_planners_12_v_per_token():
     tokens = B * s
     untiled = _peak_cpu_bytes(_model(0, vocab_size=vocab), batch)
     tiled = _peak_cpu_bytes(_model(chunk, vocab_size=vocab), batch)
-    predicted_drop = 12 * vocab * (tokens - chunk)  # training/planner.py: t·12·V -> min(N, t)·12·V
+    predicted_drop = 12 * vocab * (tokens - chunk)  # training/planner/cost_model.py: t·12·V -> min(N, t)·12·V
     # fp32 model: logits.float() is no copy, so the measured drop is a little under 12·V per token.
     assert 0.75 * predicted_drop < untiled - tiled < 1.1 * predicted_drop, (untiled, tiled, predicted_drop)
 

@@ -1,0 +1,84 @@
+"""Memory planner: will this run spec fit this cluster, and if not, what is the smallest change that would?
+
+Pure arithmetic over the job spec (no torch, no DeepSpeed, no GPU): per-GPU and per-host breakdown of a
+ZeRO-3 + Ulysses step of `training/model/gpt.py`'s GPT, a verdict with its margin, and a search over candidate
+changes (more nodes, offload, SP degree, micro-batch, checkpointing, sequence length, bigger GPUs or more
+host RAM) that re-plans each candidate and reports those that fit, cheapest first.
+Formulas, their sources in DeepSpeed 0.19.8 and how they differ from DeepSpeed's own estimator:
+docs/PLANNER.md.
+
+Modules: `inputs` (cluster, ZeRO settings, overheads), `cost_model` (the bytes of one plan), `search` (the
+suggestions), `rendering` (the Plan and its text/JSON). This package's namespace is the planner's public,
+documented import path (`from ulyssesd.training.planner import Cluster, plan, ...`, docs/PLANNER.md), so it
+re-exports the public names of its modules.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from typing import Any
+
+from ..spec import JobSpec
+from .cost_model import block_saved_bytes_per_token, compute_plan, model_stats, param_shapes
+from .inputs import (
+    ALLOCATOR_HEADROOM,
+    CUDA_CONTEXT_GIB,
+    GPU_PRESETS,
+    Cluster,
+    GiB,
+    PlanInputError,
+    ZeroSettings,
+    effective_ds_config,
+)
+from .rendering import Item, Plan, Suggestion
+from .search import search_suggestions
+
+__all__ = [
+    "ALLOCATOR_HEADROOM", "CUDA_CONTEXT_GIB", "GPU_PRESETS", "Cluster", "GiB", "Item", "Plan", "PlanInputError",
+    "Suggestion", "ZeroSettings", "apply_overrides", "block_saved_bytes_per_token", "effective_ds_config",
+    "model_stats", "param_shapes", "plan", "predict_peak_gib",
+]
+
+
+def plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any] | None = None, *, search: bool = True,
+         allocator_headroom: float = ALLOCATOR_HEADROOM, cuda_context_gib: float = CUDA_CONTEXT_GIB) -> Plan:
+    """Per-GPU/per-host memory plan of `job` on `cluster`, with a verdict and (if it does not fit and
+    `search`) the cheapest changes that would fit. `ds_config` defaults to the spec's own DeepSpeed config
+    (base file + inline); pass the job's effective config when you have it."""
+    ds = effective_ds_config(job) if ds_config is None else ds_config
+    kw = dict(allocator_headroom=allocator_headroom, cuda_context_gib=cuda_context_gib)
+    result = compute_plan(job, cluster, ds, **kw)
+    if search and not result.fits:
+        result.suggestions = search_suggestions(job, cluster, ds, result, **kw)
+    return result
+
+
+def apply_overrides(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any],
+                    overrides: dict[str, Any]) -> tuple[JobSpec, Cluster, dict[str, Any]]:
+    """Apply a Suggestion's `overrides` (dotted keys: `train.*`, `parallel.*`, `deepspeed.config.*`,
+    `cluster.*`) and return the changed (job, cluster, ds_config)."""
+    data = job.model_dump()
+    ds = copy.deepcopy(ds_config)
+    for dotted, val in overrides.items():
+        parts = dotted.split(".")
+        if parts[0] == "cluster":
+            if parts[1] == "gpu":
+                cluster = Cluster.preset(val, cluster.gpus_per_node, cluster.nodes, host_mem_gib=cluster.host_mem_gib,
+                                         nvme_gib=cluster.nvme_gib)
+            else:
+                cluster = replace(cluster, **{parts[1]: val})
+            continue
+        node = ds if parts[:2] == ["deepspeed", "config"] else data
+        parts = parts[2:] if node is ds else parts
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = val
+    return JobSpec.model_validate(data), cluster, ds
+
+
+def predict_peak_gib(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any] | None = None) -> float:
+    """Predicted steady-state `torch.cuda.max_memory_allocated()` of the worst rank over a training step
+    (forward, backward, optimizer step), in GiB. Excludes what the caching allocator reserves beyond
+    allocations and the CUDA context — compare with max_memory_allocated, not reserved or nvidia-smi."""
+    return plan(job, cluster, ds_config, search=False).gpu_peak_allocated / GiB
