@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
+from ulyssesd.remediation.job import job_values
 from ulyssesd.training.spec import (
     DAEMON_SECTIONS,
     JobSpec,
@@ -223,3 +225,11 @@ def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
 def load_run_spec(path: str | Path) -> RunSpec:
     path = Path(path)
     return run_spec_from_dict(read_toml(path), str(path), path.parent)
+
+
+def engine_job_values(config: Mapping[str, Any], launcher_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The job values the remediation engine takes (it never imports the spec): the job config's dotted keys,
+    the model's resolved layer count (a preset leaves `model.num_layers` unset in configs/vN.json) and the
+    launcher env as `launcher.env.NAME`. An invalid config raises the validation error; nothing is guessed."""
+    num_layers = JobSpec.model_validate(dict(config)).resolved_model().num_layers
+    return job_values(config, num_layers=num_layers, launcher_env=launcher_env)

@@ -11,10 +11,11 @@ config version goes to the store (SQLite), which is also what makes re-adoption 
 cursor is persisted only after the records before it were acted upon, and incidents are deduplicated by
 (run, attempt, symptom, step), so a daemon killed at any point neither loses nor doubles an incident.
 
-The tick's larger parts live beside it, one concept each: `termination.py` (stack dump -> SIGTERM ->
+The tick's larger parts live beside it, one concept each: `core/termination.py` (stack dump -> SIGTERM ->
 SIGKILL phases), `exits.py` (an attempt's exit: crash -> diagnosis -> playbook), `decisions.py` (the
-engine's findings and decisions -> incidents, actions, restarts), `relaunch.py` (restart budget and
-backoff), `resume.py` (which checkpoint the next attempt resumes from), `files.py` (log/dump reads).
+engine's findings and decisions -> incidents, actions, restarts), `core/relaunch.py` (restart budget and
+backoff), `core/resume.py` (which checkpoint the next attempt resumes from), `core/files.py` (log/dump
+reads); the job side is in `job/`, the OS seam in `host/process.py` (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job import log_source
 from ulyssesd.daemon.job.launcher import LaunchPlan, build_launch, job_marker
 from ulyssesd.daemon.job.telemetry_reader import Cursor, TelemetryReader
-from ulyssesd.daemon.spec import RunSpec
+from ulyssesd.daemon.spec import RunSpec, engine_job_values
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.daemon.store.errors import NotFoundError
 from ulyssesd.daemon.store.permissions import private_dir
@@ -61,9 +62,6 @@ from ulyssesd.training.control import STACK_DUMP_DIR, stack_dump_files
 
 log = get_logger("ulyssesd.supervisor")
 S = RunState
-
-#: Exit code of `ulyssesd run` when the run ended FAILED (the unit lists it in RestartPreventExitStatus).
-EXIT_RUN_FAILED = 10
 
 
 class LaunchError(RuntimeError):
@@ -78,7 +76,8 @@ class Supervisor:
     def __init__(self, spec: RunSpec, store: Any, os_: OSInterface, *, run_id: str | None = None,
                  engine_factory: Callable[[RunSpec, dict], Any] | None = None,
                  notifier: Any = None, scheduler: LoopScheduler | None = None,
-                 say: Callable[[str], None] | None = None, preflight: bool = True,
+                 say: Callable[[str], None] | None = None,
+                 preflight: Callable[[dict[str, Any]], str | None] | None = None,
                  metrics: Any = None, alerts: Any = None,
                  run_lock: Callable[[Path, str], None] | None = None) -> None:
         self.spec = spec
@@ -94,6 +93,8 @@ class Supervisor:
         self.actions_by_kind: dict[str, int] = {}  # for the metrics: actions of this daemon's run, by kind
         self.scheduler = scheduler
         self.say = say or (lambda msg: None)
+        # The planner's check of a job config (None = fits, else why not); run before every relaunch with the
+        # patched config, as cli.py runs it before the first launch. None: no preflight (CPU/command jobs, tests).
         self.preflight = preflight
         self.engine_factory = engine_factory or default_engine_factory
         self.dcfg = spec.daemon
@@ -450,6 +451,11 @@ class Supervisor:
             from ulyssesd.training.checkpoint import step_of_tag
 
             self.latest_ckpt = (tag, step_of_tag(tag) or 0) if tag != "none" else None
+        if self.attempt > 0 and self.preflight is not None:
+            verdict = self.preflight(self.config)  # fails closed: a planner error is a refusal too
+            if verdict is not None:
+                self._fail(f"preflight refused config v{self.config_version}: {verdict}", symptom=Symptom.launch_failure)
+                return False
         self.attempt += 1
         # A fresh attempt reads control.json from scratch: neutral file (no keys = no change).
         jc.write_control(self.run_dir, suspect=False)
@@ -1022,4 +1028,4 @@ def _jsonable(x: Any) -> Any:
 def default_engine_factory(spec: RunSpec, config: dict[str, Any]) -> Any:
     from ulyssesd.remediation.engine import RemediationEngine
 
-    return RemediationEngine(spec.detectors, spec.remediation, config)
+    return RemediationEngine(spec.detectors, spec.remediation, engine_job_values(config))

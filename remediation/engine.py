@@ -7,6 +7,7 @@ Pure: every call takes the clock value `now`; nothing here reads files or the sy
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ from ulyssesd.remediation import memory_evidence
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding, HangDetector, build_detectors
 from ulyssesd.remediation.detectors.throughput_drop import tokens_per_s
+from ulyssesd.remediation.job import job_values
 from ulyssesd.remediation.memory_evidence import Replan
 from ulyssesd.remediation.playbook import (
     DEFAULTS,
@@ -97,49 +99,9 @@ def _same_episode(a: Finding, b: Finding) -> bool:
             and a.evidence.get("since_step") == b.evidence.get("since_step"))
 
 
-def job_values(job: Any) -> dict[str, Any]:
-    """Flatten a JobSpec / RunSpec / nested dict / dotted dict into dotted keys (lists stay leaves)."""
-    if job is None:
-        return {}
-    out: dict[str, Any] = {}
-    if hasattr(job, "job") and hasattr(job, "launcher"):   # RunSpec
-        out.update(job_values(job.job))
-        for k, v in job.launcher.env.items():
-            out[f"launcher.env.{k}"] = v
-        return out
-    if hasattr(job, "model_dump"):
-        data = job.model_dump(mode="json")
-        try:
-            data.setdefault("model", {})["num_layers"] = job.resolved_model().num_layers
-        except Exception:  # noqa: BLE001 - a partial spec still gives the other values
-            pass
-    else:
-        data = dict(job)
-        model = data.get("model")
-        if isinstance(model, dict) and model.get("num_layers") is None:
-            # A dumped JobSpec (the daemon's configs/vN.json) leaves preset dimensions unresolved.
-            try:
-                from ulyssesd.training.spec import JobSpec  # pydantic models only; no torch
-
-                data["model"] = {**model, "num_layers": JobSpec.model_validate(data).resolved_model().num_layers}
-            except Exception:  # noqa: BLE001 - not a full JobSpec: the playbook default applies
-                pass
-
-    def walk(prefix: str, d: dict[str, Any]) -> None:
-        for k, v in d.items():
-            key = f"{prefix}{k}"
-            if isinstance(v, dict) and v:
-                walk(key + ".", v)
-            else:
-                out[key] = v
-
-    walk("", data)
-    return out
-
-
 class RemediationEngine:
     def __init__(self, config: DetectorsConfig | None = None, policy: RemediationConfig | None = None,
-                 job: Any = None, *, start_time: float | None = None, attempt: int | None = None):
+                 job: Mapping[str, Any] | None = None, *, start_time: float | None = None, attempt: int | None = None):
         self.config = config or DetectorsConfig()
         self.policy = policy or RemediationConfig()
         vals = job_values(job)

@@ -3,7 +3,7 @@ decided, step by step. The clock is each record's `time` when present, else step
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ class ReplayItem:
 
 
 def replay(records: Iterable[Record], detectors_cfg: DetectorsConfig | None = None,
-           policy_cfg: RemediationConfig | None = None, job_values: Any = None,
+           policy_cfg: RemediationConfig | None = None, job_values: Mapping[str, Any] | None = None,
            *, engine: RemediationEngine | None = None) -> Iterator[ReplayItem]:
     """Yield every finding and decision the engine produces over `records`, in stream order."""
     eng = engine or RemediationEngine(detectors_cfg, policy_cfg, job_values)

@@ -98,10 +98,11 @@ def item_to_dict(it: ReplayItem) -> dict[str, Any]:
 def load_configs(spec: Path | None) -> tuple[DetectorsConfig, RemediationConfig, Any]:
     if spec is None:
         return DetectorsConfig(), RemediationConfig(), None
-    from ulyssesd.daemon.spec import load_run_spec  # imported lazily: pulls in the job's spec models
+    # Imported lazily: pulls in the job's spec models.
+    from ulyssesd.daemon.spec import engine_job_values, load_run_spec
 
     rs = load_run_spec(spec)
-    return rs.detectors, rs.remediation, rs
+    return rs.detectors, rs.remediation, engine_job_values(rs.job.model_dump(mode="json"), rs.launcher.env)
 
 
 def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,

@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterable
+from typing import Any
 
+from ulyssesd.remediation.job import job_values
 from ulyssesd.remediation.records import Record, StepRecord
+from ulyssesd.training.spec import JobSpec
 
 
 def healthy(n: int, seed: int = 0, start: int = 1, t0: float = 1000.0, *, loss_noise: float = 0.02,
@@ -38,3 +41,8 @@ def run_detector(det, records: Iterable[Record]) -> list:
     for r in records:
         found.extend(det.observe(r, r.time or 0.0))
     return found
+
+
+def engine_job(spec: JobSpec) -> dict[str, Any]:
+    """A JobSpec's values as the daemon hands them to the engine: the config dump and the resolved layer count."""
+    return job_values(spec.model_dump(mode="json"), num_layers=spec.resolved_model().num_layers)

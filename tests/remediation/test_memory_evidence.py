@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from rem_helpers import engine_job
 
 from ulyssesd.daemon.operator.ctl_plan import memory_replanner
 from ulyssesd.daemon.spec import load_run_spec
@@ -42,7 +43,7 @@ def setup(spec: str, cluster: Cluster, env: dict | None = None, **train):
         cfg["parallel"]["sequence_parallel_size"] = sp
     cfg["train"].update(train)
     env = dict(rs.launcher.env) if env is None else env
-    engine = RemediationEngine(job=JobSpec.model_validate(cfg), policy=RemediationConfig())
+    engine = RemediationEngine(job=engine_job(JobSpec.model_validate(cfg)), policy=RemediationConfig())
     engine.values[K_ALLOC] = env.get("PYTORCH_CUDA_ALLOC_CONF")
     engine.initial = dict(engine.values)
     rs = rs.model_copy(update={"launcher": rs.launcher.model_copy(update={"env": env})})

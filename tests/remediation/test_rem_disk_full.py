@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+from rem_helpers import engine_job
+
 from ulyssesd.remediation.config import RemediationConfig
 from ulyssesd.remediation.engine import RemediationEngine
 from ulyssesd.remediation.records import StepRecord
 from ulyssesd.training.spec import JobSpec
 
-JOB = JobSpec.model_validate({"model": {"preset": "tiny"}, "train": {"device": "cpu"}})
+JOB = engine_job(JobSpec.model_validate({"model": {"preset": "tiny"}, "train": {"device": "cpu"}}))
 POLICY = RemediationConfig(max_crash_restarts=2, max_restarts_per_hour=100, no_progress_restarts=100,
                            verify_steps=50)
 

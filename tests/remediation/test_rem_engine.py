@@ -4,16 +4,18 @@ known-good tracking, crash labels, hang."""
 from __future__ import annotations
 
 import pytest
-from rem_helpers import healthy
+from rem_helpers import engine_job, healthy
 
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
-from ulyssesd.remediation.engine import Decision, RemediationEngine, job_values
+from ulyssesd.remediation.engine import Decision, RemediationEngine
+from ulyssesd.remediation.job import job_values
 from ulyssesd.remediation.records import EventRecord
 from ulyssesd.training.spec import JobSpec
 
-JOB = JobSpec.model_validate({"model": {"preset": "gpt-7b"},
-                              "train": {"lr": 1e-4, "micro_batch_size": 4, "gradient_accumulation_steps": 2}})
+SPEC = JobSpec.model_validate({"model": {"preset": "gpt-7b"},
+                               "train": {"lr": 1e-4, "micro_batch_size": 4, "gradient_accumulation_steps": 2}})
+JOB = engine_job(SPEC)
 
 
 def _feed(eng, recs, ckpt_every: int | None = None):
@@ -37,10 +39,18 @@ def _spike(ranges):
 
 
 def test_job_values_flatten_jobspec():
-    v = job_values(JOB)
+    v = job_values(SPEC.model_dump(mode="json"), num_layers=SPEC.resolved_model().num_layers)
     assert v["train.lr"] == 1e-4 and v["model.num_layers"] == 32 and v["train.micro_batch_size"] == 4
     assert job_values({"train": {"lr": 2e-4}, "deepspeed.config.zero_optimization.reduce_bucket_size": 5e7}) == {
         "train.lr": 2e-4, "deepspeed.config.zero_optimization.reduce_bucket_size": 5e7}
+
+
+def test_job_values_take_plain_values_not_spec_objects():
+    # The engine never duck-types a spec: the daemon dumps it; a spec object is refused by name.
+    assert job_values({"model": {"preset": "tiny"}}, launcher_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == {
+        "model.preset": "tiny", "launcher.env.PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    with pytest.raises(TypeError, match="got JobSpec"):
+        RemediationEngine(job=SPEC)  # type: ignore[arg-type]
 
 
 def test_single_spike_that_recovers_costs_nothing():
