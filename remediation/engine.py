@@ -418,6 +418,7 @@ class RemediationEngine:
                 st.uses = 0
                 continue
             break
+        assert not isinstance(built, str)  # both loops leave with a Proposal (a str rung is skipped)
         apply: Apply = built.apply or action.apply
         patch = dict(built.patch)
         plan = built.rollback

@@ -219,6 +219,7 @@ def choose(lines: Iterable[str] | str, ctx: Context, replan: Replan | None = Non
             if isinstance(built, Proposal):
                 return MemoryChoice(cause, _rung(kind), replace(built, what=f"{built.what} ({said})"), None, evidence)
         return None
+    assert replan is not None  # `base` came from it
     # The OOM is a lower bound on the failing config's peak: a planner that predicted less is short by that much.
     under = 0.0
     if oom is not None and oom.allocated_gib is not None:
