@@ -1,0 +1,236 @@
+"""The package's architecture, as tests: no import cycle, small modules and folders, a pure remediation/.
+
+The graph is read from the installed package: every package listed in pyproject.toml is located with
+importlib (so the editable install's folder mapping is honoured), each module's imports are read with
+`ast`, and an edge goes to the module an import names (not to its parent packages' `__init__`, which
+importing runs but which is not a dependency of the importer). Imports under `if TYPE_CHECKING:` are
+not run-time imports and are left out; imports inside functions (lazy ones) count: a lazy import hides a
+cycle from the interpreter, not from the design.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from ulyssesd.training.spec import read_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "ulyssesd"
+
+MAX_MODULE_LINES = 500
+MAX_MODULES_PER_FOLDER = 12  # modules of one package, its __init__.py not counted
+
+# Modules allowed over MAX_MODULE_LINES, each with the follow-up that splits it. Keep this empty if you can.
+OVERSIZED_ALLOWED: dict[str, str] = {
+    "ulyssesd.daemon.supervisor": "issue #14 follow-up: the loop's incident log and termination plan as collaborators",
+    "ulyssesd.daemon.store.repository": "issue #14 follow-up: one repository module per table group",
+    "ulyssesd.daemon.store.recovery": "issue #14 follow-up: damage detection apart from the rebuild",
+    "ulyssesd.daemon.operator.ctl": "issue #14 follow-up: one module per ulyssesctl command group",
+    "ulyssesd.daemon.control.server": "issue #14 follow-up: the request handlers apart from the socket loop",
+}
+
+# Import cycles allowed (as sorted module lists), each with its follow-up. Keep this empty if you can.
+CYCLES_ALLOWED: dict[tuple[str, ...], str] = {
+    ("ulyssesd.daemon.operator.ctl", "ulyssesd.daemon.operator.report"):
+        "issue #14 follow-up: `ulyssesctl report` reaches ctl's private store/run helpers lazily; give them one owner",
+}
+
+# Packages allowed over MAX_MODULES_PER_FOLDER, each with why a split would be artificial or its follow-up.
+CROWDED_ALLOWED: dict[str, str] = {}
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    lines: int
+    imports: set[str] = field(default_factory=set)  # run-time imports, as written (resolved to absolute names)
+
+
+def _listed_packages() -> list[str]:
+    return list(read_toml(ROOT / "pyproject.toml")["tool"]["setuptools"]["packages"])
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.submodule_search_locations, f"package {name} is listed but not importable"
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """Absolute names imported at run time (module level or inside functions; not under TYPE_CHECKING)."""
+    out: set[str] = set()
+    base = module if is_package else module.rpartition(".")[0]
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base.split(".")
+                prefix = ".".join(parts[: len(parts) - node.level + 1])
+                target = f"{prefix}.{node.module}" if node.module else prefix
+            else:
+                target = node.module or ""
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name` imports mod.
+            out.update(f"{target}.{alias.name}" for alias in node.names)
+            out.add(target)
+        for sub in ast.iter_child_nodes(node):
+            visit(sub)
+
+    visit(tree)
+    return out
+
+
+def _load_modules() -> dict[str, Module]:
+    modules: dict[str, Module] = {}
+    for pkg in _listed_packages():
+        folder = _package_dir(pkg)
+        for path in sorted(folder.glob("*.py")):
+            is_package = path.name == "__init__.py"
+            name = pkg if is_package else f"{pkg}.{path.stem}"
+            text = path.read_text(encoding="utf-8")
+            mod = Module(name, path, is_package, text.count("\n") + (not text.endswith("\n") and bool(text)))
+            mod.imports = _imports(ast.parse(text, str(path)), name, is_package)
+            modules[name] = mod
+    return modules
+
+
+MODULES = _load_modules()
+
+
+def _edges(mod: Module) -> set[str]:
+    """The package's own modules that `mod` imports (a `from pkg import name` of a non-module is pkg)."""
+    return {name for name in mod.imports if name in MODULES and name != mod.name}
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    counter = 0
+    graph = {name: sorted(_edges(m)) for name, m in MODULES.items()}
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = counter
+                counter += 1
+                stack.append(node)
+                on_stack.add(node)
+            succ = graph[node]
+            if i < len(succ):
+                work.append((node, i + 1))
+                nxt = succ[i]
+                if nxt not in index:
+                    work.append((nxt, 0))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+    return out
+
+
+def test_the_walk_sees_the_whole_package() -> None:
+    # A walk that found nothing would pass every test below; a package folder missing from pyproject.toml
+    # would be left out of a wheel (and of this walk).
+    listed = set(_listed_packages())
+    for pkg in listed:
+        for sub in _package_dir(pkg).iterdir():
+            if (sub / "__init__.py").is_file():
+                assert f"{pkg}.{sub.name}" in listed, f"{pkg}.{sub.name} ({sub}) is not in pyproject.toml packages"
+    assert {"ulyssesd.daemon.supervisor", "ulyssesd.remediation.engine", "ulyssesd.training.spec"} <= set(MODULES)
+    assert "ulyssesd.remediation.engine" in _edges(MODULES["ulyssesd.remediation.replay"])
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    # The check itself must be able to fail: two modules that import each other are one component.
+    tree_a = ast.parse("from ulyssesd.remediation import engine\n")
+    tree_b = ast.parse("def f():\n    from ulyssesd.remediation.replay import replay\n")
+    assert "ulyssesd.remediation.engine" in _imports(tree_a, "ulyssesd.remediation.replay", False)
+    assert "ulyssesd.remediation.replay" in _imports(tree_b, "ulyssesd.remediation.engine", False)
+    guarded = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ulyssesd.daemon import spec\n")
+    assert "ulyssesd.daemon.spec" not in _imports(guarded, "ulyssesd.remediation.x", False)
+    saved = MODULES["ulyssesd.remediation.engine"].imports
+    try:
+        MODULES["ulyssesd.remediation.engine"].imports = saved | {"ulyssesd.remediation.replay"}
+        assert any({"ulyssesd.remediation.engine", "ulyssesd.remediation.replay"} <= set(c) for c in _cycles())
+    finally:
+        MODULES["ulyssesd.remediation.engine"].imports = saved
+
+
+def test_no_import_cycle() -> None:
+    cycles = [c for c in _cycles() if tuple(c) not in CYCLES_ALLOWED]
+    assert not cycles, "import cycles (each line one strongly connected group):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_no_module_over_the_size_limit() -> None:
+    over = {m.name: m.lines for m in MODULES.values() if m.lines > MAX_MODULE_LINES}
+    unexpected = {n: lines for n, lines in over.items() if n not in OVERSIZED_ALLOWED}
+    assert not unexpected, f"modules over {MAX_MODULE_LINES} lines: {unexpected}"
+
+
+def test_no_folder_over_the_module_limit() -> None:
+    per_pkg: dict[str, int] = {}
+    for m in MODULES.values():
+        if not m.is_package:
+            pkg = m.name.rpartition(".")[0]
+            per_pkg[pkg] = per_pkg.get(pkg, 0) + 1
+    over = {p: n for p, n in per_pkg.items() if n > MAX_MODULES_PER_FOLDER}
+    unexpected = {p: n for p, n in over.items() if p not in CROWDED_ALLOWED}
+    assert not unexpected, f"packages with more than {MAX_MODULES_PER_FOLDER} modules: {unexpected}"
+
+
+@pytest.mark.parametrize("forbidden", ["ulyssesd.daemon", "ulyssesd.training"])
+def test_remediation_imports_neither_daemon_nor_training(forbidden: str) -> None:
+    bad = {m.name: sorted(i for i in m.imports if i == forbidden or i.startswith(forbidden + "."))
+           for m in MODULES.values() if m.name.startswith("ulyssesd.remediation")}
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"remediation imports {forbidden} at run time: {bad}"
+
+
+def test_importing_all_of_remediation_loads_neither_daemon_nor_training() -> None:
+    # The same promise, checked by the interpreter in a fresh process: import every remediation module.
+    names = sorted(n for n in MODULES if n.startswith("ulyssesd.remediation"))
+    code = ("import importlib, sys\n"
+            f"for n in {names!r}:\n    importlib.import_module(n)\n"
+            "bad = sorted(m for m in sys.modules if m.startswith(('ulyssesd.daemon', 'ulyssesd.training')))\n"
+            "print(bad)\nraise SystemExit(1 if bad else 0)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, f"stdout: {res.stdout}\nstderr: {res.stderr[-2000:]}"
