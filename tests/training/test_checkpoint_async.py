@@ -1,4 +1,4 @@
-"""Asynchronous checkpoint writes (training/checkpoint.py AsyncCheckpointWriter): snapshot, background write,
+"""Asynchronous checkpoint writes (training/checkpoint/saving.py AsyncCheckpointWriter): snapshot, background write,
 commit only when durable, one save in flight; real DeepSpeed ZeRO-3 output and a real SIGKILL mid-write."""
 
 from __future__ import annotations

@@ -1,0 +1,244 @@
+"""Checkpoint saves: what a failed write looks like (errno, free bytes, the `checkpoint_save_failed` fields),
+and the asynchronous writer that keeps DeepSpeed's file layout and commits the manifest once every rank is durable.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..durable import atomic_write, atomic_write_text, fsync_dir
+from .files import (
+    MANIFEST_NAME,
+    point_latest_to,
+    write_manifest,
+)
+from .retention import bytes_free, existing_ancestor
+
+# ------------------------------------------------------------------------------- failed saves
+#: errnos that mean "no room": the daemon prunes old checkpoints and resumes (docs/CONTRACTS.md).
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# Below this much free space a write failure without an errno is taken as ENOSPC: a save that ran out of
+# room has just used the rest (torch's C++ writer reports "basic_ios::clear: iostream error" / "file write
+# failed", with no errno).
+_NEARLY_FULL_BYTES = 64 << 20
+
+
+def errno_name(code: int | None) -> str:
+    """`ENOSPC` for 28; "unknown" for None or an errno Python does not name."""
+    return errno.errorcode.get(code, "unknown") if code is not None else "unknown"
+
+
+
+
+def filesystem_errno(path: str | Path) -> int | None:
+    """The errno a write under `path` most likely failed with, asked of the filesystem itself: EROFS when it
+    is mounted read-only, ENOSPC when (nearly) full, EACCES when not writable; None when none applies."""
+    try:
+        st = os.statvfs(existing_ancestor(Path(path)))
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return errno.EROFS
+    if st.f_bavail * st.f_frsize < _NEARLY_FULL_BYTES:
+        return errno.ENOSPC
+    if not os.access(existing_ancestor(Path(path)), os.W_OK):
+        return errno.EACCES
+    return None
+
+
+_IO_ERROR_TEXT = ("basic_ios", "iostream error", "file write failed", "PytorchStreamWriter",
+                  "unexpected pos", "No space left", "Read-only file system", "Disk quota exceeded")
+
+
+def is_write_error(exc: BaseException) -> bool:
+    """An OSError, or torch.save's C++ writer failing (a RuntimeError that lost the errno)."""
+    if isinstance(exc, OSError):
+        return True
+    return isinstance(exc, RuntimeError) and any(t in str(exc) for t in _IO_ERROR_TEXT)
+
+
+def save_failure(exc: BaseException, path: str | Path, tag: str, rank: int) -> dict[str, Any]:
+    """The fields of a `checkpoint_save_failed` event for a write that raised `exc` (docs/CONTRACTS.md)."""
+    code = exc.errno if isinstance(exc, OSError) and exc.errno else filesystem_errno(path)
+    return {"errno": errno_name(code), "errno_code": code, "tag": tag,
+            "path": str(getattr(exc, "filename", None) or path), "bytes_free": bytes_free(path),
+            "error": f"{type(exc).__name__}: {exc}"[:500], "rank": rank}
+
+
+# ----------------------------------------------------------------------------- asynchronous saves
+# Why our own writer: torch.distributed.checkpoint.async_save stages and writes DCP's own format (not the
+# DeepSpeed files `load_checkpoint` reads); DeepSpeed's decoupled engine writes from a side process but
+# records no sizes or checksums and writes no manifest resume could check. This one plugs in where DeepSpeed calls
+# `checkpoint_engine.save(state_dict, path)`, keeps DeepSpeed's file layout, and commits our manifest only
+# once every rank's shards are durable, so the previous tag stays the newest valid one until then.
+DONE_PREFIX = ".done-rank"       # a rank's marker: all its shards of the tag are written and fsynced
+COMMIT_POLL_S = 0.05             # how often rank 0's commit looks for the other ranks' markers
+
+
+class AsyncSaveError(RuntimeError):
+    """The previous background save failed; `failure` is save_failure()'s dict (errno, path, tag, rank)."""
+
+    def __init__(self, failure: dict[str, Any]):
+        super().__init__(f"background checkpoint save of {failure.get('tag')} failed on rank "
+                         f"{failure.get('rank')}: {failure.get('errno')} ({failure.get('error')}) "
+                         f"writing {failure.get('path')}")
+        self.failure = failure
+
+
+def host_snapshot(obj: Any, pin_memory: bool = True) -> Any:
+    """A copy of a state dict whose tensors live in host memory (pinned for device tensors when asked), so
+    training may change the originals while the copy is written. Non-tensor leaves are deep-copied."""
+    import copy
+
+    import torch
+
+    cuda_seen = False
+
+    def walk(x: Any) -> Any:
+        nonlocal cuda_seen
+        if isinstance(x, torch.Tensor):
+            t = x.detach()
+            pin = pin_memory and t.is_cuda
+            cuda_seen = cuda_seen or t.is_cuda
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            out.copy_(t, non_blocking=pin)
+            return out
+        if isinstance(x, dict):
+            items = {k: walk(v) for k, v in x.items()}
+            return items if type(x) is dict else type(x)(items)   # OrderedDict (module state dicts) stays one
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, tuple) and not hasattr(x, "_fields"):
+            return tuple(walk(v) for v in x)
+        return copy.deepcopy(x)
+
+    snap = walk(obj)
+    if cuda_seen:
+        torch.cuda.synchronize()   # the non-blocking device->host copies must land before training resumes
+    return snap
+
+
+def durable_torch_save(obj: Any, path: str | Path) -> int:
+    """torch.save to a hidden temp file, fsync, rename into place. Returns the file's size."""
+    import torch
+
+    path = Path(path)
+    atomic_write(path, lambda fh: torch.save(obj, fh))
+    return path.stat().st_size
+
+
+def commit_when_durable(tag_dir: str | Path, world: int, step: int, loss: float | None, samples_seen: int,
+                        config_version: int | None, *, timeout_s: float, extra: dict[str, Any] | None = None,
+                        point_latest: bool = True) -> dict[str, Any]:
+    """Rank 0's commit of an asynchronous save: wait (bounded) until every rank's marker says its shards are
+    durable, drop the markers, write the manifest (hashing every file) and point `latest` at the tag."""
+    tag_dir = Path(tag_dir)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r in range(world) if not (tag_dir / f"{DONE_PREFIX}{r}").exists()]
+        if not missing:
+            break
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"ranks {missing} did not finish writing {tag_dir.name} within {timeout_s:g} s; "
+                               "the tag is left without a manifest (not loadable)")
+        time.sleep(COMMIT_POLL_S)
+    for r in range(world):
+        (tag_dir / f"{DONE_PREFIX}{r}").unlink(missing_ok=True)
+    manifest = write_manifest(tag_dir, step, loss, samples_seen, config_version, extra)
+    if point_latest:
+        point_latest_to(tag_dir.parent, tag_dir.name)
+    return manifest
+
+
+class AsyncCheckpointWriter:
+    """One rank's background checkpoint writer: one save in flight, back-pressure when the next is due.
+
+        writer.begin(tag_dir)                  # waits for the previous save (raises AsyncSaveError if it failed)
+        engine.checkpoint_engine.save = writer.collect   # DeepSpeed hands each shard: snapshot to host memory
+        engine.save_checkpoint(...)            # returns once the snapshots are taken
+        writer.start(commit=...)               # background: write + fsync each shard, marker, then commit()
+
+    `commit` (rank 0: `commit_when_durable`) runs in the background thread after this rank's shards are durable.
+    `write_hook(path)` runs before each shard is written (fault injection in tests).
+    """
+
+    def __init__(self, rank: int, *, pin_memory: bool = True, write_hook: Callable[[str], None] | None = None):
+        self.rank = rank
+        self.pin_memory = pin_memory
+        self.write_hook = write_hook
+        self._thread: Any = None
+        self._failure: dict[str, Any] | None = None
+        self._tag_dir: Path | None = None
+        self._pending: list[tuple[Any, str]] = []
+        self.last_bytes = 0
+        self.last_write_s = 0.0
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the in-flight save is done (True) or `timeout_s` passes (False)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
+        return True
+
+    def begin(self, tag_dir: str | Path, timeout_s: float | None = None) -> float:
+        """Start collecting a save into `tag_dir`; first waits for the previous one. Returns seconds waited."""
+        t0 = time.monotonic()
+        if not self.wait(timeout_s):
+            raise TimeoutError(f"the previous background save ({self._tag_dir}) is still writing after "
+                               f"{timeout_s:g} s")
+        waited = time.monotonic() - t0
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise AsyncSaveError(failure)
+        self._tag_dir, self._pending = Path(tag_dir), []
+        return waited
+
+    def collect(self, state_dict: Any, path: str) -> None:
+        """DeepSpeed's `checkpoint_engine.save(state_dict, path)`: snapshot now, write in start()'s thread."""
+        if self._tag_dir is None:
+            raise RuntimeError("AsyncCheckpointWriter.collect called before begin()")
+        self._pending.append((host_snapshot(state_dict, self.pin_memory), str(path)))
+
+    def start(self, commit: Callable[[], Any] | None = None) -> None:
+        """Write the collected snapshots in a background thread; then this rank's marker; then `commit`."""
+        import threading
+
+        if self._tag_dir is None:
+            raise RuntimeError("AsyncCheckpointWriter.start called before begin()")
+        tag_dir, pending = self._tag_dir, self._pending
+        self._pending = []
+        self._thread = threading.Thread(target=self._write, args=(tag_dir, pending, commit), daemon=True,
+                                        name=f"ckpt-writer-{tag_dir.name}")
+        self._thread.start()
+
+    def _write(self, tag_dir: Path, pending: list[tuple[Any, str]], commit: Callable[[], Any] | None) -> None:
+        t0, total, path = time.monotonic(), 0, str(tag_dir)
+        try:
+            tag_dir.mkdir(parents=True, exist_ok=True)
+            for obj, path in pending:
+                if self.write_hook is not None:
+                    self.write_hook(path)
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                total += durable_torch_save(obj, path)
+            pending.clear()   # drop the host copies as soon as they are on disk
+            fsync_dir(tag_dir)
+            path = str(tag_dir / f"{DONE_PREFIX}{self.rank}")
+            atomic_write_text(Path(path), "")
+            if commit is not None:
+                path = str(tag_dir / MANIFEST_NAME)
+                commit()
+        except Exception as exc:  # noqa: BLE001 - any failure is recorded and raised by the next begin()
+            self._failure = save_failure(exc, path, tag_dir.name, self.rank) if isinstance(exc, OSError) else {
+                "errno": None, "error": f"{type(exc).__name__}: {exc}", "path": path, "tag": tag_dir.name,
+                "rank": self.rank, "bytes_free": bytes_free(tag_dir)}
+        self.last_bytes, self.last_write_s = total, time.monotonic() - t0
