@@ -1,16 +1,7 @@
 """Checkpoint files: tag names, manifests (sizes + sha256), validation, quarantine, `latest`.
 
-Pure Python on the directories DeepSpeed writes (no engine calls), so the daemon can use it too:
-
-    {ckpt_dir}/latest                      DeepSpeed's pointer (tag name, no newline)
-    {ckpt_dir}/step-00000100/              one tag dir: mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt
-    {ckpt_dir}/step-00000100/manifest.json written LAST and atomically: a tag without a valid manifest does
-                                           not exist for resume (a crash mid-save leaves a partial dir)
-    {ckpt_dir}/step-00000050.corrupt-1764444444   a quarantined tag (renamed, never deleted)
-
-The manifest records every file's size and sha256, so truncation and bit flips are caught before
-DeepSpeed loads (or half-loads) a bad tag. All ranks' files must be complete before rank 0 writes it
-(barrier after `save_checkpoint`), and the directory must be visible to rank 0 (shared filesystem).
+The on-disk layout these functions read and write is described in the package docstring
+(`ulyssesd.training.checkpoint`). Stdlib only: the daemon and `ulyssesctl` import it without torch.
 """
 
 from __future__ import annotations
