@@ -93,7 +93,8 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
     except OSError as exc:  # not ours to write (permissions, read-only file system, ...)
         print(f"ulyssesd: cannot use state dir {spec.daemon.state_dir}: {exc}", file=sys.stderr)
         return EXIT_STATE_DIR
-    if preflight and spec.daemon.preflight and spec.job_section.kind == "builtin":  # plans the built-in GPT only
+    preflight = preflight and spec.daemon.preflight and spec.job_section.kind == "builtin"  # built-in GPT only
+    if preflight:
         verdict = _preflight(spec)
         if verdict is not None:
             print(f"ulyssesd: preflight refused the run: {verdict}\n(use --no-preflight to override)", file=sys.stderr)
@@ -143,7 +144,8 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
         if secret_env and not alerts.config.secret:
             log.warning("webhook_secret_env names an unset variable; alerts go unsigned", variable=secret_env)
     sup = Supervisor(spec, store, os_ or RealOS(), run_id=run_id, notifier=notifier, scheduler=LoopScheduler(),
-                     say=say, metrics=metrics, alerts=alerts, run_lock=locks.lock_run)
+                     say=say, metrics=metrics, alerts=alerts, run_lock=locks.lock_run,
+                     preflight=(lambda config: _preflight_config(spec, config)) if preflight else None)
     try:
         group = spec.daemon.socket_group if spec.daemon.socket_group is not None else "ulyssesd"
         server = ControlServer(spec.daemon.resolved_socket_path(), sup.handle_command, group=group)
@@ -231,6 +233,18 @@ def _checkpoint_dir_problem(spec) -> str | None:
     except OSError as exc:
         return f"checkpoint.dir {p} cannot be listed: {exc}"
     return None
+
+
+def _preflight_config(spec, config: dict) -> str | None:
+    """`_preflight` for a patched job config (the supervisor's configs/vN.json before a relaunch)."""
+    from ulyssesd.training.spec import JobSpec
+
+    try:
+        job = {k: v for k, v in config.items() if k != "launcher"}  # the stored version also holds launcher.env
+        patched = spec.model_copy(update={"job": JobSpec.model_validate(job)})
+    except Exception as exc:  # noqa: BLE001 - a config the planner cannot read is not launched either
+        return f"the patched config is invalid: {exc}"
+    return _preflight(patched)
 
 
 def _preflight(spec) -> str | None:
