@@ -36,6 +36,9 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     "amp": "use precision.dtype (bf16/fp16/fp32); apex AMP is not supported",
 }
 
+#: The only ZeRO stage ulyssesd runs (and the planner models): a config asking for another is an error.
+ZERO_STAGE = 3
+
 # Zero keys users put at the top level by mistake (the seed's §5.2 snippet) -> name inside zero_optimization.
 MISPLACED_ZERO_KEYS: dict[str, str] = {
     "reduce_bucket_size": "reduce_bucket_size",
@@ -118,10 +121,10 @@ def build_ds_config(spec: JobSpec, world_size: int, run_dir: str | Path | None =
                 zero[inner] = value
                 warnings.append(f"top-level {key!r} in {source} is not a DeepSpeed key (DeepSpeed would "
                                 f"ignore it): moved to zero_optimization.{inner}")
-    stage = zero.get("stage", 3)
-    if stage != 3:
-        problems.append(f"zero_optimization.stage={stage} in {source}: ulyssesd runs ZeRO stage 3 only")
-    zero["stage"] = 3
+    stage = zero.get("stage", ZERO_STAGE)
+    if stage != ZERO_STAGE:
+        problems.append(f"zero_optimization.stage={stage} in {source}: ulyssesd runs ZeRO stage {ZERO_STAGE} only")
+    zero["stage"] = ZERO_STAGE
     for key in _INT_ZERO_KEYS:
         if isinstance(zero.get(key), float) and float(zero[key]).is_integer():
             zero[key] = int(zero[key])  # 1e8 in JSON is a float; DeepSpeed wants ints

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..ds_config import MISPLACED_ZERO_KEYS, load_user_config
+from ..ds_config import MISPLACED_ZERO_KEYS, ZERO_STAGE, load_user_config
 from ..spec import JobSpec, SpecError
 
 GiB = 1 << 30
@@ -103,9 +103,10 @@ class ZeroSettings:
         for key, inner in MISPLACED_ZERO_KEYS.items():
             if key in cfg and inner not in zo:
                 zo[inner] = cfg[key]
-        stage = int(zo.get("stage", 3))
-        if stage != 3:
-            raise PlanInputError(f"deepspeed zero_optimization.stage={stage}: the planner models ZeRO stage 3 only")
+        stage = int(zo.get("stage", ZERO_STAGE))
+        if stage != ZERO_STAGE:
+            raise PlanInputError(f"deepspeed zero_optimization.stage={stage}: the planner models ZeRO stage "
+                                 f"{ZERO_STAGE} only")
 
         def num(*keys: str, default: int) -> int:
             for k in keys:

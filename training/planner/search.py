@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..ds_config import deep_merge
+from ..ds_config import ZERO_STAGE, deep_merge
 from ..spec import JobSpec
 from .cost_model import compute_plan
 from .inputs import (
@@ -45,7 +45,7 @@ MOVE_COSTS = {"no_offload": 0.0, "ckpt_every_layer": 1.0, "halve_micro_batch": 1
 def _set_zero(ds: dict[str, Any], **kv: Any) -> dict[str, Any]:
     out = copy.deepcopy(ds)
     zo = out.setdefault("zero_optimization", {})
-    zo.setdefault("stage", 3)
+    zo.setdefault("stage", ZERO_STAGE)
     for key, val in kv.items():
         zo[key] = deep_merge(zo.get(key) or {}, val) if isinstance(val, dict) else val
     return out
