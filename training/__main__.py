@@ -106,5 +106,18 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _leave(code: int) -> None:
+    """Exit with `code`. A non-zero code is the job's contract with the daemon (2 config rejected, 4 save
+    failed, …), but a failing rank's process-group teardown can abort in C++ ("terminate called without an
+    active exception": gloo threads still joinable) and turn it into SIGABRT. So a failing rank flushes what it
+    wrote (telemetry was closed by the trainer) and leaves without running destructors."""
+    if code:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _leave(main())
