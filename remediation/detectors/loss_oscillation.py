@@ -61,13 +61,15 @@ class LossOscillationDetector(EpisodeDetector):
         flipping = (flip_frac >= self.cfg.loss_osc_min_direction_changes
                     and self._clock.since_start(rec.step) > self.cfg.warmup_steps + n and len(self._baseline) >= 3)
         if not (flipping or sample):  # the O(n) swing is only needed when it can matter
-            self._normal_step(rec.step)
+            if self._ep.active:
+                self._ep.normal(rec.step)
             return []
         swing = sorted(self._deltas)[n // 2]
         base = self._base if self._base is not None else math.nan
         anomalous = flipping and swing > self.cfg.loss_osc_ratio * max(base, 1e-12)
         if not anomalous:
-            self._normal_step(rec.step)
+            if self._ep.active:
+                self._ep.normal(rec.step)
             if sample:
                 self._since_sample = 0
                 self._baseline.append(swing)

@@ -133,7 +133,8 @@ class LossSpikeDetector(EpisodeDetector):
                    f"{f', {above:.0%} above it: severe' if severe else ''}.")
             return [Finding(self.symptom, rec.step, "critical" if severe else "warning", ev, msg, now)]
         self._run_start = None
-        self._normal_step(rec.step)
+        if self._ep.active:
+            self._ep.normal(rec.step)
         win, steps = self._win, self._win_steps
         if self._smooth is not None:
             # A smoothed value joins the baseline one smoothing window late: the rising edge of a lasting

@@ -33,7 +33,8 @@ class MemorySpikeDetector(EpisodeDetector):
         over_base = (base is not None and self._clock.since_start(rec.step) >= cfg.warmup_steps
                      and mem > cfg.memory_spike_ratio * base and mem - base >= cfg.memory_min_delta_gib)
         if not (near_cap or over_base):
-            self._normal_step(rec.step)
+            if self._ep.active:
+                self._ep.normal(rec.step)
             self._win.add(mem)
             return []
         if not self._ep.anomalous(rec.step):

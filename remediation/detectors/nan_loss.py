@@ -45,7 +45,8 @@ class NanLossDetector(EpisodeDetector):
         if loss != 0.0 and loss == loss and abs(loss) != math.inf:
             self._last_nonzero = loss
         if what is None:
-            self._normal_step(rec.step)
+            if self._ep.active:
+                self._ep.normal(rec.step)
             return []
         if not self._ep.anomalous(rec.step):
             return []

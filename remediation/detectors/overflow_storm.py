@@ -68,13 +68,15 @@ class OverflowStormDetector(EpisodeDetector):
             self._skips -= k
             self._halvings -= h
         if not self._skips:
-            self._normal_step(rec.step)
+            if self._ep.active:
+                self._ep.normal(rec.step)
             return []
         rate = self._skips / max(1, self._steps)
         by_rate = self._steps >= window and rate > self.cfg.overflow_max_rate
         by_halvings = self._halvings >= self.cfg.overflow_max_halvings
         if not (by_rate or by_halvings or near_floor):
-            self._normal_step(rec.step)
+            if self._ep.active:
+                self._ep.normal(rec.step)
             return []
         if not self._ep.anomalous(rec.step):
             return []
