@@ -12,7 +12,7 @@ cursor is persisted only after the records before it were acted upon, and incide
 (run, attempt, symptom, step), so a daemon killed at any point neither loses nor doubles an incident.
 
 The tick's larger parts live beside it, one concept each: `core/termination.py` (stack dump -> SIGTERM ->
-SIGKILL phases), `exits.py` (an attempt's exit: crash -> diagnosis -> playbook), `decisions.py` (the
+SIGKILL phases), `core/exits.py` (an attempt's exit: crash -> diagnosis -> playbook), `core/decisions.py` (the
 engine's findings and decisions -> incidents, actions, restarts), `core/relaunch.py` (restart budget and
 backoff), `core/resume.py` (which checkpoint the next attempt resumes from), `core/files.py` (log/dump
 reads); the job side is in `job/`, the OS seam in `host/process.py` (docs/ARCHITECTURE.md).
@@ -33,18 +33,13 @@ from typing import Any
 
 import tenacity
 
-from ulyssesd.daemon import decisions, exits
-from ulyssesd.daemon.core import relaunch, resume, termination
-from ulyssesd.daemon.core.files import LOG_TAIL_BYTES as LOG_TAIL_BYTES  # re-exported (moved)
-from ulyssesd.daemon.core.files import _read_tail as _read_tail  # re-exported (moved)
+from ulyssesd.daemon.core import decisions, exits, relaunch, resume, termination
 from ulyssesd.daemon.core.files import _size
 from ulyssesd.daemon.core.rank_watch import RankWatch
 from ulyssesd.daemon.core.relaunch import Counters, Relaunch
 from ulyssesd.daemon.core.scheduler import LoopScheduler
 from ulyssesd.daemon.core.states import LIVE_JOB_STATES, TERMINAL, check_transition
-from ulyssesd.daemon.core.termination import STACKS_MAX_BYTES as STACKS_MAX_BYTES  # re-exported (moved)
 from ulyssesd.daemon.core.termination import Termination
-from ulyssesd.daemon.decisions import _split_outputs as _split_outputs  # re-exported (moved)
 from ulyssesd.daemon.host import disk
 from ulyssesd.daemon.host.logging import bind_run, get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle, OSInterface

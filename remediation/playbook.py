@@ -348,7 +348,7 @@ CRASH_LADDER: dict[str, tuple[str, str]] = {
     "segfault": ("restart", "crash"),
     "launcher_error": ("restart", "launch_failure"),
     "dataloader_crash": ("restart", "crash"),
-    # Terminated from outside (the daemon stops at once when the scheduler is the sender, daemon/exits.py).
+    # Terminated from outside (the daemon stops at once when the scheduler is the sender, daemon/core/exits.py).
     "killed": ("restart", "crash"),
     "config_rejected": ("config", "crash"),
     "python_exception": ("restart", "crash"),

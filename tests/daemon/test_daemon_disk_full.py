@@ -207,7 +207,7 @@ def test_daemon_write_on_a_read_only_run_dir_stops_cleanly(tmp_path, monkeypatch
 
 
 def test_a_hot_fix_whose_control_write_fails_leaves_the_job_running(tmp_path, monkeypatch):
-    from ulyssesd.daemon import decisions
+    from ulyssesd.daemon.core import decisions
     from ulyssesd.daemon.job import config as jc
     from ulyssesd.remediation.engine import Decision
 

@@ -218,7 +218,7 @@ def test_a_failing_planner_falls_back_to_the_message():
 def test_daemon_builds_the_replanner_from_its_current_config(monkeypatch):
     from types import SimpleNamespace
 
-    from ulyssesd.daemon import exits
+    from ulyssesd.daemon.core import exits
     from ulyssesd.daemon.operator import ctl_plan
 
     rs = load_run_spec(CONFIGS / "gpt-1b-1xh200.toml")

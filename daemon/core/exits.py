@@ -9,9 +9,9 @@ import signal
 from typing import TYPE_CHECKING, Any
 
 from ulyssesd.daemon.core import attempt_diagnosis
+from ulyssesd.daemon.core.decisions import _split_outputs, action_kind, patch_of
 from ulyssesd.daemon.core.files import _read_tail
 from ulyssesd.daemon.core.relaunch import Relaunch, schedule_relaunch
-from ulyssesd.daemon.decisions import _split_outputs, action_kind, patch_of
 from ulyssesd.daemon.host import disk, host_oom
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus
