@@ -583,7 +583,7 @@ class Supervisor:
             if poll is not None:
                 poll(self.dcfg.tick_s)
             else:
-                time.sleep(self.dcfg.tick_s)
+                self.os.sleep(self.dcfg.tick_s)
         if self.scheduler is not None:
             self.scheduler.shutdown()
         return self.state

@@ -10,7 +10,6 @@ is `exits.py`, the termination phases are `termination.py`.
 from __future__ import annotations
 
 import os
-import time
 from typing import TYPE_CHECKING, Any
 
 from ulyssesd.daemon.core.relaunch import Relaunch, schedule_relaunch
@@ -193,24 +192,13 @@ def apply_decision(sup: Supervisor, dec: Any, step: int) -> None:
 def host_evidence(sup: Supervisor) -> dict[str, Any]:
     """Slow-step evidence the daemon can see: per-rank step times (telemetry), the job's processes'
     CPU use, and the busiest other processes on the host (CPU hogs)."""
-    import psutil
-
     r = sup.last_step_record
-    ev: dict[str, Any] = {"load_avg": list(os.getloadavg()), "cpu_count": psutil.cpu_count()}
+    load = sup.os.host_load()  # psutil scan over a short, bounded interval; rare (only on slow-step evidence)
+    ev: dict[str, Any] = {"load_avg": load.load_avg, "cpu_count": load.cpu_count}
     if r is not None:
         ev["step_time_s"], ev["step_time_max_s"], ev["slowest_rank"] = r.step_time_s, r.step_time_max_s, r.slowest_rank
     mine = set(sup.os.job_pids(sup.job, sup._marker())) if sup.job is not None else set()
-    procs = []
-    for p in psutil.process_iter(["pid", "name", "cpu_percent", "cmdline"]):
-        procs.append(p)
-    time.sleep(0.2)  # cpu_percent needs an interval; bounded and rare (only on slow-step evidence)
-    rows = []
-    for p in procs:
-        try:
-            rows.append((p.cpu_percent(None), p.pid, " ".join(p.info.get("cmdline") or [])[:120] or p.info["name"]))
-        except psutil.Error:
-            continue
-    rows.sort(reverse=True)
+    rows = load.processes
     ev["job_cpu_percent"] = {pid: cpu for cpu, pid, _ in rows if pid in mine}
     ev["top_other_processes"] = [{"pid": pid, "cpu_percent": cpu, "cmd": cmd} for cpu, pid, cmd in rows
                                  if pid not in mine and pid != os.getpid()][:5]

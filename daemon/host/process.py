@@ -21,6 +21,9 @@ from typing import Protocol
 
 import psutil
 
+#: How long `RealOS.host_load` measures CPU use over (psutil's cpu_percent needs an interval).
+HOST_CPU_INTERVAL_S = 0.2
+
 
 @dataclass(frozen=True)
 class JobHandle:
@@ -58,9 +61,20 @@ class ExitStatus:
         return f"exit code {self.returncode}"
 
 
+@dataclass(frozen=True)
+class HostLoad:
+    """What the host is busy with (slow-step evidence): load average, CPUs, every process's CPU use."""
+
+    load_avg: list[float]  # 1, 5 and 15 minute load averages
+    cpu_count: int | None  # logical CPUs (None if the OS does not say)
+    processes: list[tuple[float, int, str]]  # (cpu_percent, pid, command line or name), busiest first
+
+
 class OSInterface(Protocol):
     def time(self) -> float: ...
     def monotonic(self) -> float: ...
+    def sleep(self, seconds: float) -> None: ...
+    def host_load(self) -> HostLoad: ...
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, log_path: Path) -> JobHandle: ...
     def is_alive(self, job: JobHandle) -> bool: ...
     def exit_status(self, job: JobHandle, exit_file: Path) -> ExitStatus | None: ...
@@ -92,6 +106,26 @@ class RealOS:
 
     def monotonic(self) -> float:
         return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def host_load(self, interval_s: float = HOST_CPU_INTERVAL_S) -> HostLoad:
+        procs = list(psutil.process_iter(["pid", "name", "cmdline"]))
+        for p in procs:  # the first cpu_percent call only starts the interval
+            try:
+                p.cpu_percent(None)
+            except psutil.Error:
+                continue
+        time.sleep(interval_s)
+        rows = []
+        for p in procs:
+            try:
+                rows.append((p.cpu_percent(None), p.pid, " ".join(p.info.get("cmdline") or [])[:120] or p.info["name"]))
+            except psutil.Error:
+                continue
+        rows.sort(reverse=True)
+        return HostLoad(list(os.getloadavg()), psutil.cpu_count(), rows)
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, log_path: Path) -> JobHandle:
         log_path.parent.mkdir(parents=True, exist_ok=True)

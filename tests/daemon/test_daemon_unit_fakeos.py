@@ -10,7 +10,7 @@ import pytest
 from uls_daemon_helpers import fake_spec
 
 from ulyssesd.daemon.core.states import TRANSITIONS, IllegalTransition, can_transition, check_transition
-from ulyssesd.daemon.host.process import ExitStatus, JobHandle
+from ulyssesd.daemon.host.process import ExitStatus, HostLoad, JobHandle
 from ulyssesd.daemon.spec import load_run_spec
 from ulyssesd.daemon.store import open_store
 from ulyssesd.daemon.store.enums import TERMINAL_RUN_STATES, RunState
@@ -69,6 +69,12 @@ class FakeOS:
 
     def monotonic(self):
         return self.m
+
+    def sleep(self, s):
+        self.advance(s)
+
+    def host_load(self):
+        return HostLoad([0.0, 0.0, 0.0], 2, [])
 
     def advance(self, s):
         self.t += s
