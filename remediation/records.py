@@ -215,9 +215,10 @@ _step_decode: Any = None
 if _msgspec is not None:
     from typing import Annotated, Literal
 
-    _F = int | float | None  # ints stay ints, as on the dict path
     # Range checks run inside the decoder (C); a value outside them takes the dict path, which names it.
     _I64 = Annotated[int, _msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+    # Ints stay ints, as on the dict path; a float field's huge int (10**400: float() overflows) is out of range.
+    _F = _I64 | float | None
     _OptI64 = _I64 | None
 
     class _WireStep(_msgspec.Struct, kw_only=True, gc=False):

@@ -72,3 +72,17 @@ def test_fast_and_validating_paths_agree():
     fast = parse_record(dict(d))
     slow = parse_record({**d, "unknown_extra": 1})  # an extra key forces the validating path
     assert fast == slow
+
+
+@pytest.mark.parametrize("field", ["time", "lr", "step_time_s"])
+def test_a_float_fields_huge_int_gets_the_same_answer_on_every_parse_path(field):
+    # The fast decoder once let a 400-digit integer through as an int, and the detectors' float() of it raised
+    # OverflowError; found by the telemetry fuzz test. Now every path agrees with the validating one.
+    huge = json.dumps({"kind": "step", "step": 1, "loss": 1.0, field: 10 ** 400})
+    with pytest.raises(RecordError, match=f"field '{field}' is too large for a float"):
+        parse_line(huge)
+    with pytest.raises(RecordError, match=f"field '{field}' is too large for a float"):
+        parse_record(json.loads(huge))
+    big = json.dumps({"kind": "step", "step": 1, "loss": 1.0, field: 2 ** 64})
+    assert getattr(parse_line(big), field) == getattr(parse_record(json.loads(big)), field) == 2.0 ** 64
+    assert getattr(parse_line(big.replace(str(2 ** 64), "12")), field) == 12
