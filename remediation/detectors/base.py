@@ -16,14 +16,15 @@ if TYPE_CHECKING:
 SYMPTOMS = ("memory_spike", "loss_spike", "loss_oscillation", "nan_loss", "overflow_storm", "slow_step",
             "straggler", "throughput_drop", "hang")
 
-Severity = Literal["warning", "critical"]
+# The `vocabulary.Severity` values a detector emits (`info` is the daemon's, never a finding's).
+FindingSeverity = Literal["warning", "critical"]
 
 
 @dataclass(slots=True)
 class Finding:
     symptom: str
     step: int | None
-    severity: Severity
+    severity: FindingSeverity
     evidence: dict[str, Any] = field(default_factory=dict)
     message: str = ""
     time: float | None = None

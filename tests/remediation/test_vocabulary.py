@@ -26,3 +26,11 @@ def test_parse_names_the_allowed_values() -> None:
     assert str(Severity.critical) == "critical"
     with pytest.raises(ValueError, match=r"unknown Symptom 'hangs'; allowed: memory_spike, cuda_oom"):
         Symptom.parse("hangs")
+
+
+def test_finding_severities_are_vocabulary_severities() -> None:
+    from typing import get_args
+
+    from ulyssesd.remediation.detectors.base import FindingSeverity
+
+    assert set(get_args(FindingSeverity)) <= {s.value for s in Severity}
