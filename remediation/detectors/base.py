@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 SYMPTOMS = ("memory_spike", "loss_spike", "loss_oscillation", "nan_loss", "overflow_storm", "slow_step",
             "straggler", "throughput_drop", "hang")
 
-# The `vocabulary.Severity` values a detector emits (`info` is the daemon's, never a finding's).
+# The `vocabulary.Severity` values a detector emits (no finding is `info`).
 FindingSeverity = Literal["warning", "critical"]
 
 
