@@ -85,7 +85,7 @@ _DS_PREFIX = "deepspeed.config."
 def ds_config_patch(base: dict[str, Any], current: dict[str, Any]) -> dict[tuple[str, ...], Any]:
     """What remediation changed between two config versions, as DeepSpeed-config paths -> new values.
     Keys with no DeepSpeed equivalent (model/precision/data of the built-in job) are left out."""
-    from ulyssesd.daemon.job.config import diff_configs
+    from ulyssesd.daemon.store import flat_diff
 
     def leaves(key: str, value: Any) -> list[tuple[str, Any]]:  # a section new in `current` diffs as a whole
         if isinstance(value, dict):
@@ -93,7 +93,7 @@ def ds_config_patch(base: dict[str, Any], current: dict[str, Any]) -> dict[tuple
         return [(key, value)]
 
     out: dict[tuple[str, ...], Any] = {}
-    changed = [leaf for key, (_old, new) in diff_configs(base, current).items() for leaf in leaves(key, new)]
+    changed = [leaf for key, (_old, new) in flat_diff(base, current).items() for leaf in leaves(key, new)]
     for key, new in changed:
         if key in DS_CONFIG_KEYS:
             out[DS_CONFIG_KEYS[key]] = new

@@ -1,4 +1,4 @@
-"""Effective job configs: patching by dotted key, validating, diffing, and the control file.
+"""Effective job configs: patching by dotted key, validating, and the control file (diffs: the store's `flat_diff`).
 
 A config version is a `JobSpec` dumped to JSON (`{run_dir}/configs/v{N}.json`); remediation patches it by
 dotted key (`train.gradient_clipping`, `data.skip_ranges`, ...). Every patched config is re-validated by
@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ulyssesd.client.contract import CONTROL_NAME, parse_control
 from ulyssesd.training.spec import JobSpec
 
 _MISSING = object()
@@ -53,20 +54,6 @@ def apply_patch(cfg: dict[str, Any], patch: dict[str, Any]) -> tuple[dict[str, A
     return validated, diff
 
 
-def diff_configs(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> dict[str, list[Any]]:
-    """Leaf-level differences {dotted: [a_value, b_value]} (lists compared whole)."""
-    out: dict[str, list[Any]] = {}
-    keys = set(a) | set(b)
-    for k in sorted(keys):
-        va, vb = a.get(k, None), b.get(k, None)
-        path = f"{prefix}{k}"
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out.update(diff_configs(va, vb, path + "."))
-        elif va != vb:
-            out[path] = [va, vb]
-    return out
-
-
 def write_json_atomic(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
@@ -83,16 +70,24 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 def read_control(run_dir: Path) -> dict[str, Any]:
     try:
-        data = json.loads((run_dir / "control.json").read_text())
+        data = json.loads((run_dir / CONTROL_NAME).read_text())
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError, RecursionError):
         return {}
 
 
-def write_control(run_dir: Path, **changes: Any) -> dict[str, Any]:
-    """Write control.json atomically with version+1. Keys not given are dropped, i.e. "no change"."""
+def write_control(run_dir: Path, *, lr_scale: float | None = None, gradient_clipping: float | None = None,
+                  suspect: bool | None = None, dump_stacks: bool | None = None) -> dict[str, Any]:
+    """Write control.json atomically with version+1: the fields of the job's contract
+    (`ulyssesd.client.contract`, the same module the job parses it with); a field left None is dropped, i.e.
+    "no change". A document the job would reject raises ValueError naming the field; nothing is written."""
     cur = read_control(run_dir)
     version = int(cur.get("version", 0)) + 1
-    data = {"version": version, **{k: v for k, v in changes.items() if v is not None}}
-    write_json_atomic(run_dir / "control.json", data)
+    fields = {"lr_scale": lr_scale, "gradient_clipping": gradient_clipping, "suspect": suspect,
+              "dump_stacks": dump_stacks}
+    data = {"version": version, **{k: v for k, v in fields.items() if v is not None}}
+    _, problem = parse_control(json.dumps(data))
+    if problem is not None:
+        raise ValueError(f"control.json v{version} would be rejected by the job: {problem}")
+    write_json_atomic(run_dir / CONTROL_NAME, data)
     return data

@@ -431,9 +431,9 @@ def _diff_html(versions: list[Any], v: Any) -> str:
     parent = next((p for p in versions if p.version == v.parent_version), None)
     if parent is None:
         return "(initial)"
-    from ulyssesd.daemon.job.config import diff_configs
+    from ulyssesd.daemon.store import flat_diff
 
-    diff = diff_configs(parent.config, v.config)
+    diff = flat_diff(parent.config, v.config)
     return "<br>".join(f"{_e(k)}: {_e(b)} → {_e(a)}" for k, (b, a) in diff.items()) or "(no change)"
 
 
