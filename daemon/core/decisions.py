@@ -10,6 +10,7 @@ is `exits.py`, the termination phases are `termination.py`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ulyssesd.daemon.core.relaunch import Relaunch, schedule_relaunch
@@ -18,6 +19,8 @@ from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job import log_source
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
+from ulyssesd.remediation.detectors import Finding
+from ulyssesd.remediation.engine import Decision
 from ulyssesd.remediation.hang_stacks import read_hang
 
 if TYPE_CHECKING:
@@ -27,7 +30,7 @@ log = get_logger("ulyssesd.supervisor")
 S = RunState
 
 
-def handle_outputs(sup: Supervisor, out: Any, step: int) -> None:
+def handle_outputs(sup: Supervisor, out: Iterable[Finding | Decision], step: int) -> None:
     findings, decisions = _split_outputs(out)
     for fnd in findings:
         if fnd.symptom == "hang":
@@ -50,11 +53,11 @@ def handle_outputs(sup: Supervisor, out: Any, step: int) -> None:
             decision_write_failed(sup, dec, exc)
 
 
-def decision_write_failed(sup: Supervisor, dec: Any, exc: OSError) -> None:
+def decision_write_failed(sup: Supervisor, dec: Decision, exc: OSError) -> None:
     """The daemon could not write control.json / configs/vN.json for a decision (full or read-only disk).
     Degrade: the job keeps training unchanged, the failure is logged and alerted; a recurrence of the
     symptom escalates as usual, and the next launch's write probe handles the disk (prune / clean stop)."""
-    what = f"{getattr(dec, 'action_kind', '?')} for {getattr(dec, 'symptom', '?')}"
+    what = f"{dec.action_kind} for {dec.symptom}"
     log.warning("a decision's write to the run directory failed; the job continues unchanged",
                 decision=what, errno=disk.errno_of(exc), error=repr(exc))
     sup.say(f"  could not apply {what}: {exc} (the job continues unchanged)")
@@ -63,10 +66,10 @@ def decision_write_failed(sup: Supervisor, dec: Any, exc: OSError) -> None:
         sup._set_state(S.RUNNING, f"decision not applied: {disk.errno_of(exc)} writing to the run directory")
 
 
-def record_finding(sup: Supervisor, fnd: Any) -> int:
-    sev = Severity(getattr(fnd, "severity", "warning"))
+def record_finding(sup: Supervisor, fnd: Finding) -> int:
+    sev = Severity(fnd.severity)
     iid = sup._incident(Symptom(fnd.symptom), fnd.step if fnd.step is not None else (sup.last_step or 0),
-                        sev, getattr(fnd, "message", "") or fnd.symptom, dict(getattr(fnd, "evidence", {}) or {}))
+                        sev, fnd.message or fnd.symptom, dict(fnd.evidence or {}))
     # A decision on this symptom (now, or after the grace window) belongs to this incident.
     lst = sup.unacted.setdefault(fnd.symptom, [])
     if all(i != iid for i, _ in lst):
@@ -74,9 +77,9 @@ def record_finding(sup: Supervisor, fnd: Any) -> int:
     return iid
 
 
-def action_kind(dec: Any) -> ActionKind:
-    apply = getattr(dec, "would_apply", None) or getattr(dec, "apply", "none")
-    rung = getattr(dec, "action_kind", "")
+def action_kind(dec: Decision) -> ActionKind:
+    apply = dec.would_apply or dec.apply
+    rung = dec.action_kind
     try:
         return ActionKind(rung)
     except ValueError:
@@ -88,32 +91,32 @@ def action_kind(dec: Any) -> ActionKind:
     if apply == "stop":
         return ActionKind.stop
     if apply == "restart_latest":
-        return ActionKind.set_config if getattr(dec, "config_patch", None) else ActionKind.restart
+        return ActionKind.set_config if dec.config_patch else ActionKind.restart
     return ActionKind.alert
 
 
-def patch_of(sup: Supervisor, dec: Any) -> dict[str, Any]:
+def patch_of(sup: Supervisor, dec: Decision) -> dict[str, Any]:
     """The decision's JobSpec patch (launcher.env.* keys go to the launch environment instead)."""
-    patch = dict(getattr(dec, "config_patch", {}) or {})
+    patch = dict(dec.config_patch or {})
     if "data.skip_ranges" in patch:
         # The engine's value is the whole new list (it merges ranges itself).
         patch["data.skip_ranges"] = [list(r) for r in patch["data.skip_ranges"] or []]
     else:
-        skips = [list(r) for r in (getattr(dec, "skip_ranges", None) or [])]
+        skips = [list(r) for r in (dec.skip_ranges or [])]
         if skips:
             cur = [list(r) for r in (jc.get_dotted(sup.config, "data.skip_ranges") or [])]
             patch["data.skip_ranges"] = cur + [r for r in skips if r not in cur]
     return patch
 
 
-def apply_decision(sup: Supervisor, dec: Any, step: int) -> None:
-    apply = getattr(dec, "apply", "none")
-    symptom = Symptom(getattr(dec, "symptom", "crash"))
-    dstep = getattr(dec, "step", None)
+def apply_decision(sup: Supervisor, dec: Decision, step: int) -> None:
+    apply = dec.apply
+    symptom = Symptom(dec.symptom)
+    dstep = dec.step
     dstep = dstep if dstep is not None else step
-    reason = getattr(dec, "reason", "") or f"{symptom.value} remediation"
+    reason = dec.reason or f"{symptom.value} remediation"
     kind = action_kind(dec)
-    params = {"rung": getattr(dec, "action_kind", None), "ladder": getattr(dec, "ladder", None),
+    params: dict[str, Any] = {"rung": dec.action_kind, "ladder": dec.ladder,
               "apply": apply, "reason": reason}
     if symptom == Symptom.hang and sup.term is not None:
         # The hang path (stack dump -> TERM -> KILL -> relaunch) already owns this attempt.
@@ -127,14 +130,14 @@ def apply_decision(sup: Supervisor, dec: Any, step: int) -> None:
         sup.store.update_incident_status(other, IncidentStatus.resolved, f"same episode as incident {iid}")
     if iid is None:
         iid = sup._incident(symptom, dstep, Severity.critical if apply in ("stop", "rollback_skip")
-                            else Severity.warning, reason, dict(getattr(dec, "evidence", {}) or {}))
+                            else Severity.warning, reason, {})
     if apply == "none":
-        observe = getattr(dec, "would_apply", None) is not None
+        observe = dec.would_apply is not None
         if params["rung"] == "collect_evidence" and not observe:
             params["evidence"] = host_evidence(sup)
         sup._action(iid, ActionKind.observe_only_noop if observe else kind,
-                    {**params, "would_apply": getattr(dec, "would_apply", None),
-                     "patch": getattr(dec, "config_patch", {}), "skip_ranges": getattr(dec, "skip_ranges", [])},
+                    {**params, "would_apply": dec.would_apply,
+                     "patch": dec.config_patch, "skip_ranges": dec.skip_ranges},
                     {}, ApplyMode.none, observe_only=observe)
         if not observe:
             sup.store.update_incident_status(iid, IncidentStatus.escalated, reason)
@@ -162,7 +165,7 @@ def apply_decision(sup: Supervisor, dec: Any, step: int) -> None:
         kind = ActionKind.set_config if patch else ActionKind.restart
     if apply == "hot":
         to_v, diff = sup._new_config_version(patch, f"{symptom.value}: {reason}") if patch else (from_v, {})
-        hot = {k: v for k, v in dict(getattr(dec, "hot_control", {}) or {}).items() if k != "dump_stacks"}
+        hot = {k: v for k, v in dict(dec.hot_control or {}).items() if k != "dump_stacks"}
         ctl = jc.write_control(sup.run_dir, **hot)
         sup._action(iid, kind, {**params, "control": ctl}, diff, ApplyMode.hot, from_v, to_v)
         sup.store.update_incident_status(iid, IncidentStatus.remediating, f"hot: {reason}")
@@ -171,12 +174,12 @@ def apply_decision(sup: Supervisor, dec: Any, step: int) -> None:
             sup._set_state(S.RUNNING, "hot fix applied, no restart")
         return
     # restart_latest | rollback_skip: new config version, then a graceful (or suspect) restart.
-    rollback = getattr(dec, "rollback_to_step", None) if apply == "rollback_skip" else None
+    rollback = dec.rollback_to_step if apply == "rollback_skip" else None
     to_v, diff = sup._new_config_version(patch, f"{symptom.value}: {reason}") if patch else (from_v, {})
-    suspect = apply == "rollback_skip" or bool((getattr(dec, "hot_control", {}) or {}).get("suspect"))
+    suspect = apply == "rollback_skip" or bool((dec.hot_control or {}).get("suspect"))
     if suspect:
         jc.write_control(sup.run_dir, suspect=True)
-    params.update(rollback_to_step=rollback, skip_ranges=getattr(dec, "skip_ranges", []), suspect=suspect)
+    params.update(rollback_to_step=rollback, skip_ranges=dec.skip_ranges, suspect=suspect)
     sup._action(iid, kind, params, diff, ApplyMode.restart, from_v, to_v)
     sup.store.update_incident_status(iid, IncidentStatus.remediating, reason)
     sup.say(f"  action: {params['rung']} ({apply})" + (f", rollback to <= step {rollback}" if rollback is not None else "")
@@ -241,13 +244,13 @@ def verify_open_incidents(sup: Supervisor, ckpt_step: int) -> None:
             sup.open_incidents.pop(iid, None)
 
 
-def on_hang(sup: Supervisor, fnd: Any) -> None:
+def on_hang(sup: Supervisor, fnd: Finding) -> None:
     """Hang: stack dumps of every rank into the incident, then SIGTERM, then SIGKILL after grace."""
     if sup.term is not None or sup.job is None:
         return
     step = fnd.step if fnd.step is not None else (sup.last_step or 0)
-    evidence = dict(getattr(fnd, "evidence", {}) or {})
-    summary = getattr(fnd, "message", "") or "no progress"
+    evidence = dict(fnd.evidence or {})
+    summary = fnd.message or "no progress"
     attempt = sup.attempt
 
     def with_stacks(stacks: str) -> None:
@@ -273,16 +276,13 @@ def on_hang(sup: Supervisor, fnd: Any) -> None:
                            dump_stacks=True, on_stacks=with_stacks)
 
 
-def _split_outputs(out: Any) -> tuple[list[Any], list[Any]]:
-    """Engine outputs -> (findings, decisions), whatever container the engine returns."""
-    if out is None:
-        return [], []
-    if hasattr(out, "findings") or hasattr(out, "decisions"):
-        return list(getattr(out, "findings", []) or []), list(getattr(out, "decisions", []) or [])
-    if isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, list) for x in out):
-        return list(out[0]), list(out[1])
-    findings: list[Any] = []
-    decisions: list[Any] = []
+def _split_outputs(out: Iterable[Finding | Decision]) -> tuple[list[Finding], list[Decision]]:
+    """The engine's outputs (`observe`/`tick`/`on_crash` return one list of both) -> (findings, decisions)."""
+    findings: list[Finding] = []
+    decisions: list[Decision] = []
     for item in out:
-        (decisions if hasattr(item, "apply") else findings).append(item)
+        if isinstance(item, Decision):
+            decisions.append(item)
+        else:
+            findings.append(item)
     return findings, decisions

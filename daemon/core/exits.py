@@ -201,14 +201,14 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     relaunch = Relaunch(f"crash ({diag_label})", iid)
     acted = False
     for dec in decisions:
-        dec_apply = getattr(dec, "apply", "restart_latest")
-        reason = getattr(dec, "reason", "") or f"crash {diag_label}"
-        params = {"rung": getattr(dec, "action_kind", None), "ladder": getattr(dec, "ladder", None),
+        dec_apply = dec.apply
+        reason = dec.reason or f"crash {diag_label}"
+        params = {"rung": dec.action_kind, "ladder": dec.ladder,
                   "apply": dec_apply, "reason": reason}
-        if getattr(dec, "ladder", None) == "memory" and getattr(sup.engine, "memory_evidence", None):
+        if dec.ladder == "memory" and getattr(sup.engine, "memory_evidence", None):
             params["evidence"] = sup.engine.memory_evidence   # the OOM numbers and plans (memory_evidence.py)
         target = iid
-        if getattr(dec, "symptom", symptom.value) not in this_crash:
+        if dec.symptom not in this_crash:
             # e.g. crash_loop / no_progress: its own incident, so the budget stop is visible as such.
             target = sup._incident(Symptom(dec.symptom), sup.last_step or 0, Severity.critical, reason,
                                    {"after_incident": iid})
@@ -219,20 +219,20 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
                 sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
             sup._fail(reason)
             return
-        no_room = dec_apply == "restart_latest" and getattr(dec, "action_kind", None) == "prune_and_restart"
+        no_room = dec_apply == "restart_latest" and dec.action_kind == "prune_and_restart"
         if no_room and not disk.resume_after_no_space(sup, iid, save_failure):
             return  # nothing left to prune: the run ended FAILED with that incident
         if dec_apply == "none":
-            observe = getattr(dec, "would_apply", None) is not None
+            observe = dec.would_apply is not None
             sup._action(target, ActionKind.observe_only_noop if observe else action_kind(dec),
-                        {**params, "would_apply": getattr(dec, "would_apply", None),
-                         "patch": getattr(dec, "config_patch", {})}, {}, ApplyMode.none, observe_only=observe)
+                        {**params, "would_apply": dec.would_apply,
+                         "patch": dec.config_patch}, {}, ApplyMode.none, observe_only=observe)
             continue
         from_v = sup.config_version
         patch = patch_of(sup, dec)
         to_v, diff = sup._new_config_version(patch, f"crash {diag_label}: {reason}") if patch else (from_v, {})
         if dec_apply == "rollback_skip":
-            relaunch.rollback_to_step = getattr(dec, "rollback_to_step", None)
+            relaunch.rollback_to_step = dec.rollback_to_step
         params["rollback_to_step"] = relaunch.rollback_to_step
         sup._action(target, action_kind(dec), params, diff, ApplyMode.restart, from_v, to_v)
         sup.say(f"  action: {params['rung']} — {reason}" + (f" (config v{from_v}->v{to_v})" if to_v != from_v else ""))
