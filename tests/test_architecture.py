@@ -37,10 +37,7 @@ OVERSIZED_ALLOWED: dict[str, str] = {
 }
 
 # Import cycles allowed (as sorted module lists), each with its follow-up. Keep this empty if you can.
-CYCLES_ALLOWED: dict[tuple[str, ...], str] = {
-    ("ulyssesd.daemon.operator.ctl", "ulyssesd.daemon.operator.report"):
-        "issue #14 follow-up: `ulyssesctl report` reaches ctl's private store/run helpers lazily; give them one owner",
-}
+CYCLES_ALLOWED: dict[tuple[str, ...], str] = {}
 
 # Packages allowed over MAX_MODULES_PER_FOLDER, each with why a split would be artificial or its follow-up.
 CROWDED_ALLOWED: dict[str, str] = {}

@@ -540,17 +540,38 @@ def db_current_cmd(json_out: bool = typer.Option(False, "--json")) -> None:
                       f"{'' if st['up_to_date'] else ' — run `ulyssesctl db upgrade`'}")
 
 
+@app.command("report")
+def report(run_id: str = typer.Argument(None, help="run id (default: the --run option, else the latest run)"),
+           out: Path = typer.Option(None, "--out", "-o", help="HTML file to write (default: report-RUN.html)"),
+           telemetry: Path = typer.Option(None, "--telemetry",
+                                          help="telemetry file (default: the run directory's)")) -> None:
+    """Write a self-contained HTML postmortem: curves with incidents and actions, timeline, goodput."""
+    from ulyssesd.daemon.operator.report import render_report  # the page builder (it never imports ctl)
+
+    store = _store(False)
+    try:
+        if run_id:
+            CTX.run = run_id
+        run = _run(store, False)
+        if telemetry is not None and not telemetry.is_file():
+            _die(f"--telemetry {telemetry}: no such file", 2, False)
+        page = render_report(store, run.id, telemetry)
+    finally:
+        store.close()
+    target = out or Path(f"report-{run.id}.html")
+    target.write_text(page, encoding="utf-8")
+    print(target.resolve())
+
+
 def _register_subcommands() -> None:
-    """Commands that live in their own modules (replay, diagnose, plan, report). Imported unguarded: a broken
+    """Commands that live in their own modules (replay, diagnose, plan). Imported unguarded: a broken
     module must fail `ulyssesctl` loudly, not make its command silently vanish."""
     from ulyssesd.daemon.operator.ctl_diagnose import register_diagnose
     from ulyssesd.daemon.operator.ctl_offline import register
     from ulyssesd.daemon.operator.ctl_plan import register_plan
-    from ulyssesd.daemon.operator.report import register_report
 
-    for register_fn in (register, register_diagnose, register_plan, register_report):
+    for register_fn in (register, register_diagnose, register_plan):
         register_fn(app)
-
 
 _register_subcommands()
 

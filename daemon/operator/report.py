@@ -435,30 +435,3 @@ def _diff_html(versions: list[Any], v: Any) -> str:
 
     diff = flat_diff(parent.config, v.config)
     return "<br>".join(f"{_e(k)}: {_e(b)} → {_e(a)}" for k, (b, a) in diff.items()) or "(no change)"
-
-
-def register_report(app: Any) -> None:
-    """Add `ulyssesctl report` to the operator CLI."""
-    import typer
-
-    @app.command("report")
-    def report(run_id: str = typer.Argument(None, help="run id (default: the --run option, else the latest run)"),
-               out: Path = typer.Option(None, "--out", "-o", help="HTML file to write (default: report-RUN.html)"),
-               telemetry: Path = typer.Option(None, "--telemetry",
-                                              help="telemetry file (default: the run directory's)")) -> None:
-        """Write a self-contained HTML postmortem: curves with incidents and actions, timeline, goodput."""
-        from ulyssesd.daemon.operator import ctl
-
-        store = ctl._store(False)
-        try:
-            if run_id:
-                ctl.CTX.run = run_id
-            run = ctl._run(store, False)
-            if telemetry is not None and not telemetry.is_file():
-                ctl._die(f"--telemetry {telemetry}: no such file", 2, False)
-            page = render_report(store, run.id, telemetry)
-        finally:
-            store.close()
-        target = out or Path(f"report-{run.id}.html")
-        target.write_text(page, encoding="utf-8")
-        print(target.resolve())
