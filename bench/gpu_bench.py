@@ -3,7 +3,7 @@
 Each case = the base spec + dotted overrides; it is launched exactly as the daemon launches the job
 (torchrun + `python -m ulyssesd.training`), and its own telemetry is the measurement:
 median step time over the steps after warm-up, tokens/s, TF/s per GPU and MFU per
-docs/DEEPSPEED_FACTS.md (causal-corrected model FLOPs, recompute not counted, / 989 TF/s), and the
+docs/DEEPSPEED_NOTES.md (causal-corrected model FLOPs, recompute not counted, / 989 TF/s), and the
 peak `mem_max_allocated_gib` over ranks. Results: one JSON line per case on stdout and in --out.
 
     python bench/gpu_bench.py --nproc 2 --steps 12 --out $OUT/bench.jsonl \

@@ -26,7 +26,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
                          "(the config key alone creates no SP group)",
     "seq_parallel": "sequence parallelism is set by parallel.sequence_parallel_size in the run spec",
     "sequence_parallel_size": "use parallel.sequence_parallel_size in the run spec: the DeepSpeed key only "
-                              "changes ZeRO sharding and creates no SP group (docs/DEEPSPEED_FACTS.md)",
+                              "changes ZeRO sharding and creates no SP group (docs/DEEPSPEED_NOTES.md)",
     "enable_cuda_graph": "CUDA graphs do not work with ZeRO-3 parameter gathering",
     "scheduler": "the job computes warm-up + cosine LR itself from train.lr/min_lr/warmup_steps so live "
                  "lr_scale and resume stay exact",

@@ -19,7 +19,7 @@ import torch
 
 from .spec import FaultSpec
 
-# torch's real text (docs/DEEPSPEED_FACTS.md); the numbers are plausible H100/A100 values.
+# torch's real text (docs/DEEPSPEED_NOTES.md); the numbers are plausible H100/A100 values.
 CUDA_OOM_TEXT = ("CUDA out of memory. Tried to allocate {gib:.2f} GiB. GPU {gpu} has a total capacity of 79.18 GiB "
                  "of which 23.04 GiB is free. Including non-PyTorch memory, this process has 56.13 GiB memory in "
                  "use. Of the allocated memory 52.10 GiB is allocated by PyTorch, and 2.54 GiB is reserved by "

@@ -55,7 +55,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The reference probe's 6.86B GPT (bench/reference_gpt.py's shape at gpt-7b size): h 4096, L 32, 32 heads, GELU 4h, no bias.
     "gpt-7b": dict(hidden_size=4096, num_layers=32, num_attention_heads=32, vocab_size=50304,
                    max_seq_len=1 << 20, mlp="gelu", ffn_hidden_size=16384, tie_embeddings=False),
-    # The seed's 176B: h 12288, L 96, 96 heads, 32K context, vocab 50257, tied head (P = 174.6B, docs/DEEPSPEED_FACTS.md).
+    # The seed's 176B: h 12288, L 96, 96 heads, 32K context, vocab 50257, tied head (P = 174.6B, docs/DEEPSPEED_NOTES.md).
     "gpt-176b": dict(hidden_size=12288, num_layers=96, num_attention_heads=96, vocab_size=50257,
                      max_seq_len=32768, mlp="gelu", ffn_hidden_size=49152, tie_embeddings=True),
 }

@@ -155,7 +155,7 @@ class TrainerCheckpoints:
         return tag, time.time() - t0
 
     def _reapply_config_after_load(self) -> None:
-        # docs/DEEPSPEED_FACTS.md: the checkpoint wins for lr (we set it every step anyway) and the whole fp16 loss
+        # docs/DEEPSPEED_NOTES.md: the checkpoint wins for lr (we set it every step anyway) and the whole fp16 loss
         # scaler; the current config must win for everything the operator or the daemon changed.
         set_engine_clip(self.engine, self.spec.train.gradient_clipping)
         scaler = getattr(self.engine.optimizer, "loss_scaler", None)

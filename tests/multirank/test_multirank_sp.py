@@ -22,7 +22,7 @@ from ulyssesd.training.train import DUMP_GRADS_ENV
 
 pytestmark = pytest.mark.slow
 
-LOSS_TOL = 1e-5   # fp32: SP changes only the reduction order (docs/DEEPSPEED_FACTS.md: grads differ <= 1.3e-8 at SP=2)
+LOSS_TOL = 1e-5   # fp32: SP changes only the reduction order (docs/DEEPSPEED_NOTES.md: grads differ <= 1.3e-8 at SP=2)
 GRAD_TOL = 1e-6   # max |full grad difference| of step 1 (the same bound tests/training uses at SP=2)
 DRIFT_TOL = 1e-4  # later steps: Adam amplifies 1e-8 grad noise a little; a wrong update is ~1e-3
 

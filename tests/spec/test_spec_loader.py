@@ -30,7 +30,7 @@ def test_presets_have_the_documented_sizes() -> None:
     assert abs(sizes["gpt-7b"].num_params() / 6.86e9 - 1) < 0.002  # the reference probe's 6.86B
     big = sizes["gpt-176b"]
     assert (big.hidden_size, big.num_layers, big.num_attention_heads, big.vocab_size) == (12288, 96, 96, 50257)
-    assert round(big.num_params() / 1e9, 1) == 174.6  # docs/DEEPSPEED_FACTS.md: P = 174.6B
+    assert round(big.num_params() / 1e9, 1) == 174.6  # docs/DEEPSPEED_NOTES.md: P = 174.6B
 
 
 def test_seed_ds_config_path_is_resolved_relative_to_the_spec() -> None:

@@ -2,7 +2,7 @@
 
 Tensors are batch-first `[b, s, h, d]` throughout. With SP > 1, DeepSpeed's `DistributedAttention`
 all-to-alls q/k/v from `[b, s/sp, h, d]` to `[b, s, h/sp, d]`, runs the local kernel on the full
-sequence for a slice of heads, and all-to-alls the output back (scatter_idx=2, gather_idx=1, docs/DEEPSPEED_FACTS.md).
+sequence for a slice of heads, and all-to-alls the output back (scatter_idx=2, gather_idx=1, docs/DEEPSPEED_NOTES.md).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return "flash_attn"
     if backend == "auto":
         # Unrestricted SDPA: on H200 (torch >= 2.5) its own priority picks cuDNN attention, the fastest
-        # measured there (docs/DEEPSPEED_FACTS.md), and it can still fall back when a shape/dtype has no cuDNN kernel.
+        # measured there (docs/DEEPSPEED_NOTES.md), and it can still fall back when a shape/dtype has no cuDNN kernel.
         return "sdpa"
     if backend != "math" and device.type != "cuda":
         raise ValueError(f"attention.backend={backend!r} needs a CUDA device; use 'auto' or 'math' on CPU")
@@ -94,5 +94,5 @@ class UlyssesAttention(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.dist_attn is not None:
-            return self.dist_attn(q, k, v, 0)  # batch_dim_idx is a required positional (docs/DEEPSPEED_FACTS.md)
+            return self.dist_attn(q, k, v, 0)  # batch_dim_idx is a required positional (docs/DEEPSPEED_NOTES.md)
         return self.local(q, k, v)

@@ -327,7 +327,7 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
     dtype = job.precision.dtype
     st = model_stats(m, zero)
     c = _Ctx(m=m, zero=zero, st=st, dtype=dtype, d=DTYPE_BYTES[dtype], g=DTYPE_BYTES[zero.grad_accum_dtype or dtype],
-             # ZeRO-3 partitions over DP x SP = all GPUs (mpu passed, docs/DEEPSPEED_FACTS.md).
+             # ZeRO-3 partitions over DP x SP = all GPUs (mpu passed, docs/DEEPSPEED_NOTES.md).
              n=n, shard=math.ceil(st.total / n), gpn=cluster.gpus_per_node, sp=sp,
              tokens=job.train.micro_batch_size * (job.train.seq_len // sp))
     k = job.train.activation_checkpoint_every

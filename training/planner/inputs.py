@@ -67,7 +67,7 @@ class Cluster:
         return cls(gpus_per_node=gpus_per_node, nodes=nodes, **fields)
 
 
-# Capacities are what torch reports as total_memory (A100-80GB: 79.18 GiB per the real OOM message in docs/DEEPSPEED_docs/DEEPSPEED_FACTS.md).
+# Capacities are what torch reports as total_memory (A100-80GB: 79.18 GiB per the real OOM message in docs/DEEPSPEED_docs/DEEPSPEED_NOTES.md).
 GPU_PRESETS: dict[str, dict[str, Any]] = {
     "a100-80g": dict(gpu_mem_gib=79.18, host_mem_gib=1024.0, gpu_name="A100-80GB"),
     "h100-80g": dict(gpu_mem_gib=79.11, host_mem_gib=2048.0, gpu_name="H100-80GB"),
