@@ -34,7 +34,10 @@ EXIT_STORE_DAMAGED = 14
 
 
 def _parser() -> argparse.ArgumentParser:
+    from ulyssesd.daemon.operator.version import version_line
+
     p = argparse.ArgumentParser(prog="ulyssesd", description="Supervisor for long DeepSpeed ZeRO-3 + Ulysses runs.")
+    p.add_argument("--version", action="version", version=version_line("ulyssesd"), help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="supervise one run (create it, or re-adopt the unfinished one)")
     r.add_argument("--spec", required=True, help="run spec TOML")

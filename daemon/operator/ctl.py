@@ -53,6 +53,14 @@ class Ctx:
 CTX = Ctx()
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from ulyssesd.daemon.operator.version import version_line
+
+        print(version_line("ulyssesctl"))
+        raise typer.Exit(EXIT_OK)
+
+
 @app.callback()
 def _global(
     state_dir: str = typer.Option(None, "--state-dir", envvar="ULYSSESD_STATE_DIR",
@@ -60,6 +68,8 @@ def _global(
     db: str = typer.Option(None, "--db", help="SQLite file (default {state-dir}/ulyssesd.db)"),
     socket: str = typer.Option(None, "--socket", envvar="ULYSSESD_SOCKET", help="control socket path"),
     run: str = typer.Option(None, "--run", help="run id (default: the newest run)"),
+    _version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                  help="print the version and exit"),
 ) -> None:
     from ulyssesd.daemon.spec import default_state_dir
 
