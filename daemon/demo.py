@@ -11,7 +11,9 @@ Ulysses SP=2); faults injected by the job itself (`[[faults]]`, each on a chosen
   attempt 4: NaN loss (→ roll back to a known-good checkpoint and skip the bad batches)
   attempt 5: trains to the final step.
 
-Ends with the incidents table and goodput (productive training time / wall time).
+Ends with the incidents table, goodput (productive training time / wall time) and the run's postmortem
+report (`report-RUN.html` in the work dir, next to `state/`); exit code 0 only when the run completed and
+the report was written (3: completed, report not written).
 """
 
 from __future__ import annotations
@@ -209,9 +211,36 @@ def run_demo(work_dir: str | None = None) -> int:
               f"[bold]{good['goodput']:.0%}[/bold]  ({good['unique_steps']} unique steps, "
               f"{good['steps_run']} steps run, {good['steps_run'] - good['unique_steps']} redone after rollbacks)")
     con.print(f"inspect: ulyssesctl --state-dir {state} status | incidents | incident ID | config")
+    report_path, report_error = write_demo_report(store, sup.run_id, work)
+    if report_error is None:
+        con.print(f"report:  {report_path}")
+    else:
+        con.print(f"[bold red]report: could not write {escape(str(report_path))}: {escape(report_error)}[/bold red]")
     configure_logging()  # back to stdout before the file goes away (the demo may run in-process)
     log_file.close()
-    return 0 if sup.state.value == "COMPLETED" else 1
+    if sup.state.value != "COMPLETED":
+        return DEMO_EXIT_RUN_NOT_COMPLETED
+    return DEMO_EXIT_OK if report_error is None else DEMO_EXIT_REPORT_FAILED
+
+
+#: Demo exit codes: the run completed and its report was written · the run did not complete ·
+#: the run completed but its postmortem report could not be written.
+DEMO_EXIT_OK, DEMO_EXIT_RUN_NOT_COMPLETED, DEMO_EXIT_REPORT_FAILED = 0, 1, 3
+
+
+def write_demo_report(store, run_id: str, work: Path) -> tuple[Path, str | None]:
+    """Write the run's postmortem page (what `ulyssesctl report` writes) as `work/report-RUN.html`, next to
+    the state dir. Returns (path, None) on success, (path, why) when rendering or writing failed: the demo
+    reports that as its own error instead of a traceback that would hide the run's result above it."""
+    from ulyssesd.daemon.operator.report import render_report
+
+    target = work / f"report-{run_id}.html"
+    try:
+        page = render_report(store, run_id)
+        target.write_text(page, encoding="utf-8")
+    except Exception as exc:  # noqa: BLE001 - any failure is reported with its cause; the run is already over
+        return target, f"{type(exc).__name__}: {exc}"
+    return target.resolve(), None
 
 
 def goodput(telemetry: Path, wall_s: float) -> dict[str, float]:

@@ -174,6 +174,7 @@ def test_demo_every_fault_class_detected_acted_on_and_completed(tmp_path):
     store = open_store(tmp_path / "demo" / "state" / "ulyssesd.db", readonly=True)
     run = store.latest_run()
     assert run.state == RunState.COMPLETED
+    assert (tmp_path / "demo" / f"report-{run.id}.html").is_file()  # the demo ends by writing the postmortem
     by = {}
     for i in store.list_incidents(run.id):
         by.setdefault(i.symptom.value, []).append(store.get_incident(i.id))
