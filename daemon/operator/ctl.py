@@ -205,10 +205,18 @@ def _request(cmd: str, args: dict | None, as_json: bool) -> dict:
     return resp
 
 
-def _last_step_from_telemetry(run_dir: str | None) -> dict[str, Any] | None:
-    """The newest step record in telemetry.jsonl (read from its end; works with the daemon down)."""
+#: How many of the newest step records the ETA's step rate is measured over (same attempt only: a restart's
+#: resume time is not training speed).
+RATE_WINDOW_STEPS = 20
+#: What `status` prints for a field that has no value yet (never a literal None).
+EMPTY = "—"
+
+
+def _recent_steps_from_telemetry(run_dir: str | None, limit: int = RATE_WINDOW_STEPS) -> list[dict[str, Any]]:
+    """The newest `limit` step records in telemetry.jsonl, oldest first (read from its end; works with the
+    daemon down)."""
     if not run_dir:
-        return None
+        return []
     path = Path(run_dir) / "telemetry.jsonl"
     try:
         with open(path, "rb") as fh:
@@ -216,15 +224,56 @@ def _last_step_from_telemetry(run_dir: str | None) -> dict[str, Any] | None:
             fh.seek(max(0, fh.tell() - 256 * 1024))
             lines = fh.read().decode("utf-8", errors="replace").splitlines()
     except OSError:
-        return None
+        return []
+    found: list[dict[str, Any]] = []
     for line in reversed(lines):
         try:
             d = json.loads(line)
         except (ValueError, RecursionError):  # garbage or a hostile deeply nested line: not a step
             continue
         if isinstance(d, dict) and d.get("kind") == "step":
-            return d
-    return None
+            found.append(d)
+            if len(found) >= limit:
+                break
+    return found[::-1]
+
+
+def progress_fields(recent: list[dict[str, Any]], total_steps: int | None, created_at: datetime,
+                    ended_at: datetime | None, now: datetime) -> dict[str, Any]:
+    """Progress of a run: fraction done, elapsed wall time, step rate over the newest records of the newest
+    attempt, ETA at that rate (none once the run ended or when the rate is unknown), last-step age."""
+    last = recent[-1] if recent else {}
+    step = last.get("step") if isinstance(last.get("step"), int) else None
+    progress = step / total_steps if step is not None and total_steps else None
+    rate = None
+    same_attempt = [r for r in recent if r.get("attempt") == last.get("attempt")
+                    and isinstance(r.get("time"), int | float) and isinstance(r.get("step"), int)]
+    if len(same_attempt) >= 2:
+        dt = same_attempt[-1]["time"] - same_attempt[0]["time"]
+        ds = same_attempt[-1]["step"] - same_attempt[0]["step"]
+        rate = ds / dt if dt > 0 and ds > 0 else None
+    eta = None
+    if ended_at is None and rate and step is not None and total_steps:
+        eta = max(0, total_steps - step) / rate
+    last_time = last.get("time")
+    age = max(0.0, now.timestamp() - last_time) if isinstance(last_time, int | float) else None
+    return {"total_steps": total_steps, "progress": progress,
+            "elapsed_s": max(0.0, ((ended_at or now) - created_at).total_seconds()),
+            "step_rate_per_s": rate, "eta_s": eta, "last_step_age_s": age}
+
+
+def _fmt_duration(seconds: float | None) -> str:
+    """1h02m03s / 4m05s / 7s; EMPTY when unknown."""
+    if seconds is None:
+        return EMPTY
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+
+def _or_empty(value: Any) -> str:
+    return EMPTY if value is None else str(value)
 
 
 def _fmt_time(t: datetime | None) -> str:
@@ -255,7 +304,9 @@ def status_data(store, run) -> dict[str, Any]:
     versions = store.list_config_versions(run.id)
     cur_v = next((v for v in versions if v.version == run.config_version), versions[-1] if versions else None)
     diff = flat_diff(versions[0].config, cur_v.config) if versions and cur_v else {}
-    step = _last_step_from_telemetry(run.run_dir) or {}
+    recent = _recent_steps_from_telemetry(run.run_dir)
+    step = recent[-1] if recent else {}
+    total = (cur_v.config.get("train") or {}).get("steps") if cur_v else None
     open_inc = store.list_incidents(run.id, status="open") + store.list_incidents(run.id, status="remediating")
     info = _daemon_info()
     live = None
@@ -285,7 +336,13 @@ def status_data(store, run) -> dict[str, Any]:
         "config_version": run.config_version, "config_diff_from_v1": diff,
         "open_incidents": len(open_inc), "run_dir": run.run_dir,
         "created_at": run.created_at.isoformat(), "ended_at": run.ended_at.isoformat() if run.ended_at else None,
+        **progress_fields(recent, total if isinstance(total, int) else None, _aware(run.created_at),
+                          _aware(run.ended_at) if run.ended_at else None, datetime.now(timezone.utc)),
     }
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
 def _render_status(d: dict[str, Any]) -> Table:
@@ -293,22 +350,31 @@ def _render_status(d: dict[str, Any]) -> Table:
     t.add_column("key", style="bold")
     t.add_column("value")
     color = {"COMPLETED": "green", "FAILED": "red", "RUNNING": "green", "PAUSED": "yellow"}.get(d["state"], "cyan")
-    t.add_row("state", f"[{color}]{d['state']}[/{color}] ({d['state_reason']})")
+    reason = f" ({d['state_reason']})" if d.get("state_reason") else ""
+    t.add_row("state", f"[{color}]{d['state']}[/{color}]{reason}")
     t.add_row("daemon", d["daemon"] + (f" (pid {d['daemon_pid']})" if d.get("daemon_pid") else ""))
-    t.add_row("attempt / restarts", f"{d['attempt']} / {d['restarts']}")
+    t.add_row("attempt / restarts", f"{_or_empty(d['attempt'])} / {d['restarts']}")
+    pct = f" ({d['progress']:.1%})" if isinstance(d.get("progress"), float) else ""
+    t.add_row("step / total", f"{_or_empty(d['step'])} / {_or_empty(d.get('total_steps'))}{pct}")
+    t.add_row("elapsed", _fmt_duration(d.get("elapsed_s")))
+    rate = d.get("step_rate_per_s")
+    t.add_row("ETA", _fmt_duration(d.get("eta_s")) + (f" (at {rate:.2f} steps/s)" if rate else ""))
+    age = d.get("last_step_age_s")
+    t.add_row("last step", EMPTY if age is None else f"{_fmt_duration(age)} ago")
     loss = d["loss"]
-    t.add_row("step / loss", f"{d['step']} / {loss if not isinstance(loss, float) else f'{loss:.4f}'}")
+    t.add_row("loss", f"{loss:.4f}" if isinstance(loss, float) else _or_empty(loss))
     tps = d["tokens_per_s"]
-    t.add_row("tokens/s", f"{tps:,.0f}" if isinstance(tps, int | float) else "-")
-    t.add_row("MFU", f"{d['mfu']:.1%}" if isinstance(d.get("mfu"), int | float) else "unknown")
+    t.add_row("tokens/s", f"{tps:,.0f}" if isinstance(tps, int | float) else EMPTY)
+    t.add_row("MFU", f"{d['mfu']:.1%}" if isinstance(d.get("mfu"), int | float) else EMPTY)
     mem = d["mem_max_allocated_gib"]
-    t.add_row("max memory (GiB)", f"{mem:.2f}" if isinstance(mem, int | float) else "-")
-    t.add_row("checkpoint (latest / known good)", f"{d['latest_checkpoint']} / {d['known_good_checkpoint']}")
+    t.add_row("max memory (GiB)", f"{mem:.2f}" if isinstance(mem, int | float) else EMPTY)
+    t.add_row("checkpoint (latest / known good)",
+              f"{_or_empty(d['latest_checkpoint'])} / {_or_empty(d['known_good_checkpoint'])}")
     diff = d["config_diff_from_v1"]
     t.add_row("config", f"v{d['config_version']}" + ("" if not diff else "; vs v1: " + ", ".join(
         f"{k}: {b!r} -> {a!r}" for k, (b, a) in diff.items())))
     t.add_row("open incidents", str(d["open_incidents"]))
-    t.add_row("run dir", str(d["run_dir"]))
+    t.add_row("run dir", _or_empty(d["run_dir"]))
     return t
 
 
