@@ -380,11 +380,15 @@ def _render_status(d: dict[str, Any]) -> Table:
 
 @app.command()
 def status(json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
-           watch: bool = typer.Option(False, "--watch", help="refresh live until Ctrl-C"),
-           interval: float = typer.Option(2.0, "--interval", help="--watch refresh period (s)")) -> None:
-    """State, step, loss, tokens/s, MFU, memory, checkpoints, restarts, config version and its diff from v1."""
+           watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C: a live table on a terminal, "
+                                      "one line per refresh in a pipe, JSON lines with --json"),
+           interval: float = typer.Option(2.0, "--interval", min=0.05, help="--watch refresh period (s)")) -> None:
+    """State, step/total, ETA, loss, tokens/s, MFU, memory, checkpoints, restarts, config version and its diff."""
     store = _store(json_out)
-    if watch and not json_out:
+    if watch and (json_out or not sys.stdout.isatty()):
+        _watch_lines(store, json_out, interval)
+        return
+    if watch:
         from rich.live import Live
 
         with Live(console=console, refresh_per_second=4) as live:
@@ -403,6 +407,40 @@ def status(json_out: bool = typer.Option(False, "--json", help="machine-readable
     if d["daemon"] == DAEMON_NOT_RESPONDING:
         raise typer.Exit(EXIT_NOT_RESPONDING)
     raise typer.Exit(EXIT_RUN_FAILED if d["state"] == "FAILED" else EXIT_OK)
+
+
+def status_line(d: dict[str, Any]) -> str:
+    """One line of `status --watch` in a pipe: the fields an operator tails for, EMPTY where unknown."""
+    pct = f" ({d['progress']:.1%})" if isinstance(d.get("progress"), float) else ""
+    loss = d.get("loss")
+    tps = d.get("tokens_per_s")
+    age = d.get("last_step_age_s")
+    return (f"{datetime.now(timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')} {d['run_id']} {d['state']} "
+            f"step {_or_empty(d['step'])}/{_or_empty(d.get('total_steps'))}{pct} "
+            f"loss {f'{loss:.4f}' if isinstance(loss, float) else _or_empty(loss)} "
+            f"tok/s {f'{tps:,.0f}' if isinstance(tps, int | float) else EMPTY} "
+            f"elapsed {_fmt_duration(d.get('elapsed_s'))} ETA {_fmt_duration(d.get('eta_s'))} "
+            f"last-step {EMPTY if age is None else _fmt_duration(age) + ' ago'} "
+            f"open-incidents {d['open_incidents']} daemon {d['daemon']}")
+
+
+def _watch_lines(store, json_out: bool, interval: float) -> None:
+    """`status --watch` when stdout is a pipe or --json: one line (or one JSON object) per refresh, flushed,
+    so `| head -3` or a log collector sees each at once. A reader that goes away ends the watch quietly."""
+    try:
+        while True:
+            d = status_data(store, _run(store, json_out))
+            sys.stdout.write((json.dumps(d, default=str) if json_out else status_line(d)) + "\n")
+            sys.stdout.flush()
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
+        # The reader closed the pipe (`| head -3`): point stdout at /dev/null so the interpreter's final
+        # flush does not raise again, and exit 0 like other Unix tools do under head.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 # ---------------------------------------------------------------------------------------- incidents
