@@ -213,7 +213,7 @@ def run_demo(work_dir: str | None = None) -> int:
     con.print(f"inspect: ulyssesctl --state-dir {state} status | incidents | incident ID | config")
     report_path, report_error = write_demo_report(store, sup.run_id, work)
     if report_error is None:
-        con.print(f"report:  {report_path}")
+        con.print(f"report:  {escape(str(report_path))}")
     else:
         con.print(f"[bold red]report: could not write {escape(str(report_path))}: {escape(report_error)}[/bold red]")
     configure_logging()  # back to stdout before the file goes away (the demo may run in-process)
