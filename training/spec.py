@@ -251,6 +251,9 @@ class CheckpointSpec(_Section):
     verify_checksums: bool = Field(True, description="Check manifest sha256 of every file on load.")
     save_at_end: bool = Field(True, description="Save when the last step completes (benchmarks turn it off: "
                                                 "a 7B ZeRO-3 checkpoint is ~96 GB of writes).")
+    async_save: bool = Field(False, description="Snapshot shards to host memory and write them in a background "
+                             "thread while training goes on (one save in flight); the manifest is committed only "
+                             "when every rank's shards are durable.")
 
 
 # ------------------------------------------------------------------------------------ telemetry

@@ -259,10 +259,12 @@ class Trainer(TrainerCheckpoints):
                     log.warning("SIGTERM with control suspect=true: exiting WITHOUT saving")
                 elif saved_at != step:
                     self._save()
+                self.finish_saves()  # an async save is durable (or its failure agreed on) before exiting
                 self._event("exiting", reason="sigterm", saved=not self.control.state.suspect)
                 return 0
         if saved_at != self.step and spec.checkpoint.save_at_end:
             self._save()
+        self.finish_saves()
         self._event("exiting", reason="completed")
         return 0
 

@@ -34,6 +34,12 @@ class CheckpointLoadError(RuntimeError):
 EXIT_SAVE_FAILED = 4
 
 
+#: How long rank 0's background commit waits for every rank's shards of an async save to be durable.
+ASYNC_COMMIT_TIMEOUT_S = 1800.0
+#: Test-only: seconds each background shard write sleeps first (a slow disk, so a test can kill mid-write).
+ASYNC_WRITE_DELAY_ENV = "ULYSSESD_TEST_ASYNC_WRITE_DELAY_S"
+
+
 class CheckpointSaveError(RuntimeError):
     """A checkpoint save failed on some rank (exit code 4); `failure` = the event's fields."""
 
@@ -74,6 +80,10 @@ class TrainerCheckpoints:
     cursor: DataCursor
     source: SampleSource
     faults: FaultInjector
+    tele: Any  # TelemetryWriter
+    # The async writer (checkpoint.async_save) and its save in flight: (step, tag, tag_dir, started, blocked s).
+    _writer: ckpt.AsyncCheckpointWriter | None = None
+    _async_inflight: tuple[int, str, Path, float, float] | None = None
 
     def _event(self, name: str, **fields: Any) -> None:
         raise NotImplementedError  # Trainer's: one telemetry event at the current step
@@ -170,6 +180,9 @@ class TrainerCheckpoints:
     def _save(self) -> None:
         tag = ckpt.tag_for_step(self.step)
         tag_dir = self.ckpt_dir / tag
+        if self.spec.checkpoint.async_save:
+            # One save in flight: the previous one must be durable (or its failure agreed on) first.
+            self.finish_saves()
         self._event("checkpoint_saving", tag=tag)
         t0 = time.time()
         # A failed write (full disk, read-only filesystem, quota, I/O error) is caught on the rank that saw
@@ -191,6 +204,9 @@ class TrainerCheckpoints:
                   "data_position": self.source.position(self.cursor), "data_fingerprint": self.source.fingerprint(),
                   "config_version": self.config_version, "loss": self.last_loss,
                   "rng": {self.rank: _rng_state()}, "attempt": self.attempt}
+        if self.spec.checkpoint.async_save:
+            self._save_async(tag, tag_dir, client, t0)
+            return
         failure = self._save_files(tag, tag_dir, client)
         self._agree_on_save(failure)  # every rank's shards are on disk before the manifest vouches for them
         nbytes = 0
@@ -204,14 +220,89 @@ class TrainerCheckpoints:
             except OSError as exc:
                 failure = ckpt.save_failure(exc, tag_dir / ckpt.MANIFEST_NAME, tag, self.rank)
         self._agree_on_save(failure)
-        self.faults.after_save(self.step, tag_dir)
-        self._event("checkpoint_saved", tag=tag, seconds=round(time.time() - t0, 3), bytes=nbytes)
+        self._after_durable(self.step, tag, tag_dir, {"seconds": round(time.time() - t0, 3), "bytes": nbytes})
+        self.dist.barrier()
+
+    def _after_durable(self, step: int, tag: str, tag_dir: Path, fields: dict[str, Any]) -> None:
+        """A save of `step` has its manifest and `latest`: faults, `checkpoint_saved`, retention."""
+        self.faults.after_save(step, tag_dir)
+        # At the saved step, not the current one: the daemon records the tag at the event's step.
+        self.tele.event("checkpoint_saved", step, tag=tag, **fields)
         # Under the daemon, retention is the daemon's (it keeps the known-good anchors a rollback needs);
         # a job run by hand keeps the last K valid tags itself.
         if self.rank == 0 and not os.environ.get("ULYSSESD_RUN_DIR"):
             removed = ckpt.prune(self.ckpt_dir, self.spec.checkpoint.keep_last)
             if removed:
                 log.info("retention removed %s", ", ".join(removed))
+
+    def _async_writer(self) -> ckpt.AsyncCheckpointWriter:
+        writer = self._writer
+        if writer is None:
+            delay = float(os.environ.get(ASYNC_WRITE_DELAY_ENV) or 0.0)
+            writer = self._writer = ckpt.AsyncCheckpointWriter(
+                self.rank, write_hook=self._async_write_hook(delay))
+        return writer
+
+    def _async_write_hook(self, delay_s: float) -> Any:
+        def hook(path: str) -> None:
+            if delay_s > 0:
+                time.sleep(delay_s)
+            # The disk_full / read_only_fs faults of the save in flight; `touch` stands in for the write so a
+            # disk_full leaves its partial file as a real full disk would.
+            inflight = self._async_inflight
+            if inflight is not None:
+                self.faults.checkpoint_write(inflight[0], path, lambda: Path(path).touch())
+        return hook
+
+    def _save_async(self, tag: str, tag_dir: Path, client: dict[str, Any], t0: float) -> None:
+        """DeepSpeed's save into host-memory snapshots, then the writes, fsyncs and (rank 0) the manifest
+        commit in a background thread; training goes on. finish_saves() (the next save, or exit) waits for it."""
+        writer = self._async_writer()
+        writer.begin(tag_dir)  # the previous save was finished by _save: this does not wait
+        real_copy = self.engine._copy_recovery_script
+        failed: list[dict[str, Any]] = []
+
+        def guarded_copy(save_path: str) -> None:
+            try:
+                real_copy(save_path)
+            except OSError as exc:
+                failed.append(ckpt.save_failure(exc, save_path, tag, self.rank))
+
+        self.engine.checkpoint_engine.save = writer.collect
+        self.engine._copy_recovery_script = guarded_copy
+        try:
+            self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
+        finally:
+            del self.engine.checkpoint_engine.save, self.engine._copy_recovery_script
+        self._agree_on_save(failed[0] if failed else None)
+        commit = None
+        if self.rank == 0:
+            step, loss, samples, version = self.step, self.last_loss, self.cursor.next_sample, self.config_version
+            commit = lambda: ckpt.commit_when_durable(tag_dir, self.world, step, loss, samples, version,  # noqa: E731
+                                                      timeout_s=ASYNC_COMMIT_TIMEOUT_S)
+        self._async_inflight = (self.step, tag, tag_dir, t0, time.time() - t0)
+        writer.start(commit=commit)
+        self.dist.barrier()
+
+    def finish_saves(self) -> None:
+        """Collective: wait until the background save in flight (if any) is durable on every rank, then
+        report it (`checkpoint_saved`), or raise CheckpointSaveError (exit 4) if it failed on any rank.
+        The SIGTERM path and the end of the run call this before exiting; _save calls it first."""
+        writer, inflight = self._writer, self._async_inflight
+        if writer is None or inflight is None:
+            return
+        step, tag, tag_dir, t0, blocked_s = inflight
+        writer.wait()
+        failure = writer.take_failure()
+        self._async_inflight = None
+        if failure is not None:
+            failure.setdefault("errno_code", None)
+        self._agree_on_save(failure)
+        nbytes = 0
+        if self.rank == 0:
+            nbytes = ckpt.manifest_bytes(ckpt.read_manifest(tag_dir))
+        self._after_durable(step, tag, tag_dir, {"seconds": round(time.time() - t0, 3), "bytes": nbytes,
+                                                 "async_save": True, "blocked_seconds": round(blocked_s, 3)})
         self.dist.barrier()
 
     def _save_files(self, tag: str, tag_dir: Path, client: dict[str, Any]) -> dict[str, Any] | None:

@@ -13,10 +13,14 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 import torch
+import train_job_helpers as h
 
 from ulyssesd.training import checkpoint as ck
+from ulyssesd.training.telemetry import validate_record
+from ulyssesd.training.train_checkpoints import ASYNC_WRITE_DELAY_ENV
 
 
 def _commit(tag_dir, world=1, step=2, timeout_s=10.0):
@@ -215,3 +219,91 @@ def test_sigkill_during_the_background_write_leaves_the_previous_tag_loadable(tm
     assert ck.latest_valid_tag(ckpt_dir) == "step-00000001" and ck.read_latest(ckpt_dir) == "step-00000001"
     loaded = _run("load", ckpt_dir, tmp_path / "loaded.json", tmp_path)
     assert loaded["client"]["step"] == 1
+
+
+# ------------------------------------------------ the job with [checkpoint] async_save (2 ranks, torchrun)
+def _losses(run, attempt=None):
+    return {step: (rec["loss"], rec["grad_norm"]) for step, rec in run.steps(attempt).items()}
+
+
+@pytest.mark.slow
+def test_job_with_async_save_completes_and_resumes_bit_exact(tmp_path):
+    ref = h.launch(h.tiny_spec(), tmp_path / "sync")
+    assert ref.returncode == 0, ref.output[-4000:]
+    # Async on: the same 6 steps (saves at 2, 4 and 6, the last one waited for at exit) ...
+    run_dir = tmp_path / "async"
+    first = h.launch(h.tiny_spec(checkpoint={"async_save": True}), run_dir)
+    assert first.returncode == 0, first.output[-4000:]
+    assert _losses(first) == _losses(ref)   # exact, step by step (fp32 on CPU)
+    saved = first.events("checkpoint_saved")
+    assert [(e["tag"], e["step"], e["async_save"]) for e in saved] == [
+        ("step-00000002", 2, True), ("step-00000004", 4, True), ("step-00000006", 6, True)]
+    assert all(e["bytes"] > 0 and 0 <= e["blocked_seconds"] <= e["seconds"] for e in saved)
+    root = run_dir / "checkpoints"
+    for tag in ("step-00000002", "step-00000004", "step-00000006"):
+        assert ck.validate_tag(root / tag) == (True, "ok")
+        assert not [p.name for p in (root / tag).iterdir() if p.name.startswith(".")]   # no markers left
+    assert ck.read_latest(root) == "step-00000006"
+    # ... and a resume from the step-4 tag written in the background repeats steps 5 and 6 exactly.
+    second = h.launch(h.tiny_spec(checkpoint={"async_save": True, "load": "step-00000004"}), run_dir, attempt=2)
+    assert second.returncode == 0, second.output[-4000:]
+    assert [e["tag"] for e in second.events("checkpoint_loaded", 2)] == ["step-00000004"]
+    resumed = _losses(second, 2)
+    assert sorted(resumed) == [5, 6] and resumed == {s: _losses(ref)[s] for s in (5, 6)}
+    for rec in first.records() + second.records():
+        assert validate_record(rec) == [], rec
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_rank_during_the_jobs_background_write_keeps_the_previous_tag(tmp_path):
+    spec = h.tiny_spec(checkpoint={"async_save": True})
+    proc = h.start(spec, tmp_path, env={ASYNC_WRITE_DELAY_ENV: "2.0"})   # each shard write waits 2 s
+    run = h.JobRun(tmp_path, None, "")
+    # step-2 is durable (checkpoint_saved) and the step-4 save has handed its shards to the writer.
+    h.wait_for(lambda: run.events("checkpoint_saving") and run.events("checkpoint_saving")[-1]["tag"]
+               == "step-00000004" and run.events("checkpoint_saved"), 240, "the step-4 async save", proc)
+    assert [e["tag"] for e in run.events("checkpoint_saved")] == ["step-00000002"]
+    tag4 = tmp_path / "checkpoints" / "step-00000004"
+    h.wait_for(lambda: list(tag4.glob("*.pt")), 60, "the first step-4 shard on disk", proc)   # then 2 s to the next
+    ranks = [p for p in psutil.Process(proc.pid).children() if "ulyssesd.training" in " ".join(p.cmdline())]
+    assert len(ranks) == 2, ranks
+    ranks[-1].send_signal(signal.SIGKILL)
+    try:
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0
+    root = tmp_path / "checkpoints"
+    assert not (tag4 / ck.MANIFEST_NAME).exists() and len(list(tag4.glob("*.pt"))) < 4   # killed mid-write
+    assert ck.validate_tag(root / "step-00000004")[0] is False
+    assert ck.latest_valid_tag(root) == "step-00000002" and ck.read_latest(root) == "step-00000002"
+    again = h.launch(spec, tmp_path, attempt=2)
+    assert again.returncode == 0, again.output[-4000:]
+    assert [e["tag"] for e in again.events("checkpoint_loaded", 2)] == ["step-00000002"]
+    assert sorted(again.steps(2)) == [3, 4, 5, 6]
+
+
+def test_async_save_is_off_by_default_and_validated():
+    from ulyssesd.training.spec import SpecError
+
+    assert h.tiny_spec().checkpoint.async_save is False
+    assert h.tiny_spec(checkpoint={"async_save": True}).checkpoint.async_save is True
+    with pytest.raises(SpecError, match="async_save"):
+        h.tiny_spec(checkpoint={"async_save": "sometimes"})
+
+
+@pytest.mark.slow
+def test_a_failed_background_write_is_exit_4_at_the_next_save(tmp_path):
+    spec = h.tiny_spec(checkpoint={"async_save": True}, faults=[{"kind": "read_only_fs", "at_step": 4}])
+    run = h.launch(spec, tmp_path)
+    assert run.returncode != 0 and "exitcode  : 4" in run.output, run.output[-4000:]   # each rank's, via torchrun
+    failed = run.events("checkpoint_save_failed")
+    assert len(failed) == 1 and failed[0]["errno"] == "EROFS" and failed[0]["tag"] == "step-00000004"
+    assert sorted(failed[0]["failed_ranks"]) == [0, 1]
+    assert failed[0]["step"] == 6   # raised by the next save (step 6), which waited for step 4's write
+    assert [e["tag"] for e in run.events("checkpoint_saved")] == ["step-00000002"]
+    assert run.events("exiting")[-1]["reason"] == "checkpoint_save_failed"
+    root = tmp_path / "checkpoints"
+    assert ck.latest_valid_tag(root) == "step-00000002" and ck.read_latest(root) == "step-00000002"

@@ -77,6 +77,7 @@ def save_failure(exc: BaseException, path: str | Path, tag: str, rank: int) -> d
 # `checkpoint_engine.save(state_dict, path)`, keeps DeepSpeed's file layout, and commits our manifest only
 # once every rank's shards are durable, so the previous tag stays the newest valid one until then.
 DONE_PREFIX = ".done-rank"       # a rank's marker: all its shards of the tag are written and fsynced
+FAILED_PREFIX = ".failed-rank"   # a rank's marker: its background write failed (rank 0's commit stops waiting)
 COMMIT_POLL_S = 0.05             # how often rank 0's commit looks for the other ranks' markers
 
 
@@ -143,6 +144,10 @@ def commit_when_durable(tag_dir: str | Path, world: int, step: int, loss: float 
         missing = [r for r in range(world) if not (tag_dir / f"{DONE_PREFIX}{r}").exists()]
         if not missing:
             break
+        failed = [r for r in missing if (tag_dir / f"{FAILED_PREFIX}{r}").exists()]
+        if failed:
+            raise RuntimeError(f"ranks {failed} failed writing {tag_dir.name}; the tag is left without a manifest "
+                               "(not loadable)")
         if time.monotonic() >= deadline:
             raise TimeoutError(f"ranks {missing} did not finish writing {tag_dir.name} within {timeout_s:g} s; "
                                "the tag is left without a manifest (not loadable)")
@@ -189,6 +194,11 @@ class AsyncCheckpointWriter:
             if self._thread.is_alive():
                 return False
         return True
+
+    def take_failure(self) -> dict[str, Any] | None:
+        """The finished save's failure (save_failure()'s dict), or None; cleared once taken. Call after wait()."""
+        failure, self._failure = self._failure, None
+        return failure
 
     def begin(self, tag_dir: str | Path, timeout_s: float | None = None) -> float:
         """Start collecting a save into `tag_dir`; first waits for the previous one. Returns seconds waited."""
@@ -241,4 +251,8 @@ class AsyncCheckpointWriter:
             self._failure = save_failure(exc, path, tag_dir.name, self.rank) if isinstance(exc, OSError) else {
                 "errno": None, "error": f"{type(exc).__name__}: {exc}", "path": path, "tag": tag_dir.name,
                 "rank": self.rank, "bytes_free": bytes_free(tag_dir)}
+            try:   # best effort (the disk may refuse even this): rank 0's commit then stops waiting for us
+                (tag_dir / f"{FAILED_PREFIX}{self.rank}").touch()
+            except OSError:
+                pass
         self.last_bytes, self.last_write_s = total, time.monotonic() - t0
