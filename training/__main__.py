@@ -107,16 +107,15 @@ def _cuda_available() -> bool:
 
 
 def _leave(code: int) -> None:
-    """Exit with `code`. A non-zero code is the job's contract with the daemon (2 config rejected, 4 save
-    failed, …), but a failing rank's process-group teardown can abort in C++ ("terminate called without an
-    active exception": gloo threads still joinable) and turn it into SIGABRT. So a failing rank flushes what it
-    wrote (telemetry was closed by the trainer) and leaves without running destructors."""
-    if code:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    """Exit with `code`, the job's contract with the daemon (0 done, 2 config rejected, 4 save failed, …). The
+    process-group teardown at interpreter exit can abort in C++ ("terminate called without an active
+    exception": gloo threads still joinable), on a failing rank and now and then on a finishing one too, and
+    turn the code into SIGABRT. So a rank flushes what it wrote (the trainer has closed its telemetry and waited
+    for its saves) and leaves without running destructors."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
