@@ -222,7 +222,7 @@ class Chaos:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        from ulyssesd.daemon.control.server import send_request
+        from ulyssesd.daemon.control.client import send_request
 
         try:
             send_request(self.sock, {"cmd": "stop"}, timeout_s=10)

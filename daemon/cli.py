@@ -104,7 +104,8 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
             locks.release()
             return EXIT_PREFLIGHT
 
-    from ulyssesd.daemon.control.server import ControlServer, ControlSocketError
+    from ulyssesd.daemon.control.protocol import ControlSocketError
+    from ulyssesd.daemon.control.server import ControlServer
     from ulyssesd.daemon.core.scheduler import LoopScheduler
     from ulyssesd.daemon.host.metrics import Metrics
     from ulyssesd.daemon.host.process import RealOS

@@ -33,7 +33,6 @@ OVERSIZED_ALLOWED: dict[str, str] = {
     "ulyssesd.daemon.store.repository": "issue #14 follow-up: one repository module per table group",
     "ulyssesd.daemon.store.recovery": "issue #14 follow-up: damage detection apart from the rebuild",
     "ulyssesd.daemon.operator.ctl": "issue #14 follow-up: one module per ulyssesctl command group",
-    "ulyssesd.daemon.control.server": "issue #14 follow-up: the request handlers apart from the socket loop",
 }
 
 # Import cycles allowed (as sorted module lists), each with its follow-up. Keep this empty if you can.

@@ -96,7 +96,7 @@ def _db_path() -> Path:
 
 
 def _socket_path() -> Path:
-    from ulyssesd.daemon.control.server import resolve_socket_path
+    from ulyssesd.daemon.control.paths import resolve_socket_path
 
     if CTX.socket:
         return CTX.socket
@@ -178,12 +178,12 @@ def _daemon_pid_alive() -> int | None:
 
 def _request(cmd: str, args: dict | None, as_json: bool) -> dict:
     """A mutating request, sent with a deadline: one the daemon handles too late is refused, never applied."""
-    from ulyssesd.daemon.control.server import (
+    from ulyssesd.daemon.control.client import send_request
+    from ulyssesd.daemon.control.protocol import (
         ControlError,
         ControlPermissionError,
         ControlTimeout,
         DaemonNotRunning,
-        send_request,
     )
 
     try:
@@ -312,7 +312,8 @@ def status_data(store, run) -> dict[str, Any]:
     live = None
     daemon = "not running"
     if info.get("run_id") == run.id:
-        from ulyssesd.daemon.control.server import ControlTimeout, send_request
+        from ulyssesd.daemon.control.client import send_request
+        from ulyssesd.daemon.control.protocol import ControlTimeout
 
         try:
             live = send_request(_socket_path(), {"cmd": "status"}, timeout_s=2.0).get("status")
@@ -557,7 +558,8 @@ def restart(json_out: bool = typer.Option(False, "--json")) -> None:
 def ack(incident_id: int = typer.Argument(...), json_out: bool = typer.Option(False, "--json"),
         by: str = typer.Option(None, "--by", help="operator name (default: $USER)")) -> None:
     """Acknowledge an incident (through the daemon; directly in the database if no daemon runs)."""
-    from ulyssesd.daemon.control.server import ControlError, ControlTimeout, DaemonNotRunning, send_request
+    from ulyssesd.daemon.control.client import send_request
+    from ulyssesd.daemon.control.protocol import ControlError, ControlTimeout, DaemonNotRunning
     from ulyssesd.daemon.store import open_store
     from ulyssesd.daemon.store.errors import NotFoundError
 

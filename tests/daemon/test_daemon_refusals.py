@@ -112,7 +112,7 @@ def test_unauthorized_socket_peer_is_refused_and_nothing_changes(tmp_path):
         run = store.latest_run()
         assert run.state.value in ("STARTING", "RUNNING")
         # the authorized owner (root) is still served
-        from ulyssesd.daemon.control.server import send_request
+        from ulyssesd.daemon.control.client import send_request
         assert send_request(sock, {"cmd": "stop"})["ok"]
         assert d.wait(60) == 0
         assert open_store(tmp_path / "state" / "ulyssesd.db", readonly=True).latest_run().state.value == "STOPPED"

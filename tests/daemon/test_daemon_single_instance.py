@@ -23,7 +23,7 @@ import psutil
 from uls_daemon_helpers import fake_spec
 from uls_daemon_helpers import wait_for as _wait
 
-from ulyssesd.daemon.control.server import send_request
+from ulyssesd.daemon.control.client import send_request
 from ulyssesd.daemon.store import open_store
 
 EXIT_BUSY = 12

@@ -12,19 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from ulyssesd.daemon.control.server import (
+from ulyssesd.daemon.control.client import send_request
+from ulyssesd.daemon.control.paths import find_socket_path, resolve_socket_path
+from ulyssesd.daemon.control.peers import Peer, PeerAuthorizer
+from ulyssesd.daemon.control.protocol import (
     ControlPermissionError,
-    ControlServer,
     ControlSocketError,
     ControlTimeout,
     DaemonNotRunning,
-    Peer,
-    PeerAuthorizer,
-    find_socket_path,
     parse_request,
-    resolve_socket_path,
-    send_request,
 )
+from ulyssesd.daemon.control.server import ControlServer
 
 NOBODY = 65534
 
@@ -334,7 +332,7 @@ def test_parse_request_and_resolve_path(monkeypatch, tmp_path):
 
 
 def test_find_socket_path_falls_back_to_the_units_socket(monkeypatch, tmp_path):
-    import ulyssesd.daemon.control.server as cs
+    import ulyssesd.daemon.control.paths as cs
 
     monkeypatch.delenv("ULYSSESD_SOCKET", raising=False)
     system = tmp_path / "run" / "ulyssesd.sock"

@@ -14,7 +14,8 @@ from fuzz_helpers import MIN_CASES, fuzz_settings, variants
 from fuzz_strategies import control_requests
 from hypothesis import given, settings
 
-from ulyssesd.daemon.control.server import _CMD_RE, ControlServer, parse_request
+from ulyssesd.daemon.control.protocol import CMD_RE, parse_request
+from ulyssesd.daemon.control.server import ControlServer
 
 # Real socket round trips cost ~1 ms each: the volume (MIN_CASES) is parse_request's above, in-process; the
 # live server gets a fifth of it through the socket, with the same hostile requests.
@@ -27,7 +28,7 @@ CODES = {"bad_request", "permission_denied", "expired", "busy", "timeout", "inte
 def _check_parse(line: bytes) -> dict | None:
     request, problem = parse_request(line)
     if problem is None:
-        assert set(request) <= {"cmd", "args", "deadline"} and _CMD_RE.match(request["cmd"])
+        assert set(request) <= {"cmd", "args", "deadline"} and CMD_RE.match(request["cmd"])
         assert isinstance(request["args"], dict)
         assert "deadline" not in request or math.isfinite(request["deadline"])
         return request
