@@ -7,6 +7,7 @@ Then:
 - Keys we do not support are dropped, each with one warning that says why.
 - ZeRO keys placed at the top level (as in the seed's snippet) are moved into `zero_optimization`.
 - Monitor sections (csv_monitor / tensorboard / wandb) pass through; relative output paths go under run_dir.
+  `[scalars] tensorboard/csv` add the tensorboard / csv_monitor blocks (a block the user enabled wins).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .scalars import monitor_blocks
 from .spec import JobSpec, SpecError
 
 # key -> why we drop it
@@ -172,6 +174,13 @@ def build_ds_config(spec: JobSpec, world_size: int, run_dir: str | Path | None =
     _precision(spec, cfg, source, problems)
 
     if run_dir is not None:
+        for block, ours in monitor_blocks(spec).items():
+            user = cfg.get(block)
+            if isinstance(user, dict) and user.get("enabled"):
+                warnings.append(f"scalars asks for the {block} monitor and {source} enables one: {source}'s "
+                                f"{block} block is used (output_path {user.get('output_path') or 'monitor'!r})")
+            else:
+                cfg[block] = ours
         for mon in ("csv_monitor", "tensorboard", "wandb"):
             sec = cfg.get(mon)
             if isinstance(sec, dict) and sec.get("enabled") and mon != "wandb":

@@ -27,7 +27,7 @@ else:  # Python 3.10
     import tomli as tomllib
 
 # Sections that belong to the daemon's part of a run spec; the job ignores them.
-DAEMON_SECTIONS = ("run", "launcher", "detectors", "remediation", "daemon")
+DAEMON_SECTIONS = ("run", "launcher", "detectors", "remediation", "daemon", "slurm")
 
 
 class SpecError(ValueError):
@@ -264,6 +264,21 @@ class TelemetrySpec(_Section):
                                             "telemetry file, or records parsed from the job's log (docs/CLIENT.md).")
 
 
+# -------------------------------------------------------------------------------------- scalars
+class ScalarsSpec(_Section):
+    """Training scalars through DeepSpeed's monitor (training/scalars.py); everything off by default."""
+
+    tensorboard: bool = Field(False, description="Write TensorBoard event files to {scalars.dir}/tensorboard/ "
+                                                 "(needs the tensorboard extra).")
+    csv: bool = Field(False, description="Write DeepSpeed csv_monitor files, one CSV per scalar, to "
+                                         "{scalars.dir}/csv/.")
+    dir: str = Field("scalars", min_length=1, description="Output directory, relative to the run directory "
+                                                          "unless absolute.")
+    peak_tflops_per_gpu: float | None = Field(None, gt=0, description="Dense peak TF/s of one accelerator for "
+                                              "the run's dtype (989 for H100/H200 bf16); set, the job reports "
+                                              "MFU in scalars and telemetry.")
+
+
 # --------------------------------------------------------------------------------------- faults
 class FaultSpec(_Section):
     kind: Literal["raise", "sigkill", "hang", "nan_loss", "loss_spike", "memory_spike", "slow_rank", "cuda_oom",
@@ -290,6 +305,7 @@ class JobSpec(_Section):
     data: DataSpec = Field(default_factory=DataSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
+    scalars: ScalarsSpec = Field(default_factory=ScalarsSpec)
     faults: list[FaultSpec] = Field(default_factory=list)
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from .data.loader import PrefetchLoader
 from .ds_config import build_ds_config
 from .faults import FaultInjector
 from .model.gpt import GPT
+from .scalars import ScalarWriter, check_monitor_dependencies, drop_unwritable_monitors, mfu, step_scalars
 from .spec import JobSpec, SpecError
 from .telemetry import TelemetryWriter, gather_step_stats, memory_gib
 from .train_checkpoints import EXIT_SAVE_FAILED, CheckpointLoadError, CheckpointSaveError, TrainerCheckpoints
@@ -128,7 +129,9 @@ class Trainer(TrainerCheckpoints):
 
         spec = self.spec
         self.ds_config, warnings = build_ds_config(spec, self.world, self.run_dir)
+        check_monitor_dependencies(self.ds_config)  # same answer on every rank: all exit 2 together
         if self.rank == 0:
+            warnings += drop_unwritable_monitors(self.ds_config)  # only rank 0 builds monitors
             for w in warnings:
                 log.warning("ds_config: %s", w)
         try:
@@ -161,6 +164,7 @@ class Trainer(TrainerCheckpoints):
         self.engine, _, _, _ = deepspeed.initialize(model=model,
                                                     model_parameters=_param_groups(model, spec.train.weight_decay),
                                                     config=self.ds_config, mpu=self.mpu)
+        self.scalars = ScalarWriter.for_engine(self.engine, self.rank)
         if spec.train.compile and self.device.type == "cuda":
             self.engine.compile()
         m = spec.resolved_model()
@@ -339,12 +343,20 @@ class Trainer(TrainerCheckpoints):
             tokens_per_s=round(tokens / max(stats.step_time_max_s, 1e-9), 3),
             mem_allocated_gib=round(alloc, 4), mem_reserved_gib=round(reserved, 4),
             clip=engine_clip(eng), samples=list(samples), data_wait_s=round(self._data_wait_s, 6))
+        step_mfu = mfu(self.spec, self.world, tokens, stats.step_time_max_s)
+        if step_mfu is not None:
+            rec["mfu"] = round(step_mfu, 6)
         if self.spec.telemetry.gather_per_rank:
             rec.update(step_time_max_s=round(stats.step_time_max_s, 6), slowest_rank=stats.slowest_rank,
                        mem_max_allocated_gib=round(stats.mem_max_allocated_gib, 4), mem_max_rank=stats.mem_max_rank)
         else:
             rec.update(mem_max_allocated_gib=round(max_alloc, 4))
         self.tele.step(step, stats.loss, **rec)
+        if self.scalars.active:
+            import psutil
+
+            host_rss_gib = psutil.Process().memory_info().rss / float(1 << 30)
+            self.scalars.write(step, step_scalars(stats.loss, rec, host_rss_gib))
         if self.rank == 0:
             log.info("step %d loss %.6f lr %.3e grad_norm %s %.3fs", step, stats.loss, lr, rec["grad_norm"],
                      stats.step_time_max_s)

@@ -1,0 +1,143 @@
+"""Training scalars for TensorBoard, W&B and CSV users, written through DeepSpeed's monitor (`[scalars]`).
+
+With every step record (each `train.log_every` steps) rank 0 writes `Train/Steps/<name>` with the training
+step as x: loss, grad_norm, lr, loss_scale (fp16 only), tokens_per_s, mfu (when `scalars.peak_tflops_per_gpu`
+is set), step_time_s, mem_allocated_gib / mem_max_allocated_gib / mem_reserved_gib (the job's device memory,
+as in telemetry) and host_rss_gib. The sink is `engine.monitor.write_events`, i.e. every monitor the DeepSpeed
+config enables (tensorboard, wandb, csv_monitor, comet): `[scalars] tensorboard/csv` add those blocks for
+you, a `wandb` block in your ds_config gets the same scalars. No monitor enabled: nothing is written.
+
+Writing is best effort and bounded: a failed write is logged once (with the error), and after
+`MAX_CONSECUTIVE_FAILURES` failed writes in a row the writer stops for the rest of the attempt (logged).
+It never raises into the step loop.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .spec import JobSpec, ResolvedModel, SpecError
+
+log = logging.getLogger("ulyssesd.training.scalars")
+
+#: Prefix of every tag; DeepSpeed's own events use Train/Samples/ (x = samples), ours have x = step.
+TAG_PREFIX = "Train/Steps/"
+#: Failed writes in a row after which the writer gives up (a full disk or a dead W&B stays dead).
+MAX_CONSECUTIVE_FAILURES = 3
+#: DeepSpeed monitor blocks the job may enable, and the job_name (sub-directory) of each under scalars.dir.
+MONITOR_BLOCKS = {"tensorboard": "tensorboard", "csv_monitor": "csv"}
+
+
+def model_flops_per_step(m: ResolvedModel, seq_len: int, tokens_per_step: int) -> float:
+    """Model FLOPs of one optimizer step: (6·N_non-embedding + 6·V·h)·T + 6·L·h·S²·(T/S).
+
+    Causal attention counted (half the S² product of forward+backward), recompute not counted, the MFU
+    definition docs/DEEPSPEED_NOTES.md uses for every benchmark figure."""
+    h, layers, v, f = m.hidden_size, m.num_layers, m.vocab_size, m.ffn_hidden_size
+    mlp_mats = 3 if m.mlp == "swiglu" else 2
+    n_non_emb = layers * (4 * h * h + mlp_mats * h * f)
+    sequences = tokens_per_step / seq_len
+    return (6 * n_non_emb + 6 * v * h) * tokens_per_step + 6 * layers * h * seq_len * seq_len * sequences
+
+
+def mfu(spec: JobSpec, world_size: int, tokens_per_step: int, step_time_s: float) -> float | None:
+    """Model FLOPs utilisation of one step (0..1), or None when `scalars.peak_tflops_per_gpu` is unset."""
+    peak = spec.scalars.peak_tflops_per_gpu
+    if peak is None or step_time_s <= 0:
+        return None
+    flops = model_flops_per_step(spec.resolved_model(), spec.train.seq_len, tokens_per_step)
+    return flops / step_time_s / world_size / (peak * 1e12)
+
+
+def monitor_blocks(spec: JobSpec) -> dict[str, dict[str, Any]]:
+    """The DeepSpeed monitor blocks `[scalars]` asks for; a relative `output_path` (scalars.dir) is placed
+    under the run directory by build_ds_config, like a user's own monitor block."""
+    sc = spec.scalars
+    wanted = {"tensorboard": sc.tensorboard, "csv_monitor": sc.csv}
+    return {block: {"enabled": True, "output_path": sc.dir.rstrip("/") + "/", "job_name": job}
+            for block, job in MONITOR_BLOCKS.items() if wanted[block]}
+
+
+def check_monitor_dependencies(ds_config: dict[str, Any]) -> None:
+    """Refuse (exit 2) before the engine is built when an enabled monitor's package is missing: DeepSpeed
+    would raise ImportError from deepspeed.initialize on rank 0 only, and the other ranks would hang."""
+    needs = {"tensorboard": ("tensorboard", "pip install 'ulyssesd[tensorboard]'"),
+             "wandb": ("wandb", "pip install wandb")}
+    problems = []
+    for block, (module, how) in needs.items():
+        sec = ds_config.get(block)
+        if isinstance(sec, dict) and sec.get("enabled") and importlib.util.find_spec(module) is None:
+            problems.append(f"the DeepSpeed {block} monitor is enabled (scalars or the ds_config {block} block) "
+                            f"but the {module} package is not installed: {how}")
+    if problems:
+        raise SpecError("scalars", problems)
+
+
+def step_scalars(loss: float, rec: dict[str, Any], host_rss_gib: float | None) -> dict[str, float]:
+    """Scalar name -> value from a telemetry step record's fields; absent (None) fields are left out."""
+    names = ("grad_norm", "lr", "loss_scale", "tokens_per_s", "mfu", "step_time_s", "mem_allocated_gib",
+             "mem_max_allocated_gib", "mem_reserved_gib")
+    out = {"loss": float(loss)}
+    out.update({n: float(rec[n]) for n in names if rec.get(n) is not None})
+    if host_rss_gib is not None:
+        out["host_rss_gib"] = float(host_rss_gib)
+    return out
+
+
+class ScalarWriter:
+    """Writes step scalars to `monitor.write_events` on rank 0; a no-op elsewhere or without a monitor."""
+
+    def __init__(self, write_events: Callable[[list[tuple[str, float, int]]], Any] | None, rank: int):
+        self._write = write_events if rank == 0 else None
+        self._failures = 0
+        self._logged = False
+
+    @classmethod
+    def for_engine(cls, engine: Any, rank: int) -> ScalarWriter:
+        monitor = getattr(engine, "monitor", None)
+        enabled = monitor is not None and bool(getattr(monitor, "enabled", False))
+        return cls(monitor.write_events if enabled else None, rank)
+
+    @property
+    def active(self) -> bool:
+        return self._write is not None
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        if self._write is None:
+            return
+        # NaN/inf are written as they are: a NaN loss is exactly what the curve must show.
+        events = [(TAG_PREFIX + name, value, step) for name, value in scalars.items()]
+        try:
+            self._write(events)
+        except Exception as exc:  # a monitor failure must never stop training
+            self._failures += 1
+            if not self._logged:
+                self._logged = True
+                log.warning("scalars: writing step %d to the DeepSpeed monitor failed (%s: %s); training goes on, "
+                            "further failures are not logged", step, type(exc).__name__, exc)
+            if self._failures >= MAX_CONSECUTIVE_FAILURES:
+                self._write = None
+                log.warning("scalars: %d writes in a row failed; no more scalars this attempt", self._failures)
+        else:
+            self._failures = 0
+
+
+def drop_unwritable_monitors(ds_config: dict[str, Any]) -> list[str]:
+    """Rank 0, before deepspeed.initialize: create each enabled file monitor's directory; a block whose
+    directory cannot be created is dropped (one warning each) so the engine builds and training runs."""
+    warnings = []
+    for block in ("tensorboard", "csv_monitor"):
+        sec = ds_config.get(block)
+        if not (isinstance(sec, dict) and sec.get("enabled") and sec.get("output_path")):
+            continue
+        path = os.path.join(sec["output_path"], sec.get("job_name") or "")
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            ds_config.pop(block)
+            warnings.append(f"scalars: the {block} monitor is off for this attempt: cannot create {path} ({exc})")
+    return warnings
