@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: venv demo test test-fast lint clean
+.PHONY: venv demo test test-slow test-all lint clean
 
 venv: $(STAMP)
 
@@ -23,11 +23,16 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 demo: $(STAMP)
 	$(VENV)/bin/ulyssesd demo
 
+# `make test` is everything but the end-to-end cases marked slow (≈ 10 min on 2 cores); CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" --durations=10 tests
 
-test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+# The slow end-to-end cases: multi-rank DeepSpeed jobs under the daemon, the Slurm cluster, chaos runs.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow --durations=10 tests
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q tests
 
 # mypy needs the installed layout (ulyssesd.daemon, ...) on disk, but setuptools maps package-dir, so lint
 # builds a symlink tree .cache/mypy-src/ulyssesd -> the source folders (idempotent: ln -sfn).
