@@ -14,8 +14,8 @@ from typing import Any
 
 _EXPORTS = {
     "open_store": "opener",
-    "Store": "repository",
-    "flat_diff": "repository",
+    "Store": "repository.store",
+    "flat_diff": "repository.incidents",
     "upgrade_to_head": "migrate",
     "current_revision": "migrate",
     "head_revision": "migrate",

@@ -7,7 +7,7 @@ from pathlib import Path
 from .engine import make_engine
 from .errors import CorruptStoreError, NoDatabaseError, SchemaMismatchError, classify
 from .migrate import current_revision, head_revision, known_revisions, upgrade_to_head
-from .repository import Store
+from .repository.store import Store
 
 
 def open_store(db_path: str | Path, readonly: bool = False, *, migrate: bool = True) -> Store:

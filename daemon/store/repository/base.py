@@ -1,0 +1,92 @@
+"""What every table group's queries share: the sessions, timestamp and enum parsing, the run-row lookup."""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TypeVar
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from ..errors import InvalidValueError, NotFoundError, ReadOnlyStoreError
+from ..models import Run, utcnow
+
+Timestamp = datetime | float | int | None
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def parse_enum(enum_cls: type[_E], value: _E | str) -> _E:
+    """The enum member `value` names; unknown text raises InvalidValueError listing the allowed values."""
+    try:
+        return enum_cls.parse(value)  # type: ignore[attr-defined,no-any-return]
+    except ValueError as e:
+        raise InvalidValueError(str(e)) from None
+
+
+def to_utc(value: Timestamp) -> datetime:
+    """None → now; epoch seconds (telemetry's `time`) or aware datetime → aware UTC datetime."""
+    if value is None:
+        return utcnow()
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise InvalidValueError(f"naive datetime {value!r}: pass a timezone-aware datetime (UTC)")
+        return value.astimezone(timezone.utc)
+    if isinstance(value, (int, float)):
+        return datetime.fromtimestamp(float(value), tz=timezone.utc)
+    raise InvalidValueError(f"timestamp must be a datetime or epoch seconds, got {type(value).__name__}")
+
+
+def file_id_of(path: Path) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of `path`, or None when it does not exist."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+class StoreBase:
+    """Sessions over one SQLite engine; the table groups' query mixins build on it."""
+
+    def __init__(self, engine: Engine, path: Path, *, readonly: bool) -> None:
+        self._engine = engine
+        self.path = path
+        self.readonly = readonly
+        self._bind(engine)
+
+    def _bind(self, engine: Engine) -> None:
+        self._engine = engine
+        self._write_session = sessionmaker(engine, expire_on_commit=False)
+        # Reads use a plain (deferred) BEGIN even on the writer engine: no write lock for a SELECT.
+        self._read_session = sessionmaker(engine.execution_options(ulyssesd_read=True), expire_on_commit=False)
+        # (st_dev, st_ino) of the file this store writes: a file deleted or replaced under the daemon is
+        # noticed by `file_problem()` before history goes to an inode nobody can read any more.
+        self.file_id = file_id_of(self.path)
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._engine.dispose()
+
+    @contextmanager
+    def _write(self) -> Iterator[Session]:
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} is open read-only; writes go through the daemon")
+        with self._write_session.begin() as s:
+            yield s
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        with self._read_session() as s, s.begin():
+            yield s
+
+    @staticmethod
+    def _run_row(s: Session, run_id: str) -> Run:
+        run = s.get(Run, run_id)
+        if run is None:
+            raise NotFoundError(f"no run {run_id!r}")
+        return run

@@ -1,0 +1,251 @@
+"""Incidents and the actions taken on them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from ..enums import (
+    TERMINAL_INCIDENT_STATUSES,
+    ActionKind,
+    ActionOutcome,
+    ApplyMode,
+    IncidentStatus,
+    Severity,
+    Symptom,
+)
+from ..errors import InvalidValueError, NotFoundError
+from ..models import Action, Incident
+from ..records import ActionRecord, IncidentRecord
+from .base import StoreBase, Timestamp, parse_enum, to_utc
+
+# Incident status moves the store accepts; everything else is a bug in the caller.
+_INCIDENT_MOVES: dict[IncidentStatus, frozenset[IncidentStatus]] = {
+    IncidentStatus.open: frozenset(IncidentStatus) - {IncidentStatus.open},
+    IncidentStatus.remediating: frozenset(IncidentStatus) - {IncidentStatus.remediating},
+    # An escalated incident is waiting for a human; they may still close it either way.
+    IncidentStatus.escalated: frozenset({IncidentStatus.resolved, IncidentStatus.failed}),
+    IncidentStatus.resolved: frozenset(),
+    IncidentStatus.failed: frozenset(),
+}
+
+
+def flat_diff(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> dict[str, list[Any]]:
+    """{dotted.key: [before, after]} for every leaf that differs (missing = None)."""
+    out: dict[str, list[Any]] = {}
+    for key in sorted(set(before) | set(after), key=str):
+        b, a = before.get(key), after.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(b, dict) and isinstance(a, dict):
+            out.update(flat_diff(b, a, f"{name}."))
+        elif b != a:
+            out[name] = [b, a]
+    return out
+
+
+class IncidentsRepository(StoreBase):
+    """Queries of the incidents and actions tables."""
+
+    # -- incidents ---------------------------------------------------------------------------------------
+    def record_incident(
+        self,
+        run_id: str,
+        *,
+        attempt: int,
+        symptom: Symptom | str,
+        step: int,
+        severity: Severity | str = Severity.warning,
+        summary: str = "",
+        evidence: dict[str, Any] | None = None,
+        status: IncidentStatus | str = IncidentStatus.open,
+        detected_at: Timestamp = None,
+    ) -> int:
+        """Insert-or-ignore on (run_id, attempt, symptom, step); returns the incident's id either way.
+
+        `step` is the step the symptom was seen at (the last telemetry step for crashes; 0 if none), so a
+        daemon re-reading telemetry after re-adoption finds the incident it already recorded.
+        """
+        return self.add_incident_if_new(
+            run_id, attempt=attempt, symptom=symptom, step=step, severity=severity, summary=summary,
+            evidence=evidence, status=status, detected_at=detected_at)[0]
+
+    def add_incident_if_new(
+        self,
+        run_id: str,
+        *,
+        attempt: int,
+        symptom: Symptom | str,
+        step: int,
+        severity: Severity | str = Severity.warning,
+        summary: str = "",
+        evidence: dict[str, Any] | None = None,
+        status: IncidentStatus | str = IncidentStatus.open,
+        detected_at: Timestamp = None,
+    ) -> tuple[int, bool]:
+        """Like `record_incident`, returning (id, created): created=False means it was already recorded
+        (e.g. replayed telemetry after re-adoption) and must not trigger a second remediation."""
+        sym = parse_enum(Symptom, symptom)
+        now = to_utc(detected_at)
+        values = dict(run_id=run_id, attempt=int(attempt), step=int(step), symptom=sym,
+                      severity=parse_enum(Severity, severity), summary=summary, evidence=evidence or {},
+                      status=parse_enum(IncidentStatus, status), detected_at=now, updated_at=now)
+        with self._write() as s:
+            self._run_row(s, run_id)
+            stmt = sqlite_insert(Incident).values(**values).on_conflict_do_nothing(
+                index_elements=["run_id", "attempt", "symptom", "step"]
+            )
+            created = s.execute(stmt).rowcount == 1  # type: ignore[attr-defined]
+            inc_id = s.scalar(select(Incident.id).where(
+                Incident.run_id == run_id, Incident.attempt == int(attempt), Incident.symptom == sym,
+                Incident.step == int(step)))
+            assert inc_id is not None
+            return inc_id, created
+
+    def find_incident(self, run_id: str, attempt: int, symptom: Symptom | str, step: int) -> IncidentRecord | None:
+        symptom = parse_enum(Symptom, symptom)
+        with self._read() as s:
+            inc = s.scalars(select(Incident).where(
+                Incident.run_id == run_id, Incident.attempt == attempt, Incident.symptom == symptom,
+                Incident.step == step)).first()
+            return IncidentRecord.from_row(inc) if inc else None
+
+    def _incident_row(self, s: Session, incident_id: int) -> Incident:
+        inc = s.get(Incident, incident_id)
+        if inc is None:
+            raise NotFoundError(f"no incident {incident_id}")
+        return inc
+
+    def update_incident_status(
+        self, incident_id: int, status: IncidentStatus | str, reason: str | None = None, *, at: Timestamp = None
+    ) -> IncidentRecord:
+        """open → remediating → resolved | escalated | failed; resolved/failed are final."""
+        new = parse_enum(IncidentStatus, status)
+        now = to_utc(at)
+        with self._write() as s:
+            inc = self._incident_row(s, incident_id)
+            if inc.status != new:
+                if new not in _INCIDENT_MOVES[inc.status]:
+                    raise InvalidValueError(f"incident {incident_id} is {inc.status.value}; cannot move to {new.value}")
+                inc.status = new
+                inc.closed_at = now if new in TERMINAL_INCIDENT_STATUSES else None
+            if reason is not None:
+                inc.status_reason = reason
+            inc.updated_at = now
+            s.flush()
+            return IncidentRecord.from_row(inc)
+
+    def ack_incident(self, incident_id: int, by: str, *, at: Timestamp = None) -> IncidentRecord:
+        """Mark acknowledged by an operator; the first acknowledgement is kept."""
+        if not by or not by.strip():
+            raise InvalidValueError("ack needs a non-empty operator name")
+        with self._write() as s:
+            inc = self._incident_row(s, incident_id)
+            if inc.acknowledged_at is None:
+                inc.acknowledged_by, inc.acknowledged_at = by.strip(), to_utc(at)
+            s.flush()
+            return IncidentRecord.from_row(inc)
+
+    def list_incidents(
+        self,
+        run_id: str | None = None,
+        symptom: Symptom | str | None = None,
+        status: IncidentStatus | str | None = None,
+        since: Timestamp = None,
+        *,
+        unacknowledged: bool = False,
+        limit: int | None = None,
+        newest_first: bool = False,
+    ) -> list[IncidentRecord]:
+        """Filtered incidents (without their actions). `limit` keeps the newest N."""
+        # Core rows, not ORM entities: listings can be thousands of rows and ulyssesctl should stay snappy.
+        q = select(Incident.__table__)
+        if run_id is not None:
+            q = q.where(Incident.run_id == run_id)
+        if symptom is not None:
+            q = q.where(Incident.symptom == parse_enum(Symptom, symptom))
+        if status is not None:
+            q = q.where(Incident.status == parse_enum(IncidentStatus, status))
+        if since is not None:
+            q = q.where(Incident.detected_at >= to_utc(since))
+        if unacknowledged:
+            q = q.where(Incident.acknowledged_at.is_(None))
+        q = q.order_by(Incident.id.desc())
+        if limit:
+            q = q.limit(limit)
+        with self._read() as s:
+            rows = [IncidentRecord.from_row(i) for i in s.execute(q)]
+        return rows if newest_first else rows[::-1]
+
+    def get_incident(self, incident_id: int) -> IncidentRecord:
+        """The incident with its actions (oldest first)."""
+        with self._read() as s:
+            inc = self._incident_row(s, incident_id)
+            acts = s.scalars(select(Action).where(Action.incident_id == incident_id).order_by(Action.id))
+            return IncidentRecord.from_row(inc, actions=tuple(ActionRecord.from_row(a) for a in acts))
+
+    # -- actions -----------------------------------------------------------------------------------------
+    def record_action(
+        self,
+        run_id: str,
+        kind: ActionKind | str,
+        *,
+        incident_id: int | None = None,
+        parameters: dict[str, Any] | None = None,
+        config_before: dict[str, Any] | None = None,
+        config_after: dict[str, Any] | None = None,
+        config_diff: dict[str, Any] | None = None,
+        mode: ApplyMode | str = ApplyMode.none,
+        from_config_version: int | None = None,
+        to_config_version: int | None = None,
+        observe_only: bool = False,
+        applied_at: Timestamp = None,
+    ) -> ActionRecord:
+        """Record an action (or, with observe_only, what it would have been).
+
+        Give either `config_diff` ({key: [before, after]}) or `config_before`/`config_after` (diffed here).
+        The outcome starts as `pending` until `verify_action`.
+        """
+        kind = parse_enum(ActionKind, kind)
+        mode = parse_enum(ApplyMode, mode)
+        if config_diff is None:
+            config_diff = flat_diff(config_before or {}, config_after or {})
+        with self._write() as s:
+            self._run_row(s, run_id)
+            if incident_id is not None:
+                self._incident_row(s, incident_id)
+            act = Action(run_id=run_id, incident_id=incident_id, kind=kind, parameters=parameters or {},
+                         config_diff=config_diff, mode=mode, from_config_version=from_config_version,
+                         to_config_version=to_config_version, observe_only=observe_only,
+                         applied_at=to_utc(applied_at), outcome=ActionOutcome.pending)
+            s.add(act)
+            s.flush()
+            return ActionRecord.from_row(act)
+
+    def verify_action(
+        self,
+        action_id: int,
+        outcome: ActionOutcome | str,
+        detail: dict[str, Any] | None = None,
+        *,
+        at: Timestamp = None,
+    ) -> ActionRecord:
+        result = parse_enum(ActionOutcome, outcome)
+        with self._write() as s:
+            act = s.get(Action, action_id)
+            if act is None:
+                raise NotFoundError(f"no action {action_id}")
+            act.outcome, act.outcome_detail, act.verified_at = result, detail, to_utc(at)
+            s.flush()
+            return ActionRecord.from_row(act)
+
+    def list_actions(self, run_id: str | None = None, incident_id: int | None = None) -> list[ActionRecord]:
+        q = select(Action).order_by(Action.id)
+        if run_id is not None:
+            q = q.where(Action.run_id == run_id)
+        if incident_id is not None:
+            q = q.where(Action.incident_id == incident_id)
+        with self._read() as s:
+            return [ActionRecord.from_row(a) for a in s.scalars(q)]
