@@ -149,7 +149,7 @@ def _console():
 def run_demo(work_dir: str | None = None) -> int:
     from ulyssesd.daemon.host.logging import configure_logging
     from ulyssesd.daemon.host.process import RealOS
-    from ulyssesd.daemon.operator.ctl import incidents_table
+    from ulyssesd.daemon.operator.ctl_records import incidents_table
     from ulyssesd.daemon.spec import load_run_spec
     from ulyssesd.daemon.store import open_store
     from ulyssesd.daemon.supervisor import Supervisor

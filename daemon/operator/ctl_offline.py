@@ -161,7 +161,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("replay")
     def replay_cmd(
-        telemetry: Path = typer.Argument(..., help="telemetry.jsonl of a run (docs/CONTRACTS.md), or a job's raw log "
+        telemetry: Path = typer.Argument(..., metavar="TELEMETRY", help="telemetry.jsonl of a run (docs/CONTRACTS.md), or a job's raw log "
                                          "(DeepSpeed, Megatron, HF Trainer lines: detected from its first line)."),
         spec: Path | None = typer.Option(None, "--spec", help="Run spec TOML: its [detectors], [remediation] and job values."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),

@@ -1,0 +1,212 @@
+"""What every `ulyssesctl` command shares: exit codes, the global options (state dir, db, socket, run),
+the store/socket plumbing, the one-line error path, and the field formatting (EMPTY for no value).
+
+Exit codes: 0 ok · 1 the run FAILED (status/incident report on a failed run) · 2 usage error ·
+3 daemon not running (mutating commands) · 4 not found (run, incident, config version, attempt log) ·
+5 refused by the daemon (e.g. resume a run that is not paused) · 6 permission denied on the socket ·
+7 daemon not responding (its process is alive but it did not answer in time: SIGSTOPped or busy; a mutating
+request was sent with a deadline, so the daemon will never apply it later).
+Store problems, each its own code and one line (never a traceback, never 1): 20 no database ·
+21 database damaged (corrupt, truncated, emptied, not a database) · 22 schema mismatch (run
+`ulyssesctl db upgrade`) · 23 database locked/busy · 24 permission denied on the database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+
+EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE, EXIT_NO_DAEMON, EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_PERM = 0, 1, 2, 3, 4, 5, 6
+EXIT_NOT_RESPONDING = 7
+EXIT_NO_DB, EXIT_DB_DAMAGED, EXIT_DB_SCHEMA, EXIT_DB_BUSY, EXIT_DB_PERM = 20, 21, 22, 23, 24
+DAEMON_NOT_RESPONDING = "not responding (stopped or busy)"
+#: What a command prints for a field that has no value (yet, or not in this state): never a literal None.
+EMPTY = "—"
+
+# Piped output (logs, CI) gets a wide fixed width instead of rich's 80-column fallback.
+console = Console() if sys.stdout.isatty() else Console(width=160)
+err = Console(stderr=True)
+
+
+class Ctx:
+    """The global options of this invocation (set by ulyssesctl's callback before any command runs)."""
+
+    state_dir: Path
+    db: Path | None = None
+    socket: Path | None = None
+    run: str | None = None
+
+
+CTX = Ctx()
+
+
+def daemon_info() -> dict[str, Any]:
+    """The running daemon's info file (pid, socket, db, run_id); {} when there is none or it is unreadable."""
+    try:
+        info = json.loads((CTX.state_dir / "ulyssesd.daemon.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def db_path() -> Path:
+    if CTX.db:
+        return CTX.db
+    info = daemon_info()
+    return Path(info["db"]) if info.get("db") else CTX.state_dir / "ulyssesd.db"
+
+
+def socket_path() -> Path:
+    from ulyssesd.daemon.control.paths import resolve_socket_path
+
+    if CTX.socket:
+        return CTX.socket
+    info = daemon_info()
+    if info.get("socket"):
+        return Path(info["socket"])
+    return resolve_socket_path(CTX.state_dir)
+
+
+def out(data: Any, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=1, default=str) + "\n")
+
+
+def die(msg: str, code: int, as_json: bool) -> NoReturn:
+    if as_json:
+        sys.stdout.write(json.dumps({"ok": False, "error": msg, "exit_code": code}) + "\n")
+    else:
+        err_line(msg)
+    raise typer.Exit(code)
+
+
+def err_line(msg: str) -> None:
+    """One line on stderr, whatever the terminal width; the message is not rich markup (file bytes, paths)."""
+    from rich.markup import escape
+
+    err.print(f"[red]error:[/red] {escape(msg)}", soft_wrap=True)
+
+
+def store_exit_code(exc: Exception) -> int | None:
+    """ulyssesctl's exit code of a store problem (module doc), None if `exc` is not one."""
+    from ulyssesd.daemon.store import errors as E
+
+    for cls, code in ((E.NoDatabaseError, EXIT_NO_DB), (E.CorruptStoreError, EXIT_DB_DAMAGED),
+                      (E.SchemaMismatchError, EXIT_DB_SCHEMA), (E.StoreBusyError, EXIT_DB_BUSY),
+                      (E.StorePermissionError, EXIT_DB_PERM)):
+        if isinstance(exc, cls):
+            return code
+    return None
+
+
+def open_ro_store(as_json: bool):
+    """The store, read-only (works with the daemon down); a store problem exits with its own code."""
+    from ulyssesd.daemon.store import open_store
+    from ulyssesd.daemon.store.errors import StoreError
+
+    try:
+        return open_store(db_path(), readonly=True)
+    except StoreError as exc:
+        die(str(exc), store_exit_code(exc) or EXIT_DB_DAMAGED, as_json)
+
+
+def current_run(store, as_json: bool):
+    """The --run run, else the newest; exits EXIT_NOT_FOUND when there is none."""
+    from ulyssesd.daemon.store.errors import NotFoundError
+
+    if CTX.run:
+        try:
+            return store.get_run(CTX.run)
+        except NotFoundError:
+            die(f"no run {CTX.run!r} in {db_path()}", EXIT_NOT_FOUND, as_json)
+    run = store.latest_run()
+    if run is None:
+        die(f"no runs in {db_path()} yet", EXIT_NOT_FOUND, as_json)
+    return run
+
+
+def daemon_pid_alive() -> int | None:
+    """The daemon's pid from its info file when that process exists (signal 0), else None."""
+    pid = daemon_info().get("pid")
+    if type(pid) is not int or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # exists, owned by another user (e.g. the unit's)
+        return pid
+    return pid
+
+
+def request(cmd: str, args: dict | None, as_json: bool) -> dict:
+    """A mutating request, sent with a deadline: one the daemon handles too late is refused, never applied."""
+    from ulyssesd.daemon.control.client import send_request
+    from ulyssesd.daemon.control.protocol import (
+        ControlError,
+        ControlPermissionError,
+        ControlTimeout,
+        DaemonNotRunning,
+    )
+
+    try:
+        resp = send_request(socket_path(), {"cmd": cmd, "args": args or {}}, timeout_s=10.0, with_deadline=True)
+    except DaemonNotRunning as exc:
+        die(f"{exc} (this command needs a running daemon)", EXIT_NO_DAEMON, as_json)
+    except ControlPermissionError as exc:
+        die(str(exc), EXIT_PERM, as_json)
+    except ControlTimeout as exc:
+        pid = daemon_pid_alive()
+        who = f"daemon (pid {pid}) {DAEMON_NOT_RESPONDING}" if pid else "daemon not responding"
+        die(f"{who}: {exc}; {cmd} was not applied", EXIT_NOT_RESPONDING, as_json)
+    except ControlError as exc:
+        die(str(exc), EXIT_NO_DAEMON, as_json)
+    if not resp.get("ok"):
+        code = {"permission_denied": EXIT_PERM, "expired": EXIT_NOT_RESPONDING,
+                "not_found": EXIT_NOT_FOUND}.get(str(resp.get("code")), EXIT_REFUSED)
+        die(f"daemon refused {cmd}: {resp.get('error')}", code, as_json)
+    return resp
+
+
+# ------------------------------------------------------------------------------------------- formatting
+def fmt_duration(seconds: float | None) -> str:
+    """1h02m03s / 4m05s / 7s; EMPTY when unknown."""
+    if seconds is None:
+        return EMPTY
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+
+def or_empty(value: Any) -> str:
+    return EMPTY if value is None else str(value)
+
+
+def fmt_time(t: datetime | None) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S") if t else EMPTY
+
+
+def aware(t: datetime) -> datetime:
+    """A stored time as an aware UTC datetime (SQLite hands back naive ones)."""
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+def parse_since(since: str | None) -> datetime | None:
+    if not since:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if since[-1] in units and since[:-1].replace(".", "", 1).isdigit():
+        return datetime.now(timezone.utc) - timedelta(seconds=float(since[:-1]) * units[since[-1]])
+    try:
+        dt = datetime.fromisoformat(since)
+    except ValueError:
+        raise typer.BadParameter(f"--since {since!r}: use e.g. 30m, 12h, 2d or an ISO time") from None
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)

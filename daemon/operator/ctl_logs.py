@@ -1,0 +1,212 @@
+"""`ulyssesctl logs [RUN] [-f] [--attempt N] [--rank R] [-n LINES]`: the job's output of one attempt.
+
+The daemon stores each attempt's launcher output (stdout and stderr of torchrun / the DeepSpeed launcher /
+srun and of every rank it started, interleaved) as `{run_dir}/logs/attempt-N.log`; the wrapper writes
+`{run_dir}/attempts/N.exit` when the launcher exits. Both are plain files, so this command reads them with
+the daemon down. The newest attempt is the highest N with a log file.
+
+`--rank R` keeps the lines a launcher prefixed with rank R, without the prefix: torch's `[rank1]:`, torchrun
+`--tee`'s `[default1]:` (a local rank), srun `-l`'s `1:` and mpirun's `[1,1]<stdout>:`. A log with no
+prefixed line at all is refused (exit 2) rather than shown empty: the launcher was not asked to label.
+
+`-f` prints what is there, then polls the file every `FOLLOW_POLL_S` until the attempt ends (its exit file
+appears, a newer attempt starts, or the run ends), then prints the rest and exits 0. Ctrl-C ends it quietly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import typer
+
+from ulyssesd.daemon.operator.ctl_common import (
+    CTX,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_USAGE,
+    current_run,
+    db_path,
+    die,
+    store_exit_code,
+)
+
+#: How often `-f` looks for new output and for the attempt's end (seconds).
+FOLLOW_POLL_S = 0.25
+#: How often `-f` reads the run's state from the store (a terminal run has no more output coming).
+FOLLOW_STORE_CHECK_S = 2.0
+#: Bytes read per chunk (output is streamed, never held whole: attempt logs of multi-day runs are large).
+CHUNK = 1 << 16
+#: Rank prefixes: torch `[rank3]:`, torchrun --tee `[default3]:`, mpirun `[1,3]<stdout>:`, srun -l `3:`.
+RANK_PREFIX = re.compile(rb"^\s*(?:\[(?:rank|default)(\d+)\]:|\[\d+,(\d+)\]<std(?:out|err)>:|(\d+):)\s?")
+_ATTEMPT_LOG = re.compile(r"^attempt-(\d+)\.log$")
+
+
+def attempt_logs(run_dir: Path) -> dict[int, Path]:
+    """Attempt number -> its log file, for every `logs/attempt-N.log` in the run dir."""
+    try:
+        names = os.listdir(run_dir / "logs")
+    except OSError:
+        return {}
+    return {int(m.group(1)): run_dir / "logs" / n for n in names if (m := _ATTEMPT_LOG.match(n))}
+
+
+def rank_filter(lines: Iterator[bytes], rank: int | None, seen: list[bool]) -> Iterator[bytes]:
+    """The lines of `rank` without their prefix (all lines when rank is None); seen[0] is set once any line
+    carried a rank prefix at all."""
+    for line in lines:
+        if rank is None:
+            yield line
+            continue
+        m = RANK_PREFIX.match(line)
+        if m is None:
+            continue
+        seen[0] = True
+        if int(next(g for g in m.groups() if g is not None)) == rank:
+            yield line[m.end():]
+
+
+def _lines(fh: BinaryIO, pending: bytearray, final: bool) -> Iterator[bytes]:
+    """Complete lines read from fh's current position on; a trailing partial line waits in `pending` until
+    its newline comes (or, with final, is given as is)."""
+    while chunk := fh.read(CHUNK):
+        pending += chunk
+        *done, rest = bytes(pending).split(b"\n")
+        pending[:] = rest
+        for line in done:
+            yield line + b"\n"
+    if final and pending:
+        yield bytes(pending)
+        pending.clear()
+
+
+def _seek_last_lines(fh: BinaryIO, n: int) -> None:
+    """Position fh at the start of its last n lines (reading backwards in chunks, bounded by the file)."""
+    fh.seek(0, os.SEEK_END)
+    end = pos = fh.tell()
+    newlines = 0
+    while pos > 0:
+        step = min(CHUNK, pos)
+        pos -= step
+        fh.seek(pos)
+        block = fh.read(step)
+        if pos + step == end and block.endswith(b"\n"):
+            block = block[:-1]  # the file's final newline ends the last line, it does not start one
+        for i in range(len(block) - 1, -1, -1):
+            if block[i] == 0x0A:
+                newlines += 1
+                if newlines == n:
+                    fh.seek(pos + i + 1)
+                    return
+    fh.seek(0)
+
+
+def _attempt_over(run_dir: Path, attempt: int, run_id: str | None, last_check: list[float]) -> bool:
+    if (run_dir / "attempts" / f"{attempt}.exit").exists():
+        return True
+    if any(n > attempt for n in attempt_logs(run_dir)):
+        return True
+    now = time.monotonic()
+    if run_id is None or now - last_check[0] < FOLLOW_STORE_CHECK_S:
+        return False
+    last_check[0] = now
+    return _run_ended(run_id)
+
+
+def _run_ended(run_id: str) -> bool:
+    from ulyssesd.daemon.store import open_store
+    from ulyssesd.daemon.store.enums import TERMINAL_RUN_STATES
+
+    try:
+        with open_store(db_path(), readonly=True) as store:
+            return store.get_run(run_id).state in TERMINAL_RUN_STATES
+    except Exception:  # noqa: BLE001 - a busy or missing store must not end a follow: files decide then
+        return False
+
+
+def _write(lines: Iterator[bytes]) -> None:
+    out = sys.stdout.buffer
+    for line in lines:
+        out.write(line)
+    out.flush()
+
+
+def print_log(path: Path, rank: int | None, lines: int | None, follow: bool, run_dir: Path, attempt: int,
+              run_id: str | None) -> int:
+    """The command's body (callable from tests); returns the exit code."""
+    seen = [False]
+    pending = bytearray()
+    last_check = [time.monotonic()]
+    with open(path, "rb") as fh:
+        if lines is not None:
+            _seek_last_lines(fh, lines)
+        over = not follow or _attempt_over(run_dir, attempt, run_id, last_check)
+        _write(rank_filter(_lines(fh, pending, final=over), rank, seen))
+        while not over:
+            time.sleep(FOLLOW_POLL_S)
+            over = _attempt_over(run_dir, attempt, run_id, last_check)
+            if os.fstat(fh.fileno()).st_size < fh.tell():  # truncated under us: start over, like tail -F
+                fh.seek(0)
+            _write(rank_filter(_lines(fh, pending, final=over), rank, seen))
+    if rank is not None and not seen[0]:
+        print(f"error: {path} has no rank-prefixed lines; --rank needs a launcher that labels its output "
+              f"(torchrun --tee 3, srun -l, ...)", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+def _run_dir_of(run_id: str | None) -> tuple[Path, str | None]:
+    """The run's directory from the store; a run dir under the state dir when the store cannot say."""
+    from ulyssesd.daemon.store import open_store
+    from ulyssesd.daemon.store.errors import StoreError
+
+    if run_id:
+        CTX.run = run_id
+    try:
+        with open_store(db_path(), readonly=True) as store:
+            run = current_run(store, False)
+            return Path(run.run_dir or CTX.state_dir / "runs" / run.id), run.id
+    except StoreError as exc:  # no or a damaged database: the run dir alone still has the logs
+        fallback = CTX.state_dir / "runs" / (run_id or "")
+        if run_id and (fallback / "logs").is_dir():
+            return fallback, None
+        die(f"{exc} (name the run, `ulyssesctl logs RUN`, to read its run dir without the database)",
+            store_exit_code(exc) or EXIT_NOT_FOUND, False)
+
+
+def logs(run_id: str = typer.Argument(None, metavar="RUN", help="run id (default: the --run option, else the "
+                                      "latest run)"),
+         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new output until the attempt "
+                                     "ends (Ctrl-C stops)"),
+         attempt: int = typer.Option(None, "--attempt", min=1, metavar="N", help="attempt number (default: the newest)"),
+         rank: int = typer.Option(None, "--rank", min=0, metavar="R", help="only this rank's lines, without their prefix"),
+         lines: int = typer.Option(None, "--lines", "-n", min=1, metavar="N", help="start with the last N lines only")) -> None:
+    """Print the job's output (launcher and all ranks) of one attempt; works with the daemon down."""
+    run_dir, known_id = _run_dir_of(run_id)
+    logs_by_attempt = attempt_logs(run_dir)
+    if not logs_by_attempt:
+        die(f"no attempt logs in {run_dir / 'logs'}", EXIT_NOT_FOUND, False)
+    number = attempt if attempt is not None else max(logs_by_attempt)
+    if number not in logs_by_attempt:
+        die(f"no log of attempt {number} in {run_dir / 'logs'} (attempts with logs: "
+            f"{', '.join(map(str, sorted(logs_by_attempt)))})", EXIT_NOT_FOUND, False)
+    try:
+        code = print_log(logs_by_attempt[number], rank, lines, follow, run_dir, number, known_id)
+    except KeyboardInterrupt:
+        code = EXIT_OK
+    except BrokenPipeError:  # `| head`: the reader left; exit quietly like other Unix tools
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        code = EXIT_OK
+    raise typer.Exit(code)
+
+
+def register_logs(app: typer.Typer) -> None:
+    """Add `logs` to ulyssesctl."""
+    app.command("logs")(logs)

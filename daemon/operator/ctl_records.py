@@ -1,0 +1,194 @@
+"""`ulyssesctl` read-only views of the store: `incidents`, `incident ID`, `config`, `db upgrade|current`,
+`report`. They read SQLite directly, so they work while the daemon is down."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from ulyssesd.daemon.operator.ctl_common import (
+    CTX,
+    EXIT_DB_DAMAGED,
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
+    console,
+    current_run,
+    db_path,
+    die,
+    fmt_time,
+    open_ro_store,
+    out,
+    parse_since,
+    store_exit_code,
+)
+
+
+def incidents(json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
+              kind: str = typer.Option(None, "--kind", help="symptom, e.g. hang, nan_loss, crash"),
+              status_: str = typer.Option(None, "--status", help="open|remediating|resolved|escalated|failed"),
+              since: str = typer.Option(None, "--since", help="30m, 12h, 2d or an ISO time"),
+              all_runs: bool = typer.Option(False, "--all-runs", help="every run, not only the newest")) -> None:
+    """List incidents (filter by kind, status, since)."""
+    store = open_ro_store(json_out)
+    run_id = None if all_runs else current_run(store, json_out).id
+    try:
+        rows = store.list_incidents(run_id, symptom=kind, status=status_, since=parse_since(since))
+    except ValueError as exc:
+        die(str(exc), EXIT_USAGE, json_out)
+    if json_out:
+        out([r.to_dict() for r in rows], True)
+        return
+    console.print(incidents_table(rows, store))
+
+
+def incidents_table(rows, store=None) -> Table:
+    t = Table(title="incidents")
+    for col, kw in (("id", {"no_wrap": True}), ("UTC", {"no_wrap": True}), ("att", {}), ("step", {}),
+                    ("symptom", {"no_wrap": True}), ("status", {"no_wrap": True}), ("action", {"no_wrap": True}),
+                    ("config", {"no_wrap": True}), ("summary", {"overflow": "fold", "ratio": 1})):
+        t.add_column(col, **kw)
+    for r in rows:
+        acts = store.list_actions(incident_id=r.id) if store is not None else []
+        act = ", ".join(f"{a.kind.value}" + (f" ({a.mode.value})" if a.mode.value not in ("none",) else "")
+                        for a in acts) or "-"
+        cfg = ", ".join(f"v{a.from_config_version}->v{a.to_config_version}" for a in acts
+                        if a.to_config_version and a.to_config_version != a.from_config_version) or "-"
+        color = {"resolved": "green", "failed": "red", "escalated": "yellow"}.get(r.status.value, "cyan")
+        t.add_row(str(r.id), r.detected_at.strftime("%H:%M:%S"), str(r.attempt), str(r.step), r.symptom.value,
+                  f"[{color}]{r.status.value}[/{color}]", act, cfg, (r.summary or "")[:90])
+    return t
+
+
+def incident(incident_id: int = typer.Argument(..., metavar="ID", help="incident id"),
+             json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """One incident: evidence, actions with their config diffs, outcome."""
+    from ulyssesd.daemon.store.errors import NotFoundError
+
+    store = open_ro_store(json_out)
+    try:
+        inc = store.get_incident(incident_id)
+    except NotFoundError:
+        die(f"no incident {incident_id}", EXIT_NOT_FOUND, json_out)
+    if json_out:
+        out(inc.to_dict(), True)
+        return
+    console.print(f"[bold]incident {inc.id}[/bold]  {inc.symptom.value} ({inc.severity.value})  run {inc.run_id}  "
+                  f"attempt {inc.attempt}  step {inc.step}")
+    console.print(f"detected {fmt_time(inc.detected_at)}  status [bold]{inc.status.value}[/bold]"
+                  f"{' — ' + inc.status_reason if inc.status_reason else ''}")
+    if inc.acknowledged_by:
+        console.print(f"acknowledged by {inc.acknowledged_by} at {fmt_time(inc.acknowledged_at)}")
+    console.print(f"summary: {inc.summary}")
+    ev = dict(inc.evidence or {})
+    long_keys = [k for k in ("stacks", "log_tail") if k in ev]
+    console.print_json(json.dumps({k: v for k, v in ev.items() if k not in long_keys}, default=str))
+    for k in long_keys:
+        console.rule(k)
+        console.print(str(ev[k])[-4000:], markup=False, highlight=False)
+    t = Table(title="actions")
+    for col in ("id", "kind", "mode", "config", "diff", "outcome", "parameters"):
+        t.add_column(col, overflow="fold")
+    for a in inc.actions:
+        diff = ", ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in (a.config_diff or {}).items()) or "-"
+        cfg = f"v{a.from_config_version}->v{a.to_config_version}" if a.to_config_version != a.from_config_version else (
+            f"v{a.from_config_version}" if a.from_config_version else "-")
+        t.add_row(str(a.id), a.kind.value + (" (observe-only)" if a.observe_only else ""), a.mode.value, cfg, diff,
+                  a.outcome.value, json.dumps(a.parameters, default=str)[:200])
+    console.print(t)
+
+
+def config(version: int = typer.Option(None, "--version", help="config version (default: current)"),
+           json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """An effective job config version and its diff from its parent and from v1."""
+    from ulyssesd.daemon.store import flat_diff
+    from ulyssesd.daemon.store.errors import NotFoundError
+
+    store = open_ro_store(json_out)
+    run = current_run(store, json_out)
+    try:
+        cv = store.get_config_version(run.id, version)
+    except NotFoundError as exc:
+        die(str(exc), EXIT_NOT_FOUND, json_out)
+    versions = {v.version: v for v in store.list_config_versions(run.id)}
+    parent = versions.get(cv.parent_version) if cv.parent_version else None
+    d = {"run_id": run.id, "version": cv.version, "parent_version": cv.parent_version, "reason": cv.reason,
+         "created_at": cv.created_at.isoformat(),
+         "diff_from_parent": flat_diff(parent.config, cv.config) if parent else {},
+         "diff_from_v1": flat_diff(versions[1].config, cv.config) if 1 in versions else {},
+         "config": cv.config, "versions": sorted(versions)}
+    if json_out:
+        out(d, True)
+        return
+    console.print(f"[bold]config v{cv.version}[/bold] of run {run.id} (versions {d['versions']}): {cv.reason}")
+    for title, diff in (("diff from parent", d["diff_from_parent"]), ("diff from v1", d["diff_from_v1"])):
+        t = Table(title=title)
+        t.add_column("key")
+        t.add_column("before")
+        t.add_column("after")
+        for k, (b, a) in diff.items():
+            t.add_row(k, repr(b), repr(a))
+        console.print(t)
+    console.print_json(json.dumps(cv.config))
+
+
+def db_upgrade_cmd(json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Create or upgrade the database schema to head."""
+    from ulyssesd.daemon.store.cli import db_upgrade
+
+    rev = db_upgrade(db_path())
+    if json_out:
+        out({"ok": True, "path": str(db_path()), "revision": rev}, True)
+    else:
+        console.print(f"{db_path()}: at revision {rev}")
+
+
+def db_current_cmd(json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """The database's schema revision vs this code's head."""
+    from ulyssesd.daemon.store.cli import db_status
+    from ulyssesd.daemon.store.errors import StoreError
+
+    try:
+        st = db_status(db_path())
+    except StoreError as exc:
+        die(str(exc), store_exit_code(exc) or EXIT_DB_DAMAGED, json_out)
+    if json_out:
+        out(st, True)
+    else:
+        console.print(f"{st['path']}: current {st['current']}, head {st['head']}"
+                      f"{'' if st['up_to_date'] else ' — run `ulyssesctl db upgrade`'}")
+
+
+def report(run_id: str = typer.Argument(None, metavar="RUN",
+                                        help="run id (default: the --run option, else the latest run)"),
+           out_path: Path = typer.Option(None, "--out", "-o", help="HTML file to write (default: report-RUN.html)"),
+           telemetry: Path = typer.Option(None, "--telemetry",
+                                          help="telemetry file (default: the run directory's)")) -> None:
+    """Write a self-contained HTML postmortem: curves with incidents and actions, timeline, goodput."""
+    from ulyssesd.daemon.operator.report import render_report  # the page builder (it never imports ctl)
+
+    store = open_ro_store(False)
+    try:
+        if run_id:
+            CTX.run = run_id
+        run = current_run(store, False)
+        if telemetry is not None and not telemetry.is_file():
+            die(f"--telemetry {telemetry}: no such file", EXIT_USAGE, False)
+        page = render_report(store, run.id, telemetry)
+    finally:
+        store.close()
+    target = out_path or Path(f"report-{run.id}.html")
+    target.write_text(page, encoding="utf-8")
+    print(target.resolve())
+
+
+def register_records(app: typer.Typer, db_app: typer.Typer) -> None:
+    """Add the read-only store views to ulyssesctl (and `db` to its sub-app)."""
+    app.command("incidents")(incidents)
+    app.command("incident")(incident)
+    app.command("config")(config)
+    db_app.command("upgrade")(db_upgrade_cmd)
+    db_app.command("current")(db_current_cmd)
+    app.command("report")(report)

@@ -1,0 +1,386 @@
+"""`ulyssesctl status [--watch]` and `ulyssesctl runs`: where a run is, read from the store and the run
+directory's telemetry (so both work with the daemon down), plus the live daemon's view when it answers.
+
+- progress: step/total with a bar, elapsed, ETA from the recent step rate of the newest attempt;
+- last-step age, flagged once it passes the run's hang timeout (the hang detector's own rule, fed the same
+  recent step records, with the run's `[detectors]` settings);
+- tokens/s and MFU only while a job trains: a PAUSED/STOPPED/BACKOFF/FAILED run has no throughput, so its
+  last value would be a stale number that looks live (EMPTY instead);
+- restarts (relaunches by the daemon: crashes, hangs, remediations) apart from operator relaunches
+  (`pause`+`resume`, `restart`), which are not failures and not in the restart budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from ulyssesd.daemon.operator.ctl_common import (
+    DAEMON_NOT_RESPONDING,
+    EMPTY,
+    EXIT_NOT_RESPONDING,
+    EXIT_OK,
+    EXIT_RUN_FAILED,
+    aware,
+    console,
+    current_run,
+    daemon_info,
+    daemon_pid_alive,
+    fmt_duration,
+    fmt_time,
+    open_ro_store,
+    or_empty,
+    out,
+    socket_path,
+)
+
+#: How many of the newest step records the ETA's step rate and the hang timeout are measured over (same
+#: attempt only for the rate: a restart's resume time is not training speed).
+RATE_WINDOW_STEPS = 20
+#: States in which no job is training: their last tokens/s and MFU are history, not a current figure.
+NO_THROUGHPUT_STATES = frozenset({"PAUSED", "STOPPED", "BACKOFF", "FAILED"})
+#: States in which a silent job is a hang candidate (elsewhere the last-step age is expected to grow).
+TRAINING_STATES = frozenset({"RUNNING", "REMEDIATING"})
+#: Width of the progress bar, in characters.
+BAR_WIDTH = 24
+
+
+def recent_steps_from_telemetry(run_dir: str | None, limit: int = RATE_WINDOW_STEPS) -> list[dict[str, Any]]:
+    """The newest `limit` step records in telemetry.jsonl, oldest first (read from its end; works with the
+    daemon down)."""
+    if not run_dir:
+        return []
+    path = Path(run_dir) / "telemetry.jsonl"
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 256 * 1024))
+            lines = fh.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    found: list[dict[str, Any]] = []
+    for line in reversed(lines):
+        try:
+            d = json.loads(line)
+        except (ValueError, RecursionError):  # garbage or a hostile deeply nested line: not a step
+            continue
+        if isinstance(d, dict) and d.get("kind") == "step":
+            found.append(d)
+            if len(found) >= limit:
+                break
+    return found[::-1]
+
+
+def progress_fields(recent: list[dict[str, Any]], total_steps: int | None, created_at: datetime,
+                    ended_at: datetime | None, now: datetime) -> dict[str, Any]:
+    """Progress of a run: fraction done, elapsed wall time, step rate over the newest records of the newest
+    attempt, ETA at that rate (none once the run ended or when the rate is unknown), last-step age."""
+    last = recent[-1] if recent else {}
+    step = last.get("step") if isinstance(last.get("step"), int) else None
+    progress = step / total_steps if step is not None and total_steps else None
+    rate = None
+    same_attempt = [r for r in recent if r.get("attempt") == last.get("attempt")
+                    and isinstance(r.get("time"), int | float) and isinstance(r.get("step"), int)]
+    if len(same_attempt) >= 2:
+        dt = same_attempt[-1]["time"] - same_attempt[0]["time"]
+        ds = same_attempt[-1]["step"] - same_attempt[0]["step"]
+        rate = ds / dt if dt > 0 and ds > 0 else None
+    eta = None
+    if ended_at is None and rate and step is not None and total_steps:
+        eta = max(0, total_steps - step) / rate
+    last_time = last.get("time")
+    age = max(0.0, now.timestamp() - last_time) if isinstance(last_time, int | float) else None
+    return {"total_steps": total_steps, "progress": progress,
+            "elapsed_s": max(0.0, ((ended_at or now) - created_at).total_seconds()),
+            "step_rate_per_s": rate, "eta_s": eta, "last_step_age_s": age}
+
+
+def hang_timeout_s(recent: list[dict[str, Any]], detectors: dict[str, Any] | None) -> float | None:
+    """The hang timeout the daemon's detector would apply after these step records: the detector itself,
+    fed the records, with the run's `[detectors]` table (defaults where absent). None if unreadable."""
+    from ulyssesd.remediation.config import DetectorsConfig
+    from ulyssesd.remediation.detectors.hang import HangDetector
+    from ulyssesd.remediation.records import RecordError, parse_record
+
+    try:
+        det = HangDetector(DetectorsConfig.model_validate(detectors or {}))
+    except ValueError:  # a spec the daemon accepted is valid; an older schema's keys must not break status
+        return None
+    for d in recent:
+        try:
+            det.observe(parse_record(d), 0.0)
+        except RecordError:
+            continue
+    return det.timeout()[0] if recent else None
+
+
+def relaunch_counts(attempts: list, transitions: list) -> tuple[int, int]:
+    """(restarts, operator relaunches) among the attempts after the first. An attempt is an operator
+    relaunch when an operator command (pause, resume, restart) moved the run between the previous attempt's
+    start and its own; every other relaunch (crash, hang, remediation, Slurm requeue) is a restart."""
+    starts = sorted(aware(a.started_at) for a in attempts)
+    operator = 0
+    for prev, cur in zip(starts, starts[1:], strict=False):
+        if any(prev < aware(t.at) <= cur and _by_operator(t.reason) for t in transitions):
+            operator += 1
+    return max(0, len(starts) - 1) - operator, operator
+
+
+def _by_operator(reason: str | None) -> bool:
+    text = (reason or "").lower()
+    return text.startswith("operator ") or "(operator " in text
+
+
+def status_data(store, run) -> dict[str, Any]:
+    from ulyssesd.daemon.store import flat_diff
+
+    attempts = store.list_attempts(run.id)
+    cursor = store.get_telemetry_cursor(run.id)
+    latest = store.latest_checkpoint(run.id)
+    good = store.latest_checkpoint(run.id, known_good=True)
+    versions = store.list_config_versions(run.id)
+    cur_v = next((v for v in versions if v.version == run.config_version), versions[-1] if versions else None)
+    diff = flat_diff(versions[0].config, cur_v.config) if versions and cur_v else {}
+    recent = recent_steps_from_telemetry(run.run_dir)
+    step = recent[-1] if recent else {}
+    total = (cur_v.config.get("train") or {}).get("steps") if cur_v else None
+    open_inc = store.list_incidents(run.id, status="open") + store.list_incidents(run.id, status="remediating")
+    restarts, operator_relaunches = relaunch_counts(attempts, store.list_transitions(run.id))
+    daemon, _live = _live_daemon(run.id)
+    state = run.state.value
+    training = state not in NO_THROUGHPUT_STATES
+    progress = progress_fields(recent, total if isinstance(total, int) else None, aware(run.created_at),
+                               aware(run.ended_at) if run.ended_at else None, datetime.now(timezone.utc))
+    hang_s = hang_timeout_s(recent, (run.spec or {}).get("detectors"))
+    age = progress["last_step_age_s"]
+    return {
+        "run_id": run.id, "state": state, "state_reason": run.state_reason,
+        "daemon": daemon, "daemon_pid": daemon_info().get("pid") if daemon != "not running" else None,
+        "attempt": attempts[-1].number if attempts else None,
+        "restarts": restarts, "operator_relaunches": operator_relaunches,
+        "step": step.get("step", cursor.last_step if cursor else None),
+        "loss": step.get("loss"),
+        "tokens_per_s": step.get("tokens_per_s") if training else None,
+        "mfu": step.get("mfu") if training else None,
+        "mem_max_allocated_gib": step.get("mem_max_allocated_gib"),
+        "latest_checkpoint": latest.tag if latest else None,
+        "known_good_checkpoint": good.tag if good else None,
+        "config_version": run.config_version, "config_diff_from_v1": diff,
+        "open_incidents": len(open_inc),
+        "open_incident_list": [{"id": i.id, "symptom": i.symptom.value, "status": i.status.value, "step": i.step,
+                                "summary": i.summary} for i in sorted(open_inc, key=lambda i: i.id)],
+        "run_dir": run.run_dir,
+        "created_at": run.created_at.isoformat(), "ended_at": run.ended_at.isoformat() if run.ended_at else None,
+        **progress,
+        "hang_timeout_s": hang_s,
+        "last_step_overdue": bool(state in TRAINING_STATES and age is not None and hang_s is not None
+                                  and age > hang_s),
+    }
+
+
+def _live_daemon(run_id: str) -> tuple[str, dict | None]:
+    """('running', its status) when this run's daemon answers; 'not responding' when its pid lives but it
+    does not answer; else 'not running'."""
+    if daemon_info().get("run_id") != run_id:
+        return "not running", None
+    from ulyssesd.daemon.control.client import send_request
+    from ulyssesd.daemon.control.protocol import ControlTimeout
+
+    try:
+        live = send_request(socket_path(), {"cmd": "status"}, timeout_s=2.0).get("status")
+    except ControlTimeout:  # accepted (the kernel queues it) but unanswered: alive but stopped or busy?
+        return (DAEMON_NOT_RESPONDING if daemon_pid_alive() else "not running"), None
+    except Exception:  # noqa: BLE001 - status must work without the daemon
+        return "not running", None
+    return ("running", live) if live else ("not running", None)
+
+
+def progress_bar(progress: float | None, width: int = BAR_WIDTH) -> str:
+    """`████████░░░░░░░░` for a fraction in [0, 1]; '' when unknown."""
+    if progress is None:
+        return ""
+    filled = round(min(1.0, max(0.0, progress)) * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+def _last_step_cell(d: dict[str, Any]) -> str:
+    age = d.get("last_step_age_s")
+    if age is None:
+        return EMPTY
+    text = f"{fmt_duration(age)} ago"
+    if d.get("last_step_overdue"):
+        return f"[bold red]{text} (past the hang timeout {fmt_duration(d['hang_timeout_s'])})[/bold red]"
+    return text
+
+
+def render_status(d: dict[str, Any]) -> Table:
+    from rich.markup import escape
+
+    t = Table(title=f"run {escape(d['run_id'])}", show_header=False)
+    t.add_column("key", style="bold")
+    t.add_column("value")
+    color = {"COMPLETED": "green", "FAILED": "red", "RUNNING": "green", "PAUSED": "yellow"}.get(d["state"], "cyan")
+    reason = f" ({escape(d['state_reason'])})" if d.get("state_reason") else ""
+    t.add_row("state", f"[{color}]{d['state']}[/{color}]{reason}")
+    t.add_row("daemon", d["daemon"] + (f" (pid {d['daemon_pid']})" if d.get("daemon_pid") else ""))
+    t.add_row("attempt", or_empty(d["attempt"]))
+    t.add_row("restarts / operator relaunches", f"{d['restarts']} / {d['operator_relaunches']}")
+    pct = f" ({d['progress']:.1%})" if isinstance(d.get("progress"), float) else ""
+    t.add_row("step / total", f"{or_empty(d['step'])} / {or_empty(d.get('total_steps'))}{pct}")
+    if d.get("progress") is not None:
+        t.add_row("progress", progress_bar(d["progress"]))
+    t.add_row("elapsed", fmt_duration(d.get("elapsed_s")))
+    rate = d.get("step_rate_per_s")
+    t.add_row("ETA", fmt_duration(d.get("eta_s")) + (f" (at {rate:.2f} steps/s)" if rate else ""))
+    t.add_row("last step", _last_step_cell(d))
+    loss = d["loss"]
+    t.add_row("loss", f"{loss:.4f}" if isinstance(loss, float) else or_empty(loss))
+    tps = d["tokens_per_s"]
+    t.add_row("tokens/s", f"{tps:,.0f}" if isinstance(tps, int | float) else EMPTY)
+    t.add_row("MFU", f"{d['mfu']:.1%}" if isinstance(d.get("mfu"), int | float) else EMPTY)
+    mem = d["mem_max_allocated_gib"]
+    t.add_row("max memory (GiB)", f"{mem:.2f}" if isinstance(mem, int | float) else EMPTY)
+    t.add_row("checkpoint (latest / known good)",
+              f"{or_empty(d['latest_checkpoint'])} / {or_empty(d['known_good_checkpoint'])}")
+    diff = d["config_diff_from_v1"]
+    t.add_row("config", f"v{d['config_version']}" + ("" if not diff else "; vs v1: " + escape(", ".join(
+        f"{k}: {b!r} -> {a!r}" for k, (b, a) in diff.items()))))
+    t.add_row("open incidents", str(d["open_incidents"]))
+    for inc in d["open_incident_list"]:
+        t.add_row("", f"[yellow]#{inc['id']} {inc['symptom']}[/yellow] ({inc['status']}, step {inc['step']}) "
+                      f"{escape((inc['summary'] or '')[:100])}")
+    t.add_row("run dir", escape(or_empty(d["run_dir"])))
+    return t
+
+
+def status(json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
+           watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C: a live table on a terminal, "
+                                      "one line per refresh in a pipe, JSON lines with --json"),
+           interval: float = typer.Option(2.0, "--interval", min=0.05, help="--watch refresh period (s)")) -> None:
+    """State, progress, ETA, last step, loss, tokens/s, MFU, memory, checkpoints, restarts, open incidents."""
+    store = open_ro_store(json_out)
+    if watch and (json_out or not sys.stdout.isatty()):
+        _watch_lines(store, json_out, interval)
+        return
+    if watch:
+        from rich.live import Live
+
+        with Live(console=console, refresh_per_second=4) as live:
+            try:
+                while True:
+                    live.update(render_status(status_data(store, current_run(store, json_out))))
+                    time.sleep(interval)
+            except KeyboardInterrupt:
+                pass
+        return
+    d = status_data(store, current_run(store, json_out))
+    if json_out:
+        out(d, True)
+    else:
+        console.print(render_status(d))
+    if d["daemon"] == DAEMON_NOT_RESPONDING:
+        raise typer.Exit(EXIT_NOT_RESPONDING)
+    raise typer.Exit(EXIT_RUN_FAILED if d["state"] == "FAILED" else EXIT_OK)
+
+
+def status_line(d: dict[str, Any]) -> str:
+    """One line of `status --watch` in a pipe: the fields an operator tails for, EMPTY where unknown."""
+    pct = f" ({d['progress']:.1%})" if isinstance(d.get("progress"), float) else ""
+    loss = d.get("loss")
+    tps = d.get("tokens_per_s")
+    age = d.get("last_step_age_s")
+    overdue = " OVERDUE" if d.get("last_step_overdue") else ""
+    return (f"{datetime.now(timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')} {d['run_id']} {d['state']} "
+            f"step {or_empty(d['step'])}/{or_empty(d.get('total_steps'))}{pct} "
+            f"loss {f'{loss:.4f}' if isinstance(loss, float) else or_empty(loss)} "
+            f"tok/s {f'{tps:,.0f}' if isinstance(tps, int | float) else EMPTY} "
+            f"elapsed {fmt_duration(d.get('elapsed_s'))} ETA {fmt_duration(d.get('eta_s'))} "
+            f"last-step {EMPTY if age is None else fmt_duration(age) + ' ago'}{overdue} "
+            f"open-incidents {d['open_incidents']} daemon {d['daemon']}")
+
+
+def _watch_lines(store, json_out: bool, interval: float) -> None:
+    """`status --watch` when stdout is a pipe or --json: one line (or one JSON object) per refresh, flushed,
+    so `| head -3` or a log collector sees each at once. A reader that goes away ends the watch quietly."""
+    try:
+        while True:
+            d = status_data(store, current_run(store, json_out))
+            sys.stdout.write((json.dumps(d, default=str) if json_out else status_line(d)) + "\n")
+            sys.stdout.flush()
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
+        # The reader closed the pipe (`| head -3`): point stdout at /dev/null so the interpreter's final
+        # flush does not raise again, and exit 0 like other Unix tools do under head.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+# ------------------------------------------------------------------------------------------------ runs
+def runs_data(store) -> list[dict[str, Any]]:
+    """One summary per run in the store, newest first: id, state, step/total, started, last change, incidents."""
+    rows = []
+    for run in store.list_runs():
+        versions = store.list_config_versions(run.id)
+        cur_v = next((v for v in versions if v.version == run.config_version), versions[-1] if versions else None)
+        total = (cur_v.config.get("train") or {}).get("steps") if cur_v else None
+        recent = recent_steps_from_telemetry(run.run_dir, limit=1)
+        cursor = store.get_telemetry_cursor(run.id)
+        step = recent[-1].get("step") if recent else (cursor.last_step if cursor else None)
+        incs = store.list_incidents(run.id)
+        rows.append({"run_id": run.id, "state": run.state.value, "step": step,
+                     "total_steps": total if isinstance(total, int) else None,
+                     "attempts": len(store.list_attempts(run.id)),
+                     "started": aware(run.created_at).isoformat(), "last_change": aware(run.updated_at).isoformat(),
+                     "ended": aware(run.ended_at).isoformat() if run.ended_at else None,
+                     "incidents": len(incs),
+                     "open_incidents": sum(1 for i in incs if i.status.value in ("open", "remediating")),
+                     "run_dir": run.run_dir})
+    return rows
+
+
+def runs_table(rows: list[dict[str, Any]]) -> Table:
+    from rich.markup import escape
+
+    t = Table(title="runs")
+    for col in ("run", "state", "step / total", "attempts", "started (UTC)", "last change (UTC)", "incidents"):
+        t.add_column(col, no_wrap=col != "run")
+    for r in rows:
+        color = {"COMPLETED": "green", "FAILED": "red", "RUNNING": "green", "PAUSED": "yellow"}.get(r["state"], "cyan")
+        incs = str(r["incidents"]) + (f" ({r['open_incidents']} open)" if r["open_incidents"] else "")
+        t.add_row(escape(r["run_id"]), f"[{color}]{r['state']}[/{color}]",
+                  f"{or_empty(r['step'])} / {or_empty(r['total_steps'])}", str(r["attempts"]),
+                  fmt_time(datetime.fromisoformat(r["started"])), fmt_time(datetime.fromisoformat(r["last_change"])),
+                  incs)
+    return t
+
+
+def runs(json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Every run in the state dir's database, newest first: state, step/total, started, last change, incidents."""
+    store = open_ro_store(json_out)
+    try:
+        rows = runs_data(store)
+    finally:
+        store.close()
+    if json_out:
+        out(rows, True)
+    elif not rows:
+        console.print("no runs yet")
+    else:
+        console.print(runs_table(rows))
+
+
+def register_status(app: typer.Typer) -> None:
+    """Add `status` and `runs` to ulyssesctl."""
+    app.command("status")(status)
+    app.command("runs")(runs)
