@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q -c constraints-cpu.txt torch==2.13.0
-	$(PIP) install -q -c constraints-cpu.txt -e '.[dev,hf,parquet]'
+	$(PIP) install -q -c constraints-cpu.txt -e '.[train,tensorboard,dev,hf,parquet]'
 	touch $(STAMP)
 
 demo: $(STAMP)
