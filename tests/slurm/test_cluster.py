@@ -1,0 +1,191 @@
+"""The Slurm test cluster itself: nodes come up idle, jobs span namespaces, gloo crosses the bridge, node faults
+look to Slurm like the real ones, and nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import slurm_cluster as sc
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _slurm(cluster: sc.SlurmTestCluster, *cmd: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(cmd), env={**os.environ, **cluster.env}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _sbatch(cluster: sc.SlurmTestCluster, *args: str) -> str:
+    done = _slurm(cluster, "sbatch", "--parsable", "-p", "debug", *args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def _wait_job(cluster: sc.SlurmTestCluster, job_id: str, states: set[str], timeout: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    info: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        info = cluster.job_info(job_id)
+        if info.get("JobState") in states:
+            return info
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} never reached {states}; last: {info.get('JobState')} {info.get('Reason')}")
+
+
+def test_parse_record_keeps_values_with_spaces():
+    rec = sc.parse_record("JobId=7 JobState=NODE_FAIL Reason=Not responding [root@2026-12-01T23:07:09] "
+                          "NodeList=n[1-2] Command=/bin/sh -c x=1 ExitCode=0:0")
+    assert rec["JobId"] == "7"
+    assert rec["JobState"] == "NODE_FAIL"
+    assert rec["Reason"] == "Not responding [root@2026-12-01T23:07:09]"
+    assert rec["NodeList"] == "n[1-2]"
+    assert rec["Command"] == "/bin/sh -c x=1"  # lower-case `x=` inside a value: kept (keys here are CamelCase)
+    assert rec["ExitCode"] == "0:0"
+
+
+def test_bad_config_is_refused_with_the_field_named(tmp_path):
+    with pytest.raises(ValueError, match="nodes"):
+        sc.ClusterConfig(base_dir=tmp_path, nodes=0)
+    with pytest.raises(ValueError, match="instance"):
+        sc.ClusterConfig(base_dir=tmp_path, instance=99)
+
+
+def test_sinfo_shows_three_idle_nodes_in_debug(slurm_cluster_clean):
+    done = _slurm(slurm_cluster_clean, "sinfo", "-h", "-N", "-p", "debug", "-o", "%N %T %c")
+    assert done.returncode == 0, done.stderr
+    rows = sorted(line.split() for line in done.stdout.splitlines())
+    assert rows == [["n1", "idle", "2"], ["n2", "idle", "2"], ["n3", "idle", "2"]]
+
+
+def test_srun_on_two_nodes_runs_in_two_namespaces(slurm_cluster_clean):
+    c = slurm_cluster_clean
+    done = _slurm(c, "srun", "-N2", "-n2", "--ntasks-per-node=1", "-p", "debug", "sh", "-c",
+                  'echo "$(hostname) $SLURMD_NODENAME $(stat -L -c %i /proc/self/ns/net) $(getent hosts n2)"')
+    assert done.returncode == 0, done.stderr
+    rows = sorted(line.split() for line in done.stdout.splitlines())
+    assert [r[0] for r in rows] == ["n1", "n2"] and [r[1] for r in rows] == ["n1", "n2"]
+    inodes = {int(r[2]) for r in rows}
+    assert inodes == {os.stat(f"/run/netns/{c.namespace(n)}").st_ino for n in ("n1", "n2")}
+    assert os.stat("/proc/self/ns/net").st_ino not in inodes  # not the root namespace
+    assert all(r[3] == c.node_addr("n2") for r in rows)  # n2 resolves on every node (getent = libc resolver)
+
+
+def test_node_of_pid_names_the_node_a_job_process_runs_on(slurm_cluster_clean):
+    c = slurm_cluster_clean
+    job = _sbatch(c, "-w", "n2", "-N1", "--wrap", "exec sleep 60")
+    _wait_job(c, job, {"RUNNING"}, 30)
+    deadline = time.monotonic() + 20
+    sleepers: list[int] = []
+    while not sleepers and time.monotonic() < deadline:
+        sleepers = [p for p in c.pids_on("n2") if sc._cmdline(p) == "sleep 60"]
+        time.sleep(0.2)
+    assert sleepers, f"no `sleep 60` on n2: {[sc._cmdline(p) for p in c.pids_on('n2')]}"
+    assert c.node_of_pid(sleepers[0]) == "n2"
+    assert c.node_of_pid(os.getpid()) is None  # the test runner is in the root namespace
+    assert sleepers[0] not in c.pids_on("n1")
+    _slurm(c, "scancel", job)
+
+
+def test_gloo_all_reduce_between_two_nodes_crosses_the_bridge(slurm_cluster_clean, tmp_path):
+    c = slurm_cluster_clean
+    script = tmp_path / "allreduce.py"
+    script.write_text(
+        "import os, socket, torch, torch.distributed as dist\n"
+        "rank, world = int(os.environ['SLURM_PROCID']), int(os.environ['SLURM_NTASKS'])\n"
+        "dist.init_process_group('gloo', init_method=f\"tcp://{os.environ['MASTER_ADDR']}:29533\",\n"
+        "                        rank=rank, world_size=world)\n"
+        "t = torch.tensor([float(rank + 1)]); dist.all_reduce(t)\n"
+        "print(socket.gethostname(), socket.gethostbyname(socket.gethostname()), rank, t.item(), flush=True)\n"
+        "dist.destroy_process_group()\n")
+    env = {**os.environ, **c.env, "MASTER_ADDR": c.master_addr}
+    done = subprocess.run(["srun", "-N2", "-n2", "--ntasks-per-node=1", "-p", "debug", "--time=2",
+                           sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = sorted(line.split() for line in done.stdout.splitlines() if line.startswith("n"))
+    # each rank binds its node's own address (loopback would not reach the other namespace)
+    assert rows == [["n1", c.node_addr("n1"), "0", "3.0"], ["n2", c.node_addr("n2"), "1", "3.0"]]
+
+
+def test_sacct_says_accounting_is_disabled_and_jobcomp_records_the_job(slurm_cluster_clean):
+    c = slurm_cluster_clean
+    done = _slurm(c, "sacct", "-n")
+    assert done.returncode != 0 and "accounting storage is disabled" in (done.stderr + done.stdout)
+    job = _sbatch(c, "-N1", "--wrap", "true")
+    _wait_job(c, job, {"COMPLETED"}, 60)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not [r for r in c.jobcomp_records() if r.get("JobId") == job]:
+        time.sleep(0.3)
+    rec = [r for r in c.jobcomp_records() if r.get("JobId") == job]
+    assert rec and rec[0]["JobState"] == "COMPLETED" and rec[0]["ExitCode"] == "0:0", rec
+
+
+@pytest.mark.slow
+def test_killed_node_goes_down_and_its_job_ends_node_fail(slurm_cluster_clean):
+    c = slurm_cluster_clean
+    job = _sbatch(c, "-N2", "-w", "n1,n2", "--wrap", "srun sleep 300")
+    _wait_job(c, job, {"RUNNING"}, 30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not any(sc._cmdline(p) == "/usr/bin/sleep 300" for p in c.pids_on("n1")):
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    killed = c.kill_node("n1")
+    assert killed and not c.pids_on("n1")
+    c.wait_node_state("n1", {"down"}, timeout=c.config.slurmd_timeout_s + 20)
+    seconds_to_down = time.monotonic() - t0
+    info = _wait_job(c, job, {"NODE_FAIL"}, 60)
+    assert "n1" in info["NodeList"] or info["NodeList"] == "n[1-2]"
+    assert c.node_states()["n2"] != "down"  # only the killed node is blamed
+    assert "Not responding" in c.node_info("n1").get("Reason", "")
+    c.restore_node("n1")
+    assert c.node_states()["n1"] == "idle"
+    print(f"node down {seconds_to_down:.1f}s after kill (SlurmdTimeout={c.config.slurmd_timeout_s})")
+
+
+@pytest.mark.slow
+def test_set_down_ends_the_job_node_fail_and_keeps_the_reason(slurm_cluster_clean):
+    c = slurm_cluster_clean
+    job = _sbatch(c, "-N1", "-w", "n3", "--wrap", "srun sleep 300")
+    _wait_job(c, job, {"RUNNING"}, 30)
+    c.set_down("n3", "gpu fell off the bus")
+    assert _wait_job(c, job, {"NODE_FAIL"}, 30)["JobState"] == "NODE_FAIL"
+    info = c.node_info("n3")
+    assert "DOWN" in info["State"] and info["Reason"].startswith("gpu fell off the bus")
+    c.restore_node("n3")
+    c.wait_idle(30)
+
+
+@pytest.mark.slow
+def test_frozen_node_stops_answering_and_thaws(slurm_cluster_clean):
+    c = slurm_cluster_clean
+    frozen = c.freeze_node("n2")
+    assert frozen
+    state = c.wait_node_state("n2", {"down", "idle"}, timeout=5)  # still idle right after the freeze
+    assert state == "idle"
+    c.wait_node_state("n2", {"down"}, timeout=c.config.slurmd_timeout_s + 20)
+    assert c.node_states()["n2"].endswith("*")  # not responding: slurmctld's pings go unanswered
+    c.restore_node("n2")
+    c.wait_idle(30)
+
+
+@pytest.mark.slow
+def test_a_second_cluster_runs_alongside_and_leaves_nothing(slurm_cluster, tmp_path):
+    other = sc.SlurmTestCluster(sc.ClusterConfig(base_dir=tmp_path / "c2", nodes=1))
+    other.up()
+    try:
+        assert other.instance != slurm_cluster.instance and other.node_states() == {"n1": "idle"}
+        done = _slurm(other, "srun", "-N1", "hostname")
+        assert done.returncode == 0 and done.stdout.strip() == "n1", done.stderr
+        namespaces = [other.namespace("n1")]
+    finally:
+        other.down(check=True)
+    assert other.leftovers() == []
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(ns in listed for ns in namespaces)
+    assert not (sc.CLAIMS_DIR / str(other.instance)).exists()
+    assert sc._pids_with_cmdline_containing(str(other.conf_path)) == []
+    slurm_cluster.wait_idle(10)  # the session cluster was not touched
