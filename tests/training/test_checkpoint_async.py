@@ -307,3 +307,57 @@ def test_a_failed_background_write_is_exit_4_at_the_next_save(tmp_path):
     assert run.events("exiting")[-1]["reason"] == "checkpoint_save_failed"
     root = tmp_path / "checkpoints"
     assert ck.latest_valid_tag(root) == "step-00000002" and ck.read_latest(root) == "step-00000002"
+
+
+# ----------------------------------------------------------------- write path of issue 21 (perf, same format)
+def test_write_shard_hashes_on_the_way_and_loads_without_torch_crc(tmp_path):
+    state = {"w": torch.randn(300_000), "meta": {"step": 3}}
+    size, sha = ck.write_shard(state, tmp_path / "s.pt")
+    assert size == (tmp_path / "s.pt").stat().st_size and sha == ck.sha256_file(tmp_path / "s.pt")
+    back = torch.load(tmp_path / "s.pt")
+    assert torch.equal(back["w"], state["w"]) and back["meta"] == {"step": 3}
+    assert torch.serialization.get_crc32_options() is True   # the process-wide switch was restored
+    assert not list(tmp_path.glob(".*.tmp-*"))
+
+
+def test_commit_takes_the_writers_digests_and_rehashes_only_what_they_do_not_cover(tmp_path, monkeypatch):
+    from ulyssesd.training.checkpoint import files
+
+    tag_dir = tmp_path / ck.tag_for_step(2)
+    writer = ck.AsyncCheckpointWriter(0)
+    writer.begin(tag_dir)
+    writer.collect({"x": torch.arange(50_000.0)}, str(tag_dir / "a.pt"))
+    writer.start()   # no commit yet: the marker with the digests stays
+    assert writer.wait(10) and writer.take_failure() is None
+    marker = json.loads((tag_dir / f"{ck.DONE_PREFIX}0").read_text())
+    assert marker["a.pt"]["sha256"] == ck.sha256_file(tag_dir / "a.pt")
+    (tag_dir / "extra.txt").write_text("copied by DeepSpeed, not by the writer")
+    hashed = []
+    real = files.sha256_file
+    monkeypatch.setattr(files, "sha256_file", lambda p, *a: (hashed.append(os.path.basename(p)), real(p, *a))[1])
+    manifest = ck.commit_when_durable(tag_dir, 1, 2, 1.0, 8, 1, timeout_s=5)
+    assert hashed == ["extra.txt"]   # the 200 KB shard was not read again
+    assert manifest["files"]["a.pt"]["sha256"] == marker["a.pt"]["sha256"]
+    monkeypatch.undo()
+    assert ck.validate_tag(tag_dir, verify_checksums=True) == (True, "ok")
+
+
+def test_commit_rehashes_a_file_whose_size_differs_from_the_marker(tmp_path):
+    tag_dir = tmp_path / ck.tag_for_step(2)
+    tag_dir.mkdir()
+    (tag_dir / "a.pt").write_bytes(b"x" * 100)
+    (tag_dir / f"{ck.DONE_PREFIX}0").write_text(json.dumps({"a.pt": {"size": 99, "sha256": "0" * 64}}))
+    manifest = ck.commit_when_durable(tag_dir, 1, 2, 1.0, 8, 1, timeout_s=5)
+    assert manifest["files"]["a.pt"]["sha256"] == ck.sha256_file(tag_dir / "a.pt")
+
+
+def test_pinned_pool_hands_the_same_buffers_to_the_next_save():
+    pool = ck.PinnedPool()
+    like = torch.zeros(1000, dtype=torch.bfloat16)
+    a = pool.take(like, pin=False)
+    assert pool.allocated_bytes == 2000 and pool.held_bytes == 2000
+    pool.give_back([a])
+    pool.allocated_bytes = 0
+    b = pool.take(like, pin=False)
+    assert b is a and pool.allocated_bytes == 0 and pool.held_bytes == 2000
+    assert pool.take(torch.zeros(1000, dtype=torch.float32), pin=False) is not a   # other dtype: new buffer

@@ -60,6 +60,7 @@ from .saving import (
     NO_SPACE_ERRNOS,
     AsyncCheckpointWriter,
     AsyncSaveError,
+    PinnedPool,
     commit_when_durable,
     durable_torch_save,
     errno_name,
@@ -67,6 +68,7 @@ from .saving import (
     host_snapshot,
     is_write_error,
     save_failure,
+    write_shard,
 )
 
 __all__ = [
@@ -81,6 +83,7 @@ __all__ = [
     "MANIFEST_VERSION",
     "ManifestError",
     "NO_SPACE_ERRNOS",
+    "PinnedPool",
     "QUARANTINE_RE",
     "TAG_RE",
     "bytes_free",
@@ -112,4 +115,5 @@ __all__ = [
     "tag_for_step",
     "validate_tag",
     "write_manifest",
+    "write_shard",
 ]

@@ -106,10 +106,13 @@ def _json_float(x: float | None) -> float | str | None:
 
 # --------------------------------------------------------------------------------- manifest
 def write_manifest(tag_dir: str | Path, step: int, loss: float | None, samples_seen: int,
-                   config_version: int | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                   config_version: int | None, extra: dict[str, Any] | None = None,
+                   known: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Hash every file of the tag and write `manifest.json` atomically (tmp, fsync, rename, fsync dir).
 
-    Call it LAST, after every rank's files are written. Returns the manifest.
+    `known` ({relative path: {"size", "sha256"}}) holds digests taken while the files were written (the async
+    writer's): a file whose size still matches is not read again. Call it LAST, after every rank's files are
+    written. Returns the manifest.
     """
     tag_dir = Path(tag_dir)
     if not tag_dir.is_dir():
@@ -120,8 +123,10 @@ def write_manifest(tag_dir: str | Path, step: int, loss: float | None, samples_s
     rels = _tag_files(tag_dir)
     if not rels:
         raise ValueError(f"checkpoint tag directory {tag_dir} holds no files to record")
-    hashes = _hash_many(tag_dir, rels)
-    files = {r: {"size": (tag_dir / r).stat().st_size, "sha256": hashes[r]} for r in rels}
+    sizes = {r: (tag_dir / r).stat().st_size for r in rels}
+    known = {r: k for r, k in (known or {}).items() if r in sizes and k.get("size") == sizes[r]}
+    hashes = {r: known[r]["sha256"] for r in known} | _hash_many(tag_dir, [r for r in rels if r not in known])
+    files = {r: {"size": sizes[r], "sha256": hashes[r]} for r in rels}
     manifest = {
         "v": MANIFEST_VERSION,
         "tag": tag_dir.name,

@@ -5,7 +5,9 @@ and the asynchronous writer that keeps DeepSpeed's file layout and commits the m
 from __future__ import annotations
 
 import errno
+import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -91,9 +93,47 @@ class AsyncSaveError(RuntimeError):
         self.failure = failure
 
 
-def host_snapshot(obj: Any, pin_memory: bool = True) -> Any:
+class PinnedPool:
+    """Host buffers of one rank's snapshots, kept between saves and handed out again by (dtype, shape).
+
+    Allocating pinned memory is the slow part of a first snapshot (the driver locks every page); the copy
+    itself runs at PCIe speed. The state dicts of successive saves have the same tensors, so every save after
+    the first takes its buffers from here and only copies. Used by one thread at a time: the writer takes
+    buffers in collect() and gives them back only after the background write ended (begin() waits for it)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, tuple[int, ...], bool], list[Any]] = {}
+        self.held_bytes = 0        # bytes of host memory the pool owns (free or lent out)
+        self.allocated_bytes = 0   # bytes allocated by the last snapshot (0 once every buffer is reused)
+
+    def take(self, like: Any, pin: bool) -> Any:
+        import torch
+
+        key = (like.dtype, tuple(like.shape), pin)
+        free = self._free.get(key)
+        if free:
+            return free.pop()
+        nbytes = like.numel() * like.element_size()
+        self.held_bytes += nbytes
+        self.allocated_bytes += nbytes
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+
+    def give_back(self, tensors: list[Any]) -> None:
+        for t in tensors:
+            self._free.setdefault((t.dtype, tuple(t.shape), t.is_pinned()), []).append(t)
+
+    def clear(self) -> None:
+        """Drop every free buffer (the memory goes back to torch's host allocator)."""
+        self._free.clear()
+        self.held_bytes = 0
+
+
+def host_snapshot(obj: Any, pin_memory: bool = True, pool: PinnedPool | None = None,
+                  taken: list[Any] | None = None) -> Any:
     """A copy of a state dict whose tensors live in host memory (pinned for device tensors when asked), so
-    training may change the originals while the copy is written. Non-tensor leaves are deep-copied."""
+    training may change the originals while the copy is written. Non-tensor leaves are deep-copied.
+    With `pool`, device tensors are copied into the pool's buffers (their list is appended to `taken`, to be
+    given back once written)."""
     import copy
 
     import torch
@@ -106,7 +146,12 @@ def host_snapshot(obj: Any, pin_memory: bool = True) -> Any:
             t = x.detach()
             pin = pin_memory and t.is_cuda
             cuda_seen = cuda_seen or t.is_cuda
-            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            if pool is not None and t.is_cuda:
+                out = pool.take(t, pin)
+                if taken is not None:
+                    taken.append(out)
+            else:
+                out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             out.copy_(t, non_blocking=pin)
             return out
         if isinstance(x, dict):
@@ -133,6 +178,94 @@ def durable_torch_save(obj: Any, path: str | Path) -> int:
     return path.stat().st_size
 
 
+#: Bytes per write() of a background shard: each piece is hashed, then written (the GIL is free meanwhile).
+WRITE_CHUNK_BYTES = 64 << 20
+#: How often the flush-behind thread asks the disk to catch up while a shard is being written.
+FLUSH_BEHIND_EVERY_S = 0.25
+
+
+class _HashingFile:
+    """A write-only file object for torch.save that hashes every byte on its way to the file, so the
+    manifest's sha256 needs no second read of a shard the size of the GPU's optimizer partition."""
+
+    def __init__(self, fh: Any):
+        import hashlib
+
+        self._fh = fh
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for off in range(0, len(view), WRITE_CHUNK_BYTES):
+            piece = view[off:off + WRITE_CHUNK_BYTES]
+            self.sha.update(piece)
+            self._fh.write(piece)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def tell(self) -> int:
+        return self.size
+
+
+class _FlushBehind:
+    """While a big file is written through the page cache, fdatasync it every FLUSH_BEHIND_EVERY_S from a
+    side thread: the disk writes from the first second instead of only once the kernel's dirty threshold
+    (10 % of RAM by default) is reached, so the final fsync finds little left to do."""
+
+    def __init__(self, fd: int):
+        self._fd, self._stop = fd, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ckpt-flush-behind")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(FLUSH_BEHIND_EVERY_S):
+            try:
+                os.fdatasync(self._fd)
+            except OSError:   # the writer's own fsync reports what matters
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+_CRC_LOCK = threading.Lock()   # torch's crc32 switch is process-wide
+
+
+def write_shard(obj: Any, path: str | Path, *, flush_behind: bool = True) -> tuple[int, str]:
+    """The background writer's torch.save: temp file, fsync, rename, with the sha256 taken on the way.
+    torch's own per-record crc32 is skipped (the manifest's sha256 covers every byte; torch.load does not
+    need the crc). Returns (size, sha256 hex)."""
+    import torch
+
+    path = Path(path)
+    out: dict[str, Any] = {}
+
+    def write(fh: Any) -> None:
+        hashing = _HashingFile(fh)
+        behind = _FlushBehind(fh.fileno()) if flush_behind else None
+        try:
+            with _CRC_LOCK:   # the crc switch is process-wide: set and restored under one lock
+                crc = torch.serialization.get_crc32_options()
+                torch.serialization.set_crc32_options(False)
+                try:
+                    torch.save(obj, hashing)
+                finally:
+                    torch.serialization.set_crc32_options(crc)
+            hashing.flush()
+        finally:
+            if behind is not None:
+                behind.stop()
+        out["size"], out["sha256"] = hashing.size, hashing.sha.hexdigest()
+
+    atomic_write(path, write)
+    return out["size"], out["sha256"]
+
+
 def commit_when_durable(tag_dir: str | Path, world: int, step: int, loss: float | None, samples_seen: int,
                         config_version: int | None, *, timeout_s: float, extra: dict[str, Any] | None = None,
                         point_latest: bool = True) -> dict[str, Any]:
@@ -152,12 +285,26 @@ def commit_when_durable(tag_dir: str | Path, world: int, step: int, loss: float 
             raise TimeoutError(f"ranks {missing} did not finish writing {tag_dir.name} within {timeout_s:g} s; "
                                "the tag is left without a manifest (not loadable)")
         time.sleep(COMMIT_POLL_S)
+    known: dict[str, dict[str, Any]] = {}
+    for r in range(world):   # each rank's marker holds the digests its writer took while writing
+        known.update(_read_marker(tag_dir / f"{DONE_PREFIX}{r}"))
     for r in range(world):
         (tag_dir / f"{DONE_PREFIX}{r}").unlink(missing_ok=True)
-    manifest = write_manifest(tag_dir, step, loss, samples_seen, config_version, extra)
+    manifest = write_manifest(tag_dir, step, loss, samples_seen, config_version, extra, known=known)
     if point_latest:
         point_latest_to(tag_dir.parent, tag_dir.name)
     return manifest
+
+
+def _read_marker(path: Path) -> dict[str, dict[str, Any]]:
+    """A `.done-rank{r}` marker's digests ({relative path: {"size", "sha256"}}); {} for an empty or unreadable
+    one (the manifest then hashes those files itself)."""
+    try:
+        data = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict) and isinstance(v.get("sha256"), str)} \
+        if isinstance(data, dict) else {}
 
 
 class AsyncCheckpointWriter:
@@ -172,16 +319,23 @@ class AsyncCheckpointWriter:
     `write_hook(path)` runs before each shard is written (fault injection in tests).
     """
 
-    def __init__(self, rank: int, *, pin_memory: bool = True, write_hook: Callable[[str], None] | None = None):
+    def __init__(self, rank: int, *, pin_memory: bool = True, write_hook: Callable[[str], None] | None = None,
+                 reuse_buffers: bool = True, flush_behind: bool = True):
         self.rank = rank
         self.pin_memory = pin_memory
         self.write_hook = write_hook
+        #: host buffers kept between saves (None: a fresh allocation every save); the memory stays held.
+        self.pool: PinnedPool | None = PinnedPool() if reuse_buffers else None
+        self.flush_behind = flush_behind
+        self._taken: list[Any] = []   # pool buffers of the save being collected / written
         self._thread: Any = None
         self._failure: dict[str, Any] | None = None
         self._tag_dir: Path | None = None
         self._pending: list[tuple[Any, str]] = []
-        self.last_bytes = 0
-        self.last_write_s = 0.0
+        self.last_bytes = 0          # bytes this rank wrote in its last save
+        self.last_shards_s = 0.0     # last save: start of the background write -> this rank's marker written
+        self.last_write_s = 0.0      # the same, + rank 0's commit (waiting for every rank, the manifest)
+        self.last_alloc_bytes = 0    # host memory newly allocated by the last snapshot (0: all reused)
 
     @property
     def in_flight(self) -> bool:
@@ -211,18 +365,21 @@ class AsyncCheckpointWriter:
         if failure is not None:
             raise AsyncSaveError(failure)
         self._tag_dir, self._pending = Path(tag_dir), []
+        if self.pool is not None:
+            self.pool.give_back(self._taken)   # the previous save is written: its buffers are free again
+            self.pool.allocated_bytes = 0
+        self._taken = []
         return waited
 
     def collect(self, state_dict: Any, path: str) -> None:
         """DeepSpeed's `checkpoint_engine.save(state_dict, path)`: snapshot now, write in start()'s thread."""
         if self._tag_dir is None:
             raise RuntimeError("AsyncCheckpointWriter.collect called before begin()")
-        self._pending.append((host_snapshot(state_dict, self.pin_memory), str(path)))
+        self._pending.append((host_snapshot(state_dict, self.pin_memory, self.pool, self._taken), str(path)))
+        self.last_alloc_bytes = self.pool.allocated_bytes if self.pool is not None else 0
 
     def start(self, commit: Callable[[], Any] | None = None) -> None:
         """Write the collected snapshots in a background thread; then this rank's marker; then `commit`."""
-        import threading
-
         if self._tag_dir is None:
             raise RuntimeError("AsyncCheckpointWriter.start called before begin()")
         tag_dir, pending = self._tag_dir, self._pending
@@ -235,15 +392,22 @@ class AsyncCheckpointWriter:
         t0, total, path = time.monotonic(), 0, str(tag_dir)
         try:
             tag_dir.mkdir(parents=True, exist_ok=True)
+            digests: dict[str, dict[str, Any]] = {}
             for obj, path in pending:
                 if self.write_hook is not None:
                     self.write_hook(path)
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-                total += durable_torch_save(obj, path)
-            pending.clear()   # drop the host copies as soon as they are on disk
+                size, sha = write_shard(obj, path, flush_behind=self.flush_behind)
+                total += size
+                try:
+                    digests[Path(path).relative_to(tag_dir).as_posix()] = {"size": size, "sha256": sha}
+                except ValueError:   # a shard outside the tag directory: the manifest does not list it
+                    pass
+            pending.clear()   # drop the snapshots (pool buffers are kept by the pool, the rest freed)
             fsync_dir(tag_dir)
             path = str(tag_dir / f"{DONE_PREFIX}{self.rank}")
-            atomic_write_text(Path(path), "")
+            atomic_write_text(Path(path), json.dumps(digests))
+            self.last_shards_s = time.monotonic() - t0
             if commit is not None:
                 path = str(tag_dir / MANIFEST_NAME)
                 commit()
