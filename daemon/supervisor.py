@@ -21,7 +21,6 @@ reads); the job side is in `job/`, the OS seam in `host/process.py` (docs/ARCHIT
 from __future__ import annotations
 
 import collections
-import json
 import math
 import os
 import signal
@@ -35,17 +34,19 @@ import tenacity
 
 from ulyssesd.daemon.core import decisions, exits, relaunch, resume, termination
 from ulyssesd.daemon.core.files import _size
+from ulyssesd.daemon.core.incident_log import IncidentLog, Position, jsonable
 from ulyssesd.daemon.core.rank_watch import RankWatch
 from ulyssesd.daemon.core.relaunch import Counters, Relaunch
 from ulyssesd.daemon.core.scheduler import LoopScheduler
-from ulyssesd.daemon.core.states import LIVE_JOB_STATES, TERMINAL, check_transition
-from ulyssesd.daemon.core.termination import Termination
+from ulyssesd.daemon.core.states import LIVE_JOB_STATES, TERMINAL, check_transition, transition_reason
+from ulyssesd.daemon.core.termination import UNREQUESTED, Termination, TerminationPlan, Then
 from ulyssesd.daemon.host import disk
 from ulyssesd.daemon.host.logging import bind_run, get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle, OSInterface
 from ulyssesd.daemon.job import config as jc
-from ulyssesd.daemon.job import log_source
+from ulyssesd.daemon.job import log_source, slurm_supervise
 from ulyssesd.daemon.job.launcher import LaunchPlan, build_launch, job_marker
+from ulyssesd.daemon.job.standby import StandbyKeeper
 from ulyssesd.daemon.job.telemetry_reader import Cursor, TelemetryReader
 from ulyssesd.daemon.spec import RunSpec, engine_job_values
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
@@ -84,10 +85,10 @@ class Supervisor:
         self.notifier = notifier
         self.metrics = metrics  # ulyssesd.daemon.host.metrics.Metrics (optional, off by default)
         self.alerts = alerts  # ulyssesd.daemon.host.alerts.AlertSender (optional): escalations and failures
-        self.incident_counts: dict[str, int] = {}
-        self.actions_by_kind: dict[str, int] = {}  # for the metrics: actions of this daemon's run, by kind
         self.scheduler = scheduler
         self.say = say or (lambda msg: None)
+        # Every incident and action goes through here; it settles and verifies them (core/incident_log.py).
+        self.incidents = IncidentLog(store, self._position, alert=self.alert, say=self.say)
         # The planner's check of a job config (None = fits, else why not); run before every relaunch with the
         # patched config, as cli.py runs it before the first launch. None: no preflight (CPU/command jobs, tests).
         self.preflight = preflight
@@ -105,11 +106,11 @@ class Supervisor:
         self.reader: TelemetryReader | None = None
         self.record_errors = 0  # telemetry records whose handling raised (logged and skipped)
         self.engine: Any = None
-        self.term: Termination | None = None
-        self.after_exit: Any = None
+        self.term: Termination | None = None  # the pending shutdown of the attempt and what follows its exit
         self.backoff_until: float | None = None
         self.pending_relaunch: Relaunch | None = None
         self.counters = Counters()
+        self.standby = StandbyKeeper(spec.restart)  # the next attempt kept warm ([restart] standby)
         self.events: collections.deque[tuple[str, Any]] = collections.deque()
         self.detach = False
         self.attempt_started_mono = 0.0
@@ -123,10 +124,7 @@ class Supervisor:
         self.rank_lost: dict[str, Any] | None = None  # evidence when the rank watch ended the attempt
         self.save_failures: dict[int, dict[str, Any]] = {}  # attempt -> its job's checkpoint_save_failed event
         self.latest_ckpt: tuple[str, int] | None = None
-        self.open_incidents: dict[int, dict[str, Any]] = {}
         self.known_good_marked: set[str] = set()
-        # symptom -> [(incident id, step)] of findings no decision has acted on yet (grace window)
-        self.unacted: dict[str, list[tuple[int, int]]] = {}
         self.ready_sent = False
         self.started_wall = self.os.time()
 
@@ -151,11 +149,11 @@ class Supervisor:
     def exit_file(self) -> Path:
         return self.run_dir / "attempts" / f"{self.attempt}.exit"
 
-    def _set_state(self, to: RunState, reason: str) -> None:
+    def set_state(self, to: RunState, reason: str) -> None:
         if to == self.state:
             return
         table_reason = check_transition(self.state, to)
-        full = reason if table_reason in reason else f"{reason} ({table_reason})"
+        full = transition_reason(reason, table_reason)
         self.store.set_run_state(self.run_id, to, full, attempt=self.attempt or None)
         # FAILED is the one line an operator must not miss (journald priority 2, `journalctl -p crit`).
         (log.critical if to == S.FAILED else log.info)("state", run_id=self.run_id, frm=self.state.value,
@@ -165,6 +163,9 @@ class Supervisor:
         self.state = to
         if self.notifier is not None:
             self.notifier.status(self.status_line())
+
+    def _position(self) -> Position:
+        return Position(self.run_id, self.attempt, self.last_step)
 
     def status_line(self) -> str:
         loss = _finite(self.last_step_record.loss) if self.last_step_record else None
@@ -179,7 +180,7 @@ class Supervisor:
             self._adopt(existing)
         else:
             self._create_run()
-            self._launch(reason="first launch")
+            self.launch(reason="first launch")
         self._setup_scheduler()
         if self.notifier is not None:
             self.notifier.ready(self.status_line())
@@ -240,7 +241,7 @@ class Supervisor:
             (self.run_dir / "spec.toml").write_bytes(src.read_bytes())
         self.config = self.spec.job.model_dump(mode="json")
         self.store.create_run(rid, run_dir=str(self.run_dir), spec_path=str(src.resolve()),
-                              spec=_jsonable(self.spec.raw), state=S.STARTING, reason="daemon started the run")
+                              spec=jsonable(self.spec.raw), state=S.STARTING, reason="daemon started the run")
         # Stored configs carry the launcher env overrides remediation may add (`launcher.env.X`), so diffs
         # show them by their dotted key; the job's configs/vN.json stays a pure JobSpec.
         self.store.add_config_version(rid, {**self.config, "launcher": {"env": {}}}, reason="initial spec",
@@ -277,15 +278,9 @@ class Supervisor:
         for ck in self.store.list_checkpoints(run.id):
             if ck.valid and (self.latest_ckpt is None or ck.step > self.latest_ckpt[1]):
                 self.latest_ckpt = (ck.tag, ck.step)
-        # Incident bookkeeping lives in the store, not in the dead daemon's memory: pick it up again.
-        for inc in self.store.list_incidents(run.id, status="remediating"):
-            acts = self.store.list_actions(incident_id=inc.id)
-            if acts:
-                self.open_incidents[inc.id] = {"action_id": acts[-1].id, "step": inc.step}
-        for inc in self.store.list_incidents(run.id, status="open"):
-            self.unacted.setdefault(inc.symptom.value, []).append((inc.id, inc.step))
+        self.incidents.pick_up(run.id)
         if not attempts:
-            self._launch(reason="adopted a run that never launched")
+            self.launch(reason="adopted a run that never launched")
             return
         a = attempts[-1]
         self.attempt = a.number
@@ -293,26 +288,26 @@ class Supervisor:
         if a.pid and a.proc_start_time and a.ended_at is None:
             self.job = JobHandle(a.pid, a.proc_start_time)
             alive = self.os.is_alive(self.job)
+            if not alive and (watcher := slurm_supervise.reattach(self, a)) is not None:
+                self.job, alive = watcher, True  # its Slurm job still runs: a new watcher took it over
             log.info("re-adopting", run_id=run.id, attempt=a.number, pid=a.pid, alive=alive, state=self.state.value)
             self.say(f"re-adopted run {run.id} attempt {a.number} (pid {a.pid}, {'alive' if alive else 'gone'})")
             self.attempt_started_mono = self.os.monotonic()
             self.attempt_progress = self.last_step is not None
             if self.state == S.STOPPING:
-                self.after_exit = "stop"
-                self._begin_termination("stop (re-adopted while stopping)", after="stop",
+                self.begin_termination("stop (re-adopted while stopping)", TerminationPlan(Then.STOP),
                                         grace=self.dcfg.stop_grace_s)
             elif self.state in (S.REMEDIATING, S.RESTARTING):
                 # We were restarting: finish the job off and relaunch from the latest valid checkpoint.
-                self._begin_termination("restart (re-adopted mid-restart)",
-                                        after=self._decided_relaunch(a.number, "re-adopted mid-restart", True),
-                                        grace=self.dcfg.stop_grace_s)
+                self.begin_termination("restart (re-adopted mid-restart)", TerminationPlan.relaunching(
+                    self._decided_relaunch(a.number, "re-adopted mid-restart", True)), grace=self.dcfg.stop_grace_s)
             # else: the exit (if any) is noticed by the next tick
         elif self.state == S.BACKOFF:
             self.pending_relaunch = self._decided_relaunch(a.number, "re-adopted during backoff", False)
             self.backoff_until = now
         elif self.state in LIVE_JOB_STATES:
             self.pending_relaunch = self._decided_relaunch(a.number, "re-adopted with no live attempt", False)
-            self._set_state(S.BACKOFF, "no live attempt after daemon restart")
+            self.set_state(S.BACKOFF, "no live attempt after daemon restart")
             self.backoff_until = now
 
     def _decided_relaunch(self, attempt: int, reason: str, counts: bool) -> Relaunch:
@@ -368,7 +363,7 @@ class Supervisor:
             verify_max_gib=self.dcfg.verify_max_gib, store=self.store, run_id=self.run_id, clock=self.os.time,
             say=self.say)
 
-    def _new_config_version(self, patch: dict[str, Any], reason: str) -> tuple[int, dict[str, list[Any]]]:
+    def new_config_version(self, patch: dict[str, Any], reason: str) -> tuple[int, dict[str, list[Any]]]:
         """Patch -> validated config -> configs/v{N+1}.json + store row (with the launcher env overrides,
         which are not JobSpec keys: `launcher.env.X` patches the ranks' environment)."""
         env_patch = {k: v for k, v in patch.items() if k.startswith("launcher.env.")}
@@ -393,7 +388,7 @@ class Supervisor:
         self.say(f"config v{parent} -> v{version}: {', '.join(f'{k} {b!r}->{a!r}' for k, (b, a) in diff.items())}")
         return version, diff
 
-    def _launch(self, reason: str, rollback_to_step: int | None = None, incident_id: int | None = None) -> bool:
+    def launch(self, reason: str, rollback_to_step: int | None = None, incident_id: int | None = None) -> bool:
         """Launch the next attempt. Returns False when the run ended instead (FAILED), or when the daemon's
         own writes to the run directory fail for lack of space (retried later, bounded: relaunch.py)."""
         try:
@@ -412,17 +407,17 @@ class Supervisor:
         except (PermissionError, OSError) as exc:
             if disk.errno_of(exc) is not None:
                 raise  # our own write failed (full / read-only disk): not a checkpoint problem (_launch)
-            self._fail(f"cannot read checkpoints: {exc}", symptom=Symptom.checkpoint_corrupt)
+            self.fail(f"cannot read checkpoints: {exc}", symptom=Symptom.checkpoint_corrupt)
             return False
         if tag == "none" and notes and rollback_to_step is None:
             # Checkpoints existed and none is valid: like the job's exit 3, refuse to silently start the
             # run over from step 0; everything (quarantined tags included) is kept for a human.
-            sid = self._incident(Symptom.checkpoint_corrupt, self.last_step or 0, Severity.critical,
+            sid = self.incidents.incident(Symptom.checkpoint_corrupt, self.last_step or 0, Severity.critical,
                                  "no valid checkpoint left; not restarting from scratch",
                                  {"invalid": notes, "ckpt_dir": str(self.ckpt_dir)}, attempt=self.attempt + 1)
-            self._action(sid, ActionKind.stop, {"reason": "no valid checkpoint left"}, {}, ApplyMode.none)
+            self.incidents.action(sid, ActionKind.stop, {"reason": "no valid checkpoint left"}, {}, ApplyMode.none)
             self.store.update_incident_status(sid, IncidentStatus.failed, "no valid checkpoint left")
-            self._fail(f"no valid checkpoint left in {self.ckpt_dir}: {'; '.join(notes)[:300]}")
+            self.fail(f"no valid checkpoint left in {self.ckpt_dir}: {'; '.join(notes)[:300]}")
             return False
         # "latest" = the newest valid tag, which is `tag` now that invalid ones are quarantined; an explicit
         # tag (or "none") only for a rollback; the user's own choice stands on the first attempt.
@@ -430,15 +425,15 @@ class Supervisor:
         if self.attempt == 0:
             want_load = jc.get_dotted(self.config, "checkpoint.load")
         if want_load != jc.get_dotted(self.config, "checkpoint.load"):
-            self._new_config_version({"checkpoint.load": want_load},
+            self.new_config_version({"checkpoint.load": want_load},
                                      f"resume from {tag}" + (f" (rollback to <= step {rollback_to_step})"
                                                              if rollback_to_step is not None else ""))
         if notes:
-            sid = self._incident(Symptom.checkpoint_corrupt, self.last_step or 0, Severity.warning,
+            sid = self.incidents.incident(Symptom.checkpoint_corrupt, self.last_step or 0, Severity.warning,
                                  f"checkpoint fallback: {notes[0][:120]}; resuming from {tag}",
                                  {"invalid": notes, "resumed_from": tag, "ckpt_dir": str(self.ckpt_dir)},
                                  attempt=self.attempt + 1)
-            self._action(sid, ActionKind.restart, {"resume_from": tag, "skipped": notes}, {}, ApplyMode.restart)
+            self.incidents.action(sid, ActionKind.restart, {"resume_from": tag, "skipped": notes}, {}, ApplyMode.restart)
             self.store.update_incident_status(sid, IncidentStatus.resolved, f"previous valid checkpoint {tag} used")
             log.warning("checkpoint problem", notes=notes, using=tag)
             self.say(f"checkpoint problem: {'; '.join(notes)} -> using {tag}")
@@ -449,7 +444,7 @@ class Supervisor:
         if self.attempt > 0 and self.preflight is not None:
             verdict = self.preflight(self.config)  # fails closed: a planner error is a refusal too
             if verdict is not None:
-                self._fail(f"preflight refused config v{self.config_version}: {verdict}", symptom=Symptom.launch_failure)
+                self.fail(f"preflight refused config v{self.config_version}: {verdict}", symptom=Symptom.launch_failure)
                 return False
         self.attempt += 1
         # A fresh attempt reads control.json from scratch: neutral file (no keys = no change).
@@ -460,9 +455,11 @@ class Supervisor:
                                                                               if v is not None}}})
         plan = build_launch(launcher, run_id=self.run_id, run_dir=self.run_dir, attempt=self.attempt,
                             config_version=self.config_version, job=self.spec.job_section,
-                            rollback_to_step=rollback_to_step)
+                            rollback_to_step=rollback_to_step, slurm=self.spec.slurm)
+        takeover = self.standby.take(self, plan)  # a warm standby's gate opened, or why not (job/standby.py)
+        plan, reason = takeover.plan or plan, reason + takeover.note
         try:
-            job = self._spawn_with_retries(plan)
+            job = takeover.job or self._spawn_with_retries(plan)
         except LaunchError as exc:
             if disk.errno_of(exc) is not None:
                 self.attempt -= 1  # not launched (its log file could not be written): retried later, same number
@@ -471,7 +468,7 @@ class Supervisor:
                                    config_version=self.config_version, resumed_from=tag, host=socket.gethostname())
             self.store.end_attempt(self.run_id, self.attempt, returncode=127, diagnosis="launcher_error",
                                    diagnosis_evidence=[str(exc)])
-            self._fail(str(exc), symptom=Symptom.launch_failure)
+            self.fail(str(exc), symptom=Symptom.launch_failure)
             return False
         self.job = job
         self.store.add_attempt(self.run_id, number=self.attempt, command=plan.argv, config_version=self.config_version,
@@ -480,14 +477,13 @@ class Supervisor:
         self.attempt_started_mono = self.os.monotonic()
         self.attempt_progress = False
         self.last_exiting = None
-        self.after_exit = None
         self.hang_diagnosis, self.rank_lost = None, None
         self.rank_watch = RankWatch(self.dcfg.rank_exit_grace_s, self.dcfg.rank_watch_every_s)
-        self._settle_unacted("the attempt ended before any action on it")
+        self.incidents.settle_unacted("the attempt ended before any action on it")
         if self.engine is not None:
             self.engine.on_restart(self.os.time(), attempt=self.attempt)
         if self.state != S.STARTING:
-            self._set_state(S.STARTING, f"attempt {self.attempt} launched ({reason}) from {tag}")
+            self.set_state(S.STARTING, f"attempt {self.attempt} launched ({reason}) from {tag}")
         log.info("launched", run_id=self.run_id, attempt=self.attempt, pid=job.pid, resume=tag, reason=reason,
                  config_version=self.config_version)
         self.say(f"attempt {self.attempt} launched (pid {job.pid}, config v{self.config_version}, resume {tag}): {reason}")
@@ -517,6 +513,7 @@ class Supervisor:
         self._drain_events()
         if self.scheduler is not None:
             self.scheduler.run_due()
+        self.standby.tick(self)  # start, check or stop the warm standby
         if self.state in TERMINAL:
             return
         if self.job is not None:
@@ -536,7 +533,7 @@ class Supervisor:
         if self.state == S.BACKOFF and self.backoff_until is not None and self.os.time() >= self.backoff_until:
             relaunch = self.pending_relaunch or Relaunch("backoff over")
             self.pending_relaunch, self.backoff_until = None, None
-            self._launch(relaunch.reason, relaunch.rollback_to_step, relaunch.incident_id)
+            self.launch(relaunch.reason, relaunch.rollback_to_step, relaunch.incident_id)
         self._publish()
         if self.notifier is not None:
             self.notifier.maybe_watchdog()
@@ -553,13 +550,13 @@ class Supervisor:
                                 mem_allocated_gib=r.mem_allocated_gib if r else None,
                                 mem_max_allocated_gib=r.mem_max_allocated_gib if r else None,
                                 state=self.state.value, restarts=max(0, self.attempt - 1),
-                                incidents_by_symptom=self.incident_counts, actions_by_kind=self.actions_by_kind,
+                                incidents_by_symptom=self.incidents.counts, actions_by_kind=self.incidents.actions_by_kind,
                                 config_version=self.config_version)
         if self.alerts is not None:
             for out in self.alerts.drain():
                 log.info("alert outcome", ok=out.ok, attempts=out.attempts, error=out.error)
 
-    def _alert(self, event: str, text: str, **details: Any) -> None:
+    def alert(self, event: str, text: str, **details: Any) -> None:
         """Queue a webhook event (never blocks; the sender drops kinds the spec did not choose)."""
         if self.alerts is not None:
             self.alerts.send(f"run {self.run_id}: {text}", event=event,
@@ -570,7 +567,7 @@ class Supervisor:
         event = {S.RESTARTING: "restart", S.BACKOFF: "restart", S.COMPLETED: "completed", S.STOPPED: "stopped",
                  S.FAILED: "failed"}.get(to)
         if event is not None:
-            self._alert(event, f"{to.value} at step {self.last_step}: {reason}", state=to.value,
+            self.alert(event, f"{to.value} at step {self.last_step}: {reason}", state=to.value,
                         frm=self.state.value, reason=reason)
 
     def run_forever(self, poll: Callable[[float], object] | None = None) -> RunState:
@@ -584,6 +581,7 @@ class Supervisor:
                 poll(self.dcfg.tick_s)
             else:
                 self.os.sleep(self.dcfg.tick_s)
+        self.standby.stop(self, "the daemon is leaving" if self.detach else f"the run is {self.state.value}")
         if self.scheduler is not None:
             self.scheduler.shutdown()
         return self.state
@@ -640,7 +638,7 @@ class Supervisor:
         if isinstance(rec, StepRecord) or (isinstance(rec, EventRecord) and rec.event in ("started",)):
             self.attempt_progress = self.attempt_progress or isinstance(rec, StepRecord)
             if self.state == S.STARTING:
-                self._set_state(S.RUNNING, f"attempt {self.attempt} is training"
+                self.set_state(S.RUNNING, f"attempt {self.attempt} is training"
                                 if isinstance(rec, StepRecord) else f"attempt {self.attempt} started")
         if isinstance(rec, EventRecord):
             self._on_event(rec)
@@ -652,11 +650,11 @@ class Supervisor:
         if rec.event == "checkpoint_saved" and isinstance(f.get("tag"), str):
             self.store.upsert_checkpoint(self.run_id, f["tag"], step=rec.step or 0, loss=None, valid=True,
                                          attempt=self.attempt, config_version=self.config_version)
-            self._verify_open_incidents(rec.step or 0)
+            self.incidents.verify(rec.step or 0, self.spec.remediation.grace_steps)
             log.info("checkpoint saved", tag=f["tag"], step=rec.step)
             self.say(f"checkpoint {f['tag']} saved")
         elif rec.event == "checkpoint_invalid":
-            sid = self._incident(Symptom.checkpoint_corrupt, rec.step or 0, Severity.warning,
+            sid = self.incidents.incident(Symptom.checkpoint_corrupt, rec.step or 0, Severity.warning,
                                  f"job skipped invalid checkpoint {f.get('tag')}: {f.get('reason')}",
                                  {"tag": f.get("tag"), "reason": f.get("reason"), "source": "job"})
             self.store.update_incident_status(sid, IncidentStatus.resolved, "the job fell back to the previous valid tag")
@@ -670,60 +668,24 @@ class Supervisor:
     def _handle_outputs(self, out: Any, step: int) -> None:
         decisions.handle_outputs(self, out, step)
 
-    def _incident(self, symptom: Symptom, step: int, severity: Severity, summary: str, evidence: dict[str, Any],
-                  attempt: int | None = None) -> int:
-        iid = self.store.record_incident(self.run_id, attempt=attempt if attempt is not None else self.attempt,
-                                         symptom=symptom, step=step, severity=severity, summary=summary,
-                                         evidence=_jsonable(evidence))
-        self.incident_counts[symptom.value] = self.incident_counts.get(symptom.value, 0) + 1
-        # Warning for what the ladder handles; error for a crash, a hang, a failed launch or a critical one.
-        serious = severity == Severity.critical or symptom.value in ("crash", "crash_loop", "hang", "launch_failure")
-        (log.error if serious else log.warning)("incident", run_id=self.run_id, id=iid, symptom=symptom.value,
-                                                step=step, severity=severity.value, summary=summary)
-        self._alert("hang" if symptom.value == "hang" else "incident", f"incident #{iid} {symptom.value} at step "
-                    f"{step}: {summary}", incident_id=iid, symptom=symptom.value, step=step, severity=severity.value)
-        self.say(f"INCIDENT #{iid} {symptom.value} at step {step}: {summary}")
-        return iid
-
-    def _action(self, incident_id: int | None, kind: ActionKind, params: dict[str, Any], diff: dict[str, Any],
-                mode: ApplyMode, from_v: int | None = None, to_v: int | None = None, observe_only: bool = False) -> int:
-        aid = self.store.record_action(self.run_id, kind, incident_id=incident_id, parameters=_jsonable(params),
-                                       config_diff=_jsonable(diff), mode=mode, from_config_version=from_v,
-                                       to_config_version=to_v, observe_only=observe_only).id
-        if incident_id is not None:
-            self.open_incidents[incident_id] = {"action_id": aid, "step": self.last_step or 0}
-        log.warning("action", run_id=self.run_id, id=aid, incident=incident_id, kind=kind.value, mode=mode.value,
-                    observe_only=observe_only, config_from=from_v, config_to=to_v, rung=params.get("rung"))
-        self.actions_by_kind[kind.value] = self.actions_by_kind.get(kind.value, 0) + 1
-        self._alert("action", f"action #{aid} {kind.value} ({mode.value})"
-                    + (f" for incident #{incident_id}" if incident_id is not None else ""),
-                    action_id=aid, incident_id=incident_id, kind=kind.value, mode=mode.value)
-        return aid
-
-    def _settle_unacted(self, reason: str, before_step: int | None = None) -> None:
-        decisions.settle_unacted(self, reason, before_step)
-
-    def _verify_open_incidents(self, ckpt_step: int) -> None:
-        decisions.verify_open_incidents(self, ckpt_step)
-
     # ---------------------------------------------------------------------- termination
-    def _begin_termination(self, reason: str, after: Any, grace: float, dump_stacks: bool = False,
+    def begin_termination(self, reason: str, plan: TerminationPlan, grace: float, dump_stacks: bool = False,
                            on_stacks: Callable[[str], None] | None = None) -> None:
         assert self.job is not None
         now = self.os.monotonic()
-        self.term = Termination(reason=reason, after=after, started=now, grace_s=grace, dump_stacks=dump_stacks,
+        self.term = Termination(reason=reason, plan=plan, started=now, grace_s=grace, dump_stacks=dump_stacks,
                                 log_offset=_size(self.log_path), on_stacks=on_stacks)
-        self.after_exit = after
-        if dump_stacks:
+        if dump_stacks and not (slurm_supervise.submit_mode(self) and slurm_supervise.request_stack_dumps(
+                self, self.term, self._stack_files(), now)):  # submit mode: through scancel --signal=USR1
             termination.request_stack_dumps(self.term, self.os, self.job, self.spec.launcher.module,
-                                            self._marker(), self._stack_files(), now,
+                                            self.marker(), self._stack_files(), now,
                                             self.dcfg.stack_dump_wait_s, self.say)
         self._advance_termination()
 
     def _stack_files(self) -> dict[int, Path]:
         return stack_dump_files(self.run_dir, self.attempt)
 
-    def _collect_stacks(self, t: Termination) -> str:
+    def collect_stacks(self, t: Termination) -> str:
         return termination.collect_stacks(t, self._stack_files(), self.log_path, self.run_dir / STACK_DUMP_DIR,
                                           self.attempt)
 
@@ -743,63 +705,51 @@ class Supervisor:
         log.warning("rank lost, ending the attempt", pids=lost, attempt=self.attempt)
         self.say(f"  rank process(es) {lost} gone, launcher still running: stopping the remaining ranks now")
         # No save is possible with a dead peer, so no grace: SIGTERM, then SIGKILL on the next tick.
-        self._begin_termination("rank lost", after=None, grace=0.0)
+        self.begin_termination("rank lost", UNREQUESTED, grace=0.0)
 
-    def _marker(self) -> tuple[str, str]:
+    def marker(self) -> tuple[str, str]:
         return job_marker(self.run_id, self.run_dir, self.attempt)
 
     def _advance_termination(self) -> None:
         t = self.term
         if t is None or self.job is None:
             return
-        termination.advance(t, self.os, self.job, self.spec.launcher.module, self._marker(), self.os.monotonic(),
-                            collect=lambda: self._collect_stacks(t), say=self.say)
+        termination.advance(t, self.os, self.job, self.spec.launcher.module, self.marker(), self.os.monotonic(),
+                            collect=lambda: self.collect_stacks(t), say=self.say)
 
-    def _stop_run(self, reason: str, fail: bool = False, pause: bool = False) -> None:
-        after = "fail" if fail else ("pause" if pause else "stop")
+    def stop_run(self, reason: str, fail: bool = False, pause: bool = False) -> None:
+        plan = TerminationPlan(Then.FAIL if fail else (Then.PAUSE if pause else Then.STOP))
         if self.job is not None and self.os.is_alive(self.job):
             if self.state != S.STOPPING:
-                self._set_state(S.STOPPING, reason)
+                self.set_state(S.STOPPING, reason)
             if self.term is None:
-                self._begin_termination(reason, after=after, grace=self.dcfg.stop_grace_s)
+                self.begin_termination(reason, plan, grace=self.dcfg.stop_grace_s)
             else:
-                self.term.after = after
-                self.after_exit = after
+                self.term.plan = plan
         else:
             self.backoff_until, self.pending_relaunch = None, None
             if fail:
-                self._fail(reason)
+                self.fail(reason)
             elif pause:
-                self._set_state(S.PAUSED, reason)
+                self.set_state(S.PAUSED, reason)
             else:
-                self._set_state(S.STOPPED, reason)
+                self.set_state(S.STOPPED, reason)
 
     # ------------------------------------------------------------------------------ exits
     def _on_exit(self, status: ExitStatus) -> None:
+        attempt = self.attempt
+        slurm_end = slurm_supervise.before_exit(self, status)  # submit mode: Slurm's record decides first
         exits.on_exit(self, status)
+        slurm_supervise.after_exit(self, attempt, slurm_end)
 
-    def _fail(self, reason: str, symptom: Symptom | None = None) -> None:
+    def fail(self, reason: str, symptom: Symptom | None = None) -> None:
         if symptom is not None:
-            iid = self._incident(symptom, self.last_step or 0, Severity.critical, reason, {"reason": reason})
+            iid = self.incidents.incident(symptom, self.last_step or 0, Severity.critical, reason, {"reason": reason})
             self.store.update_incident_status(iid, IncidentStatus.failed, reason)
-        for iid in list(self.open_incidents):
-            try:
-                self.store.update_incident_status(iid, IncidentStatus.failed, f"run failed: {reason}")
-            except Exception:  # noqa: BLE001
-                pass
-        self.open_incidents.clear()
+        self.incidents.fail_all(reason)
         self.backoff_until, self.pending_relaunch = None, None
-        self._set_state(S.FAILED, reason)
+        self.set_state(S.FAILED, reason)
         self.say(f"RUN FAILED: {reason} (everything kept in {self.run_dir})")
-
-    def _resolve_all(self, reason: str) -> None:
-        for iid, meta in list(self.open_incidents.items()):
-            try:
-                self.store.verify_action(meta["action_id"], "effective", {"verified_by": reason})
-                self.store.update_incident_status(iid, IncidentStatus.resolved, reason)
-            except Exception:  # noqa: BLE001
-                pass
-        self.open_incidents.clear()
 
     # ------------------------------------------------------------------------------ hang
     def on_hang(self, fnd: Any) -> None:
@@ -841,25 +791,24 @@ class Supervisor:
             if cmd == "pause":
                 if self.state in (S.PAUSED,) or self.state in TERMINAL:
                     return {"ok": False, "code": "bad_state", "error": f"run is {self.state.value}"}
-                self._stop_run(f"operator pause (uid {peer.get('uid')})", pause=True)
+                self.stop_run(f"operator pause (uid {peer.get('uid')})", pause=True)
                 return {"ok": True, "state": self.state.value}
             if cmd == "resume":
                 if self.state != S.PAUSED:
                     return {"ok": False, "code": "bad_state", "error": f"run is {self.state.value}, not PAUSED"}
-                self._launch("operator resume")
+                self.launch("operator resume")
                 return {"ok": True, "state": self.state.value}
             if cmd == "stop":
                 if self.state in TERMINAL:
                     return {"ok": False, "code": "bad_state", "error": f"run is already {self.state.value}"}
-                self._stop_run(f"operator stop (uid {peer.get('uid')})")
+                self.stop_run(f"operator stop (uid {peer.get('uid')})")
                 return {"ok": True, "state": self.state.value}
             if cmd == "restart":
                 if self.job is None or self.state not in (S.RUNNING, S.STARTING):
                     return {"ok": False, "code": "bad_state", "error": f"run is {self.state.value}; nothing to restart"}
-                self._set_state(S.RESTARTING, "operator restart")
-                self._begin_termination("operator restart", after=Relaunch("operator restart", None,
-                                                                           counts_against_budget=False),
-                                        grace=self.dcfg.stop_grace_s)
+                self.set_state(S.RESTARTING, "operator restart")
+                self.begin_termination("operator restart", TerminationPlan.relaunching(Relaunch(
+                    "operator restart", None, counts_against_budget=False)), grace=self.dcfg.stop_grace_s)
                 return {"ok": True, "state": self.state.value}
             if cmd == "ack":
                 iid = args.get("id")
@@ -929,11 +878,11 @@ class Supervisor:
         if getattr(res, "ok", True) is False and self.run_id:
             # Damaged under a running daemon: the backup job now refuses unsound copies (the last good ones
             # stay), and the next daemon start restores the newest one. Say it once per distinct result.
-            iid = self._incident(Symptom.store_damaged, self.last_step or 0, Severity.critical,
+            iid = self.incidents.incident(Symptom.store_damaged, self.last_step or 0, Severity.critical,
                                  f"integrity_check failed: {'; '.join(res.integrity[:3])[:300]}; restart the "
                                  "daemon to restore the newest good backup (the job keeps training)",
                                  {"integrity": res.integrity[:20], "path": str(self.store.path)})
-            self._alert("incident", f"store {self.store.path} damaged: {res.integrity[:1]}")
+            self.alert("incident", f"store {self.store.path} damaged: {res.integrity[:1]}")
             log.error("store integrity check failed", incident=iid, integrity=res.integrity[:5])
 
     def job_backup(self) -> None:
@@ -956,7 +905,7 @@ class Supervisor:
         log.warning("store file re-created", problem=problem, path=str(self.store.path))
         self.say(f"WARNING: {problem}; re-created it from the open connection (nothing lost)")
         if self.run_id:
-            iid = self._incident(Symptom.store_damaged, self.last_step or 0, Severity.warning,
+            iid = self.incidents.incident(Symptom.store_damaged, self.last_step or 0, Severity.warning,
                                  f"{problem}; re-created from the daemon's open connection, no history lost",
                                  {"problem": problem, "path": str(self.store.path), "recovered": "everything"})
             self.store.update_incident_status(iid, IncidentStatus.resolved, "database re-created in place")
@@ -987,10 +936,9 @@ class Supervisor:
                                                 inode=self.reader.cursor.inode, offset=self.reader.cursor.offset,
                                                 last_step=self.last_step)
             known = {i.id for i in self.store.list_incidents(self.run_id)}
-            self.open_incidents = {k: v for k, v in self.open_incidents.items() if k in known}
-            self.unacted = {s: [(i, st) for i, st in v if i in known] for s, v in self.unacted.items()}
+            self.incidents.forget_unknown(known)
             what.update(got)
-            iid = self._incident(Symptom.store_damaged, self.last_step or 0, Severity.warning,
+            iid = self.incidents.incident(Symptom.store_damaged, self.last_step or 0, Severity.warning,
                                  f"{got['problem']}; recovered from {got['recovered_from']}"
                                  + (f" (incidents/actions after {got['lost_since']} are not in the store)"
                                     if got.get("lost_since") else ", nothing lost"), what)
@@ -1013,11 +961,6 @@ class Supervisor:
 
     def job_status(self) -> None:
         log.info("status", **self.status_dict())
-
-
-def _jsonable(x: Any) -> Any:
-    return json.loads(json.dumps(x, default=lambda o: o.tolist() if hasattr(o, "tolist") else (
-        list(o) if isinstance(o, tuple | set) else str(o))))
 
 
 def default_engine_factory(spec: RunSpec, config: dict[str, Any]) -> Any:

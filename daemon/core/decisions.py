@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ulyssesd.daemon.core.relaunch import Relaunch, schedule_relaunch
+from ulyssesd.daemon.core.termination import TerminationPlan, Then
 from ulyssesd.daemon.host import disk
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.job import config as jc
@@ -35,15 +36,15 @@ def handle_outputs(sup: Supervisor, out: Iterable[Finding | Decision], step: int
     for fnd in findings:
         if fnd.symptom == "hang":
             if sup.spec.remediation.mode == "observe":
-                iid = record_finding(sup, fnd)
-                sup.unacted.pop("hang", None)
-                sup._action(iid, ActionKind.observe_only_noop,
+                iid = sup.incidents.finding(fnd)
+                sup.incidents.take_unacted("hang")
+                sup.incidents.action(iid, ActionKind.observe_only_noop,
                             {"would": "stack dumps, SIGTERM, SIGKILL after grace, restart from latest"}, {},
                             ApplyMode.none, observe_only=True)
                 continue
             on_hang(sup, fnd)  # recorded once the stacks are captured
             continue
-        record_finding(sup, fnd)
+        sup.incidents.finding(fnd)
     for dec in decisions:
         try:
             apply_decision(sup, dec, step)
@@ -61,20 +62,9 @@ def decision_write_failed(sup: Supervisor, dec: Decision, exc: OSError) -> None:
     log.warning("a decision's write to the run directory failed; the job continues unchanged",
                 decision=what, errno=disk.errno_of(exc), error=repr(exc))
     sup.say(f"  could not apply {what}: {exc} (the job continues unchanged)")
-    sup._alert("incident", f"could not apply {what}: {disk.errno_of(exc)} writing to {sup.run_dir}")
+    sup.alert("incident", f"could not apply {what}: {disk.errno_of(exc)} writing to {sup.run_dir}")
     if sup.state == S.REMEDIATING and sup.term is None:
-        sup._set_state(S.RUNNING, f"decision not applied: {disk.errno_of(exc)} writing to the run directory")
-
-
-def record_finding(sup: Supervisor, fnd: Finding) -> int:
-    sev = Severity(fnd.severity)
-    iid = sup._incident(Symptom(fnd.symptom), fnd.step if fnd.step is not None else (sup.last_step or 0),
-                        sev, fnd.message or fnd.symptom, dict(fnd.evidence or {}))
-    # A decision on this symptom (now, or after the grace window) belongs to this incident.
-    lst = sup.unacted.setdefault(fnd.symptom, [])
-    if all(i != iid for i, _ in lst):
-        lst.append((iid, fnd.step if fnd.step is not None else (sup.last_step or 0)))
-    return iid
+        sup.set_state(S.RUNNING, f"decision not applied: {disk.errno_of(exc)} writing to the run directory")
 
 
 def action_kind(dec: Decision) -> ActionKind:
@@ -121,27 +111,27 @@ def apply_decision(sup: Supervisor, dec: Decision, step: int) -> None:
     if symptom == Symptom.hang and sup.term is not None:
         # The hang path (stack dump -> TERM -> KILL -> relaunch) already owns this attempt.
         if apply == "stop":
-            sup.term.after = sup.after_exit = "fail"
+            sup.term.plan = TerminationPlan(Then.FAIL)
             sup.term.reason = reason
         return
-    pending = sup.unacted.pop(symptom.value, [])
+    pending = sup.incidents.take_unacted(symptom.value)
     iid = pending[0][0] if pending else None
     for other, _ in pending[1:]:  # later findings of the same episode: one incident carries the action
         sup.store.update_incident_status(other, IncidentStatus.resolved, f"same episode as incident {iid}")
     if iid is None:
-        iid = sup._incident(symptom, dstep, Severity.critical if apply in ("stop", "rollback_skip")
+        iid = sup.incidents.incident(symptom, dstep, Severity.critical if apply in ("stop", "rollback_skip")
                             else Severity.warning, reason, {})
     if apply == "none":
         observe = dec.would_apply is not None
         if params["rung"] == "collect_evidence" and not observe:
             params["evidence"] = host_evidence(sup)
-        sup._action(iid, ActionKind.observe_only_noop if observe else kind,
+        sup.incidents.action(iid, ActionKind.observe_only_noop if observe else kind,
                     {**params, "would_apply": dec.would_apply,
                      "patch": dec.config_patch, "skip_ranges": dec.skip_ranges},
                     {}, ApplyMode.none, observe_only=observe)
         if not observe:
             sup.store.update_incident_status(iid, IncidentStatus.escalated, reason)
-            sup._alert("incident", f"{symptom.value} at step {dstep} escalated: {reason}",
+            sup.alert("incident", f"{symptom.value} at step {dstep} escalated: {reason}",
                        symptom=symptom.value, escalated=True)
         sup.say(f"  {'observe-only: would' if observe else 'action:'} {params['rung']} — {reason}")
         return
@@ -149,13 +139,13 @@ def apply_decision(sup: Supervisor, dec: Decision, step: int) -> None:
         sup.say(f"  (attempt already terminating; {params['rung']} folded into the pending restart)")
         return
     if apply == "stop":
-        sup._action(iid, ActionKind.stop, params, {}, ApplyMode.none)
+        sup.incidents.action(iid, ActionKind.stop, params, {}, ApplyMode.none)
         sup.store.update_incident_status(iid, IncidentStatus.escalated, reason)
         sup.say(f"  action: stop — {reason}")
-        sup._stop_run(reason, fail=True)
+        sup.stop_run(reason, fail=True)
         return
     if sup.state in (S.RUNNING, S.STARTING):
-        sup._set_state(S.REMEDIATING, f"{symptom.value}: {reason}")
+        sup.set_state(S.REMEDIATING, f"{symptom.value}: {reason}")
     from_v = sup.config_version
     patch = patch_of(sup, dec)
     if apply == "hot" and log_source.stdout_source(sup.config):
@@ -164,30 +154,31 @@ def apply_decision(sup: Supervisor, dec: Decision, step: int) -> None:
         params["hot_unavailable"] = "the job does not read control.json ([telemetry] source = stdout): restart"
         kind = ActionKind.set_config if patch else ActionKind.restart
     if apply == "hot":
-        to_v, diff = sup._new_config_version(patch, f"{symptom.value}: {reason}") if patch else (from_v, {})
+        to_v, diff = sup.new_config_version(patch, f"{symptom.value}: {reason}") if patch else (from_v, {})
         hot = {k: v for k, v in dict(dec.hot_control or {}).items() if k != "dump_stacks"}
         ctl = jc.write_control(sup.run_dir, **hot)
-        sup._action(iid, kind, {**params, "control": ctl}, diff, ApplyMode.hot, from_v, to_v)
+        sup.incidents.action(iid, kind, {**params, "control": ctl}, diff, ApplyMode.hot, from_v, to_v)
         sup.store.update_incident_status(iid, IncidentStatus.remediating, f"hot: {reason}")
         sup.say(f"  action: {params['rung']} hot via control.json v{ctl['version']} {hot}")
         if sup.state == S.REMEDIATING:
-            sup._set_state(S.RUNNING, "hot fix applied, no restart")
+            sup.set_state(S.RUNNING, "hot fix applied, no restart")
         return
     # restart_latest | rollback_skip: new config version, then a graceful (or suspect) restart.
     rollback = dec.rollback_to_step if apply == "rollback_skip" else None
-    to_v, diff = sup._new_config_version(patch, f"{symptom.value}: {reason}") if patch else (from_v, {})
+    to_v, diff = sup.new_config_version(patch, f"{symptom.value}: {reason}") if patch else (from_v, {})
     suspect = apply == "rollback_skip" or bool((dec.hot_control or {}).get("suspect"))
     if suspect:
         jc.write_control(sup.run_dir, suspect=True)
     params.update(rollback_to_step=rollback, skip_ranges=dec.skip_ranges, suspect=suspect)
-    sup._action(iid, kind, params, diff, ApplyMode.restart, from_v, to_v)
+    sup.incidents.action(iid, kind, params, diff, ApplyMode.restart, from_v, to_v)
     sup.store.update_incident_status(iid, IncidentStatus.remediating, reason)
     sup.say(f"  action: {params['rung']} ({apply})" + (f", rollback to <= step {rollback}" if rollback is not None else "")
             + (f", config v{from_v}->v{to_v}" if to_v != from_v else "") + f" — {reason}")
     relaunch = Relaunch(reason, iid, rollback)
     if sup.job is not None and sup.os.is_alive(sup.job):
-        sup._set_state(S.RESTARTING, f"{symptom.value}: stopping attempt {sup.attempt} to apply")
-        sup._begin_termination(f"{symptom.value} remediation", after=relaunch, grace=sup.dcfg.stop_grace_s)
+        sup.set_state(S.RESTARTING, f"{symptom.value}: stopping attempt {sup.attempt} to apply")
+        sup.begin_termination(f"{symptom.value} remediation", TerminationPlan.relaunching(relaunch),
+                               grace=sup.dcfg.stop_grace_s)
     else:
         schedule_relaunch(sup, relaunch)
 
@@ -200,48 +191,12 @@ def host_evidence(sup: Supervisor) -> dict[str, Any]:
     ev: dict[str, Any] = {"load_avg": load.load_avg, "cpu_count": load.cpu_count}
     if r is not None:
         ev["step_time_s"], ev["step_time_max_s"], ev["slowest_rank"] = r.step_time_s, r.step_time_max_s, r.slowest_rank
-    mine = set(sup.os.job_pids(sup.job, sup._marker())) if sup.job is not None else set()
+    mine = set(sup.os.job_pids(sup.job, sup.marker())) if sup.job is not None else set()
     rows = load.processes
     ev["job_cpu_percent"] = {pid: cpu for cpu, pid, _ in rows if pid in mine}
     ev["top_other_processes"] = [{"pid": pid, "cpu_percent": cpu, "cmd": cmd} for cpu, pid, cmd in rows
                                  if pid not in mine and pid != os.getpid()][:5]
     return ev
-
-
-def settle_unacted(sup: Supervisor, reason: str, before_step: int | None = None) -> None:
-    """Findings that never led to a decision (a spike that recovered inside the grace window, as
-    BLOOM-176B's did) are resolved without action instead of staying open forever."""
-    for symptom, lst in list(sup.unacted.items()):
-        keep = []
-        for iid, step in lst:
-            if before_step is None or step < before_step:
-                try:
-                    sup.store.update_incident_status(iid, IncidentStatus.resolved, reason)
-                except Exception as exc:  # noqa: BLE001 - bookkeeping only
-                    log.warning("could not settle incident", id=iid, error=repr(exc))
-            else:
-                keep.append((iid, step))
-        if keep:
-            sup.unacted[symptom] = keep
-        else:
-            sup.unacted.pop(symptom, None)
-
-
-def verify_open_incidents(sup: Supervisor, ckpt_step: int) -> None:
-    """An incident whose fix was followed by a checkpoint with no recurrence is resolved."""
-    grace = sup.spec.remediation.grace_steps
-    settle_unacted(sup, f"recovered by itself: no action needed within the {grace}-step grace window "
-                   f"(checkpoint at step {ckpt_step})", before_step=ckpt_step - grace)
-    for iid, meta in list(sup.open_incidents.items()):
-        if ckpt_step > meta["step"]:
-            try:
-                sup.store.verify_action(meta["action_id"], "effective",
-                                        {"verified_by": f"checkpoint at step {ckpt_step}"})
-                sup.store.update_incident_status(iid, IncidentStatus.resolved,
-                                                 f"training progressed to a checkpoint at step {ckpt_step}")
-            except Exception as exc:  # noqa: BLE001 - verification bookkeeping is best effort
-                log.warning("could not resolve incident", id=iid, error=repr(exc))
-            sup.open_incidents.pop(iid, None)
 
 
 def on_hang(sup: Supervisor, fnd: Finding) -> None:
@@ -261,18 +216,23 @@ def on_hang(sup: Supervisor, fnd: Finding) -> None:
                   threads_dumped=stacks.count("Current thread") + stacks.count("Thread 0x") if stacks else 0,
                   diagnosis=reading.label, stack_reading=reading.summary,
                   waited_for_ranks=list(reading.waited_for))
-        iid = sup._incident(Symptom.hang, step, Severity.critical, f"{summary} {reading.summary}", ev,
+        from ulyssesd.daemon.job.slurm_supervise import hang_nodes
+
+        on_nodes = hang_nodes(sup, list(reading.waited_for))  # a Slurm job: which node(s) the ranks ran on
+        ev.update(on_nodes)
+        iid = sup.incidents.incident(Symptom.hang, step, Severity.critical, f"{summary} {reading.summary}" + (
+            f" (on node {', '.join(on_nodes['waited_for_nodes'])})" if on_nodes else ""), ev,
                             attempt=attempt)
-        sup._action(iid, ActionKind.restart, {"reason": "hang: stack dump, SIGTERM, SIGKILL after grace, "
+        sup.incidents.action(iid, ActionKind.restart, {"reason": "hang: stack dump, SIGTERM, SIGKILL after grace, "
                                               "restart from latest valid checkpoint"}, {}, ApplyMode.restart,
                     sup.config_version, sup.config_version)
         sup.store.update_incident_status(iid, IncidentStatus.remediating, "restarting after hang")
-        if isinstance(sup.term.after if sup.term else None, Relaunch):
-            sup.term.after.incident_id = iid  # type: ignore[union-attr]
+        if sup.term is not None and sup.term.plan.relaunch is not None:
+            sup.term.plan.relaunch.incident_id = iid
 
-    sup._set_state(S.REMEDIATING, f"hang at step {step}: {summary}")
-    sup._set_state(S.RESTARTING, "hung attempt is being killed")
-    sup._begin_termination("hang", after=Relaunch("hang", None), grace=sup.dcfg.hang_grace_s,
+    sup.set_state(S.REMEDIATING, f"hang at step {step}: {summary}")
+    sup.set_state(S.RESTARTING, "hung attempt is being killed")
+    sup.begin_termination("hang", TerminationPlan.relaunching(Relaunch("hang", None)), grace=sup.dcfg.hang_grace_s,
                            dump_stacks=True, on_stacks=with_stacks)
 
 

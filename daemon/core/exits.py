@@ -12,6 +12,7 @@ from ulyssesd.daemon.core import attempt_diagnosis
 from ulyssesd.daemon.core.decisions import _split_outputs, action_kind, patch_of
 from ulyssesd.daemon.core.files import _read_tail
 from ulyssesd.daemon.core.relaunch import Relaunch, schedule_relaunch
+from ulyssesd.daemon.core.termination import UNREQUESTED, Then
 from ulyssesd.daemon.host import disk, host_oom
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus
@@ -39,23 +40,23 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     if term is not None and term.dump_stacks and term.termed_at is None and term.on_stacks is not None:
         # The attempt ended while we waited for its stack dumps: record the hang with what was written.
         sup.term = term
-        term.on_stacks(sup._collect_stacks(term))
+        term.on_stacks(sup.collect_stacks(term))
         sup.term = None
-    survivors = sup.os.job_pids(job, sup._marker())
+    survivors = sup.os.job_pids(job, sup.marker())
     if survivors:
         # No orphan rank may outlive its attempt: kill whatever is left and say so.
         sup.os.signal_pids(survivors, signal.SIGKILL)
         log.warning("killed processes that outlived their attempt", pids=survivors)
     ran_s = sup.os.monotonic() - sup.attempt_started_mono
     tail = _read_tail(sup.log_path)
-    after = sup.after_exit
-    sup.after_exit = None
+    plan = term.plan if term is not None else UNREQUESTED
+    requested = plan.then is not Then.CRASH
     diag_label, diag_evidence, diag_confidence = None, None, None
-    crashed = not status.ok and after is None
+    crashed = not status.ok and not requested
     # A user's command job that says nothing (no client: no `exiting` event) has completed when it exits 0.
     completed = status.ok and (sup.last_exiting == "completed" or (
         sup.last_exiting is None and sup.spec.job_section.kind == "command"))
-    if crashed or (status.ok and after is None and not completed):
+    if crashed or (status.ok and not requested and not completed):
         # One function for the daemon and `ulyssesctl diagnose` (daemon/core/attempt_diagnosis.py); a bare SIGKILL
         # asks the host's OOM counters before it is called an OOM kill (daemon/host/host_oom.py).
         d = attempt_diagnosis.diagnose_attempt(tail, status.returncode, status.signal, None)
@@ -91,34 +92,34 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     # A crash is an error (journalctl -p err); a requested end or a completion is progress.
     (log.error if crashed else log.info)("attempt ended", run_id=sup.run_id, attempt=sup.attempt,
                                          status=status.describe(), ran_s=round(ran_s, 1), last_step=sup.last_step,
-                                         after=str(after), exiting=sup.last_exiting)
+                                         after=str(plan), exiting=sup.last_exiting)
     sup.say(f"attempt {sup.attempt} ended: {status.describe()} after {ran_s:.0f}s (last step {sup.last_step})")
     if completed:
-        sup._resolve_all("run completed")
-        sup._set_state(S.COMPLETED, f"reached final step {sup.last_step}")
+        sup.incidents.resolve_all("run completed")
+        sup.set_state(S.COMPLETED, f"reached final step {sup.last_step}")
         return
-    if save_failure is not None and after is not None:
+    if save_failure is not None and requested:
         # A requested end (stop, pause, a restart) whose final save failed: the run goes on as asked, from
         # the previous valid tag; say so rather than let "saved and exited" stand.
         sym = Symptom.disk_full if save_failure.get("errno") in disk.NO_SPACE else Symptom.crash
-        iid = sup._incident(sym, sup.last_step or 0, Severity.warning,
+        iid = sup.incidents.incident(sym, sup.last_step or 0, Severity.warning,
                             f"the final checkpoint save of {save_failure.get('tag')} failed "
                             f"({save_failure.get('errno')}); the next attempt resumes from the previous valid tag",
-                            {"checkpoint_save_failed": save_failure, "after": str(after)})
+                            {"checkpoint_save_failed": save_failure, "after": str(plan)})
         sup.store.update_incident_status(iid, IncidentStatus.escalated, "final save failed; nothing to retry now")
-    if after == "stop":
-        sup._set_state(S.STOPPED, "job exited after operator stop"
+    if plan.then is Then.STOP:
+        sup.set_state(S.STOPPED, "job exited after operator stop"
                        + (" (its final save failed)" if save_failure is not None else ""))
         return
-    if after == "pause":
-        sup._set_state(S.PAUSED, "job exited, its final save failed; paused" if save_failure is not None
+    if plan.then is Then.PAUSE:
+        sup.set_state(S.PAUSED, "job exited, its final save failed; paused" if save_failure is not None
                        else "job saved and exited; paused")
         return
-    if after == "fail":
-        sup._fail(term.reason if term else "stopped by the playbook")
+    if plan.then is Then.FAIL:
+        sup.fail(term.reason if term else "stopped by the playbook")
         return
-    if isinstance(after, Relaunch):
-        schedule_relaunch(sup, after)
+    if plan.relaunch is not None:
+        schedule_relaunch(sup, plan.relaunch)
         return
     # Unrequested exit: a crash (or a SIGTERM from someone else). Diagnose -> playbook -> relaunch.
     early = ran_s < sup.dcfg.early_death_s and not sup.attempt_progress
@@ -153,10 +154,10 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         # The scheduler ended the job (time limit, preemption, cancel): restarting inside the allocation is
         # pointless; the scheduler's requeue (if any) restarts the service, which resumes from the checkpoint.
         what = f"the scheduler ended attempt {sup.attempt}: {(diag_evidence or [''])[0][:300]}"
-        iid = sup._incident(Symptom.crash, sup.last_step or 0, Severity.critical, what, evidence)
-        sup._action(iid, ActionKind.stop, {"reason": what}, {}, ApplyMode.none)
+        iid = sup.incidents.incident(Symptom.crash, sup.last_step or 0, Severity.critical, what, evidence)
+        sup.incidents.action(iid, ActionKind.stop, {"reason": what}, {}, ApplyMode.none)
         sup.store.update_incident_status(iid, IncidentStatus.failed, what)
-        sup._fail(what)
+        sup.fail(what)
         return
     if returncode in (2, 3) and status.signal is None:
         # CONTRACTS.md: 2 = the job rejected its config, 3 = no loadable checkpoint left. Relaunching the
@@ -171,17 +172,17 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         if problems:
             what += ": " + "; ".join(p.removeprefix("- ") for p in problems[:3])[:400]
         sym = Symptom.crash if returncode == 2 else Symptom.checkpoint_corrupt
-        iid = sup._incident(sym, sup.last_step or 0, Severity.critical, what, evidence)
-        sup._action(iid, ActionKind.stop, {"reason": what}, {}, ApplyMode.none)
+        iid = sup.incidents.incident(sym, sup.last_step or 0, Severity.critical, what, evidence)
+        sup.incidents.action(iid, ActionKind.stop, {"reason": what}, {}, ApplyMode.none)
         sup.store.update_incident_status(iid, IncidentStatus.failed, what)
-        sup._fail(what)
+        sup.fail(what)
         return
     what = (f"rank process(es) {sup.rank_lost['pids']} died; the daemon stopped the waiting ranks"
             if sup.rank_lost is not None else f"attempt {sup.attempt} {status.describe()}")
     if save_failure is not None:
         what = (f"checkpoint save of {save_failure.get('tag')} failed: {save_failure.get('errno')} "
                 f"({save_failure.get('bytes_free')} bytes free); {what}")
-    iid = sup._incident(symptom, sup.last_step or 0, Severity.critical,
+    iid = sup.incidents.incident(symptom, sup.last_step or 0, Severity.critical,
                         f"{what}; diagnosis {diag_label} ({diag_confidence or 'high'} confidence)",
                         evidence)
     decisions: list[Any] = []
@@ -210,42 +211,42 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         target = iid
         if dec.symptom not in this_crash:
             # e.g. crash_loop / no_progress: its own incident, so the budget stop is visible as such.
-            target = sup._incident(Symptom(dec.symptom), sup.last_step or 0, Severity.critical, reason,
+            target = sup.incidents.incident(Symptom(dec.symptom), sup.last_step or 0, Severity.critical, reason,
                                    {"after_incident": iid})
         if dec_apply == "stop":
-            sup._action(target, ActionKind.stop, params, {}, ApplyMode.none)
+            sup.incidents.action(target, ActionKind.stop, params, {}, ApplyMode.none)
             sup.store.update_incident_status(target, IncidentStatus.failed, reason)
             if target != iid:
                 sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
-            sup._fail(reason)
+            sup.fail(reason)
             return
         no_room = dec_apply == "restart_latest" and dec.action_kind == "prune_and_restart"
         if no_room and not disk.resume_after_no_space(sup, iid, save_failure):
             return  # nothing left to prune: the run ended FAILED with that incident
         if dec_apply == "none":
             observe = dec.would_apply is not None
-            sup._action(target, ActionKind.observe_only_noop if observe else action_kind(dec),
+            sup.incidents.action(target, ActionKind.observe_only_noop if observe else action_kind(dec),
                         {**params, "would_apply": dec.would_apply,
                          "patch": dec.config_patch}, {}, ApplyMode.none, observe_only=observe)
             continue
         from_v = sup.config_version
         patch = patch_of(sup, dec)
-        to_v, diff = sup._new_config_version(patch, f"crash {diag_label}: {reason}") if patch else (from_v, {})
+        to_v, diff = sup.new_config_version(patch, f"crash {diag_label}: {reason}") if patch else (from_v, {})
         if dec_apply == "rollback_skip":
             relaunch.rollback_to_step = dec.rollback_to_step
         params["rollback_to_step"] = relaunch.rollback_to_step
-        sup._action(target, action_kind(dec), params, diff, ApplyMode.restart, from_v, to_v)
+        sup.incidents.action(target, action_kind(dec), params, diff, ApplyMode.restart, from_v, to_v)
         sup.say(f"  action: {params['rung']} — {reason}" + (f" (config v{from_v}->v{to_v})" if to_v != from_v else ""))
         acted = True
     if sup.spec.remediation.mode == "observe":
         # Observe-only acts on nothing, restarts included: the run ends here, with what would have happened.
-        sup._action(iid, ActionKind.observe_only_noop, {"would": "restart from the latest valid checkpoint"},
+        sup.incidents.action(iid, ActionKind.observe_only_noop, {"would": "restart from the latest valid checkpoint"},
                     {}, ApplyMode.none, observe_only=True)
         sup.store.update_incident_status(iid, IncidentStatus.escalated, "observe-only: not restarted")
-        sup._fail(f"observe-only mode: attempt {sup.attempt} ended ({status.describe()}) and was not restarted")
+        sup.fail(f"observe-only mode: attempt {sup.attempt} ended ({status.describe()}) and was not restarted")
         return
     if not acted:
-        sup._action(iid, ActionKind.restart, {"reason": "crash: restart from the latest valid checkpoint"}, {},
+        sup.incidents.action(iid, ActionKind.restart, {"reason": "crash: restart from the latest valid checkpoint"}, {},
                     ApplyMode.restart, sup.config_version, sup.config_version)
     sup.store.update_incident_status(iid, IncidentStatus.remediating, "relaunching")
     schedule_relaunch(sup, relaunch, early=early)

@@ -77,21 +77,21 @@ def schedule_relaunch(sup: Supervisor, relaunch: Relaunch, early: bool = False) 
     if delay > 0:
         sup.pending_relaunch = relaunch
         sup.backoff_until = now + delay
-        sup._set_state(S.BACKOFF, f"relaunch in {delay:.1f}s ({relaunch.reason})")
+        sup.set_state(S.BACKOFF, f"relaunch in {delay:.1f}s ({relaunch.reason})")
         return
     if sup.state not in (S.RESTARTING,):
-        sup._set_state(S.RESTARTING, relaunch.reason)
-    sup._launch(relaunch.reason, relaunch.rollback_to_step, relaunch.incident_id)
+        sup.set_state(S.RESTARTING, relaunch.reason)
+    sup.launch(relaunch.reason, relaunch.rollback_to_step, relaunch.incident_id)
 
 
 def fail_budget(sup: Supervisor, symptom: Symptom, reason: str) -> None:
-    iid = sup._incident(symptom, sup.last_step or 0, Severity.critical, reason,
+    iid = sup.incidents.incident(symptom, sup.last_step or 0, Severity.critical, reason,
                         {"restarts_last_hour": len(sup.counters.restarts),
                          "restarts_without_progress": sup.counters.restarts_without_progress,
                          "latest_checkpoint": sup.latest_ckpt[0] if sup.latest_ckpt else None})
-    sup._action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
+    sup.incidents.action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
     sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
-    sup._fail(reason)
+    sup.fail(reason)
 
 
 def probe_run_dir(run_dir: Path) -> None:
@@ -130,19 +130,19 @@ def own_write_failed(sup: Supervisor, exc: BaseException, relaunch: Relaunch) ->
         disk.stop_read_only(sup, str(sup.run_dir), evidence)
         return False
     if n == 1 or n >= OWN_WRITE_RETRIES:
-        iid = sup._incident(Symptom.disk_full, sup.last_step or 0, Severity.critical,
+        iid = sup.incidents.incident(Symptom.disk_full, sup.last_step or 0, Severity.critical,
                             f"the daemon's own write to the run directory failed ({code}); "
                             + ("retries exhausted" if n >= OWN_WRITE_RETRIES else "pruning and retrying later"),
                             evidence, attempt=sup.attempt + 1)
         if n >= OWN_WRITE_RETRIES:
             reason = (f"the daemon could not write to {sup.run_dir} ({code}) in {n} tries; nothing was deleted "
                       f"beyond prunable checkpoints: free space there, then start the run again")
-            sup._action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
+            sup.incidents.action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
             sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
-            sup._fail(reason)
+            sup.fail(reason)
             return False
         out = disk.prune_for_space(sup)
-        sup._action(iid, ActionKind.prune, {"rung": "prune_and_retry", "removed": out.removed,
+        sup.incidents.action(iid, ActionKind.prune, {"rung": "prune_and_retry", "removed": out.removed,
                                             "bytes_freed": out.freed_bytes, "bytes_free_after": out.free_bytes},
                     {}, ApplyMode.none)
         sup.store.update_incident_status(iid, IncidentStatus.remediating, "retrying the launch later")
@@ -152,5 +152,5 @@ def own_write_failed(sup: Supervisor, exc: BaseException, relaunch: Relaunch) ->
     if sup.state == S.PAUSED:
         sup.pending_relaunch, sup.backoff_until = None, None  # an operator resume: they can resume again
         return False
-    sup._set_state(S.BACKOFF, f"relaunch in {delay:.1f}s: the daemon's write to the run directory failed ({code})")
+    sup.set_state(S.BACKOFF, f"relaunch in {delay:.1f}s: the daemon's write to the run directory failed ({code})")
     return False

@@ -103,6 +103,16 @@ def can_transition(src: RunState, dst: RunState) -> bool:
     return (src, dst) in TRANSITIONS
 
 
+def transition_reason(reason: str, table_reason: str) -> str:
+    """The one line recorded for a transition: the caller's reason, with the table's reason for the edge in
+    parentheses only when it adds something. It adds nothing when each of its words is already in the
+    caller's reason ("job exited after operator stop" already says "job exited after stop")."""
+    said = set(reason.lower().replace("(", " ").replace(")", " ").replace(";", " ").replace(",", " ").split())
+    if table_reason in reason or set(table_reason.lower().split()) <= said:
+        return reason
+    return f"{reason} ({table_reason})"
+
+
 def check_transition(src: RunState, dst: RunState) -> str:
     """Return the table's reason for src -> dst, or raise IllegalTransition naming both states."""
     if src in TERMINAL:

@@ -2,8 +2,9 @@
 
 Stack dump (SIGUSR1 to the ranks, wait, collect the per-rank dump files) -> SIGTERM to the ranks ->
 SIGKILL to the job's processes after the grace -> SIGKILL to the wrapper if the exit is still not recorded.
-The supervisor owns *when* a termination starts and what follows it (`Termination.after`); this module
-owns the phases, one per tick, and takes the OS seam and paths it needs as arguments.
+The supervisor owns *when* a termination starts; what follows the exit is the termination's one typed
+`TerminationPlan` (`Termination.plan`); this module owns the phases, one per tick, and takes the OS seam
+and paths it needs as arguments.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any
 
 from ulyssesd.daemon.core.files import _read_tail, _size
+from ulyssesd.daemon.core.relaunch import Relaunch
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import JobHandle, OSInterface
 
@@ -23,12 +25,45 @@ log = get_logger("ulyssesd.supervisor")
 STACKS_MAX_BYTES = 64 * 1024
 
 
+class Then(Enum):
+    """What the supervisor does once the attempt has exited."""
+
+    CRASH = "crash"  # nothing was asked for: the exit is an unrequested one (a crash; the rank watch ends so)
+    RELAUNCH = "relaunch"  # start the next attempt, as the plan's `relaunch` says
+    STOP = "stop"  # an operator stop: the run ends STOPPED
+    PAUSE = "pause"  # an operator pause: the run waits PAUSED for a resume
+    FAIL = "fail"  # the playbook said stop: the run ends FAILED with the termination's reason
+
+
+@dataclass(frozen=True)
+class TerminationPlan:
+    """What follows an attempt's exit: the one owner of that fact (a `Relaunch` exactly when RELAUNCH)."""
+
+    then: Then
+    relaunch: Relaunch | None = None  # how to relaunch (reason, incident, rollback, budget) when then=RELAUNCH
+
+    def __post_init__(self) -> None:
+        if (self.then is Then.RELAUNCH) != (self.relaunch is not None):
+            raise ValueError(f"a {self.then.value} plan {'needs' if self.relaunch is None else 'takes no'} Relaunch")
+
+    @classmethod
+    def relaunching(cls, relaunch: Relaunch) -> TerminationPlan:
+        return cls(Then.RELAUNCH, relaunch)
+
+    def __str__(self) -> str:
+        return f"relaunch ({self.relaunch.reason})" if self.relaunch is not None else self.then.value
+
+
+#: The plan of an exit nobody asked for (no termination pending, or the rank watch's).
+UNREQUESTED = TerminationPlan(Then.CRASH)
+
+
 @dataclass
 class Termination:
     """A pending shutdown of the current attempt, advanced one phase per tick (never blocks the loop)."""
 
     reason: str
-    after: Any  # Relaunch | "stop" | "pause" | "fail"
+    plan: TerminationPlan  # what follows the exit; replaced (not edited) when a stop overrides a restart
     started: float
     grace_s: float
     dump_stacks: bool = False

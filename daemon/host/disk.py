@@ -137,7 +137,7 @@ def resume_after_no_space(sup: Supervisor, iid: int, failure: dict[str, Any] | N
     params = {"rung": "prune_and_restart", "removed": out.removed, "bytes_freed": out.freed_bytes,
               "bytes_free_after": out.free_bytes, "next_save_needs_bytes": out.need_bytes,
               "kept_newest_valid": out.newest_valid, "failed_save": failure}
-    sup._action(iid, ActionKind.prune, params, {}, ApplyMode.none)
+    sup.incidents.action(iid, ActionKind.prune, params, {}, ApplyMode.none)
     sup.say(f"  disk full: pruned {len(out.removed)} checkpoint(s) ({', '.join(out.removed) or 'none'}), "
             f"{out.freed_bytes} bytes freed, {out.free_bytes} free, next save needs ~{out.need_bytes}")
     if out.enough:
@@ -145,9 +145,9 @@ def resume_after_no_space(sup: Supervisor, iid: int, failure: dict[str, Any] | N
     reason = (f"disk full: nothing left to prune in {sup.ckpt_dir} (kept the newest valid tag "
               f"{out.newest_valid} and the known-good anchors); {out.free_bytes} bytes free, the next save "
               f"needs ~{out.need_bytes}: free space on that filesystem, then start the run again")
-    sup._action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
+    sup.incidents.action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
     sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
-    sup._fail(reason)
+    sup.fail(reason)
     return False
 
 
@@ -155,8 +155,8 @@ def stop_read_only(sup: Supervisor, where: str, evidence: dict[str, Any], iid: i
     """A read-only filesystem: nothing a relaunch or a prune can fix, and nothing may be deleted."""
     reason = f"{READ_ONLY_REASON} ({where}); nothing was deleted: remount it read-write, then start the run again"
     if iid is None:
-        iid = sup._incident(Symptom.crash, sup.last_step or 0, Severity.critical, reason,
+        iid = sup.incidents.incident(Symptom.crash, sup.last_step or 0, Severity.critical, reason,
                             {**evidence, "errno": READ_ONLY})
-    sup._action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
+    sup.incidents.action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
     sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
-    sup._fail(reason)
+    sup.fail(reason)

@@ -29,5 +29,5 @@ def run_supervised(spec_path: Path, timeout: float = 240.0) -> tuple[Supervisor,
             time.sleep(0.05)
     finally:
         if sup.job is not None:
-            sup.os.signal_pids(sup.os.job_pids(sup.job, sup._marker()), signal.SIGKILL)
+            sup.os.signal_pids(sup.os.job_pids(sup.job, sup.marker()), signal.SIGKILL)
     return sup, say

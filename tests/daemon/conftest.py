@@ -29,5 +29,5 @@ def make_sup(tmp_path):
     for sup in made:
         if sup.job is not None:
             import signal as _s
-            pids = sup.os.job_pids(sup.job, sup._marker())
+            pids = sup.os.job_pids(sup.job, sup.marker())
             sup.os.signal_pids(pids, _s.SIGKILL)

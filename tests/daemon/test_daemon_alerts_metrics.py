@@ -91,6 +91,6 @@ def test_hang_and_operator_stop_send_their_events(tmp_path):
         if sup.job is not None:
             import signal
 
-            sup.os.signal_pids(sup.os.job_pids(sup.job, sup._marker()), signal.SIGKILL)
+            sup.os.signal_pids(sup.os.job_pids(sup.job, sup.marker()), signal.SIGKILL)
     assert alerts.events[-1][0] == "stopped" and alerts.events[-1][1]["state"] == "STOPPED"
     assert "failed" not in [e for e, _ in alerts.events]

@@ -41,7 +41,7 @@ def crashed_and_rolled_back_run(tmp_path_factory):
         if sup.job is not None:  # no test may leave a job behind
             import signal
 
-            sup.os.signal_pids(sup.os.job_pids(sup.job, sup._marker()), signal.SIGKILL)
+            sup.os.signal_pids(sup.os.job_pids(sup.job, sup.marker()), signal.SIGKILL)
         store.close()
     assert sup.state == RunState.COMPLETED
     return tmp / "state", sup.run_id
