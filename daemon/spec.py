@@ -85,6 +85,19 @@ class LauncherSection(_Section):
         return self
 
 
+class RestartSection(_Section):
+    """`[restart]`: how the next attempt starts (docs/DAEMON.md "Warm standby")."""
+
+    standby: bool = Field(False, description="Keep the next attempt's ranks warm (imported, CUDA context, checkpoint "
+                          "preloaded) once an attempt trains; a relaunch opens their gate instead of a cold start.")
+    standby_timeout_s: float = Field(86400.0, gt=0, description="A standby whose gate stays closed this long exits "
+                                     "(code 5) and is replaced by a fresh one.")
+    standby_preload: bool = Field(True, description="The standby reads its ranks' shards of the latest valid "
+                                  "checkpoint into host memory (checked against the manifest) while it waits.")
+    standby_max_failures: int = Field(3, ge=0, le=100, description="Standbys that may die (not time out) in a run "
+                                      "before the daemon stops starting them (every relaunch is then cold).")
+
+
 class JobSection(_Section):
     """`[job]`: what the ranks run (docs/CLIENT.md "Supervise your own training script")."""
 
@@ -160,6 +173,7 @@ class DaemonSpec(_Section):
     detectors: DetectorsConfig = Field(default_factory=DetectorsConfig)
     remediation: RemediationConfig = Field(default_factory=RemediationConfig)
     daemon: DaemonSection = Field(default_factory=DaemonSection)
+    restart: RestartSection = Field(default_factory=RestartSection)
 
 
 class RunSpec(BaseModel):
@@ -174,6 +188,7 @@ class RunSpec(BaseModel):
     detectors: DetectorsConfig
     remediation: RemediationConfig
     daemon: DaemonSection
+    restart: RestartSection = Field(default_factory=RestartSection)
     job_section: JobSection = Field(default_factory=JobSection)
 
 
@@ -211,6 +226,7 @@ def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
         if job.parallel.world_size is not None and job.parallel.world_size != dspec.launcher.world_size:
             problems.append(f"parallel.world_size={job.parallel.world_size} does not match launcher.nnodes × "
                             f"launcher.nproc_per_node={dspec.launcher.world_size}")
+        problems.extend(standby_problems(dspec.restart, dspec.launcher, job_section))
         sp = job.parallel.sequence_parallel_size
         if world % sp:
             problems.append(f"launcher world size {world} (launcher.nnodes × launcher.nproc_per_node) is not "
@@ -220,6 +236,20 @@ def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
     assert dspec is not None and job is not None
     return RunSpec(source=source, raw=data, job=job, job_section=job_section,
                    **{k: getattr(dspec, k) for k in DAEMON_SECTIONS})
+
+
+def standby_problems(restart: RestartSection, launcher: LauncherSection, job: JobSection) -> list[str]:
+    """A warm standby needs its own rendezvous (one node: a free port) and the built-in job (which knows the gate)."""
+    if not restart.standby:
+        return []
+    problems = []
+    if launcher.kind not in ("torchrun", "local") or launcher.nnodes > 1 or launcher.rdzv_endpoint:
+        problems.append(f"restart.standby needs launcher.kind 'torchrun' or 'local' on one node without "
+                        f"launcher.rdzv_endpoint (a standby rendezvous on its own free port); got kind "
+                        f"{launcher.kind!r}, nnodes {launcher.nnodes}")
+    if job.kind != "builtin":
+        problems.append("restart.standby needs job.kind 'builtin' (only the built-in job waits at a standby gate)")
+    return problems
 
 
 def load_run_spec(path: str | Path) -> RunSpec:

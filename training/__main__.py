@@ -1,7 +1,7 @@
 """`ulysses-train` / `python -m ulyssesd.training`: the job's command line (docs/CONTRACTS.md).
 
 Exit codes: 0 completed or stopped by SIGTERM after saving; 2 spec/config invalid; 3 no checkpoint to
-resume from; anything else a crash (the traceback is on stderr for the daemon's log diagnosis).
+resume from; 5 a warm standby whose gate did not open in time (training/standby.py); anything else a crash (the traceback is on stderr for the daemon's log diagnosis).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="effective job config JSON (JobSpec.to_json(), written by the daemon)")
     src.add_argument("--spec", help="run spec TOML (manual use; daemon sections are ignored)")
+    src.add_argument("--standby-gate", help="warm standby (the daemon's): warm up, wait until this gate file "
+                     "opens, then read the config it names (training/standby.py)")
     p.add_argument("--run-dir", default=os.environ.get("ULYSSESD_RUN_DIR"),
                    help="run directory: telemetry.jsonl, control.json, checkpoints/ (default $ULYSSESD_RUN_DIR or .)")
     p.add_argument("--attempt", type=int, default=int(os.environ.get("ULYSSESD_ATTEMPT", "1")),
@@ -72,6 +74,18 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     # DeepSpeed's ZeRO-3 calls torch's renamed collectives every step; keep the log readable.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    preload = None
+    if args.standby_gate:  # a warm standby: everything config-free first, the config once the gate opens
+        from .standby import EXIT_STANDBY, StandbyError, wait_at_gate
+
+        try:
+            gate, preload = wait_at_gate(Path(args.standby_gate), Path(args.run_dir or ".").resolve(), args.attempt)
+        except StandbyError as exc:
+            print(f"ulysses-train: {exc}", file=sys.stderr)
+            return EXIT_STANDBY
+        args.config, args.attempt, args.config_version = str(gate.config), gate.attempt, gate.config_version
+        if gate.config_version is not None:
+            os.environ["ULYSSESD_CONFIG_VERSION"] = str(gate.config_version)
     from .spec import SpecError, load_job_spec
 
     try:
@@ -87,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir or ".").resolve()
     _register_stack_dumps(run_dir, args.attempt)
     try:
-        return Trainer(spec, run_dir, args.attempt, args.config_version).run()
+        trainer = Trainer(spec, run_dir, args.attempt, args.config_version)
+        trainer.preload = preload  # a standby's checkpoint bytes in host memory (TrainerCheckpoints._resume)
+        return trainer.run()
     except SpecError as exc:
         print(f"ulysses-train: {exc}", file=sys.stderr)
         return EXIT_SPEC

@@ -27,7 +27,7 @@ else:  # Python 3.10
     import tomli as tomllib
 
 # Sections that belong to the daemon's part of a run spec; the job ignores them.
-DAEMON_SECTIONS = ("run", "launcher", "detectors", "remediation", "daemon", "slurm")
+DAEMON_SECTIONS = ("run", "launcher", "detectors", "remediation", "daemon", "slurm", "restart")
 
 
 class SpecError(ValueError):

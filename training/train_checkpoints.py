@@ -7,6 +7,7 @@ step loop. The on-disk layout and manifests are `training.checkpoint`'s.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -84,6 +85,7 @@ class TrainerCheckpoints:
     # The async writer (checkpoint.async_save) and its save in flight: (step, tag, tag_dir, started, blocked s).
     _writer: ckpt.AsyncCheckpointWriter | None = None
     _async_inflight: tuple[int, str, Path, float, float] | None = None
+    preload: Any = None  # a warm standby's training.standby.Preload (set by __main__), used once by _resume
 
     def _event(self, name: str, **fields: Any) -> None:
         raise NotImplementedError  # Trainer's: one telemetry event at the current step
@@ -138,9 +140,12 @@ class TrainerCheckpoints:
         t0 = time.time()
         if tag is None:
             return None, 0.0
+        preload = self.preload  # a warm standby's bytes of its own shards (training/standby.py)
         try:
-            path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag, load_optimizer_states=True,
-                                                       load_lr_scheduler_states=False)
+            with (preload.serve(self.engine, self.ckpt_dir, tag, self._event) if preload is not None
+                  else contextlib.nullcontext()):
+                path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag, load_optimizer_states=True,
+                                                           load_lr_scheduler_states=False)
         except Exception as exc:  # a shard the manifest vouched for still failed to load
             if self.rank == 0 and (self.ckpt_dir / tag).is_dir():
                 ckpt.quarantine(self.ckpt_dir / tag)

@@ -48,20 +48,24 @@ def free_port() -> int:
 
 
 def rank_command(launcher: LauncherSection, config_path: Path, run_dir: Path, attempt: int,
-                 config_version: int) -> list[str]:
-    """The per-rank program and its arguments (after the launcher's own flags)."""
+                 config_version: int, standby_gate: Path | None = None) -> list[str]:
+    """The per-rank program and its arguments (after the launcher's own flags). A warm standby gets its gate
+    instead of a config: the gate names the config once it opens (daemon/job/standby.py)."""
+    if standby_gate is not None:
+        return ["-m", launcher.module, "--standby-gate", str(standby_gate), "--run-dir", str(run_dir),
+                "--attempt", str(attempt)]
     return ["-m", launcher.module, "--config", str(config_path), "--run-dir", str(run_dir),
             "--attempt", str(attempt), "--config-version", str(config_version)]
 
 
 def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attempt: int, config_version: int,
                  base_env: dict[str, str] | None = None, job: Any = None,
-                 rollback_to_step: int | None = None) -> LaunchPlan:
+                 rollback_to_step: int | None = None, standby_gate: Path | None = None) -> LaunchPlan:
     """`job`: the spec's `[job]` section; kind=command runs the user's program (daemon/job/command.py), whose
-    {resume} is bounded by `rollback_to_step` on a rollback."""
+    {resume} is bounded by `rollback_to_step` on a rollback. `standby_gate`: a warm standby of the built-in job."""
     python = launcher.python or sys.executable
     config_path = run_dir / "configs" / f"v{config_version}.json"
-    prog = rank_command(launcher, config_path, run_dir, attempt, config_version)
+    prog = rank_command(launcher, config_path, run_dir, attempt, config_version, standby_gate)
     kind = launcher.kind
     # What each launcher starts: `direct` is exec'd as is (local, srun); torchrun and deepspeed are given a
     # script (+ args) or a module, and add the interpreter themselves.

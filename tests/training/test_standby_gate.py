@@ -1,0 +1,146 @@
+"""The job side of a warm standby (training/standby.py): the gate file is parsed with bounds, the wait is
+bounded, and a preloaded checkpoint is served to DeepSpeed's own TorchCheckpointEngine bit for bit — or not
+at all when it is of another tag, no longer the file on disk, or does not match its manifest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from ulyssesd.training import checkpoint as ckpt
+from ulyssesd.training import standby
+from ulyssesd.training.standby import Preload, StandbyError, read_gate, wait_at_gate
+
+
+def _tag(root: Path, step: int, seed: int) -> Path:
+    """A checkpoint tag with ZeRO-3-named shards of two ranks, its manifest, and `latest` pointing at it."""
+    g = torch.Generator().manual_seed(seed)
+    d = root / ckpt.tag_for_step(step)
+    d.mkdir(parents=True)
+    for rank in (0, 1):
+        torch.save({"module": {"w": torch.randn(64, 64, generator=g, dtype=torch.float32),
+                               "b": torch.randn(64, generator=g).to(torch.bfloat16)}, "ulyssesd_step": step},
+                   d / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        torch.save({"optimizer_state_dict": {"exp_avg": torch.randn(4096, generator=g)}},
+                   d / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    ckpt.write_manifest(d, step, 1.0, step, 1)
+    ckpt.point_latest_to(root, d.name)
+    return d
+
+
+class _Engine:
+    def __init__(self):
+        self.checkpoint_engine = TorchCheckpointEngine()
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bit for bit
+    return a == b
+
+
+def test_gate_file_is_parsed_with_bounds_and_names_what_is_wrong(tmp_path):
+    gate = tmp_path / "gate.json"
+    assert read_gate(gate) is None  # closed
+    gate.write_text(json.dumps({"v": 1, "attempt": 3, "config": "/r/configs/v2.json", "config_version": 2}))
+    assert read_gate(gate) == standby.Gate(3, Path("/r/configs/v2.json"), 2)
+    gate.write_text("{not json")
+    with pytest.raises(StandbyError, match="is not valid JSON"):
+        read_gate(gate)
+    gate.write_text(json.dumps({"attempt": "3", "config": "", "config_version": 0}))
+    with pytest.raises(StandbyError, match=r"'attempt' must be a positive integer.*'config' must be.*'config_version'"):
+        read_gate(gate)
+    gate.write_text(json.dumps([1]))
+    with pytest.raises(StandbyError, match="must be a JSON object"):
+        read_gate(gate)
+    gate.write_text(" " * (standby.MAX_GATE_BYTES + 1))
+    with pytest.raises(StandbyError, match="larger than"):
+        read_gate(gate)
+
+
+def test_preload_is_served_bit_exact_through_deepspeeds_checkpoint_engine(tmp_path):
+    root = tmp_path / "checkpoints"
+    d = _tag(root, 4, seed=1)
+    pre = Preload.read(root, rank=0)
+    assert pre is not None and pre.tag == d.name
+    assert sorted(Path(p).name for p in pre.files) == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                                      "zero_pp_rank_0_mp_rank_00_model_states.pt"]  # its own only
+    eng, events, nbytes = _Engine(), [], pre.nbytes
+    with pre.serve(eng, root, d.name, lambda name, **f: events.append((name, f))):
+        got = {p.name: eng.checkpoint_engine.load(str(p), map_location="cpu") for p in sorted(d.glob("*.pt"))}
+    assert "load" not in vars(eng.checkpoint_engine)  # the engine's own load again
+    for name, sd in got.items():
+        assert _same(sd, torch.load(d / name, map_location="cpu", weights_only=False)), name
+    (name, fields), = events
+    assert name == "standby_preload_used" and fields["tag"] == d.name and fields["preloaded_bytes"] == nbytes > 0
+    assert (fields["from_memory"], fields["from_disk"]) == (2, 2)  # rank 0's two shards; rank 1's from disk
+    assert pre.files == {}  # host memory released after the load
+
+
+def test_a_preload_of_another_tag_or_a_replaced_file_is_never_used(tmp_path):
+    root = tmp_path / "checkpoints"
+    old = _tag(root, 4, seed=1)
+    pre = Preload.read(root, rank=0)
+    new = _tag(root, 8, seed=2)
+    assert not pre.still_latest()
+    eng, events = _Engine(), []
+    with pre.serve(eng, root, new.name, lambda name, **f: events.append(name)):
+        sd = eng.checkpoint_engine.load(str(new / "zero_pp_rank_0_mp_rank_00_model_states.pt"), map_location="cpu")
+    assert events == ["standby_preload_dropped"] and sd["ulyssesd_step"] == 8
+
+    # Same tag name, file rewritten after the preload (a rolled-back timeline saved it again): disk wins.
+    pre = Preload.read(root, rank=0)
+    f = new / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "ulyssesd_step": 99}, f)
+    with pre.serve(eng, root, new.name, lambda name, **kw: events.append(kw)):
+        assert eng.checkpoint_engine.load(str(f), map_location="cpu")["ulyssesd_step"] == 99
+    assert events[-1]["from_memory"] == 0 and events[-1]["from_disk"] == 1
+    assert old.is_dir()
+
+    # Bytes that do not match the manifest are not preloaded at all.
+    (root / "latest").write_text(old.name)
+    shard = old / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte, same size
+    shard.write_bytes(bytes(raw))
+    assert Preload.read(root, rank=0) is None
+
+
+def test_wait_is_bounded_preloads_a_tag_that_appears_and_returns_the_gate(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    gate = tmp_path / "standby" / "gate-2.json"
+    monkeypatch.setenv(standby.TIMEOUT_ENV, "5")
+    monkeypatch.setenv(standby.PRELOAD_ENV, "1")
+    monkeypatch.setenv(standby.CKPT_DIR_ENV, str(root))
+    monkeypatch.setenv(standby.DEVICE_ENV, "cpu")
+    monkeypatch.setenv("RANK", "1")
+    now = [0.0]
+
+    def sleep(s):
+        now[0] += 1.0
+        if now[0] == 2.0:
+            _tag(root, 4, seed=1)  # the running attempt saves while the standby waits
+        if now[0] == 4.0:
+            gate.parent.mkdir(exist_ok=True)
+            gate.write_text(json.dumps({"attempt": 2, "config": "c.json", "config_version": 3}))
+
+    got, pre = wait_at_gate(gate, tmp_path, 2, clock=lambda: now[0], sleep=sleep)
+    assert got == standby.Gate(2, Path("c.json"), 3)
+    assert pre is not None and pre.tag == "step-00000004" and all("zero_pp_rank_1_" in p for p in pre.files)
+    ready = json.loads((tmp_path / "standby" / "attempt-2-rank-1.ready").read_text())
+    assert ready["device"] == "cpu" and ready["preloaded"] is None  # nothing to preload when it got warm
+
+    now[0] = 0.0
+    gate.unlink()
+    with pytest.raises(StandbyError, match=r"was not opened within 5s \(ULYSSESD_STANDBY_TIMEOUT_S\)"):
+        wait_at_gate(gate, tmp_path, 2, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + 1.0))
+    gate.write_text(json.dumps({"attempt": 7, "config": "c.json", "config_version": 3}))
+    with pytest.raises(StandbyError, match="opens attempt 7, this standby is attempt 2"):
+        wait_at_gate(gate, tmp_path, 2, clock=lambda: now[0], sleep=lambda s: None)

@@ -1,0 +1,301 @@
+"""The job's warm standby: start a rank before it is needed, wait at a gate, then run the attempt.
+
+`python -m ulyssesd.training --standby-gate GATE --run-dir D --attempt N` (the daemon starts it, under the
+same launcher as a cold attempt, while the previous attempt still trains: daemon/job/standby.py) does, on
+every rank, what does not depend on the attempt's config:
+
+- imports torch, DeepSpeed and the model code (most of a cold start-up on a big node);
+- creates the CUDA context on its device (when a GPU is present);
+- optionally reads the latest valid checkpoint's files that this rank will load (its own ZeRO shards) into
+  host memory, checked against the tag's manifest (sha256), and re-reads them when `latest` moves on;
+
+then waits, bounded, for the daemon to open the gate: an atomically written JSON file
+`{"v": 1, "attempt": N, "config": "configs/vK.json", "config_version": K}`. Only then does the job read its
+config (so a config a remediation patched after the standby started is the one used) and go on as a cold
+attempt would: process group, model build, resume. The load of the resume tag goes through DeepSpeed's
+checkpoint engine (`TorchCheckpointEngine.load(path, map_location)`, which is `torch.load`); while it runs,
+`Preload.serve` answers it from the preloaded bytes (`torch.load(io.BytesIO(data))`: the same bytes, so
+the same tensors bit for bit) for each file whose inode, size and mtime are unchanged since the preload,
+and from disk for anything else. A preload of a tag other than the one the ranks agreed on is dropped,
+never used: the job never resumes from a stale tag.
+
+Exit code 5 (`EXIT_STANDBY`): the gate was not opened within `ULYSSESD_STANDBY_TIMEOUT_S`, or it could not
+be read; the message says which. The daemon replaces a standby that timed out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ulyssesd.training")
+
+#: Exit code of a standby whose gate did not open in time or could not be read.
+EXIT_STANDBY = 5
+#: Seconds a standby waits for its gate before it exits with EXIT_STANDBY (the daemon sets it).
+TIMEOUT_ENV = "ULYSSESD_STANDBY_TIMEOUT_S"
+#: "1": read this rank's shards of the latest valid checkpoint into host memory while waiting.
+PRELOAD_ENV = "ULYSSESD_STANDBY_PRELOAD"
+#: The checkpoint directory to preload from (the config is not read before the gate opens).
+CKPT_DIR_ENV = "ULYSSESD_STANDBY_CKPT_DIR"
+#: The run's `train.device` (cpu / cuda / auto): DeepSpeed's accelerator is chosen when it is imported.
+DEVICE_ENV = "ULYSSESD_STANDBY_DEVICE"
+DEFAULT_TIMEOUT_S = 86400.0
+#: A gate file is a few hundred bytes; anything larger is refused unread.
+MAX_GATE_BYTES = 64 << 10
+#: How often the wait looks at the gate, and how often at `latest` (a moved tag is preloaded again).
+GATE_POLL_S = 0.05
+LATEST_POLL_S = 1.0
+
+
+class StandbyError(RuntimeError):
+    """The standby cannot become an attempt (gate timeout or unreadable gate); exit EXIT_STANDBY."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """What the daemon tells a standby when it opens the gate."""
+
+    attempt: int
+    config: Path
+    config_version: int | None
+
+
+def read_gate(path: Path) -> Gate | None:
+    """The opened gate, None while it is closed (no file yet); StandbyError naming what is wrong otherwise."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_GATE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StandbyError(f"standby gate {path} is unreadable: {exc}") from None
+    if len(raw) > MAX_GATE_BYTES:
+        raise StandbyError(f"standby gate {path} is larger than {MAX_GATE_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise StandbyError(f"standby gate {path} is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise StandbyError(f"standby gate {path} must be a JSON object")
+    attempt, config, version = data.get("attempt"), data.get("config"), data.get("config_version")
+    problems = []
+    if type(attempt) is not int or attempt < 1:
+        problems.append(f"'attempt' must be a positive integer, got {attempt!r:.60}")
+    if not isinstance(config, str) or not config:
+        problems.append(f"'config' must be the config file's path, got {config!r:.60}")
+    if version is not None and (type(version) is not int or version < 1):
+        problems.append(f"'config_version' must be a positive integer or null, got {version!r:.60}")
+    if problems:
+        raise StandbyError(f"standby gate {path}: " + "; ".join(problems))
+    return Gate(attempt, Path(config), version)
+
+
+# ------------------------------------------------------------------------------------------------ preload
+@dataclass
+class _File:
+    data: bytes
+    ident: tuple[int, int, int]  # (inode, size, mtime_ns) when read: a file replaced since is read from disk
+
+
+def _ident(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def rank_files(tag_dir: Path, rank: int, manifest_files: dict[str, Any]) -> list[str]:
+    """The files of a tag this rank loads itself: DeepSpeed names each ZeRO-3 rank's model and optimizer
+    shards `…zero_pp_rank_{R}_mp_rank_…` (R = the rank in the ZeRO group, here the whole world)."""
+    key = f"zero_pp_rank_{rank}_"
+    return sorted(rel for rel in manifest_files if key in Path(rel).name)
+
+
+@dataclass
+class Preload:
+    """One rank's shards of one checkpoint tag, in host memory, checked against the tag's manifest."""
+
+    ckpt_dir: Path
+    tag: str
+    files: dict[str, _File] = field(default_factory=dict)  # absolute path -> bytes
+    seconds: float = 0.0
+    hits: int = 0
+    misses: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(f.data) for f in self.files.values())
+
+    @classmethod
+    def read(cls, ckpt_dir: Path, rank: int) -> Preload | None:
+        """The tag `latest` names, read and checked; None when there is none or it does not check out (then
+        the resume reads from disk as a cold start does, and validates the tag itself)."""
+        from . import checkpoint as ckpt
+
+        t0 = time.monotonic()
+        tag = ckpt.read_latest(ckpt_dir)
+        if tag is None or not (ckpt_dir / tag).is_dir():
+            return None
+        tag_dir = ckpt_dir / tag
+        try:
+            manifest = ckpt.read_manifest(tag_dir)
+        except ckpt.ManifestError as exc:
+            log.info("standby preload skipped: %s", exc)
+            return None
+        out = cls(ckpt_dir, tag)
+        for rel in rank_files(tag_dir, rank, manifest["files"]):
+            path = (tag_dir / rel).resolve()
+            try:
+                ident = _ident(path)
+                data = path.read_bytes()
+            except OSError as exc:
+                log.info("standby preload of %s dropped: %s", tag, exc)
+                return None
+            meta = manifest["files"][rel]
+            if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+                log.warning("standby preload of %s dropped: %s does not match its manifest", tag, rel)
+                return None
+            out.files[str(path)] = _File(data, ident)
+        out.seconds = time.monotonic() - t0
+        return out
+
+    def still_latest(self) -> bool:
+        from . import checkpoint as ckpt
+
+        return ckpt.read_latest(self.ckpt_dir) == self.tag
+
+    def _lookup(self, path: str) -> bytes | None:
+        f = self.files.get(str(Path(path).resolve()))
+        if f is None:
+            return None
+        try:
+            if _ident(Path(path)) != f.ident:
+                return None  # replaced since the preload (a rolled-back timeline's tag saved again): disk
+        except OSError:
+            return None
+        return f.data
+
+    @contextlib.contextmanager
+    def serve(self, engine: Any, ckpt_dir: Path, tag: str, event: Callable[..., None]) -> Iterator[None]:
+        """While DeepSpeed loads `tag`, answer its checkpoint engine's loads from memory where the preload
+        holds that very file. A preload of another tag or directory is dropped (never a stale resume)."""
+        if tag != self.tag or Path(ckpt_dir).resolve() != self.ckpt_dir.resolve():
+            log.warning("standby preload of %s dropped: resuming from %s", self.tag, tag)
+            event("standby_preload_dropped", preloaded=self.tag, resume=tag)
+            self.files.clear()
+            yield
+            return
+        import torch
+
+        ce = engine.checkpoint_engine
+        disk_load = ce.load
+
+        def load(path: str, map_location: Any = None) -> Any:
+            data = self._lookup(path)
+            if data is None:
+                self.misses += 1
+                return disk_load(path, map_location=map_location)
+            self.hits += 1
+            # What TorchCheckpointEngine.load does, from the same bytes.
+            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
+
+        ce.load = load
+        try:
+            yield
+        finally:
+            del ce.load  # the class's own load again
+            event("standby_preload_used", tag=tag, from_memory=self.hits, from_disk=self.misses,
+                  preloaded_bytes=self.nbytes, preload_seconds=round(self.seconds, 3))
+            self.files.clear()  # the host memory goes back once the load is done
+
+
+# -------------------------------------------------------------------------------------------- the wait
+def _warm_imports() -> str:
+    """Import what every attempt imports, and create the CUDA context; returns the device's name."""
+    want = os.environ.get(DEVICE_ENV, "auto")
+    import torch
+
+    cuda = want != "cpu" and torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported, as main() does
+    import deepspeed  # noqa: F401
+    import deepspeed.ops  # noqa: F401
+
+    from . import train  # noqa: F401 - the model, data and checkpoint code
+    from .model import attention  # noqa: F401
+
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        torch.empty(1, device=f"cuda:{local}")  # the context and the allocator, before they are needed
+        return f"cuda:{local}"
+    return "cpu"
+
+
+def _write_ready(run_dir: Path, attempt: int, rank: int, fields: dict[str, Any]) -> None:
+    """`{run_dir}/standby/attempt-N-rank-R.ready`: this rank is warm (the daemon's status and tests read it)."""
+    d = run_dir / "standby"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".attempt-{attempt}-rank-{rank}.ready.tmp"
+        tmp.write_text(json.dumps({"pid": os.getpid(), "time": time.time(), **fields}))
+        os.replace(tmp, d / f"attempt-{attempt}-rank-{rank}.ready")
+    except OSError as exc:  # only informative
+        log.warning("standby ready file not written: %s", exc)
+
+
+def wait_at_gate(gate_path: Path, run_dir: Path, attempt: int, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> tuple[Gate, Preload | None]:
+    """Warm up, then wait for the gate (bounded); returns the gate and this rank's preload (or None)."""
+    t0 = clock()
+    timeout_s = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+    rank = int(os.environ.get("RANK", "0"))
+    device = _warm_imports()
+    preload_on = os.environ.get(PRELOAD_ENV, "0") == "1" and bool(os.environ.get(CKPT_DIR_ENV))
+    ckpt_dir = Path(os.environ.get(CKPT_DIR_ENV) or ".")
+    preload = Preload.read(ckpt_dir, rank) if preload_on else None
+    warm_s = clock() - t0
+    log.info("standby warm in %.1fs (%s); preload %s; waiting for the gate %s (at most %.0fs)", warm_s, device,
+             f"{preload.tag} ({preload.nbytes} bytes)" if preload else "none", gate_path, timeout_s)
+    _write_ready(run_dir, attempt, rank, {"warm_s": round(warm_s, 3), "device": device,
+                                          "preloaded": preload.tag if preload else None})
+    deadline = clock() + timeout_s
+    next_latest = clock() + LATEST_POLL_S
+    refused: str | None = None  # a tag whose preload did not check out: not hashed again every second
+    while True:
+        gate = read_gate(gate_path)
+        if gate is not None:
+            if gate.attempt != attempt:
+                raise StandbyError(f"standby gate {gate_path} opens attempt {gate.attempt}, this standby is "
+                                   f"attempt {attempt}")
+            if preload is not None and not preload.still_latest():
+                preload = None  # moved on at the last moment: the resume reads from disk
+            log.info("standby gate open after %.1fs: attempt %d, config %s", clock() - t0, gate.attempt,
+                     gate.config)
+            return gate, preload
+        now = clock()
+        if now >= deadline:
+            raise StandbyError(f"standby gate {gate_path} was not opened within {timeout_s:.0f}s "
+                               f"({TIMEOUT_ENV})")
+        if preload_on and now >= next_latest:
+            next_latest = now + LATEST_POLL_S
+            if preload is None or not preload.still_latest():
+                preload = None  # the old bytes go first: never two tags in memory
+                from . import checkpoint as ckpt
+
+                latest = ckpt.read_latest(ckpt_dir)
+                preload = Preload.read(ckpt_dir, rank) if latest is not None and latest != refused else None
+                refused = latest if preload is None else None
+                if preload is not None:
+                    log.info("standby preloaded %s (%d bytes, %.2fs)", preload.tag, preload.nbytes,
+                             preload.seconds)
+        sleep(GATE_POLL_S)
