@@ -85,6 +85,35 @@ class LauncherSection(_Section):
         return self
 
 
+_SLURM_TIME = r"^(?:\d+|\d+:\d{2}(?::\d{2})?|\d+-\d{1,2}(?::\d{2}(?::\d{2})?)?)$"
+
+
+class SlurmSection(_Section):
+    """`[slurm]`: run the job through Slurm (docs/SLURM.md). Nodes and ranks per node are launcher.nnodes and
+    launcher.nproc_per_node; launcher.kind must be "srun"."""
+
+    mode: Literal["off", "submit", "allocation"] = Field(
+        "off", description="submit = the daemon sbatch'es each attempt as a Slurm job and watches it; allocation = "
+        "the daemon runs inside an allocation (salloc/sbatch) and starts the ranks with srun; off = no Slurm.")
+    partition: str | None = Field(None, min_length=1, description="sbatch --partition (default: the cluster's default).")
+    gres: str | None = Field(None, min_length=1, description="sbatch --gres per node, e.g. gpu:8.")
+    time: str | None = Field(None, pattern=_SLURM_TIME, description="sbatch --time of each allocation "
+                             "(MM, HH:MM:SS or D-HH:MM); the run continues in a new allocation when it is reached.")
+    time_limit_signal_s: int = Field(120, ge=5, le=65535, description="Seconds before the time limit the job "
+                                     "gets SIGUSR2 (--signal=B:USR2@N) to save a checkpoint and exit.")
+    exclude: list[str] = Field(default_factory=list, description="Nodes never used (sbatch --exclude); lost nodes are added.")
+    max_excluded: int | None = Field(None, ge=0, description="At most this many excluded nodes (default: as many as "
+                                     "leave enough nodes in the partition for the job); beyond it the run stops.")
+    sbatch_args: list[str] = Field(default_factory=list, description="Extra sbatch arguments, verbatim (--account=…, --qos=…).")
+    srun_args: list[str] = Field(default_factory=list, description="Extra srun arguments for the ranks, verbatim.")
+    job_name: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="sbatch --job-name (default: the run id).")
+    poll_s: float = Field(2.0, gt=0, le=300, description="How often the watcher asks scontrol about the job and its nodes.")
+    command_timeout_s: float = Field(20.0, gt=0, le=600, description="Timeout of one Slurm command (retried, bounded).")
+    cancel_grace_s: float = Field(60.0, gt=0, description="After SIGTERM to the ranks (scancel --signal=TERM), "
+                                  "seconds before the job is cancelled outright (scancel).")
+    bin_dir: str | None = Field(None, description="Directory of the Slurm commands (default: $PATH).")
+
+
 class RestartSection(_Section):
     """`[restart]`: how the next attempt starts (docs/DAEMON.md "Warm standby")."""
 
@@ -174,6 +203,13 @@ class DaemonSpec(_Section):
     remediation: RemediationConfig = Field(default_factory=RemediationConfig)
     daemon: DaemonSection = Field(default_factory=DaemonSection)
     restart: RestartSection = Field(default_factory=RestartSection)
+    slurm: SlurmSection = Field(default_factory=SlurmSection)
+
+    @model_validator(mode="after")
+    def _slurm_needs_srun(self) -> DaemonSpec:
+        if self.slurm.mode != "off" and self.launcher.kind != "srun":
+            raise ValueError(f"slurm.mode={self.slurm.mode!r} needs launcher.kind='srun' (is {self.launcher.kind!r})")
+        return self
 
 
 class RunSpec(BaseModel):
@@ -189,6 +225,7 @@ class RunSpec(BaseModel):
     remediation: RemediationConfig
     daemon: DaemonSection
     restart: RestartSection = Field(default_factory=RestartSection)
+    slurm: SlurmSection = Field(default_factory=SlurmSection)
     job_section: JobSection = Field(default_factory=JobSection)
 
 

@@ -37,6 +37,36 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist (`n[3-4,7],m1` -> `n3`); the job cannot import the daemon's parser."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist[:nodelist.index("]") + 1]
+    if "[" not in head:
+        return head.strip()
+    prefix, ranges = head.split("[", 1)
+    return prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
+
+
+def rank_env_from_slurm(env: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+    """Under `srun` (no torchrun), the rank's identity comes from Slurm: RANK=SLURM_PROCID,
+    WORLD_SIZE=SLURM_NTASKS, LOCAL_RANK=SLURM_LOCALID, LOCAL_WORLD_SIZE=the step's tasks on this node,
+    MASTER_ADDR=the step's first node, MASTER_PORT=29500 + job id mod 20000. What a launcher already set wins.
+    Returns (and sets) what it filled in."""
+    if "SLURM_PROCID" not in env or "RANK" in env:
+        return {}
+    filled = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS", "1"),
+              "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or ""
+    if per_node:
+        filled["LOCAL_WORLD_SIZE"] = per_node.split(",")[0].split("(")[0]
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+    if "MASTER_ADDR" not in env and nodelist:
+        filled["MASTER_ADDR"] = _first_host(nodelist)
+    if "MASTER_PORT" not in env and (env.get("SLURM_JOB_ID") or "").isdigit():
+        filled["MASTER_PORT"] = str(29500 + int(env["SLURM_JOB_ID"]) % 20000)
+    env.update(filled)
+    return filled
+
+
 def _setup_logging() -> None:
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -71,6 +101,7 @@ def _register_stack_dumps(run_dir: Path, attempt: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    rank_env_from_slurm()  # before logging: its format names the rank
     _setup_logging()
     # DeepSpeed's ZeRO-3 calls torch's renamed collectives every step; keep the log readable.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")

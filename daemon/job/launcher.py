@@ -60,10 +60,18 @@ def rank_command(launcher: LauncherSection, config_path: Path, run_dir: Path, at
 
 def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attempt: int, config_version: int,
                  base_env: dict[str, str] | None = None, job: Any = None,
-                 rollback_to_step: int | None = None, standby_gate: Path | None = None) -> LaunchPlan:
+                 rollback_to_step: int | None = None, standby_gate: Path | None = None,
+                 slurm: Any = None) -> LaunchPlan:
     """`job`: the spec's `[job]` section; kind=command runs the user's program (daemon/job/command.py), whose
     {resume} is bounded by `rollback_to_step` on a rollback. `standby_gate`: a warm standby of the built-in job."""
     python = launcher.python or sys.executable
+    # `slurm`: the spec's `[slurm]`; mode="submit" makes the attempt a Slurm job that daemon/job/slurm_watch.py
+    # submits and watches (docs/SLURM.md); lost nodes ({run_dir}/slurm/exclude.json) are excluded either way.
+    from ulyssesd.daemon.job import slurm as sl
+
+    submit = launcher.kind == "srun" and slurm is not None and slurm.mode == "submit"
+    excluded = list(dict.fromkeys([*(slurm.exclude if slurm is not None else []), *sl.read_exclusions(run_dir)])) \
+        if launcher.kind == "srun" else []
     config_path = run_dir / "configs" / f"v{config_version}.json"
     prog = rank_command(launcher, config_path, run_dir, attempt, config_version, standby_gate)
     kind = launcher.kind
@@ -101,9 +109,14 @@ def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attem
         if launcher.master_port:
             cmd += [f"--master_port={launcher.master_port}"]
         cmd += [*launcher.extra_args, *via_deepspeed]
+    elif kind == "srun" and submit:
+        cmd = [python, "-m", "ulyssesd.daemon.job.slurm_watch", "--plan",
+               str(run_dir / sl.SLURM_DIR / f"attempt-{attempt}.plan.json")]
     elif kind == "srun":
+        # Inside an allocation (salloc / sbatch of the daemon): one task per rank; lost nodes excluded.
         cmd = ["srun", f"--nodes={launcher.nnodes}", f"--ntasks-per-node={launcher.nproc_per_node}",
-               "--kill-on-bad-exit=1", *launcher.extra_args, *direct]
+               "--kill-on-bad-exit=1", *([f"--exclude={','.join(excluded)}"] if excluded else []),
+               *(slurm.srun_args if slurm is not None else []), *launcher.extra_args, *direct]
     else:  # pragma: no cover - the spec's Literal forbids it
         raise ValueError(f"launcher.kind={kind!r} is not supported")
     exit_file = run_dir / "attempts" / f"{attempt}.exit"
@@ -125,4 +138,34 @@ def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attem
         env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launcher.master_port or free_port())})
     (run_dir / "attempts").mkdir(parents=True, exist_ok=True)
+    if submit:
+        _write_submit_plan(launcher, slurm, run_id=run_id, run_dir=run_dir, attempt=attempt, env=env,
+                           marker=marker, rank_argv=[*launcher.extra_args, *direct], exclude=excluded,
+                           log_path=log_path)
     return LaunchPlan(argv=argv, env=env, cwd=str(run_dir), log_path=log_path, exit_file=exit_file, marker=marker)
+
+
+def _write_submit_plan(launcher: LauncherSection, slurm: Any, *, run_id: str, run_dir: Path, attempt: int,
+                       env: dict[str, str], marker: tuple[str, str], rank_argv: list[str], exclude: list[str],
+                       log_path: Path) -> None:
+    """The batch script and the watcher's plan of a submit-mode attempt ({run_dir}/slurm/attempt-N.*)."""
+    from ulyssesd.daemon.job import slurm as sl
+    from ulyssesd.daemon.job.slurm_watch import WatchPlan
+
+    sdir = run_dir / sl.SLURM_DIR
+    sdir.mkdir(parents=True, exist_ok=True)
+    script = sdir / f"attempt-{attempt}.sbatch"
+    port = launcher.master_port or sl.port_for_job(run_id, attempt)
+    script.write_text(sl.batch_script(rank_argv, nodes=launcher.nnodes, ntasks_per_node=launcher.nproc_per_node,
+                                      mark_path=sdir / sl.TIME_LIMIT_MARK.format(attempt=attempt),
+                                      master_port=port, srun_args=slurm.srun_args))
+    script.chmod(0o700)
+    # The ranks run on other hosts, where the daemon's marker scan cannot see them: they do not carry it.
+    job_env = {k: v for k, v in env.items() if k != marker[0]}
+    WatchPlan(run_dir=str(run_dir), attempt=attempt, script=str(script),
+              sbatch_args=sl.sbatch_args(slurm, job_name=run_id, nodes=launcher.nnodes,
+                                         ntasks_per_node=launcher.nproc_per_node, exclude=exclude,
+                                         log_path=log_path, run_dir=run_dir),
+              env=job_env, ntasks_per_node=launcher.nproc_per_node, poll_s=slurm.poll_s,
+              command_timeout_s=slurm.command_timeout_s, cancel_grace_s=slurm.cancel_grace_s,
+              bin_dir=slurm.bin_dir).write(sdir / f"attempt-{attempt}.plan.json")

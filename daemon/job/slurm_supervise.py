@@ -1,0 +1,214 @@
+"""The supervisor's Slurm hooks (submit mode): how a Slurm job's end becomes a decision, stack dumps through
+`scancel`, re-adoption by job id. The supervisor calls these from one line each (docs/SLURM.md):
+
+- `request_stack_dumps`: the hang path's SIGUSR1 goes to every rank through `scancel --signal=USR1` (the
+  ranks run on other hosts; the per-rank dump files land in the run directory on the shared filesystem);
+- `before_exit`: the attempt's watcher has exited; read how its Slurm job ended (`attempt-N.end.json`, or
+  scontrol/sacct when the watcher was killed, after making sure the job is gone). A lost node becomes an
+  incident naming the node and its ranks, the node joins `--exclude` (bounded) and the run resumes from the
+  latest valid checkpoint; a time limit becomes a continuation in a new allocation that does not count
+  against the restart budget; anything else is left to the crash path, with Slurm's record as evidence;
+- `after_exit`: the attempt row says where it ran (`host` = "slurm job J on n1,n2") and the Slurm diagnosis;
+- `reattach`: a restarted daemon whose attempt's watcher is gone (the host rebooted) but whose job id is in
+  the run directory starts a new watcher that attaches to that job (or reads how it ended).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ulyssesd.daemon.core.relaunch import Relaunch
+from ulyssesd.daemon.core.termination import Termination, TerminationPlan, Then
+from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.host.process import ExitStatus, JobHandle
+from ulyssesd.daemon.job import slurm as sl
+from ulyssesd.daemon.job.slurm_watch import WatchPlan, final_end, read_end, read_job_id
+from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, Severity, Symptom
+
+if TYPE_CHECKING:
+    from ulyssesd.daemon.supervisor import Supervisor
+
+log = get_logger("ulyssesd.slurm")
+
+
+def submit_mode(sup: Supervisor) -> bool:
+    slurm = getattr(sup.spec, "slurm", None)
+    return slurm is not None and slurm.mode == "submit"
+
+
+def commands(sup: Supervisor) -> sl.SlurmCommands:
+    """The Slurm seam of this supervisor (tests set `sup.slurm_commands` to a fake before start)."""
+    cmds = getattr(sup, "slurm_commands", None)
+    if cmds is None:
+        cmds = sl.RealSlurm(sup.spec.slurm.command_timeout_s, bin_dir=sup.spec.slurm.bin_dir)
+        sup.slurm_commands = cmds  # type: ignore[attr-defined]
+    return cmds
+
+
+def current_job_id(sup: Supervisor) -> str | None:
+    return read_job_id(sup.run_dir, sup.attempt)
+
+
+def request_stack_dumps(sup: Supervisor, t: Termination, files: dict[int, Path], now: float) -> bool:
+    """SIGUSR1 to every rank of the attempt's job via `scancel --signal=USR1` (steps only: the batch shell
+    would die of it). Returns False when there is no job to signal (the caller's local path then runs)."""
+    from ulyssesd.daemon.core.files import _size
+
+    job_id = current_job_id(sup)
+    if job_id is None:
+        return False
+    t.stack_offsets = {str(f): _size(f) for f in files.values()}
+    try:
+        commands(sup).scancel(job_id, signal="USR1")
+        sup.say(f"  scancel --signal=USR1 {job_id} (stack dumps of every rank)")
+    except sl.SlurmError as exc:
+        sup.say(f"  stack dump request failed: {exc}")
+    t.dump_until = now + sup.dcfg.stack_dump_wait_s
+    return True
+
+
+def hang_nodes(sup: Supervisor, ranks: list[int]) -> dict[str, Any]:
+    """The nodes the hang path's waited-for ranks ran on (rank -> node from the job's node list), for the
+    hang incident; {} outside submit mode or when Slurm does not know the job."""
+    if not submit_mode(sup) or not ranks:
+        return {}
+    job_id = current_job_id(sup)
+    if job_id is None:
+        return {}
+    try:
+        job = commands(sup).job(job_id)
+    except sl.SlurmError:
+        return {}
+    nodes = sl.expand_hostlist((job or {}).get("NodeList", ""))
+    by_rank = sl.rank_nodes(nodes, sup.spec.launcher.nproc_per_node)
+    named = {r: by_rank[r] for r in ranks if r in by_rank}
+    return {"slurm_job": job_id, "waited_for_nodes": sorted(set(named.values())),
+            "rank_nodes": {str(r): n for r, n in named.items()}} if named else {}
+
+
+def _ensure_gone(sup: Supervisor, job_id: str) -> None:
+    """No Slurm job may outlive its attempt: a watcher killed by SIGKILL could not cancel it."""
+    try:
+        job = commands(sup).job(job_id)
+        if job is not None and job.get("JobState", "").split(" ")[0] not in sl.TERMINAL_STATES:
+            commands(sup).scancel(job_id)
+            sup.say(f"  scancel {job_id}: the attempt's watcher is gone, its job must not run on unwatched")
+    except sl.SlurmError as exc:
+        log.warning("could not check/cancel the attempt's Slurm job", job_id=job_id, error=str(exc))
+
+
+def read_attempt_end(sup: Supervisor) -> sl.SlurmEnd | None:
+    job_id = current_job_id(sup)
+    if job_id is None:
+        return None
+    end = read_end(sup.run_dir, sup.attempt)
+    if end is not None and end.job_id == job_id:
+        return end
+    _ensure_gone(sup, job_id)
+    mark = sup.run_dir / sl.SLURM_DIR / sl.TIME_LIMIT_MARK.format(attempt=sup.attempt)
+    return final_end(commands(sup), job_id, sup.spec.launcher.nproc_per_node, mark.exists(), [])
+
+
+def before_exit(sup: Supervisor, status: ExitStatus) -> sl.SlurmEnd | None:
+    """Turn the attempt's Slurm end into the request the exit path carries out (see the module doc)."""
+    if not submit_mode(sup):
+        return None
+    end = read_attempt_end(sup)
+    if end is None or (sup.term is not None and sup.term.plan.then is not Then.CRASH):
+        return end  # no job (sbatch refused: the log says why), or an end the daemon asked for
+    if end.kind == "node_lost":
+        _node_lost(sup, end)
+    elif end.kind == "time_limit" and sup.last_exiting != "completed":
+        reason = (f"time limit continuation: {end.why}; resubmitting in a new allocation from the latest valid "
+                  f"checkpoint (not a failure, not counted against the restart budget)")
+        sup.incidents.action(None, ActionKind.restart, {"continuation": "time_limit", "slurm_job": end.job_id,
+                                                        "state": end.state, "latest_checkpoint": sup.latest_ckpt[0]
+                                                        if sup.latest_ckpt else None}, {}, ApplyMode.restart,
+                             sup.config_version, sup.config_version)
+        sup.say(f"  {reason}")
+        _then(sup, reason, TerminationPlan.relaunching(Relaunch(reason, None, counts_against_budget=False)))
+    return end
+
+
+def _node_lost(sup: Supervisor, end: sl.SlurmEnd) -> None:
+    slurm = sup.spec.slurm
+    current = list(dict.fromkeys([*slurm.exclude, *sl.read_exclusions(sup.run_dir)]))
+    try:
+        partition = commands(sup).partition_nodes(slurm.partition)
+    except sl.SlurmError as exc:
+        partition = []
+        end.evidence["sinfo_error"] = str(exc)
+    new, refused = sl.bounded_exclude(current, end.lost_nodes, partition, sup.spec.launcher.nnodes,
+                                      slurm.max_excluded)
+    evidence = {"slurm": end.to_json(), "exclude_before": current, "exclude_after": new,
+                "partition_nodes": partition, "last_step": sup.last_step}
+    summary = f"{end.why}; the attempt ended"
+    iid = sup.incidents.incident(Symptom.crash, sup.last_step or 0, Severity.critical,
+                        summary + (f"; {refused}" if refused else f"; next allocation excludes {', '.join(new)}"),
+                        evidence)
+    if refused:
+        reason = f"node lost and no node left to replace it: {refused}"
+        sup.incidents.stopped(iid, reason)
+        _then(sup, reason, TerminationPlan(Then.FAIL))  # the exit path fails the run with this reason
+        return
+    sl.write_exclusions(sup.run_dir, new, f"lost in attempt {sup.attempt} (Slurm job {end.job_id}): {end.why}")
+    sup.incidents.action(iid, ActionKind.restart, {"reason": "node lost: resubmit without it, resume from the latest valid "
+                                          "checkpoint", "lost_nodes": end.lost_nodes, "exclude": new},
+                {}, ApplyMode.restart, sup.config_version, sup.config_version)
+    sup.store.update_incident_status(iid, IncidentStatus.remediating, "resubmitting without the lost node")
+    sup.say(f"  node lost: {', '.join(end.lost_nodes) or '?'}; next allocation --exclude={','.join(new)}")
+    _then(sup, summary, TerminationPlan.relaunching(Relaunch(f"node {', '.join(end.lost_nodes) or '?'} lost", iid)))
+
+
+def _then(sup: Supervisor, reason: str, plan: TerminationPlan) -> None:
+    """What the exit path does next: an exit the Slurm record explains is a requested one (a termination
+    already over: the job is gone), so the crash path's log diagnosis does not read Slurm's cancel lines."""
+    sup.term = Termination(reason=reason, plan=plan, started=sup.os.monotonic(), grace_s=0.0)
+
+
+def after_exit(sup: Supervisor, attempt: int, end: sl.SlurmEnd | None) -> None:
+    """The closed attempt row: where it ran and, for a Slurm-decided end, the Slurm diagnosis."""
+    if end is None:
+        return
+    changes: dict[str, Any] = {"host": f"slurm job {end.job_id} on {','.join(end.nodes) or '?'}"[:255]}
+    if end.kind in ("node_lost", "time_limit"):
+        changes["diagnosis"] = end.kind
+        changes["diagnosis_evidence"] = [end.why, *(f"{k}: {str(v)[:2000]}" for k, v in end.evidence.items())]
+    try:
+        sup.store.update_attempt(sup.run_id, attempt, **changes)
+    except Exception as exc:  # noqa: BLE001 - bookkeeping; the run's decision is already made
+        log.warning("could not record the attempt's Slurm end", error=repr(exc))
+
+
+def reattach(sup: Supervisor, attempt: Any) -> JobHandle | None:
+    """A re-adopted attempt whose watcher process is gone but whose Slurm job id is recorded: start a new
+    watcher for the same attempt; it attaches to the job (or reads how it ended) and exits as the old one
+    would have. None when there is nothing to attach to."""
+    if not submit_mode(sup):
+        return None
+    job_id = read_job_id(sup.run_dir, attempt.number)
+    plan_path = sup.run_dir / sl.SLURM_DIR / f"attempt-{attempt.number}.plan.json"
+    if job_id is None or not plan_path.is_file() or read_end(sup.run_dir, attempt.number) is not None:
+        return None
+    try:
+        WatchPlan.read(plan_path)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    exit_file = sup.run_dir / "attempts" / f"{attempt.number}.exit"
+    exit_file.unlink(missing_ok=True)  # the dead watcher's record; the new one writes the real end
+    argv = list(attempt.command)
+    marker = sup.marker()
+    job = sup.os.spawn(argv, {**_env(), "ULYSSESD_RUN_DIR": str(sup.run_dir), marker[0]: marker[1]}, str(sup.run_dir),
+                       sup.run_dir / "logs" / f"attempt-{attempt.number}.log")
+    sup.store.update_attempt(sup.run_id, attempt.number, pid=job.pid, pgid=job.pgid, proc_start_time=job.start_time)
+    log.info("re-attached to the attempt's Slurm job", job_id=job_id, attempt=attempt.number, pid=job.pid)
+    sup.say(f"re-attached to Slurm job {job_id} of attempt {attempt.number} (new watcher pid {job.pid})")
+    return job
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ, PYTHONUNBUFFERED="1", ULYSSESD_REATTACHED=str(int(time.time())))
