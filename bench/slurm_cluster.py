@@ -688,24 +688,23 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         self.thaw_node(node)
         if not self._slurmd_running(node):
             self._start_slurmd(node)
-        done = _run(["scontrol", "update", f"nodename={node}", "state=resume"], env={**os.environ, **self.env},
-                    check=False)
-        if done.returncode != 0 and "Invalid node state transition" not in done.stderr:
-            raise ClusterError(f"scontrol state=resume on {node}: {done.stderr.strip()}")
         limit = self.config.start_timeout_s if timeout is None else timeout
+        refusals: list[str] = []
 
         def idle_or_resume() -> bool:
             state = self.node_states().get(node, "")
-            if state.startswith("down") and "*" not in state:
-                # ReturnToService=2 returns a node on registration; a resume asked before slurmd registered
-                # may be refused, so ask again (bounded by the wait)
-                _run(["scontrol", "update", f"nodename={node}", "state=resume"], env={**os.environ, **self.env},
-                     check=False)
+            if state.startswith(("down", "drain")) and "*" not in state:
+                # Slurm refuses a resume while the node is not DOWN/DRAINED any more (ReturnToService=2 already
+                # returned it) or not yet answering; so ask whenever it is down and answering (bounded by the wait)
+                done = _run(["scontrol", "update", f"nodename={node}", "state=resume"],
+                            env={**os.environ, **self.env}, check=False)
+                if done.returncode != 0:
+                    refusals.append(done.stderr.strip())
             return state == "idle"
 
         _wait_until(idle_or_resume, limit, f"node {node} to be idle again",
-                    lambda: f"node: {self._node_reason(node)}\nslurmd log:\n{_tail(self.slurmd_log(node))}",
-                    interval=0.5)
+                    lambda: f"node: {self._node_reason(node)}; last resume refusal: {refusals[-1:]}\n"
+                    f"slurmd log:\n{_tail(self.slurmd_log(node))}", interval=0.5)
 
     def reset(self, timeout: float | None = None) -> None:
         """Between tests: cancel every job, bring back any node a test killed, froze or set DOWN, and wait

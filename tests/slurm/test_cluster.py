@@ -189,3 +189,33 @@ def test_a_second_cluster_runs_alongside_and_leaves_nothing(slurm_cluster, tmp_p
     assert not (sc.CLAIMS_DIR / str(other.instance)).exists()
     assert sc._pids_with_cmdline_containing(str(other.conf_path)) == []
     slurm_cluster.wait_idle(10)  # the session cluster was not touched
+
+
+TICK_S = 30  # slurmctld checks time limits (and --signal warnings) on a ~30 s periodic pass (measured, 22.05.8)
+
+
+@pytest.mark.slow
+def test_time_limit_signal_comes_early_on_a_30s_pass_and_the_kill_after_the_limit(slurm_cluster_clean, tmp_path):
+    """What a time-limit test can rely on (docs/SLURM.md): `--time` is whole minutes (0:40 is rounded up to 1),
+    the B:USR2@N warning comes at a periodic pass up to ~30 s before the limit-N point, SIGTERM at the first
+    pass after the limit (up to ~30 s late), then SIGKILL after KillWait."""
+    c = slurm_cluster_clean
+    script = tmp_path / "limit.sh"
+    log = tmp_path / "limit.log"
+    script.write_text("#!/bin/bash\n"
+                      f"echo start $(date +%s.%N) >> {log}\n"
+                      f"trap 'echo USR2 $(date +%s.%N) >> {log}' USR2\n"
+                      f"trap 'echo TERM $(date +%s.%N) >> {log}; exit 0' TERM\n"
+                      "for i in $(seq 1 600); do sleep 0.2; done\n")
+    script.chmod(0o755)
+    warn_s = 20
+    job = _sbatch(c, "-N1", "--time=0:40", f"--signal=B:USR2@{warn_s}", "-o", str(tmp_path / "out"), str(script))
+    assert c.job_info(job)["TimeLimit"] == "00:01:00"  # rounded up to a whole minute
+    info = _wait_job(c, job, {"TIMEOUT", "COMPLETED", "CANCELLED", "FAILED"}, 60 + TICK_S + 60)
+    stamps = {line.split()[0]: float(line.split()[1]) for line in log.read_text().splitlines()}
+    usr2, term = stamps["USR2"] - stamps["start"], stamps["TERM"] - stamps["start"]
+    print(f"USR2 at {usr2:.1f}s, TERM at {term:.1f}s after start (limit 60 s, warning asked at {60 - warn_s} s)")
+    assert info["JobState"] == "TIMEOUT"
+    assert 60 - warn_s - TICK_S - 5 <= usr2 <= 60 - warn_s + 5
+    assert 60 - 2 <= term <= 60 + TICK_S + 5
+    assert usr2 < term
