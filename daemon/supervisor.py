@@ -738,9 +738,15 @@ class Supervisor:
     # ------------------------------------------------------------------------------ exits
     def _on_exit(self, status: ExitStatus) -> None:
         attempt = self.attempt
-        slurm_end = slurm_supervise.before_exit(self, status)  # submit mode: Slurm's record decides first
-        exits.on_exit(self, status)
-        slurm_supervise.after_exit(self, attempt, slurm_end)
+        plan = self.term.plan if self.term is not None else UNREQUESTED
+        try:
+            slurm_end = slurm_supervise.before_exit(self, status)  # submit mode: Slurm's record decides first
+            exits.on_exit(self, status)
+            slurm_supervise.after_exit(self, attempt, slurm_end)
+        except Exception as exc:  # noqa: BLE001 - one exit must not end supervision (like a telemetry record)
+            log.exception("handling the attempt's exit failed", run_id=self.run_id, attempt=attempt,
+                          status=status.describe(), plan=str(plan))
+            exits.exit_handling_failed(self, status, plan, attempt, exc)
 
     def fail(self, reason: str, symptom: Symptom | None = None) -> None:
         if symptom is not None:

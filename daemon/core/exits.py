@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import re
 import signal
+import traceback
 from typing import TYPE_CHECKING, Any
 
 from ulyssesd.daemon.core import attempt_diagnosis
 from ulyssesd.daemon.core.decisions import _split_outputs, action_kind, patch_of
 from ulyssesd.daemon.core.files import _read_tail
 from ulyssesd.daemon.core.relaunch import Relaunch, schedule_relaunch
-from ulyssesd.daemon.core.termination import UNREQUESTED, Then
+from ulyssesd.daemon.core.states import TERMINAL
+from ulyssesd.daemon.core.termination import UNREQUESTED, TerminationPlan, Then
 from ulyssesd.daemon.host import disk, host_oom
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus
@@ -250,6 +252,54 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
                     ApplyMode.restart, sup.config_version, sup.config_version)
     sup.store.update_incident_status(iid, IncidentStatus.remediating, "relaunching")
     schedule_relaunch(sup, relaunch, early=early)
+
+
+def exit_handling_failed(sup: Supervisor, status: ExitStatus, plan: TerminationPlan, attempt: int,
+                         exc: BaseException) -> None:
+    """`on_exit` raised (a bug, a store hiccup). Like a telemetry record whose handling raised, it must not end
+    supervision: the traceback goes to the log (the caller logged it) and into a crash incident, and the run
+    goes where the plan said: a stop, pause or playbook stop is honoured; a requested relaunch or an
+    unrequested exit relaunches within the restart budget (a handler that fails on every exit ends in the
+    budget's crash_loop / no_progress FAILED, never in a loop). Only if that fails too does the run end FAILED."""
+    tb = traceback.format_exc(limit=30)
+    sup.term = None
+    what = (f"the daemon's handling of attempt {attempt}'s exit ({status.describe()}) failed: "
+            f"{type(exc).__name__}: {str(exc)[:300]}")
+    try:
+        if sup.job is None:  # not yet relaunched by the handler: close the attempt if it is still open
+            try:
+                if sup.store.get_attempt(sup.run_id, attempt).ended_at is None:
+                    sup.store.end_attempt(sup.run_id, attempt, returncode=status.returncode, signal=status.signal,
+                                          diagnosis="internal_error", diagnosis_evidence=[what])
+            except Exception as inner:  # noqa: BLE001 - the attempt row is bookkeeping; the incident says it
+                log.warning("could not close the attempt after the failed exit handling", error=repr(inner))
+        iid = sup.incidents.incident(Symptom.crash, sup.last_step or 0, Severity.critical, what,
+                                     {"internal_error": tb[-8000:], "exit": status.describe(), "plan": str(plan),
+                                      "attempt": attempt}, attempt=attempt)
+        if sup.state in TERMINAL or sup.job is not None or sup.state == S.BACKOFF:
+            # The handler got as far as ending the run, launching the next attempt or scheduling it.
+            sup.store.update_incident_status(iid, IncidentStatus.resolved, "the exit was handled up to the error")
+            return
+        if plan.then is Then.STOP:
+            sup.set_state(S.STOPPED, f"job exited after stop; its exit handling failed (incident #{iid})")
+        elif plan.then is Then.PAUSE:
+            sup.set_state(S.PAUSED, f"job exited, paused; its exit handling failed (incident #{iid})")
+        elif plan.then is Then.FAIL:
+            sup.fail(f"stopped by the playbook; its exit handling failed (incident #{iid})")
+        else:
+            sup.incidents.action(iid, ActionKind.restart, {"reason": "internal error handling the exit: restart "
+                                 "from the latest valid checkpoint"}, {}, ApplyMode.restart,
+                                 sup.config_version, sup.config_version)
+            sup.store.update_incident_status(iid, IncidentStatus.remediating, "relaunching")
+            schedule_relaunch(sup, plan.relaunch or Relaunch(f"internal error handling attempt {attempt}'s exit", iid))
+    except Exception:  # noqa: BLE001 - the last resort: end the run honestly, keep the daemon up
+        log.exception("recovering from the failed exit handling failed too; the run ends FAILED")
+        if sup.state not in TERMINAL:
+            try:
+                sup.fail(f"{what}; recovering from it failed too (see the daemon log)")
+            except Exception:  # noqa: BLE001
+                log.critical("could not record the run as FAILED; the daemon stays up, the run needs a human",
+                             run_id=sup.run_id)
 
 
 def _memory_replanner(sup: Supervisor) -> Any:
