@@ -93,10 +93,17 @@ def test_every_daemon_module_imports_without_the_training_stack(no_torch_env):
     assert int(res.stdout.split()[-1]) > 40  # the walk found the package
 
 
+def _daemon_helpers_importable() -> None:
+    # The supervisor tests' helpers (fake job spec, run_until) live next to them, as pytest puts them on the path.
+    helpers = str(ROOT / "tests" / "daemon")
+    if helpers not in sys.path:
+        sys.path.insert(0, helpers)
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> tuple[Path, str]:
     """A real supervised run of the fake job (torch-free), finished: the daemon is gone, the store stays."""
-    sys.path.insert(0, str(ROOT / "tests" / "daemon"))
+    _daemon_helpers_importable()
     from uls_daemon_helpers import fake_spec, run_until
 
     from ulyssesd.daemon.host.process import RealOS
@@ -135,3 +142,19 @@ def test_ulyssesctl_reads_a_stopped_daemons_store_without_the_training_stack(no_
     assert BLOCKED_MARK not in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
     if command == "status":
         assert run_id in res.stdout and "COMPLETED" in res.stdout, res.stdout
+
+
+@pytest.mark.slow
+def test_the_daemon_supervises_a_run_without_the_training_stack(no_torch_env, tmp_path):
+    # The daemon process (launch, telemetry, detectors, store, checkpoints' manifests) on a host without torch:
+    # the tests' contract-faithful fake job, which needs no torch either, supervised to COMPLETED.
+    _daemon_helpers_importable()
+    from uls_daemon_helpers import fake_spec
+
+    spec = fake_spec(tmp_path, steps=8, interval=4)
+    res = subprocess.run([str(BIN / "ulyssesd"), "run", "--spec", str(spec)], env=no_torch_env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    assert BLOCKED_MARK not in res.stdout + res.stderr, res.stderr[-3000:]
+    assert '"to": "COMPLETED"' in res.stdout, res.stdout[-3000:]
+
