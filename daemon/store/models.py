@@ -1,6 +1,6 @@
 """SQLAlchemy 2.0 models of the incident store (the schema at Alembic head).
 
-Only the repository (`repository.py`) queries these; everything else gets plain records.
+Only the repository (`repository/`) queries these; everything else gets plain records.
 Enums are stored as their readable `.value` text with a CHECK constraint, so a garbage state cannot land
 in the database even through raw SQL. Adding an enum member therefore needs a migration that rewrites the
 CHECK (batch mode) — `tests/store/test_store_migrations.py` fails if the model and the DB disagree.

@@ -293,7 +293,7 @@ def test_restored_mid_restart_state_does_not_kill_the_newer_live_attempt(tmp_pat
     """The backup says RESTARTING (attempt 1); since then attempt 2 was launched and trains. After the
     restore the run is RUNNING with attempt 2 live, so re-adoption keeps the job instead of "finishing"
     the restart by killing it."""
-    from ulyssesd.daemon.store import recovery
+    from ulyssesd.daemon.store.recovery import rederive
 
     state, run_dir, store, backup = _state_with_run(tmp_path)
     store.set_run_state(RUN, RunState.RESTARTING, "restart")
@@ -303,7 +303,7 @@ def test_restored_mid_restart_state_does_not_kill_the_newer_live_attempt(tmp_pat
     (run_dir / "logs" / "attempt-2.log").write_text("attempt 2\n")
     (run_dir / "attempts").mkdir()
     (run_dir / "attempts" / "1.exit").write_text(json.dumps({"returncode": -15, "signal": 15, "ended": 1.0}))
-    monkeypatch.setattr(recovery, "find_live_job", lambda rid, rdir, n: (os.getpid(), 123.0) if n == 2 else None)
+    monkeypatch.setattr(rederive, "find_live_job", lambda rid, rdir, n: (os.getpid(), 123.0) if n == 2 else None)
     _random_bytes(state / "ulyssesd.db")
     st = open_daemon_store(state / "ulyssesd.db", state).store
     assert st.get_run(RUN).state == RunState.RUNNING
