@@ -1,7 +1,8 @@
 """`ulyssesd`: the supervisor daemon's entry point.
 
     ulyssesd run --spec RUN.toml [--state-dir DIR] [--run-id ID] [--no-preflight]
-    ulyssesd demo [--work-dir DIR] [--keep]
+    ulyssesd demo [--work-dir DIR]      (the work dir is kept: its report and state outlive the demo)
+    ulyssesd --version
 
 Exit codes of `run`: 0 the run COMPLETED or was STOPPED, or the daemon detached on SIGTERM (the job keeps
 running and the next daemon re-adopts it); 2 invalid spec / bad arguments; 10 the run ended FAILED (the
@@ -15,12 +16,13 @@ found damaged mid-run: the job keeps training and a restart (systemd: Restart=on
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+
+import typer
 
 from ulyssesd.daemon.host.logging import configure_logging, get_logger
 from ulyssesd.daemon.job.config import write_json_atomic
@@ -33,31 +35,60 @@ EXIT_OK, EXIT_SPEC, EXIT_FAILED, EXIT_PREFLIGHT, EXIT_BUSY, EXIT_STATE_DIR = 0, 
 EXIT_STORE_DAMAGED = 14
 
 
-def _parser() -> argparse.ArgumentParser:
-    from ulyssesd.daemon.operator.version import version_line
+def _print_version(value: bool) -> None:
+    if value:
+        from ulyssesd.daemon.operator.version import version_line
 
-    p = argparse.ArgumentParser(prog="ulyssesd", description="Supervisor for long DeepSpeed ZeRO-3 + Ulysses runs.")
-    p.add_argument("--version", action="version", version=version_line("ulyssesd"), help="print the version and exit")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="supervise one run (create it, or re-adopt the unfinished one)")
-    r.add_argument("--spec", required=True, help="run spec TOML")
-    r.add_argument("--state-dir", help="state directory (overrides [daemon].state_dir)")
-    r.add_argument("--run-id", help="run id (re-adopts it if unfinished)")
-    r.add_argument("--no-preflight", action="store_true", help="skip the memory planner's preflight check")
-    r.add_argument("--log-level", default=None)
-    d = sub.add_parser("demo", help="tiny 2-rank CPU run with scripted faults, live")
-    d.add_argument("--work-dir", help="where to put the demo's state dir (default: a new temp dir)")
-    return p
+        print(version_line("ulyssesd"))
+        raise typer.Exit(EXIT_OK)
+
+
+def _app() -> typer.Typer:
+    """`ulyssesd`'s commands, on the same CLI framework as ulyssesctl (plain help, same exit handling)."""
+    from ulyssesd.daemon.operator.cli_app import cli_app
+
+    app = cli_app("Supervisor for long DeepSpeed ZeRO-3 + Ulysses runs.")
+
+    @app.callback()
+    def _global(_version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                              help="print the version and exit")) -> None:
+        pass
+
+    @app.command("run")
+    def run_cmd(
+        spec: str = typer.Option(..., "--spec", metavar="RUN.toml", help="run spec TOML"),
+        state_dir: str = typer.Option(None, "--state-dir", metavar="DIR",
+                                      help="state directory (overrides [daemon].state_dir)"),
+        run_id: str = typer.Option(None, "--run-id", metavar="ID", help="run id (re-adopts it if unfinished)"),
+        no_preflight: bool = typer.Option(False, "--no-preflight",
+                                          help="skip the memory planner's preflight check"),
+        log_level: str = typer.Option(None, "--log-level", metavar="LEVEL",
+                                      help="debug, info, warning or error (default: info)"),
+    ) -> None:
+        """Supervise one run (create it, or re-adopt the unfinished one)."""
+        configure_logging(level=log_level)
+        raise typer.Exit(run_daemon(spec, state_dir=state_dir, run_id=run_id, preflight=not no_preflight))
+
+    @app.command("demo")
+    def demo_cmd(work_dir: str = typer.Option(None, "--work-dir", metavar="DIR",
+                                              help="where to put the demo's state dir (default: a new temp dir, "
+                                                   "kept afterwards)")) -> None:
+        """Tiny 2-rank CPU run with scripted faults, live."""
+        from ulyssesd.daemon.demo import run_demo
+
+        raise typer.Exit(run_demo(work_dir=work_dir))
+
+    return app
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.cmd == "demo":
-        from ulyssesd.daemon.demo import run_demo
+    from ulyssesd.daemon.operator.cli_app import exit_code_of
 
-        return run_demo(work_dir=args.work_dir)
-    configure_logging(level=args.log_level)
-    return run_daemon(args.spec, state_dir=args.state_dir, run_id=args.run_id, preflight=not args.no_preflight)
+    try:
+        _app()(args=argv, prog_name="ulyssesd")
+    except SystemExit as exc:  # the framework exits with the command's code
+        return exit_code_of(exc)
+    return EXIT_OK
 
 
 def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | None = None, preflight: bool = True,
