@@ -43,7 +43,7 @@ def _print_version(value: bool) -> None:
         raise typer.Exit(EXIT_OK)
 
 
-def _app() -> typer.Typer:
+def build_app() -> typer.Typer:
     """`ulyssesd`'s commands, on the same CLI framework as ulyssesctl (plain help, same exit handling)."""
     from ulyssesd.daemon.operator.cli_app import cli_app
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from ulyssesd.daemon.operator.cli_app import exit_code_of
 
     try:
-        _app()(args=argv, prog_name="ulyssesd")
+        build_app()(args=argv, prog_name="ulyssesd")
     except SystemExit as exc:  # the framework exits with the command's code
         return exit_code_of(exc)
     return EXIT_OK
