@@ -99,8 +99,9 @@ class ScalarWriter:
     @classmethod
     def for_engine(cls, engine: Any, rank: int) -> ScalarWriter:
         monitor = getattr(engine, "monitor", None)
-        enabled = monitor is not None and bool(getattr(monitor, "enabled", False))
-        return cls(monitor.write_events if enabled else None, rank)
+        if monitor is None or not getattr(monitor, "enabled", False):
+            return cls(None, rank)
+        return cls(monitor.write_events, rank)
 
     @property
     def active(self) -> bool:
