@@ -274,19 +274,24 @@ class SlurmTestCluster:
         return self.dir / "log" / "munged.log"
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
-    def up(self) -> SlurmTestCluster:
-        """Start munged, the network, slurmctld and every slurmd; return when every node is idle."""
+    def up(self, owned: bool = True) -> SlurmTestCluster:
+        """Start munged, the network, slurmctld and every slurmd; return when every node is idle. ``owned``:
+        the cluster belongs to this process, and a later ``up`` anywhere tears it down once this process is
+        gone (a test runner killed before its teardown leaks nothing for long); the CLI's clusters are not."""
         reason = missing_prerequisites()
         if reason:
             raise ClusterUnavailable(reason)
+        reap_orphans()
         self._claim_instance()
         try:
+            self._purge_instance_leftovers()
             for sub in ("log", "state", "spool", "run"):  # a fresh cluster: no old logs, jobs or node state
                 shutil.rmtree(self.dir / sub, ignore_errors=True)
             self.jobcomp_path.unlink(missing_ok=True)
             for sub in ("log", "state", "spool", "run", "munge"):
                 (self.dir / sub).mkdir(parents=True, exist_ok=True)
             (self.dir / "instance").write_text(str(self.instance))
+            (self.dir / "owner").write_text(_process_identity(os.getpid()) if owned else "cli")
             self._start_munged()
             self._make_network()
             self._write_conf()
@@ -394,6 +399,20 @@ class SlurmTestCluster:
             return
         raise ClusterUnavailable(f"no free Slurm test cluster instance (0..{MAX_INSTANCES - 1} claimed under "
                                  f"{CLAIMS_DIR}; `python bench/slurm_cluster.py down --dir <dir>` frees one)")
+
+    def _purge_instance_leftovers(self) -> None:
+        """Remove what an earlier cluster of this instance number left (its directory may be gone, so its
+        claim looked stale): namespaces, bridge, hosts dirs, and daemons whose cluster directory is gone."""
+        prefix = f"{self.tag}-n"
+        for ns in _run(["ip", "netns", "list"], check=False).stdout.split():
+            if ns.startswith(prefix) and ns[len(prefix):].isdigit():
+                self._kill_pids(self._ns_pids(ns), signal.SIGKILL)
+                _run(["ip", "netns", "del", ns], check=False)
+        if Path("/etc/netns").is_dir():
+            for etc in Path("/etc/netns").glob(f"{prefix}*"):
+                shutil.rmtree(etc, ignore_errors=True)
+        _run(["ip", "link", "del", self.bridge], check=False)
+        self._kill_pids(_orphaned_daemon_pids(), signal.SIGKILL)
 
     def _start_munged(self) -> None:
         key = self.dir / "munge" / "munge.key"
@@ -754,6 +773,67 @@ def _claim_is_stale(claim: Path) -> bool:
     return not any(p and _pid_alive(p) for p in pids)
 
 
+def _process_identity(pid: int) -> str:
+    """``pid:start-time``: names one process, even after its pid is reused."""
+    try:
+        start = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19]
+    except (OSError, IndexError):
+        start = "?"
+    return f"{pid}:{start}"
+
+
+def _owner_gone(base_dir: Path) -> bool:
+    try:
+        owner = (base_dir / "owner").read_text().strip()
+    except OSError:
+        return False
+    if owner == "cli" or ":" not in owner:
+        return False
+    pid = int(owner.split(":")[0])
+    return not _pid_alive(pid) or _process_identity(pid) != owner
+
+
+def reap_orphans() -> list[Path]:
+    """Tear down every claimed cluster whose owning process is gone (a test run killed before its teardown);
+    returns their directories. CLI clusters (`up` from the command line) are left alone."""
+    reaped = []
+    if not CLAIMS_DIR.is_dir():
+        return reaped
+    for claim in sorted(CLAIMS_DIR.iterdir()):
+        try:
+            target = Path(os.readlink(claim))
+        except OSError:
+            continue
+        if target.is_dir() and _owner_gone(target):
+            try:
+                cluster_from_dir(target).down(check=False)
+            except ClusterError:
+                continue
+            claim.unlink(missing_ok=True)
+            reaped.append(target)
+    return reaped
+
+
+def _orphaned_daemon_pids() -> list[int]:
+    """munged/slurmctld/slurmd processes started by this module whose cluster directory no longer exists."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        argv = _cmdline(int(entry.name)).split()
+        if not argv or Path(argv[0]).name not in ("munged", "slurmctld", "slurmd"):
+            continue
+        for arg in argv:
+            conf = None
+            if arg.endswith("/slurm.conf"):
+                conf = Path(arg)
+            elif arg.startswith("--socket=") and arg.endswith("/munge/munge.socket.2"):
+                conf = Path(arg.split("=", 1)[1]).parents[1] / "slurm.conf"
+            if conf is not None and not conf.parent.exists():
+                out.append(int(entry.name))
+    return out
+
+
 def cluster_from_dir(base_dir: Path) -> SlurmTestCluster:
     """The cluster a previous ``up`` (CLI) started in ``base_dir``, for ``status``/``down``."""
     try:
@@ -782,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"a cluster is already up in {base}; `down --dir {base}` first", file=sys.stderr)
                 return 1
             cluster = SlurmTestCluster(ClusterConfig(base_dir=base, nodes=args.nodes))
-            cluster.up()
+            cluster.up(owned=False)
             cluster._children.clear()  # they outlive this command; `down` stops them
             print(json.dumps(cluster.status(), indent=2))
             print(f"export SLURM_CONF={cluster.conf_path}")

@@ -219,3 +219,20 @@ def test_time_limit_signal_comes_early_on_a_30s_pass_and_the_kill_after_the_limi
     assert 60 - warn_s - TICK_S - 5 <= usr2 <= 60 - warn_s + 5
     assert 60 - 2 <= term <= 60 + TICK_S + 5
     assert usr2 < term
+
+
+@pytest.mark.slow
+def test_a_cluster_whose_test_run_was_killed_is_reaped_by_the_next_up(slurm_cluster, tmp_path):
+    base = tmp_path / "orphan"
+    starter = ("import os, sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); import slurm_cluster as sc\n"
+               "c = sc.SlurmTestCluster(sc.ClusterConfig(base_dir=Path(sys.argv[2]), nodes=1)).up()\n"
+               "print(c.instance, flush=True); os.kill(os.getpid(), 9)  # dies without down()\n")
+    done = subprocess.run([sys.executable, "-c", starter, str(REPO / "bench"), str(base)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == -9, done.stderr[-2000:]
+    orphan = sc.cluster_from_dir(base)
+    assert orphan.leftovers(), "the killed runner's cluster should still be up before the reaping"
+    assert sc.reap_orphans() == [base]
+    assert orphan.leftovers() == []
+    assert not (sc.CLAIMS_DIR / done.stdout.strip()).exists()
+    slurm_cluster.wait_idle(10)  # a live owner's cluster (this session's) is not reaped
