@@ -55,6 +55,16 @@ def test_bad_config_is_refused_with_the_field_named(tmp_path):
         sc.ClusterConfig(base_dir=tmp_path, instance=99)
 
 
+def test_missing_tools_and_non_root_are_named_as_the_skip_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    reason = sc.missing_prerequisites()
+    assert reason and reason.startswith("not installed: ") and "slurmd" in reason and "munged" in reason
+    assert "apt-get install" in reason
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "needs root" in (sc.missing_prerequisites() or "")
+
+
 def test_sinfo_shows_three_idle_nodes_in_debug(slurm_cluster_clean):
     done = _slurm(slurm_cluster_clean, "sinfo", "-h", "-N", "-p", "debug", "-o", "%N %T %c")
     assert done.returncode == 0, done.stderr
@@ -138,12 +148,14 @@ def test_killed_node_goes_down_and_its_job_ends_node_fail(slurm_cluster_clean):
     c.wait_node_state("n1", {"down"}, timeout=c.config.slurmd_timeout_s + 20)
     seconds_to_down = time.monotonic() - t0
     info = _wait_job(c, job, {"NODE_FAIL"}, 60)
+    seconds_to_node_fail = time.monotonic() - t0
     assert "n1" in info["NodeList"] or info["NodeList"] == "n[1-2]"
     assert c.node_states()["n2"] != "down"  # only the killed node is blamed
     assert "Not responding" in c.node_info("n1").get("Reason", "")
     c.restore_node("n1")
     assert c.node_states()["n1"] == "idle"
-    print(f"node down {seconds_to_down:.1f}s after kill (SlurmdTimeout={c.config.slurmd_timeout_s})")
+    print(f"node down {seconds_to_down:.1f}s, job NODE_FAIL {seconds_to_node_fail:.1f}s after kill "
+          f"(SlurmdTimeout={c.config.slurmd_timeout_s})")
 
 
 @pytest.mark.slow
@@ -164,9 +176,11 @@ def test_frozen_node_stops_answering_and_thaws(slurm_cluster_clean):
     c = slurm_cluster_clean
     frozen = c.freeze_node("n2")
     assert frozen
+    t0 = time.monotonic()
     state = c.wait_node_state("n2", {"down", "idle"}, timeout=5)  # still idle right after the freeze
     assert state == "idle"
     c.wait_node_state("n2", {"down"}, timeout=c.config.slurmd_timeout_s + 20)
+    print(f"frozen node down {time.monotonic() - t0:.1f}s after the freeze")
     assert c.node_states()["n2"].endswith("*")  # not responding: slurmctld's pings go unanswered
     c.restore_node("n2")
     c.wait_idle(30)
@@ -236,3 +250,25 @@ def test_a_cluster_whose_test_run_was_killed_is_reaped_by_the_next_up(slurm_clus
     assert orphan.leftovers() == []
     assert not (sc.CLAIMS_DIR / done.stdout.strip()).exists()
     slurm_cluster.wait_idle(10)  # a live owner's cluster (this session's) is not reaped
+
+
+@pytest.mark.slow
+def test_cli_up_status_down_leaves_nothing(tmp_path):
+    base = tmp_path / "cli"
+    cli = [sys.executable, str(REPO / "bench" / "slurm_cluster.py")]
+    up = subprocess.run([*cli, "up", "--nodes", "1", "--dir", str(base)], capture_output=True, text=True,
+                        timeout=120)
+    try:
+        assert up.returncode == 0, up.stderr[-2000:]
+        assert f"export SLURM_CONF={base / 'slurm.conf'}" in up.stdout
+        again = subprocess.run([*cli, "up", "--dir", str(base)], capture_output=True, text=True, timeout=60)
+        assert again.returncode == 1 and "already up" in again.stderr
+        status = subprocess.run([*cli, "status", "--dir", str(base)], capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and '"state": "idle"' in status.stdout, status.stderr
+    finally:
+        down = subprocess.run([*cli, "down", "--dir", str(base)], capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert sc.cluster_from_dir(base).leftovers() == []
+    missing = subprocess.run([*cli, "down", "--dir", str(tmp_path / "nothing")], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 1 and "holds no test cluster" in missing.stderr
