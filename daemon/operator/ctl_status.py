@@ -122,23 +122,6 @@ def hang_timeout_s(recent: list[dict[str, Any]], detectors: dict[str, Any] | Non
     return det.timeout()[0] if recent else None
 
 
-def relaunch_counts(attempts: list, transitions: list) -> tuple[int, int]:
-    """(restarts, operator relaunches) among the attempts after the first. An attempt is an operator
-    relaunch when an operator command (pause, resume, restart) moved the run between the previous attempt's
-    start and its own; every other relaunch (crash, hang, remediation, Slurm requeue) is a restart."""
-    starts = sorted(aware(a.started_at) for a in attempts)
-    operator = 0
-    for prev, cur in zip(starts, starts[1:], strict=False):
-        if any(prev < aware(t.at) <= cur and _by_operator(t.reason) for t in transitions):
-            operator += 1
-    return max(0, len(starts) - 1) - operator, operator
-
-
-def _by_operator(reason: str | None) -> bool:
-    text = (reason or "").lower()
-    return text.startswith("operator ") or "(operator " in text
-
-
 def status_data(store, run) -> dict[str, Any]:
     from ulyssesd.daemon.store import flat_diff
 
@@ -153,7 +136,7 @@ def status_data(store, run) -> dict[str, Any]:
     step = recent[-1] if recent else {}
     total = (cur_v.config.get("train") or {}).get("steps") if cur_v else None
     open_inc = store.list_incidents(run.id, status="open") + store.list_incidents(run.id, status="remediating")
-    restarts, operator_relaunches = relaunch_counts(attempts, store.list_transitions(run.id))
+    relaunches = store.relaunch_counts(run.id)  # the store owns the rule (pause/resume, restart: not restarts)
     daemon, _live = _live_daemon(run.id)
     state = run.state.value
     training = state not in NO_THROUGHPUT_STATES
@@ -165,7 +148,7 @@ def status_data(store, run) -> dict[str, Any]:
         "run_id": run.id, "state": state, "state_reason": run.state_reason,
         "daemon": daemon, "daemon_pid": daemon_info().get("pid") if daemon != "not running" else None,
         "attempt": attempts[-1].number if attempts else None,
-        "restarts": restarts, "operator_relaunches": operator_relaunches,
+        "restarts": relaunches.restarts, "operator_relaunches": relaunches.operator_relaunches,
         "step": step.get("step", cursor.last_step if cursor else None),
         "loss": step.get("loss"),
         "tokens_per_s": step.get("tokens_per_s") if training else None,

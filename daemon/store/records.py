@@ -183,3 +183,24 @@ class MaintenanceResult(Record):
     wal_bytes_before: int
     wal_bytes_after: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class RelaunchRecord(Record):
+    """One attempt after a run's first, and what relaunched it (`Store.list_relaunches`)."""
+
+    attempt: int
+    started_at: datetime
+    #: True when an operator command (pause + resume, restart) led to it: not a failure, not in the restart
+    #: budget; False for the daemon's own relaunches (crash, hang, remediation, requeue): a restart.
+    by_operator: bool
+
+
+@dataclass(frozen=True)
+class RelaunchCounts(Record):
+    """A run's relaunches (attempts after the first), by cause (`Store.relaunch_counts`)."""
+
+    #: the daemon's own relaunches: a crash, a hang, a remediation, a requeue.
+    restarts: int
+    #: relaunches an operator command led to (pause + resume, restart).
+    operator_relaunches: int

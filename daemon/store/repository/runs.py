@@ -11,8 +11,20 @@ from sqlalchemy.orm import Session
 from ..enums import TERMINAL_RUN_STATES, RunState
 from ..errors import InvalidValueError, NotFoundError
 from ..models import Attempt, Run, StateTransition
-from ..records import AttemptRecord, RunRecord, StateTransitionRecord
+from ..records import AttemptRecord, RelaunchCounts, RelaunchRecord, RunRecord, StateTransitionRecord
 from .base import StoreBase, Timestamp, parse_enum, to_utc
+
+#: The reason of the state transition an operator command causes starts with this ("operator pause (uid
+#: 1000)", "operator restart", "operator stop (uid 0)"): the supervisor writes them so, and the store tells an
+#: operator relaunch from a restart by it. Only the command's own transition counts: a launch that merely
+#: quotes it ("attempt 3 launched (operator resume) from ...") comes after that attempt started.
+OPERATOR_REASON_PREFIX = "operator "
+
+
+def is_operator_reason(reason: str | None) -> bool:
+    """Whether a state transition's reason says an operator command caused it."""
+    return (reason or "").startswith(OPERATOR_REASON_PREFIX)
+
 
 _ATTEMPT_FIELDS = frozenset(
     {"pid", "pgid", "proc_start_time", "host", "ended_at", "returncode", "signal", "diagnosis",
@@ -98,6 +110,27 @@ class RunsRepository(StoreBase):
         with self._read() as s:
             q = select(StateTransition).where(StateTransition.run_id == run_id).order_by(StateTransition.id)
             return [StateTransitionRecord.from_row(t) for t in s.scalars(q)]
+
+    def list_relaunches(self, run_id: str) -> list[RelaunchRecord]:
+        """The attempts after the first, oldest first, each with whether an operator command led to it: one
+        did when an operator command's transition lies between the previous attempt's start and its own."""
+        with self._read() as s:
+            self._run_row(s, run_id)
+            starts = s.execute(select(Attempt.number, Attempt.started_at).where(Attempt.run_id == run_id)
+                               .order_by(Attempt.number)).all()
+            reasons = s.execute(select(StateTransition.at, StateTransition.reason)
+                                .where(StateTransition.run_id == run_id)).all()
+        operator_at = [at for at, reason in reasons if is_operator_reason(reason)]
+        return [RelaunchRecord(attempt=number, started_at=started,
+                               by_operator=any(prev_started < at <= started for at in operator_at))
+                for (_, prev_started), (number, started) in zip(starts, starts[1:], strict=False)]
+
+    def relaunch_counts(self, run_id: str) -> RelaunchCounts:
+        """How often the run was relaunched: `restarts` (the daemon's own: crash, hang, remediation, requeue)
+        and `operator_relaunches` (pause + resume, restart: not failures, not in the restart budget)."""
+        relaunches = self.list_relaunches(run_id)
+        by_operator = sum(r.by_operator for r in relaunches)
+        return RelaunchCounts(restarts=len(relaunches) - by_operator, operator_relaunches=by_operator)
 
     # -- attempts ----------------------------------------------------------------------------------------
     def add_attempt(
