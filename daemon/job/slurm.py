@@ -240,7 +240,7 @@ class RealSlurm:
             return cp
 
         retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(self.retries + 1 if retry else 1),
-                                     wait=tenacity.wait_exponential_jitter(initial=0.5, max=5.0, jitter=0.5),
+                                     wait=tenacity.wait_exponential_jitter(multiplier=0.5, max=5.0, jitter=0.5),
                                      retry=tenacity.retry_if_exception_type(_Transient), reraise=True)
         try:
             return retrying(once)

@@ -121,14 +121,20 @@ def before_exit(sup: Supervisor, status: ExitStatus) -> sl.SlurmEnd | None:
     if end.kind == "node_lost":
         _node_lost(sup, end)
     elif end.kind == "time_limit" and sup.last_exiting != "completed":
+        ckpt_step = sup.latest_ckpt[1] if sup.latest_ckpt else None
+        # A continuation is free only when the allocation moved the run on: one that saved nothing new (the
+        # limit is shorter than start-up + a checkpoint interval) counts, so the no-progress rule ends a loop.
+        stalled = ckpt_step is None or ckpt_step == getattr(sup, "slurm_continued_at_step", None)
+        sup.slurm_continued_at_step = ckpt_step  # type: ignore[attr-defined]
         reason = (f"time limit continuation: {end.why}; resubmitting in a new allocation from the latest valid "
-                  f"checkpoint (not a failure, not counted against the restart budget)")
+                  f"checkpoint " + ("(no new checkpoint in this allocation: counted against the restart budget)"
+                                    if stalled else "(not a failure, not counted against the restart budget)"))
         sup.incidents.action(None, ActionKind.restart, {"continuation": "time_limit", "slurm_job": end.job_id,
                                                         "state": end.state, "latest_checkpoint": sup.latest_ckpt[0]
                                                         if sup.latest_ckpt else None}, {}, ApplyMode.restart,
                              sup.config_version, sup.config_version)
         sup.say(f"  {reason}")
-        _then(sup, reason, TerminationPlan.relaunching(Relaunch(reason, None, counts_against_budget=False)))
+        _then(sup, reason, TerminationPlan.relaunching(Relaunch(reason, None, counts_against_budget=stalled)))
     return end
 
 

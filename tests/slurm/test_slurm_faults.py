@@ -348,7 +348,8 @@ def test_a_time_limit_is_a_continuation_not_a_restart_against_the_budget(tmp_pat
     for attempt in (1, 2, 3):
         plan = WatchPlan.read(sup.run_dir / "slurm" / f"attempt-{attempt}.plan.json")
         assert "--time=10" in plan.sbatch_args and "--signal=B:USR2@120" in plan.sbatch_args
-        _emit(sup, kind="event", event="exiting", step=attempt * 5, reason="stopped")
+        sup.latest_ckpt = (f"global_step{attempt * 5}", attempt * 5)  # each allocation saved a new checkpoint
+        _emit(sup, kind="event", event="exiting", step=attempt * 5, reason="sigterm")
         _watcher_ran(sup, fake, "COMPLETED", timelimit=True)
         fos.advance(600)
         fos.die(sup.job.pid, ExitStatus(0, None, "wait"))
@@ -359,6 +360,18 @@ def test_a_time_limit_is_a_continuation_not_a_restart_against_the_budget(tmp_pat
     assert len(acts) == 3 and acts[0].parameters["continuation"] == "time_limit"
     assert [a.diagnosis for a in sup.store.list_attempts(sup.run_id)[:3]] == ["time_limit"] * 3
     assert not sup.store.list_incidents(sup.run_id)  # not a failure
+
+
+def test_a_time_limit_without_a_new_checkpoint_counts(tmp_path):
+    fos, fake = WatcherOS(), FakeSlurm()
+    sup = _slurm_sup(tmp_path, fos, fake, slurm={"time": "10"}, remediation={"max_restarts_per_hour": 0})
+    sup.start()
+    _emit(sup, kind="event", event="exiting", step=0, reason="sigterm")
+    _watcher_ran(sup, fake, "COMPLETED", timelimit=True)  # the limit came before the first checkpoint
+    fos.advance(600)
+    fos.die(sup.job.pid, ExitStatus(0, None, "wait"))
+    sup.tick()
+    assert sup.state == S.FAILED and "restarts in the last hour" in sup.store.get_run(sup.run_id).state_reason
 
 
 def test_a_crash_still_counts_against_the_budget(tmp_path):

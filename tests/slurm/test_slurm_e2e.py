@@ -1,0 +1,191 @@
+"""End to end on the real Slurm test cluster (tests/slurm/conftest.py): the daemon submits the REAL tiny job
+(ZeRO-3 + Ulysses SP=2, one rank on each of 2 nodes, gloo across the nodes' network namespaces) and supervises
+it: a plain run completes; a node killed mid-run is named, excluded, and the run resumes on the spare with the
+same losses step by step as the uninterrupted run (CPU fp32); the time-limit signal checkpoints the job and the
+run continues in a new allocation. Slow: every attempt costs a Slurm submission and DeepSpeed's start-up."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+from uls_daemon_helpers import write_spec  # noqa: E402
+
+from ulyssesd.daemon.host.process import RealOS  # noqa: E402
+from ulyssesd.daemon.job import slurm as sl  # noqa: E402
+from ulyssesd.daemon.spec import load_run_spec  # noqa: E402
+from ulyssesd.daemon.store import open_store  # noqa: E402
+from ulyssesd.daemon.store.enums import RunState  # noqa: E402
+from ulyssesd.daemon.supervisor import Supervisor  # noqa: E402
+
+pytestmark = pytest.mark.slow
+S = RunState
+
+
+def slurm_spec(tmp: Path, *, steps: int, interval: int = 4, slurm: dict | None = None, name: str = "slurm") -> Path:
+    sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return write_spec(tmp / "run.toml", {
+        "run": {"name": name},
+        "launcher": {"kind": "srun", "nnodes": 2, "nproc_per_node": 1, "env": {"GLOO_SOCKET_IFNAME": "eth0"}},
+        "slurm": {"mode": "submit", "partition": "debug", "poll_s": 1.0, "cancel_grace_s": 30.0, **(slurm or {})},
+        "model": {"preset": "tiny"},
+        "parallel": {"sequence_parallel_size": 2},
+        "precision": {"dtype": "fp32"},
+        "train": {"steps": steps, "seq_len": 64, "micro_batch_size": 1, "lr": 1e-3, "warmup_steps": 2, "device": "cpu"},
+        "deepspeed.config.zero_optimization": {"stage": 3, "overlap_comm": False},
+        "data": {"kind": "synthetic"},
+        "checkpoint": {"interval_steps": interval, "keep_last": 10},
+        "detectors": {"warmup_steps": 3, "window": 10, "hang_timeout_floor_s": 120.0},
+        "remediation": {"max_restarts_per_hour": 10},
+        "daemon": {"state_dir": str(tmp / "state"), "socket_path": str(sock), "tick_s": 0.25, "stop_grace_s": 60.0,
+                   "hang_grace_s": 5.0, "stack_dump_wait_s": 2.0, "early_death_s": 5.0, "preflight": False},
+    })
+
+
+def supervise(spec_path: Path, until, timeout: float, during=None) -> Supervisor:
+    spec = load_run_spec(spec_path)
+    sup = Supervisor(spec, open_store(spec.daemon.resolved_db_path()), RealOS(),
+                     say=lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", flush=True))
+    sup.start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sup.tick()
+        if during is not None:
+            during(sup)
+        if until(sup):
+            return sup
+        time.sleep(0.25)
+    log = sup.run_dir / "logs" / f"attempt-{sup.attempt}.log"
+    tail = log.read_text()[-3000:] if log.exists() else "(no log)"
+    raise AssertionError(f"not reached in {timeout}s: state {sup.state} attempt {sup.attempt} step "
+                         f"{sup.last_step}\n{tail}")
+
+
+def losses(run_dir: Path) -> dict[int, list[tuple[int, float]]]:
+    """step -> [(attempt, loss)] of every step record (a resumed attempt redoes some steps)."""
+    out: dict[int, list[tuple[int, float]]] = {}
+    for line in (run_dir / "telemetry.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        if d.get("kind") == "step":
+            out.setdefault(d["step"], []).append((d.get("attempt"), d["loss"]))
+    return out
+
+
+def job_nodes(sup: Supervisor, attempt: int) -> list[str]:
+    return [a.host for a in sup.store.list_attempts(sup.run_id) if a.number == attempt][0] or ""
+
+
+@pytest.fixture
+def cluster(slurm_cluster_clean, monkeypatch):
+    for k, v in slurm_cluster_clean.env.items():
+        monkeypatch.setenv(k, v)  # the daemon's own scontrol/scancel and the jobs' environment
+    return slurm_cluster_clean
+
+
+def test_the_tiny_job_on_two_nodes_completes_under_the_daemon(cluster, tmp_path):
+    steps = 8
+    sup = supervise(slurm_spec(tmp_path, steps=steps), lambda s: s.state in (S.COMPLETED, S.FAILED), 420)
+    assert sup.state == S.COMPLETED, sup.store.get_run(sup.run_id).state_reason
+    att = sup.store.list_attempts(sup.run_id)
+    assert len(att) == 1 and att[0].host.startswith("slurm job ") and att[0].host.endswith("on n1,n2")
+    assert sorted(losses(sup.run_dir)) == list(range(1, steps + 1))
+    log = (sup.run_dir / "logs" / "attempt-1.log").read_text()
+    assert "[ulyssesd slurm] submitted job" in log and "MASTER_ADDR=10.77." in log
+
+
+def test_killed_node_is_named_excluded_and_the_run_resumes_on_the_spare_with_equal_losses(cluster, tmp_path):
+    steps, interval = 16, 4
+    ref = supervise(slurm_spec(tmp_path / "ref", steps=steps, interval=interval, name="ref"),
+                    lambda s: s.state in (S.COMPLETED, S.FAILED), 420)
+    assert ref.state == S.COMPLETED
+    cluster.reset()
+    marks: dict[str, float] = {}
+
+    def kill_mid_run(sup):
+        if "killed" not in marks and sup.latest_ckpt is not None and (sup.last_step or 0) >= interval + 2:
+            marks["killed"] = time.monotonic()
+            marks["killed_wall"] = time.time()
+            marks["killed_at_step"] = sup.last_step
+            cluster.kill_node("n2")
+
+    sup = supervise(slurm_spec(tmp_path / "run", steps=steps, interval=interval), lambda s: s.state in
+                    (S.COMPLETED, S.FAILED), 900, during=kill_mid_run)
+    assert sup.state == S.COMPLETED, sup.store.get_run(sup.run_id).state_reason
+    incidents = [i for i in sup.store.list_incidents(sup.run_id) if "lost node" in i.summary]
+    assert len(incidents) == 1 and "n2 (rank 1" in incidents[0].summary, [i.summary for i in
+                                                                          sup.store.list_incidents(sup.run_id)]
+    assert incidents[0].evidence["slurm"]["lost_nodes"] == ["n2"]
+    assert "scontrol_show_node" in incidents[0].evidence["slurm"]["evidence"]
+    assert sl.read_exclusions(sup.run_dir) == ["n2"]
+    attempts = sup.store.list_attempts(sup.run_id)
+    assert attempts[0].diagnosis == "node_lost" and attempts[-1].host.endswith("on n1,n3")
+    got, want = losses(sup.run_dir), losses(ref.run_dir)
+    resumed = [s for s, rows in got.items() if any(a == attempts[-1].number for a, _ in rows)]
+    assert resumed and min(resumed) <= marks["killed_at_step"]  # it redid steps from the checkpoint
+    for s in sorted(want):
+        last = got[s][-1][1]
+        assert last == want[s][0][1], (s, got[s], want[s])  # bit-equal on CPU fp32
+    # node loss -> the first step the resumed attempt computed (its telemetry time), for bench/RESULTS.md
+    first_new = min(d["time"] for d in map(json.loads, (sup.run_dir / "telemetry.jsonl").read_text().splitlines())
+                    if d.get("kind") == "step" and d.get("attempt") == attempts[-1].number)
+    print(f"SLURM_NODE_LOSS_TO_STEP_S={first_new - marks['killed_wall']:.1f}")
+    cluster.restore_node("n2")
+
+
+def test_time_limit_signal_checkpoints_and_the_run_continues_in_a_new_allocation(cluster, tmp_path):
+    steps, interval = 400, 50  # far more than one allocation does here: the signal, not the end, stops it
+    sent: dict[str, object] = {}
+
+    def time_limit_signal(sup):
+        # What Slurm does `time_limit_signal_s` before the limit (--signal=B:USR2@N), sent now: the batch shell
+        # gets SIGUSR2. (A real --time here could be no shorter than a minute, and Slurm may send the signal up
+        # to a minute early; the path from the signal on is the same.)
+        from ulyssesd.daemon.job.slurm_watch import read_job_id
+
+        if "job" not in sent and sup.attempt == 1 and (sup.last_step or 0) >= 3:
+            job = read_job_id(sup.run_dir, 1)
+            import subprocess
+
+            subprocess.run(["scancel", "--batch", "--signal=USR2", job], check=True, timeout=30)
+            sent["job"], sent["step"] = job, sup.last_step
+
+    sup = supervise(slurm_spec(tmp_path, steps=steps, interval=interval, slurm={"time": "30"}),
+                    lambda s: s.attempt >= 2 and (s.last_step or 0) > int(sent.get("step", 10**9)) + 1
+                    or s.state in (S.FAILED, S.COMPLETED), 600, during=time_limit_signal)
+    assert sup.state not in (S.FAILED, S.COMPLETED), sup.store.get_run(sup.run_id).state_reason
+    a1 = sup.store.list_attempts(sup.run_id)[0]
+    assert a1.diagnosis == "time_limit", (a1.diagnosis, a1.diagnosis_evidence)
+    assert (sup.run_dir / "slurm" / "attempt-1.timelimit").exists()
+    assert not sup.store.list_incidents(sup.run_id)  # not a failure
+    assert not sup.counters.restarts  # not a restart against the budget
+    acts = [a for a in sup.store.list_actions(run_id=sup.run_id) if (a.parameters or {}).get("continuation")]
+    assert len(acts) == 1
+    a2 = sup.store.list_attempts(sup.run_id)[1]
+    assert a2.resumed_from is not None and a2.resumed_from != "none"  # from the checkpoint the signal made
+    assert "--time=30" in json.loads((sup.run_dir / "slurm" / "attempt-2.plan.json").read_text())["sbatch_args"]
+    _abandon(sup)
+
+
+def _abandon(sup: Supervisor) -> None:
+    """End a run the test is done with: its watcher and its Slurm job (the next test's reset cancels the rest)."""
+    import os
+    import signal
+    import subprocess
+
+    from ulyssesd.daemon.job.slurm_watch import read_job_id
+
+    job = read_job_id(sup.run_dir, sup.attempt)
+    if job is not None:
+        subprocess.run(["scancel", job], timeout=30)
+    if sup.job is not None:
+        try:
+            os.killpg(sup.job.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
