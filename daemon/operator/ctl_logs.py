@@ -168,15 +168,18 @@ def _run_dir_of(run_id: str | None) -> tuple[Path, str | None]:
     if run_id:
         CTX.run = run_id
     try:
-        with open_store(db_path(), readonly=True) as store:
-            run = current_run(store, False)
-            return Path(run.run_dir or CTX.state_dir / "runs" / run.id), run.id
+        store = open_store(db_path(), readonly=True)
     except StoreError as exc:  # no or a damaged database: the run dir alone still has the logs
         fallback = CTX.state_dir / "runs" / (run_id or "")
         if run_id and (fallback / "logs").is_dir():
             return fallback, None
         die(f"{exc} (name the run, `ulyssesctl logs RUN`, to read its run dir without the database)",
             store_exit_code(exc) or EXIT_NOT_FOUND, False)
+    try:
+        run = current_run(store, False)
+    finally:
+        store.close()
+    return Path(run.run_dir or CTX.state_dir / "runs" / run.id), run.id
 
 
 def logs(run_id: str = typer.Argument(None, metavar="RUN", help="run id (default: the --run option, else the "
