@@ -22,6 +22,7 @@ Use from a test (tests/slurm/conftest.py gives the session fixture ``slurm_clust
         slurm_cluster.restore_node("n1")         # slurmd again, link up, state=resume, waits until idle
 
 Fault helpers: ``kill_node`` (a node that dies), ``freeze_node``/``thaw_node`` (SIGSTOP/SIGCONT: a hung node),
+``slow_node(name, cpu_fraction)``/``unslow_node`` (its processes capped in a cpu cgroup: a straggler),
 ``set_down(name, reason)`` (``scontrol update state=down``), ``restore_node``, ``wait_idle``, ``node_of_pid``
 (which node a process runs on, from its network namespace), ``node_addr``, ``pids_on``. Every wait is bounded
 and raises ``ClusterError`` quoting the log tail of the daemon that failed. The fixture must not leak: ``down()``
@@ -343,6 +344,7 @@ class SlurmTestCluster:
         _run(["ip", "link", "del", self.bridge], check=False)
         for node in self.node_names:
             _run(["ip", "link", "del", self._host_veth(node)], check=False)
+            self._remove_cpu_cgroup(node)
         claim = CLAIMS_DIR / str(self.instance)
         leftovers = self.leftovers()
         if not leftovers:
@@ -367,6 +369,10 @@ class SlurmTestCluster:
                 out.append(f"/etc/netns/{ns}")
             if f" {self._host_veth(node)}@" in links or f" {self._host_veth(node)}:" in links:
                 out.append(f"link {self._host_veth(node)}")
+        for node in self.node_names:
+            cg = self._cpu_cgroup(node)
+            if cg is not None and cg.exists():
+                out.append(f"cgroup {cg}")
         if f" {self.bridge}:" in links:
             out.append(f"bridge {self.bridge}")
         for name in ("slurmctld", "munged"):
@@ -691,6 +697,62 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         self._kill_pids(pids, signal.SIGCONT)
         return pids
 
+    def slow_node(self, node: str, cpu_fraction: float) -> list[int]:
+        """A slow node (thermal throttling, a noisy neighbour): every process in the node's namespace, slurmd
+        included (so what it starts later inherits it), goes into a cpu cgroup capped at ``cpu_fraction`` of
+        one CPU (CFS quota). Slurm still sees a healthy node; its ranks compute slower. Returns the pids moved.
+        Raises ClusterUnavailable where this kernel offers no cpu cgroup controller."""
+        if not 0.01 <= cpu_fraction <= 1.0:
+            raise ValueError(f"cpu_fraction must be 0.01..1.0 (of one CPU), got {cpu_fraction}")
+        cg = self._cpu_cgroup(node)
+        if cg is None:
+            raise ClusterUnavailable("slow_node needs the cpu cgroup controller (cgroup v1 /sys/fs/cgroup/cpu or "
+                                     "v2 with cpu in /sys/fs/cgroup/cgroup.controllers)")
+        cg.mkdir(exist_ok=True)
+        period_us = 100_000
+        quota_us = int(period_us * cpu_fraction)
+        if (cg / "cpu.max").exists():  # v2
+            (cg / "cpu.max").write_text(f"{quota_us} {period_us}")
+        else:
+            (cg / "cpu.cfs_period_us").write_text(str(period_us))
+            (cg / "cpu.cfs_quota_us").write_text(str(quota_us))
+        pids = self.pids_on(node)
+        for pid in pids:
+            try:
+                (cg / "cgroup.procs").write_text(str(pid))
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def unslow_node(self, node: str) -> None:
+        """Undo ``slow_node``: the node's processes back into the root cpu cgroup, the cgroup removed."""
+        self._remove_cpu_cgroup(node)
+
+    def _cpu_cgroup(self, node: str) -> Path | None:
+        root = _cpu_cgroup_root()
+        return None if root is None else root / f"ulyssesd-{self.namespace(node)}"
+
+    def _remove_cpu_cgroup(self, node: str) -> None:
+        cg, root = self._cpu_cgroup(node), _cpu_cgroup_root()
+        if cg is None or root is None or not cg.exists():
+            return
+        for _ in range(20):  # a process forked while we move the others lands in cg: move until empty
+            try:
+                pids = [p for p in (cg / "cgroup.procs").read_text().split() if p.isdigit()]
+            except OSError:
+                break
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    (root / "cgroup.procs").write_text(pid)
+                except (ProcessLookupError, OSError):
+                    pass
+        try:
+            cg.rmdir()
+        except OSError:
+            pass
+
     def set_down(self, node: str, reason: str) -> None:
         """An operator (or health check) takes the node out: `scontrol update state=down reason=...`; the jobs
         on it end NODE_FAIL (JobRequeue=0, so they are not requeued behind the daemon's back)."""
@@ -704,6 +766,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         `state=resume`, and wait until the node is idle."""
         self._check_node(node)
         _run(["ip", "link", "set", self._host_veth(node), "up"])
+        self.unslow_node(node)
         self.thaw_node(node)
         if not self._slurmd_running(node):
             self._start_slurmd(node)
@@ -726,10 +789,11 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                     f"slurmd log:\n{_tail(self.slurmd_log(node))}", interval=0.5)
 
     def reset(self, timeout: float | None = None) -> None:
-        """Between tests: cancel every job, bring back any node a test killed, froze or set DOWN, and wait
-        until every node is idle."""
+        """Between tests: cancel every job, undo ``slow_node``, bring back any node a test killed, froze or
+        set DOWN, and wait until every node is idle."""
         _run(["scancel", "--full", "--user=root"], env={**os.environ, **self.env}, check=False)
         for node in self.node_names:
+            self.unslow_node(node)
             if self.node_states().get(node) not in IDLE_STATES:
                 state = self.node_states().get(node, "")
                 if state.startswith(("down", "drain", "fail")) or state.endswith("*") or not self._slurmd_running(node):
@@ -771,6 +835,23 @@ def _claim_is_stale(claim: Path) -> bool:
         return True
     pids = [SlurmTestCluster._pidfile_pid(target / "run" / f"{n}.pid") for n in ("slurmctld", "munged")]
     return not any(p and _pid_alive(p) for p in pids)
+
+
+def _cpu_cgroup_root() -> Path | None:
+    """Where cpu cgroups are made: cgroup v1's cpu hierarchy, or the v2 root with the cpu controller
+    delegated to its children; None when neither is here."""
+    v1 = Path("/sys/fs/cgroup/cpu")
+    if (v1 / "cpu.cfs_quota_us").exists():
+        return v1
+    v2 = Path("/sys/fs/cgroup")
+    try:
+        if "cpu" in (v2 / "cgroup.controllers").read_text().split():
+            if "cpu" not in (v2 / "cgroup.subtree_control").read_text().split():
+                (v2 / "cgroup.subtree_control").write_text("+cpu")
+            return v2
+    except OSError:
+        return None
+    return None
 
 
 def _process_identity(pid: int) -> str:

@@ -187,6 +187,27 @@ def test_frozen_node_stops_answering_and_thaws(slurm_cluster_clean):
 
 
 @pytest.mark.slow
+def test_slow_node_caps_the_cpu_of_what_runs_there_later(slurm_cluster_clean):
+    c = slurm_cluster_clean
+    if sc._cpu_cgroup_root() is None:
+        pytest.skip("no cpu cgroup controller on this kernel: slow_node cannot work here")
+    c.slow_node("n2", 0.2)
+    burn = ("import time; t = time.time(); c = time.process_time()\n"
+            "while time.time() - t < 3: pass\n"
+            "print(open('/proc/self/cgroup').read().count('ulyssesd-'), round(time.process_time() - c, 2))")
+    done = _slurm(c, "srun", "-N1", "-w", "n2", sys.executable, "-c", burn, timeout=60)
+    assert done.returncode == 0, done.stderr
+    in_cgroup, cpu_s = done.stdout.split()
+    assert in_cgroup == "1"  # started after slow_node, by slurmd: inherited its cgroup
+    assert float(cpu_s) <= 3 * 0.2 * 1.5, f"a 20% cap let it use {cpu_s} CPU-s in 3 s"
+    c.wait_node_state("n2", {"idle"}, timeout=30)  # Slurm sees nothing wrong with a slow node
+    c.unslow_node("n2")
+    assert not [x for x in c.leftovers() if x.startswith("cgroup")]
+    done = _slurm(c, "srun", "-N1", "-w", "n2", sys.executable, "-c", burn, timeout=60)
+    assert done.returncode == 0 and done.stdout.split()[0] == "0", done.stdout + done.stderr
+
+
+@pytest.mark.slow
 def test_a_second_cluster_runs_alongside_and_leaves_nothing(slurm_cluster, tmp_path):
     other = sc.SlurmTestCluster(sc.ClusterConfig(base_dir=tmp_path / "c2", nodes=1))
     other.up()
