@@ -47,7 +47,7 @@ def _simple(cmd: str, json_out: bool) -> None:
 
 
 def pause(json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
-    """Ask the job to save and exit; the run waits in PAUSED until `resume`."""
+    """Pause the run. The job saves and exits; the run waits in PAUSED until `resume`."""
     _simple("pause", json_out)
 
 
@@ -57,19 +57,19 @@ def resume(json_out: bool = typer.Option(False, "--json", help="machine-readable
 
 
 def stop(json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
-    """Stop the run for good (the job saves and exits; the run ends STOPPED)."""
+    """Stop the run for good. The job saves and exits; the run ends STOPPED."""
     _simple("stop", json_out)
 
 
 def restart(json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
-    """Graceful restart of the job (save, exit, relaunch from latest); not counted against the budget."""
+    """Restart the job gracefully. Save, exit, relaunch from the latest checkpoint; not a restart in the budget."""
     _simple("restart", json_out)
 
 
 def ack(incident_id: int = typer.Argument(..., metavar="ID", help="incident id"),
         json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
         by: str = typer.Option(None, "--by", help="operator name (default: $USER)")) -> None:
-    """Acknowledge an incident (through the daemon; directly in the database if no daemon runs)."""
+    """Acknowledge an incident. Through the daemon; directly in the database if no daemon runs."""
     from ulyssesd.daemon.control.client import send_request
     from ulyssesd.daemon.control.protocol import ControlError, ControlTimeout, DaemonNotRunning
     from ulyssesd.daemon.store import open_store

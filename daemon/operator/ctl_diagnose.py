@@ -90,7 +90,7 @@ def register_diagnose(app: typer.Typer) -> None:
         signal: Optional[int] = typer.Option(None, "--signal", help="Signal number that ended the job, when known."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a panel."),
     ) -> None:
-        """Diagnose why a job stopped: one label from the fixed set, plus the log lines that decided it."""
+        """Diagnose why a job stopped. One label from the fixed set, plus the log lines that decided it."""
         try:
             text = read_log_tail(logfile)
         except LogReadError as e:

@@ -189,7 +189,7 @@ def logs(run_id: str = typer.Argument(None, metavar="RUN", help="run id (default
          attempt: int = typer.Option(None, "--attempt", min=1, metavar="N", help="attempt number (default: the newest)"),
          rank: int = typer.Option(None, "--rank", min=0, metavar="R", help="only this rank's lines, without their prefix"),
          lines: int = typer.Option(None, "--lines", "-n", min=1, metavar="N", help="start with the last N lines only")) -> None:
-    """Print the job's output (launcher and all ranks) of one attempt; works with the daemon down."""
+    """The job's output of one attempt. The launcher's and every rank's lines; works with the daemon down."""
     run_dir, known_id = _run_dir_of(run_id)
     logs_by_attempt = attempt_logs(run_dir)
     if not logs_by_attempt:

@@ -166,5 +166,5 @@ def register(app: typer.Typer) -> None:
         spec: Path | None = typer.Option(None, "--spec", help="Run spec TOML: its [detectors], [remediation] and job values."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:
-        """Show the findings and decisions the daemon would have taken on a recorded run, step by step."""
+        """Replay a recorded run. The findings and decisions the daemon would have taken, step by step."""
         raise typer.Exit(run_replay(telemetry, spec, as_json))

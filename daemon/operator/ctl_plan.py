@@ -193,7 +193,7 @@ def register_plan(app: typer.Typer) -> None:
         nvme: float | None = typer.Option(None, "--nvme", help="NVMe per node for ZeRO-Infinity swap, GiB."),
         as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     ) -> None:
-        """Will this run fit? Per-GPU/per-host memory, verdict, and the smallest changes that would fit.
+        """Plan a run's memory. Will it fit? Per-GPU/per-host memory, verdict, and the cheapest changes that would fit.
         Exit 0 fits, 1 does not fit, 2 bad input."""
         from ulyssesd.daemon.spec import load_run_spec
 

@@ -64,7 +64,7 @@ def incidents_table(rows, store=None) -> Table:
 
 def incident(incident_id: int = typer.Argument(..., metavar="ID", help="incident id"),
              json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
-    """One incident: evidence, actions with their config diffs, outcome."""
+    """One incident. Evidence, actions with their config diffs, outcome."""
     from ulyssesd.daemon.store.errors import NotFoundError
 
     store = open_ro_store(json_out)
@@ -102,7 +102,7 @@ def incident(incident_id: int = typer.Argument(..., metavar="ID", help="incident
 
 def config(version: int = typer.Option(None, "--version", help="config version (default: current)"),
            json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
-    """An effective job config version and its diff from its parent and from v1."""
+    """A job config version. Its settings and its diff from its parent and from v1."""
     from ulyssesd.daemon.store import flat_diff
     from ulyssesd.daemon.store.errors import NotFoundError
 
@@ -166,7 +166,7 @@ def report(run_id: str = typer.Argument(None, metavar="RUN",
            out_path: Path = typer.Option(None, "--out", "-o", help="HTML file to write (default: report-RUN.html)"),
            telemetry: Path = typer.Option(None, "--telemetry",
                                           help="telemetry file (default: the run directory's)")) -> None:
-    """Write a self-contained HTML postmortem: curves with incidents and actions, timeline, goodput."""
+    """Write an HTML postmortem of a run. Curves with incidents and actions, timeline, goodput; self-contained."""
     from ulyssesd.daemon.operator.report import render_report  # the page builder (it never imports ctl)
 
     store = open_ro_store(False)

@@ -248,7 +248,8 @@ def status(json_out: bool = typer.Option(False, "--json", help="machine-readable
            watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C: a live table on a terminal, "
                                       "one line per refresh in a pipe, JSON lines with --json"),
            interval: float = typer.Option(2.0, "--interval", min=0.05, help="--watch refresh period (s)")) -> None:
-    """State, progress, ETA, last step, loss, tokens/s, MFU, memory, checkpoints, restarts, open incidents."""
+    """Where the run is. State, progress, ETA, last step, loss, tokens/s, MFU, memory, checkpoints, restarts,
+    open incidents."""
     store = open_ro_store(json_out)
     if watch and (json_out or not sys.stdout.isatty()):
         _watch_lines(store, json_out, interval)
@@ -349,7 +350,7 @@ def runs_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def runs(json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
-    """Every run in the state dir's database, newest first: state, step/total, started, last change, incidents."""
+    """Every run, newest first. State, step/total, attempts, started, last change, incidents."""
     store = open_ro_store(json_out)
     try:
         rows = runs_data(store)
