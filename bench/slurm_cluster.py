@@ -633,6 +633,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         """Every live process in the node's network namespace (slurmd, slurmstepd, the job's processes)."""
         return self._ns_pids(self.namespace(node))
 
+    def link_bytes(self, node: str) -> int:
+        """Bytes through the node's link so far (both directions, counted on the bridge side of its veth):
+        the traffic between it and the rest of the cluster."""
+        stats = Path(f"/sys/class/net/{self._host_veth(node)}/statistics")
+        return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+
     def node_of_pid(self, pid: int) -> str | None:
         """The node whose network namespace the process runs in; None for the root namespace or a dead pid."""
         try:

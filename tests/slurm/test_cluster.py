@@ -109,16 +109,19 @@ def test_gloo_all_reduce_between_two_nodes_crosses_the_bridge(slurm_cluster_clea
         "rank, world = int(os.environ['SLURM_PROCID']), int(os.environ['SLURM_NTASKS'])\n"
         "dist.init_process_group('gloo', init_method=f\"tcp://{os.environ['MASTER_ADDR']}:29533\",\n"
         "                        rank=rank, world_size=world)\n"
-        "t = torch.tensor([float(rank + 1)]); dist.all_reduce(t)\n"
-        "print(socket.gethostname(), socket.gethostbyname(socket.gethostname()), rank, t.item(), flush=True)\n"
+        "t = torch.full((1 << 20,), float(rank + 1)); dist.all_reduce(t)  # 4 MiB\n"
+        "print(socket.gethostname(), socket.gethostbyname(socket.gethostname()), rank, t[0].item(), flush=True)\n"
         "dist.destroy_process_group()\n")
     env = {**os.environ, **c.env, "MASTER_ADDR": c.master_addr}
+    before = c.link_bytes("n2")
     done = subprocess.run(["srun", "-N2", "-n2", "--ntasks-per-node=1", "-p", "debug", "--time=2",
                            sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = sorted(line.split() for line in done.stdout.splitlines() if line.startswith("n"))
     # each rank binds its node's own address (loopback would not reach the other namespace)
     assert rows == [["n1", c.node_addr("n1"), "0", "3.0"], ["n2", c.node_addr("n2"), "1", "3.0"]]
+    # n2 sent and received its 4 MiB share (reduce-scatter + all-gather) through its link on the bridge
+    assert c.link_bytes("n2") - before >= 2 * (4 << 20)
 
 
 def test_sacct_says_accounting_is_disabled_and_jobcomp_records_the_job(slurm_cluster_clean):
