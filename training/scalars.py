@@ -7,9 +7,9 @@ as in telemetry) and host_rss_gib. The sink is `engine.monitor.write_events`, i.
 config enables (tensorboard, wandb, csv_monitor, comet): `[scalars] tensorboard/csv` add those blocks for
 you, a `wandb` block in your ds_config gets the same scalars. No monitor enabled: nothing is written.
 
-Writing is best effort and bounded: a failed write is logged once (with the error), and after
-`MAX_CONSECUTIVE_FAILURES` failed writes in a row the writer stops for the rest of the attempt (logged).
-It never raises into the step loop.
+Writing is best effort and bounded, for these scalars and for DeepSpeed's own monitor writes alike: a
+failed write is logged once (with the error), and after `MAX_CONSECUTIVE_FAILURES` failed writes in a row
+the monitor is dropped for the rest of the attempt (logged). It never raises into the step loop.
 """
 
 from __future__ import annotations
@@ -89,10 +89,14 @@ def step_scalars(loss: float, rec: dict[str, Any], host_rss_gib: float | None) -
 
 
 class ScalarWriter:
-    """Writes step scalars to `monitor.write_events` on rank 0; a no-op elsewhere or without a monitor."""
+    """Writes step scalars to `monitor.write_events` on rank 0; a no-op elsewhere or without a monitor.
+
+    `for_engine` also routes DeepSpeed's own monitor writes (lr, loss scale, timers, from inside
+    `engine.step()`) through the same guard: unguarded, a failing CSV/TensorBoard/W&B write raises out of
+    the step on rank 0 and the other ranks die in the next collective."""
 
     def __init__(self, write_events: Callable[[list[tuple[str, float, int]]], Any] | None, rank: int):
-        self._write = write_events if rank == 0 else None
+        self._sink = write_events if rank == 0 else None
         self._failures = 0
         self._logged = False
 
@@ -101,28 +105,38 @@ class ScalarWriter:
         monitor = getattr(engine, "monitor", None)
         if monitor is None or not getattr(monitor, "enabled", False):
             return cls(None, rank)
-        return cls(monitor.write_events, rank)
+        writer = cls(monitor.write_events, rank)
+        if rank == 0:
+            monitor.write_events = writer.guarded_write  # the instance attribute shadows the method
+        return writer
 
     @property
     def active(self) -> bool:
-        return self._write is not None
+        return self._sink is not None
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        if self._write is None:
+        if self._sink is None:
             return
         # NaN/inf are written as they are: a NaN loss is exactly what the curve must show.
-        events = [(TAG_PREFIX + name, value, step) for name, value in scalars.items()]
+        self.guarded_write([(TAG_PREFIX + name, value, step) for name, value in scalars.items()])
+
+    def guarded_write(self, events: list[tuple[str, float, int]]) -> None:
+        """One monitor write that never raises: the first failure is logged, after
+        MAX_CONSECUTIVE_FAILURES in a row the monitor is dropped for the rest of the attempt."""
+        if self._sink is None:
+            return
         try:
-            self._write(events)
+            self._sink(events)
         except Exception as exc:  # a monitor failure must never stop training
             self._failures += 1
             if not self._logged:
                 self._logged = True
-                log.warning("scalars: writing step %d to the DeepSpeed monitor failed (%s: %s); training goes on, "
-                            "further failures are not logged", step, type(exc).__name__, exc)
+                log.warning("scalars: a write to the DeepSpeed monitor failed (%s: %s); training goes on, further "
+                            "failures are not logged", type(exc).__name__, exc)
             if self._failures >= MAX_CONSECUTIVE_FAILURES:
-                self._write = None
-                log.warning("scalars: %d writes in a row failed; no more scalars this attempt", self._failures)
+                self._sink = None
+                log.warning("scalars: %d writes in a row failed; no more monitor writes this attempt",
+                            self._failures)
         else:
             self._failures = 0
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_job_helpers import launch, tiny_spec
+from train_job_helpers import JobRun, launch, start, tiny_spec, wait_for
 
 from ulyssesd.training.ds_config import build_ds_config
 from ulyssesd.training.scalars import (
@@ -120,7 +120,7 @@ def test_a_failing_monitor_is_logged_once_then_dropped_and_never_raises(caplog):
     assert len(calls) == MAX_CONSECUTIVE_FAILURES and not writer.active
     messages = [r.getMessage() for r in caplog.records]
     assert sum("No space left on device" in m for m in messages) == 1
-    assert any("no more scalars" in m for m in messages)
+    assert any("no more monitor writes" in m for m in messages)
 
 
 def test_a_monitor_that_recovers_keeps_writing():
@@ -204,3 +204,35 @@ def test_mfu_in_telemetry_is_model_flops_over_the_slowest_rank_and_the_peak(scal
         expected = model_flops_per_step(m, 64, rec["tokens"]) / rec["step_time_max_s"] / 2 / (PEAK_TFLOPS * 1e12)
         assert rec["mfu"] == pytest.approx(expected, rel=1e-3, abs=1e-6)
         assert 0 < rec["mfu"]
+
+
+@pytest.mark.slow
+def test_broken_monitors_never_stop_the_real_job(tmp_path):
+    """At start, a TensorBoard directory that cannot be created (its parent is a file) drops that monitor;
+    mid-run, the CSV directory replaced by a file makes every CSV write fail: logged once, given up after
+    MAX_CONSECUTIVE_FAILURES, and the job still trains to the end with its telemetry complete."""
+    pytest.importorskip("tensorboard")
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    run_dir = tmp_path / "run"
+    steps = 8
+    spec = tiny_spec(train={"steps": steps}, checkpoint={"interval_steps": steps, "save_at_end": False},
+                     scalars={"csv": True},
+                     deepspeed={"config": {"tensorboard": {"enabled": True, "output_path": f"{blocker}/tb/"}}},
+                     faults=[{"kind": "slow_rank", "at_step": 3, "magnitude": 4.0}])  # a window to break the CSVs
+    proc = start(spec, run_dir)
+    run = JobRun(run_dir, None, "")
+    wait_for(lambda: 2 in run.steps() if (run_dir / "telemetry.jsonl").exists() else False, 120, "step 2", proc)
+    csv_dir = run_dir / "scalars" / "csv"
+    assert (csv_dir / f"{TAG_PREFIX.replace('/', '_')}loss.csv").exists()
+    for f in csv_dir.iterdir():
+        f.unlink()
+    csv_dir.rmdir()
+    csv_dir.write_text("")  # the monitor's directory is now a file: every open() of a CSV under it fails
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-4000:]
+    assert sorted(run.steps()) == list(range(1, steps + 1))
+    assert "the tensorboard monitor is off for this attempt" in out, out[-4000:]
+    assert out.count("scalars: a write to the DeepSpeed monitor failed") == 1, out[-4000:]
+    assert f"scalars: {MAX_CONSECUTIVE_FAILURES} writes in a row failed" in out, out[-4000:]
+
