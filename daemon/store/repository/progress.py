@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from ..errors import InvalidValueError, NotFoundError
 from ..models import Checkpoint, ConfigVersion, TelemetryCursor, utcnow
@@ -104,7 +105,7 @@ class ProgressRepository(StoreBase):
         now = utcnow()
         with self._write() as s:
             self._run_row(s, run_id)
-            ck = s.scalars(select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.tag == tag)).first()
+            ck = self._checkpoint_row(s, run_id, tag)
             if ck is None:
                 ck = Checkpoint(run_id=run_id, tag=tag, saved_at=to_utc(saved_at), known_good=False)
                 s.add(ck)
@@ -123,10 +124,14 @@ class ProgressRepository(StoreBase):
             s.flush()
             return CheckpointRecord.from_row(ck)
 
+    @staticmethod
+    def _checkpoint_row(s: Session, run_id: str, tag: str) -> Checkpoint | None:
+        return s.scalars(select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.tag == tag)).first()
+
     def mark_checkpoint_pruned(self, run_id: str, tag: str) -> CheckpointRecord:
         """The tag's files were removed by retention; the row stays for the history."""
         with self._write() as s:
-            ck = s.scalars(select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.tag == tag)).first()
+            ck = self._checkpoint_row(s, run_id, tag)
             if ck is None:
                 raise NotFoundError(f"no checkpoint {tag!r} of run {run_id!r}")
             ck.pruned_at = ck.updated_at = utcnow()
