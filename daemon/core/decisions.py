@@ -1,10 +1,10 @@
-"""Remediation outputs -> incidents, actions and the job: what the supervisor does with the engine's findings
-and decisions while an attempt runs (hot control, new config version + graceful restart, rollback, stop,
-the hang path), and the incidents' lifecycle afterwards (settled when nothing acted, resolved when a
-checkpoint follows the fix).
+"""The running attempt: its telemetry records -> the engine -> findings and decisions -> incidents, actions
+and the job (hot control, new config version + graceful restart, rollback, stop, the hang path).
 
-Functions of the `Supervisor` (they read and change its run state); the crash path after an attempt ended
-is `exits.py`, the termination phases are `termination.py`.
+`read_telemetry` hands each new record to `on_record` (a record whose handling raises is logged, counted and
+skipped), which feeds the engine; `handle_outputs` applies what it returns. The incidents' lifecycle
+afterwards (settled when nothing acted, resolved when a checkpoint follows the fix) is the `IncidentLog`'s;
+the crash path after an attempt ended is `exits.py`, the termination phases are `termination.py`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,100 @@ from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, R
 from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.engine import Decision
 from ulyssesd.remediation.hang_stacks import read_hang
+from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
 if TYPE_CHECKING:
     from ulyssesd.daemon.supervisor import Supervisor
 
 log = get_logger("ulyssesd.supervisor")
 S = RunState
+
+
+def track(sup: Supervisor, rec: Record) -> None:
+    """What the supervisor remembers of a record: the last step, the job's `exiting` reason, a failed save,
+    the newest checkpoint (also for records replayed into a warm engine at re-adoption)."""
+    if isinstance(rec, StepRecord):
+        sup.last_step = rec.step
+        sup.last_step_record = rec
+    elif isinstance(rec, EventRecord):
+        if rec.event == "exiting" and rec.attempt in (None, sup.attempt):
+            sup.last_exiting = str(rec.fields.get("reason"))
+        if rec.event == "checkpoint_save_failed":
+            sup.save_failures[rec.attempt if rec.attempt is not None else sup.attempt] = dict(rec.fields)
+        if rec.event == "checkpoint_saved":
+            tag = rec.fields.get("tag")
+            if isinstance(tag, str) and rec.step is not None:
+                if sup.latest_ckpt is None or rec.step >= sup.latest_ckpt[1]:
+                    sup.latest_ckpt = (tag, rec.step)
+
+
+def read_telemetry(sup: Supervisor) -> None:
+    """Hand the job's new records to `on_record`, then persist the cursor (after they were acted upon)."""
+    assert sup.reader is not None
+    log_source.pump(sup)  # [telemetry] source = "stdout": the job's new log lines become records first
+    offset_before = sup.reader.cursor.offset
+    batch = sup.reader.read()
+    if not batch and sup.reader.cursor.offset == offset_before:
+        return
+    now = sup.os.time()
+    for rec, _off in batch:
+        if rec.attempt is not None and rec.attempt != sup.attempt:
+            continue  # a late line of an earlier attempt
+        try:
+            on_record(sup, rec, now)
+        except Exception:  # noqa: BLE001 - one record must not end supervision (and not on every restart)
+            sup.record_errors += 1
+            log.exception("handling a telemetry record failed; skipped", run_id=sup.run_id,
+                          step=rec.step, kind=rec.kind, count=sup.record_errors)
+    sync_known_good(sup)
+    # Persisted even when only bad lines were consumed: a restart must not re-read them.
+    cur = sup.reader.cursor
+    sup.store.set_telemetry_cursor(sup.run_id, path=str(sup.telemetry_path), inode=cur.inode,
+                                    offset=cur.offset, last_step=sup.last_step)
+
+
+def sync_known_good(sup: Supervisor) -> None:
+    """Mirror the engine's known-good tags (checkpoints followed by a clean window) into the store;
+    retention keeps them as anchors and `ulyssesctl status` shows the newest."""
+    for tag, step in list(getattr(sup.engine, "known_good", []) or []):
+        if tag not in sup.known_good_marked:
+            sup.store.upsert_checkpoint(sup.run_id, tag, step=step, known_good=True)
+            sup.known_good_marked.add(tag)
+
+
+def on_record(sup: Supervisor, rec: Record, now: float) -> None:
+    """One record of the running attempt: progress, the job's events, then the engine and its outputs."""
+    track(sup, rec)
+    if isinstance(rec, StepRecord) or (isinstance(rec, EventRecord) and rec.event in ("started",)):
+        sup.attempt_progress = sup.attempt_progress or isinstance(rec, StepRecord)
+        if sup.state == S.STARTING:
+            sup.set_state(S.RUNNING, f"attempt {sup.attempt} is training"
+                            if isinstance(rec, StepRecord) else f"attempt {sup.attempt} started")
+    if isinstance(rec, EventRecord):
+        on_event(sup, rec)
+    if sup.engine is not None:
+        handle_outputs(sup, sup.engine.observe(rec, now), step=rec.step if rec.step is not None else (sup.last_step or 0))
+
+
+def on_event(sup: Supervisor, rec: EventRecord) -> None:
+    """The job's own events: a checkpoint saved (and the fixes it verifies), one it skipped, its exit reason."""
+    f = rec.fields
+    if rec.event == "checkpoint_saved" and isinstance(f.get("tag"), str):
+        sup.store.upsert_checkpoint(sup.run_id, f["tag"], step=rec.step or 0, loss=None, valid=True,
+                                     attempt=sup.attempt, config_version=sup.config_version)
+        sup.incidents.verify(rec.step or 0, sup.spec.remediation.grace_steps)
+        log.info("checkpoint saved", tag=f["tag"], step=rec.step)
+        sup.say(f"checkpoint {f['tag']} saved")
+    elif rec.event == "checkpoint_invalid":
+        sid = sup.incidents.incident(Symptom.checkpoint_corrupt, rec.step or 0, Severity.warning,
+                             f"job skipped invalid checkpoint {f.get('tag')}: {f.get('reason')}",
+                             {"tag": f.get("tag"), "reason": f.get("reason"), "source": "job"})
+        sup.store.update_incident_status(sid, IncidentStatus.resolved, "the job fell back to the previous valid tag")
+    elif rec.event == "exiting":
+        sup.last_exiting = str(f.get("reason"))
+    elif rec.event == "fault_injected":
+        log.info("fault injected by the job", fault=f.get("fault", f.get("kind")), step=rec.step)
+        sup.say(f"[fault injected by the job: {f.get('fault', f.get('kind'))} at step {rec.step}]")
 
 
 def handle_outputs(sup: Supervisor, out: Iterable[Finding | Decision], step: int) -> None:

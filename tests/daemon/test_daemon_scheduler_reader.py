@@ -156,14 +156,16 @@ def test_a_record_whose_handling_raises_is_logged_counted_and_skipped(tmp_path, 
 
     sup = _fake_sup(tmp_path)
     _emit(sup, kind="event", event="started", step=0)
-    real = sup._on_event
+    from ulyssesd.daemon.core import decisions
 
-    def flaky(rec):
+    real = decisions.on_event
+
+    def flaky(sup_, rec):
         if rec.event == "checkpoint_saved":
             raise RuntimeError("store hiccup")
-        return real(rec)
+        return real(sup_, rec)
 
-    monkeypatch.setattr(sup, "_on_event", flaky)
+    monkeypatch.setattr(decisions, "on_event", flaky)
     _emit(sup, kind="event", event="checkpoint_saved", step=0, tag="step-00000000")
     _steps(sup, 1, 2)  # the records after it are still handled
     assert sup.record_errors == 1 and sup.last_step == 2

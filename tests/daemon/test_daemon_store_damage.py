@@ -17,6 +17,7 @@ import pytest
 from uls_daemon_helpers import fake_spec
 from uls_daemon_helpers import wait_for as _wait
 
+from ulyssesd.daemon.core import housekeeping
 from ulyssesd.daemon.store import open_store
 
 
@@ -103,13 +104,13 @@ def test_failed_integrity_check_mid_run_is_an_incident(tmp_path, make_sup, monke
     spec = fake_spec(tmp_path, steps=5)
     sup = make_sup(spec)
     sup.start()
-    sup.job_maintenance()  # healthy: nothing recorded
+    housekeeping.maintenance(sup)  # healthy: nothing recorded
     assert sup.store.list_incidents(sup.run_id, symptom="store_damaged") == []
     bad = MaintenanceResult(ok=False, integrity=["*** in database main ***", "Page 7: btreeInitPage() returns error"],
                             wal_busy=0, wal_frames=0, wal_checkpointed=0, db_bytes=0, wal_bytes_before=0,
                             wal_bytes_after=0, seconds=0.0)
     monkeypatch.setattr(sup.store, "maintenance", lambda **kw: bad)
-    sup.job_maintenance()
+    housekeeping.maintenance(sup)
     (inc,) = sup.store.list_incidents(sup.run_id, symptom="store_damaged")
     assert "btreeInitPage" in inc.summary and inc.severity.value == "critical"
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from uls_daemon_helpers import fake_spec
 
+from ulyssesd.daemon.core.launch import checkpoint_for
 from ulyssesd.daemon.core.states import TRANSITIONS, IllegalTransition, can_transition, check_transition
 from ulyssesd.daemon.host.process import ExitStatus, HostLoad, JobHandle
 from ulyssesd.daemon.spec import load_run_spec
@@ -264,7 +265,7 @@ def test_rollback_picks_newest_valid_tag_at_or_before_target_and_sets_newer_asid
     sup.start()
     for s in (5, 10, 15):
         _make_tag(sup.ckpt_dir, s)
-    tag, notes = sup._choose_checkpoint(rollback_to_step=7)
+    tag, notes = checkpoint_for(sup, rollback_to_step=7)
     assert tag == "step-00000005" and notes == []
     names = sorted(p.name for p in sup.ckpt_dir.iterdir())
     assert any(n.startswith("step-00000010.rolledback-") for n in names)
@@ -277,7 +278,7 @@ def test_rollback_target_pruned_falls_back_to_oldest_valid_not_scratch(tmp_path)
     sup.start()
     for s in (10, 15):
         _make_tag(sup.ckpt_dir, s)
-    tag, notes = sup._choose_checkpoint(rollback_to_step=7)
+    tag, notes = checkpoint_for(sup, rollback_to_step=7)
     assert tag == "step-00000010"
     assert "no valid checkpoint at or before step 7" in notes[0]
     assert any(p.name.startswith("step-00000015.rolledback-") for p in sup.ckpt_dir.iterdir())
@@ -289,7 +290,7 @@ def test_corrupt_newest_tag_quarantined_previous_used(tmp_path):
     for s in (5, 10):
         _make_tag(sup.ckpt_dir, s)
     (sup.ckpt_dir / "step-00000010" / "state.bin").write_bytes(b"\xff" * 64)  # same size, flipped bytes
-    tag, notes = sup._choose_checkpoint(rollback_to_step=None)
+    tag, notes = checkpoint_for(sup, rollback_to_step=None)
     assert tag == "step-00000005"
     assert "step-00000010 invalid" in notes[0] and "sha256" in notes[0] and "quarantined" in notes[0]
 

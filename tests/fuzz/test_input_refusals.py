@@ -111,7 +111,7 @@ def test_replay_skips_a_line_longer_than_the_bound_without_holding_it(tmp_path):
 
 
 def test_a_hostile_checkpoint_manifest_makes_the_tag_invalid_not_the_daemon_crash(tmp_path):
-    from ulyssesd.daemon.core.resume import tag_gib
+    from ulyssesd.daemon.core.launch import tag_gib
     from ulyssesd.training.checkpoint import validate_tag
 
     tag = tmp_path / "step-00000010"

@@ -1,0 +1,151 @@
+"""The loop's periodic jobs and the store's health: what the scheduler runs between ticks.
+
+Checkpoint retention, store maintenance (integrity check), store backups, closing stale attempts and a
+status line, each on its own interval (`[daemon] *_every_s`); and, every tick, the one-stat check that the
+database file was not deleted, replaced or damaged under the daemon (then it is mended in place from the
+open connection or restored from the newest backup, this run re-derived from its directory, and an
+incident says what was recovered).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.host.process import ExitStatus, JobHandle
+from ulyssesd.daemon.job import config as jc
+from ulyssesd.daemon.store.enums import IncidentStatus, Severity, Symptom
+
+if TYPE_CHECKING:
+    from ulyssesd.daemon.supervisor import Supervisor
+
+log = get_logger("ulyssesd.supervisor")
+
+
+def setup(sup: Supervisor) -> None:
+    """Register the periodic jobs with the supervisor's scheduler (none in tests that pass no scheduler)."""
+    if sup.scheduler is None:
+        return
+    d = sup.dcfg
+    sup.scheduler.add("checkpoint_retention", d.retention_every_s, lambda: retention(sup))
+    sup.scheduler.add("store_maintenance", d.maintenance_every_s, lambda: maintenance(sup))
+    if hasattr(sup.store, "backup_into"):
+        sup.scheduler.add("store_backup", d.backup_every_s, lambda: backup(sup))
+    sup.scheduler.add("stale_attempt_sweep", d.sweep_every_s, lambda: sweep_stale_attempts(sup))
+    sup.scheduler.add("status_summary", d.status_every_s, lambda: status_summary(sup))
+    sup.scheduler.start()
+
+
+def retention(sup: Supervisor) -> None:
+    """Prune old checkpoints (keep_last, the disk guard); known-good tags are kept as anchors."""
+    from ulyssesd.training import checkpoint as ck
+
+    if not sup.ckpt_dir.is_dir():
+        return
+    anchors = [c.tag for c in sup.store.list_checkpoints(sup.run_id) if getattr(c, "known_good", False)]
+    keep = int(jc.get_dotted(sup.config, "checkpoint.keep_last", 3))
+    removed = ck.prune(sup.ckpt_dir, keep_last=keep, anchors=anchors)
+    removed += ck.disk_guard(sup.ckpt_dir, int(sup.dcfg.min_free_gib * (1 << 30)), keep_min=1, anchors=anchors)
+    for tag in removed:
+        log.info("checkpoint pruned", tag=tag)
+        if hasattr(sup.store, "mark_checkpoint_pruned"):
+            sup.store.mark_checkpoint_pruned(sup.run_id, tag)
+
+
+def maintenance(sup: Supervisor) -> None:
+    """The store's own upkeep and integrity check; a damaged database under a running daemon is an incident."""
+    res = sup.store.maintenance()
+    if getattr(res, "ok", True) is False and sup.run_id:
+        # Damaged under a running daemon: the backup job now refuses unsound copies (the last good ones
+        # stay), and the next daemon start restores the newest one. Say it once per distinct result.
+        iid = sup.incidents.incident(Symptom.store_damaged, sup.last_step or 0, Severity.critical,
+                             f"integrity_check failed: {'; '.join(res.integrity[:3])[:300]}; restart the "
+                             "daemon to restore the newest good backup (the job keeps training)",
+                             {"integrity": res.integrity[:20], "path": str(sup.store.path)})
+        sup.alert("incident", f"store {sup.store.path} damaged: {res.integrity[:1]}")
+        log.error("store integrity check failed", incident=iid, integrity=res.integrity[:5])
+
+
+def backup(sup: Supervisor) -> None:
+    """A consistent copy of the store next to the state dir (the newest `backups_keep` are kept)."""
+    from ulyssesd.daemon.store.recovery import BACKUP_DIR_NAME, write_backup
+
+    path = write_backup(sup.store, Path(sup.dcfg.state_dir) / BACKUP_DIR_NAME, keep=sup.dcfg.backups_keep)
+    log.info("store backup written", path=str(path))
+
+
+def check_store_file(sup: Supervisor) -> None:
+    """Database file deleted or replaced under us (one stat): re-create it from the open connection
+    before anything is written to an inode nobody can read, and say so (store/recovery.py)."""
+    if not hasattr(sup.store, "file_problem"):
+        return
+    from ulyssesd.daemon.store.recovery import mend_replaced_file
+
+    problem = mend_replaced_file(sup.store)
+    if problem is None:
+        check_store_damage(sup)
+        return
+    log.warning("store file re-created", problem=problem, path=str(sup.store.path))
+    sup.say(f"WARNING: {problem}; re-created it from the open connection (nothing lost)")
+    if sup.run_id:
+        iid = sup.incidents.incident(Symptom.store_damaged, sup.last_step or 0, Severity.warning,
+                             f"{problem}; re-created from the daemon's open connection, no history lost",
+                             {"problem": problem, "path": str(sup.store.path), "recovered": "everything"})
+        sup.store.update_incident_status(iid, IncidentStatus.resolved, "database re-created in place")
+
+
+def check_store_damage(sup: Supervisor) -> None:
+    """The database file itself damaged under us (emptied, header overwritten, truncated: one 100-byte
+    read): salvage it from the open connection or restore the newest backup, re-derive this run from its
+    directory, forget in-memory references to incidents the restored store does not have, say so."""
+    from ulyssesd.daemon.store import recovery
+
+    got = recovery.mend_damaged_file(sup.store, sup.dcfg.state_dir)
+    if got is None:
+        return
+    log.warning("store damaged under the daemon", **{k: str(v) for k, v in got.items()})
+    if sup.run_id:
+        try:
+            sup.store.get_run(sup.run_id)
+        except LookupError:  # the restored database predates this run: rebuild it from its directory
+            recovery.adopt_run_dir(sup.store, sup.run_dir, sup.run_id,
+                                   spec_path=str(Path(sup.spec.source).resolve()))
+        # This daemon's state is the truth; a restored backup may hold an older one (no-op when equal).
+        sup.store.set_run_state(sup.run_id, sup.state, "store restored under the running daemon",
+                                 attempt=sup.attempt or None)
+        what = recovery.rederive_run(sup.store, sup.run_id, sup.run_dir, ckpt_dir=sup.ckpt_dir,
+                                     telemetry=sup.telemetry_path)
+        if sup.reader is not None:  # what this daemon has processed, not the file's end
+            sup.store.set_telemetry_cursor(sup.run_id, path=str(sup.telemetry_path),
+                                            inode=sup.reader.cursor.inode, offset=sup.reader.cursor.offset,
+                                            last_step=sup.last_step)
+        known = {i.id for i in sup.store.list_incidents(sup.run_id)}
+        sup.incidents.forget_unknown(known)
+        what.update(got)
+        iid = sup.incidents.incident(Symptom.store_damaged, sup.last_step or 0, Severity.warning,
+                             f"{got['problem']}; recovered from {got['recovered_from']}"
+                             + (f" (incidents/actions after {got['lost_since']} are not in the store)"
+                                if got.get("lost_since") else ", nothing lost"), what)
+        sup.store.update_incident_status(iid, IncidentStatus.resolved, "database recovered in place")
+    sup.say(f"WARNING: {got['problem']}; recovered from {got['recovered_from']}")
+
+
+def sweep_stale_attempts(sup: Supervisor) -> None:
+    """Attempts the store thinks are live but whose process is gone (e.g. left by a crashed daemon
+    for another run) are closed with what their exit file says."""
+    from ulyssesd.daemon.host.process import _read_exit_file
+
+    for a in sup.store.list_attempts(sup.run_id):
+        if a.ended_at is not None or a.number == sup.attempt or not a.pid or not a.proc_start_time:
+            continue
+        h = JobHandle(a.pid, a.proc_start_time)
+        if not sup.os.is_alive(h):
+            st = _read_exit_file(sup.run_dir / "attempts" / f"{a.number}.exit") or ExitStatus(None, None, "unknown")
+            sup.store.end_attempt(sup.run_id, a.number, returncode=st.returncode, signal=st.signal)
+            log.info("stale attempt closed", attempt=a.number, status=st.describe())
+
+
+def status_summary(sup: Supervisor) -> None:
+    """One structured status line in the daemon log."""
+    log.info("status", **sup.status_dict())

@@ -1,0 +1,247 @@
+"""The next attempt: which checkpoint it resumes from, the pre-launch checks, and spawning it.
+
+`launch` (the supervisor's `launch`) probes the run directory, picks the checkpoint (`choose_checkpoint`:
+validate tags newest -> oldest, quarantine bad ones, and on a rollback set aside the tags after the
+rollback point: renamed, never deleted, they are evidence), refuses to start a run over from scratch when
+every checkpoint is bad, runs the preflight on the config the attempt will run, and spawns the launcher
+with bounded retries. The restart budget and backoff before it are `relaunch.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import tenacity
+
+from ulyssesd.daemon.core import relaunch
+from ulyssesd.daemon.core.relaunch import Relaunch
+from ulyssesd.daemon.core.termination import RankWatch
+from ulyssesd.daemon.host import disk
+from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.host.process import JobHandle
+from ulyssesd.daemon.job import config as jc
+from ulyssesd.daemon.job.launcher import LaunchPlan, build_launch
+from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
+
+if TYPE_CHECKING:
+    from ulyssesd.daemon.supervisor import Supervisor
+
+log = get_logger("ulyssesd.supervisor")
+S = RunState
+
+
+class LaunchError(RuntimeError):
+    """The launcher could not be started even after the bounded retries."""
+
+
+
+def choose_checkpoint(ckpt_dir: Path, rollback_to_step: int | None, *, verify: bool, verify_max_gib: float,
+                      store: Any, run_id: str, clock: Callable[[], float],
+                      say: Callable[[str], None]) -> tuple[str, list[str]]:
+    """Validate tags newest -> oldest, quarantine bad ones; return (tag or "none", notes).
+
+    `verify`: checksum verification (checkpoint.verify_checksums), skipped for tags over `verify_max_gib`;
+    invalid and set-aside tags are recorded in `store` for `run_id`."""
+    from ulyssesd.training import checkpoint as ck
+
+    notes: list[str] = []
+
+    def bad(tag: str, reason: str) -> None:
+        notes.append(f"{tag} invalid: {reason}")
+        try:
+            moved = ck.quarantine(ckpt_dir / tag)
+            notes[-1] += f"; quarantined as {moved.name}"
+        except OSError as exc:
+            notes[-1] += f"; quarantine failed: {exc}"
+        store.upsert_checkpoint(run_id, tag, step=ck.step_of_tag(tag) or 0, valid=False, invalid_reason=reason)
+
+    if not ckpt_dir.exists():
+        return "none", notes
+    if not os.access(ckpt_dir, os.R_OK | os.X_OK):
+        raise PermissionError(f"checkpoint directory {ckpt_dir} is not readable by uid {os.geteuid()}")
+    tags = ck.list_tags(ckpt_dir)
+
+    def first_valid(candidates: list[str]) -> str | None:
+        for tag in candidates:
+            gib_ok = tag_gib(ckpt_dir, tag) <= verify_max_gib
+            ok, reason = ck.validate_tag(ckpt_dir / tag, verify and gib_ok)
+            if ok:
+                return tag
+            bad(tag, reason)
+        return None
+
+    if rollback_to_step is None:
+        chosen = first_valid(list(reversed(tags)))
+    else:
+        older = [t for t in tags if (ck.step_of_tag(t) or 0) <= rollback_to_step]
+        chosen = first_valid(list(reversed(older)))
+        if chosen is None and rollback_to_step > 0:
+            # The rollback target is gone (pruned, or invalid): the closest valid tag after it beats
+            # starting from scratch and losing the whole run.
+            chosen = first_valid([t for t in tags if (ck.step_of_tag(t) or 0) > rollback_to_step])
+            if chosen is not None:
+                notes.append(f"no valid checkpoint at or before step {rollback_to_step} (pruned or invalid); "
+                             f"rolled back to the oldest valid one, {chosen}")
+        # Tags after the rollback point belong to the abandoned (bad) trajectory: set them aside so a
+        # later plain restart ("latest") can never resume from them. Renamed, not deleted (evidence).
+        limit = ck.step_of_tag(chosen) if chosen else rollback_to_step
+        for t in ck.list_tags(ckpt_dir):
+            if (ck.step_of_tag(t) or 0) > (limit or 0):
+                target = ckpt_dir / f"{t}.rolledback-{int(clock())}"
+                os.rename(ckpt_dir / t, target)
+                log.info("checkpoint set aside", tag=t, to=target.name)
+                say(f"  {t} set aside as {target.name} (after the rollback point)")
+                store.upsert_checkpoint(run_id, t, step=ck.step_of_tag(t) or 0, valid=False,
+                                        invalid_reason=f"rolled back past it (to step {limit})")
+    if chosen is None:
+        return "none", notes
+    try:
+        ck.point_latest_to(ckpt_dir, chosen)
+    except OSError as exc:
+        # A full or read-only disk fails this small temp write; the job rewrites `latest` itself before it
+        # loads (training/train_checkpoints.py), so the resume still goes to `chosen`. Not a checkpoint problem.
+        log.warning("could not rewrite latest (the job will)", tag=chosen, error=repr(exc))
+    return chosen, notes
+
+
+def tag_gib(ckpt_dir: Path, tag: str) -> float:
+    """The tag's size from its manifest (0 when unreadable), to skip checksums on huge tags."""
+    try:
+        files = json.loads((ckpt_dir / tag / "manifest.json").read_text()).get("files", {})
+        return sum(int(f.get("size", 0)) for f in files.values()) / (1 << 30)
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):  # a damaged manifest: size unknown
+        return 0.0
+
+
+def checkpoint_for(sup: Supervisor, rollback_to_step: int | None) -> tuple[str, list[str]]:
+    """Validate tags newest -> oldest, quarantine bad ones; return (tag or "none", notes)."""
+    return choose_checkpoint(
+        sup.ckpt_dir, rollback_to_step, verify=bool(jc.get_dotted(sup.config, "checkpoint.verify_checksums", True)),
+        verify_max_gib=sup.dcfg.verify_max_gib, store=sup.store, run_id=sup.run_id, clock=sup.os.time,
+        say=sup.say)
+
+
+def launch(sup: Supervisor, reason: str, rollback_to_step: int | None = None, incident_id: int | None = None) -> bool:
+    """Launch the next attempt. Returns False when the run ended instead (FAILED), or when the daemon's
+    own writes to the run directory fail for lack of space (retried later, bounded: relaunch.py)."""
+    try:
+        relaunch.probe_run_dir(sup.run_dir)
+        launched = start_attempt(sup, reason, rollback_to_step, incident_id)
+    except (OSError, LaunchError) as exc:
+        if disk.errno_of(exc) is None:
+            raise
+        return relaunch.own_write_failed(sup, exc, Relaunch(reason, incident_id, rollback_to_step))
+    sup.counters.own_write_failures = 0
+    return launched
+
+
+def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, incident_id: int | None) -> bool:
+    try:
+        tag, notes = checkpoint_for(sup, rollback_to_step)
+    except (PermissionError, OSError) as exc:
+        if disk.errno_of(exc) is not None:
+            raise  # our own write failed (full / read-only disk): not a checkpoint problem (_launch)
+        sup.fail(f"cannot read checkpoints: {exc}", symptom=Symptom.checkpoint_corrupt)
+        return False
+    if tag == "none" and notes and rollback_to_step is None:
+        # Checkpoints existed and none is valid: like the job's exit 3, refuse to silently start the
+        # run over from step 0; everything (quarantined tags included) is kept for a human.
+        sid = sup.incidents.incident(Symptom.checkpoint_corrupt, sup.last_step or 0, Severity.critical,
+                             "no valid checkpoint left; not restarting from scratch",
+                             {"invalid": notes, "ckpt_dir": str(sup.ckpt_dir)}, attempt=sup.attempt + 1)
+        sup.incidents.action(sid, ActionKind.stop, {"reason": "no valid checkpoint left"}, {}, ApplyMode.none)
+        sup.store.update_incident_status(sid, IncidentStatus.failed, "no valid checkpoint left")
+        sup.fail(f"no valid checkpoint left in {sup.ckpt_dir}: {'; '.join(notes)[:300]}")
+        return False
+    # "latest" = the newest valid tag, which is `tag` now that invalid ones are quarantined; an explicit
+    # tag (or "none") only for a rollback; the user's own choice stands on the first attempt.
+    want_load = "latest" if rollback_to_step is None else tag
+    if sup.attempt == 0:
+        want_load = jc.get_dotted(sup.config, "checkpoint.load")
+    if want_load != jc.get_dotted(sup.config, "checkpoint.load"):
+        sup.new_config_version({"checkpoint.load": want_load},
+                                 f"resume from {tag}" + (f" (rollback to <= step {rollback_to_step})"
+                                                         if rollback_to_step is not None else ""))
+    if notes:
+        sid = sup.incidents.incident(Symptom.checkpoint_corrupt, sup.last_step or 0, Severity.warning,
+                             f"checkpoint fallback: {notes[0][:120]}; resuming from {tag}",
+                             {"invalid": notes, "resumed_from": tag, "ckpt_dir": str(sup.ckpt_dir)},
+                             attempt=sup.attempt + 1)
+        sup.incidents.action(sid, ActionKind.restart, {"resume_from": tag, "skipped": notes}, {}, ApplyMode.restart)
+        sup.store.update_incident_status(sid, IncidentStatus.resolved, f"previous valid checkpoint {tag} used")
+        log.warning("checkpoint problem", notes=notes, using=tag)
+        sup.say(f"checkpoint problem: {'; '.join(notes)} -> using {tag}")
+    if rollback_to_step is not None:
+        from ulyssesd.training.checkpoint import step_of_tag
+
+        sup.latest_ckpt = (tag, step_of_tag(tag) or 0) if tag != "none" else None
+    if sup.attempt > 0 and sup.preflight is not None:
+        verdict = sup.preflight(sup.config)  # fails closed: a planner error is a refusal too
+        if verdict is not None:
+            sup.fail(f"preflight refused config v{sup.config_version}: {verdict}", symptom=Symptom.launch_failure)
+            return False
+    sup.attempt += 1
+    # A fresh attempt reads control.json from scratch: neutral file (no keys = no change).
+    jc.write_control(sup.run_dir, suspect=False)
+    launcher = sup.spec.launcher
+    if sup.launch_env:
+        launcher = launcher.model_copy(update={"env": {**launcher.env, **{k: str(v) for k, v in sup.launch_env.items()
+                                                                          if v is not None}}})
+    plan = build_launch(launcher, run_id=sup.run_id, run_dir=sup.run_dir, attempt=sup.attempt,
+                        config_version=sup.config_version, job=sup.spec.job_section,
+                        rollback_to_step=rollback_to_step, slurm=sup.spec.slurm)
+    takeover = sup.standby.take(sup, plan)  # a warm standby's gate opened, or why not (job/standby.py)
+    plan, reason = takeover.plan or plan, reason + takeover.note
+    try:
+        job = takeover.job or spawn_with_retries(sup, plan)
+    except LaunchError as exc:
+        if disk.errno_of(exc) is not None:
+            sup.attempt -= 1  # not launched (its log file could not be written): retried later, same number
+            raise
+        sup.store.add_attempt(sup.run_id, number=sup.attempt, command=plan.argv,
+                               config_version=sup.config_version, resumed_from=tag, host=socket.gethostname())
+        sup.store.end_attempt(sup.run_id, sup.attempt, returncode=127, diagnosis="launcher_error",
+                               diagnosis_evidence=[str(exc)])
+        sup.fail(str(exc), symptom=Symptom.launch_failure)
+        return False
+    sup.job = job
+    sup.store.add_attempt(sup.run_id, number=sup.attempt, command=plan.argv, config_version=sup.config_version,
+                           resumed_from=None if tag == "none" else tag, host=socket.gethostname(),
+                           pid=job.pid, pgid=job.pgid, proc_start_time=job.start_time)
+    sup.attempt_started_mono = sup.os.monotonic()
+    sup.attempt_progress = False
+    sup.last_exiting = None
+    sup.hang_diagnosis, sup.rank_lost = None, None
+    sup.rank_watch = RankWatch(sup.dcfg.rank_exit_grace_s, sup.dcfg.rank_watch_every_s)
+    sup.incidents.settle_unacted("the attempt ended before any action on it")
+    if sup.engine is not None:
+        sup.engine.on_restart(sup.os.time(), attempt=sup.attempt)
+    if sup.state != S.STARTING:
+        sup.set_state(S.STARTING, f"attempt {sup.attempt} launched ({reason}) from {tag}")
+    log.info("launched", run_id=sup.run_id, attempt=sup.attempt, pid=job.pid, resume=tag, reason=reason,
+             config_version=sup.config_version)
+    sup.say(f"attempt {sup.attempt} launched (pid {job.pid}, config v{sup.config_version}, resume {tag}): {reason}")
+    return True
+
+
+def spawn_with_retries(sup: Supervisor, plan: LaunchPlan) -> JobHandle:
+    """Bounded retries with exponential backoff + jitter for launches that fail to start at all
+    (fork/exec errors, a missing interpreter). The waits are short and bounded (≤ ~10 s total)."""
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(sup.dcfg.launch_retries + 1),
+        wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=4.0, jitter=0.5),
+        retry=tenacity.retry_if_exception_type(OSError),
+        before_sleep=lambda rs: log.warning("launch failed, retrying", attempt=rs.attempt_number,
+                                            error=repr(rs.outcome.exception() if rs.outcome else None)),
+        reraise=True,
+    )
+    try:
+        return retrying(sup.os.spawn, plan.argv, plan.env, plan.cwd, plan.log_path)
+    except OSError as exc:
+        raise LaunchError(f"cannot start the launcher after {sup.dcfg.launch_retries + 1} tries: "
+                          f"{plan.argv[0]}: {exc}") from exc

@@ -1,0 +1,210 @@
+"""Start-up: create the run, or re-adopt the unfinished one a previous daemon left behind.
+
+Re-adoption is exact because everything lives in the store and the run directory: the config versions, the
+attempts (a live job is adopted by pid and start time), the telemetry cursor (the engine is warmed by
+re-reading what was already processed, its decisions dropped), the incidents waiting for a fix to be
+verified, and a relaunch the dead daemon had decided but not carried out (a pending rollback included).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ulyssesd.daemon.core import decisions
+from ulyssesd.daemon.core.incident_log import jsonable
+from ulyssesd.daemon.core.relaunch import Relaunch
+from ulyssesd.daemon.core.states import LIVE_JOB_STATES, TERMINAL
+from ulyssesd.daemon.core.termination import TerminationPlan, Then
+from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.host.process import JobHandle
+from ulyssesd.daemon.job import config as jc
+from ulyssesd.daemon.job import slurm_supervise
+from ulyssesd.daemon.job.telemetry_reader import Cursor, TelemetryReader
+from ulyssesd.daemon.store.enums import ApplyMode, RunState
+from ulyssesd.daemon.store.permissions import private_dir
+from ulyssesd.daemon.store.recovery import refuse_unknown_run_dirs
+
+if TYPE_CHECKING:
+    from ulyssesd.daemon.supervisor import Supervisor
+
+log = get_logger("ulyssesd.supervisor")
+S = RunState
+
+
+def find_existing_run(sup: Supervisor) -> Any:
+    """The unfinished run to re-adopt: the one `--run-id`/`[run] run_id` names (from its directory when the
+    store lost it), else the unfinished run of this spec file; None when there is none (a new run)."""
+    rid = sup.requested_run_id or sup.spec.run.run_id
+    if rid:
+        try:
+            run = sup.store.get_run(rid)
+        except LookupError:
+            run = None
+        if run is not None and RunState(run.state) not in TERMINAL:
+            return run
+        if run is not None:
+            raise RuntimeError(f"run {rid} already ended as {run.state}; choose a new --run-id")
+        run_dir = Path(sup.dcfg.state_dir) / "runs" / rid
+        if run_dir.is_dir():  # the store lost it (emptied / replaced database): adopt it from its directory
+            return adopt_run_dir(sup, run_dir, rid)
+        return None
+    # Under systemd the daemon restarts with the same command line: pick up the unfinished run of
+    # this spec instead of starting a second one beside it.
+    for run in sup.store.list_runs():
+        if RunState(run.state) not in TERMINAL and run.spec_path == str(Path(sup.spec.source).resolve()):
+            return run
+    return None
+
+
+def adopt_run_dir(sup: Supervisor, run_dir: Path, rid: str) -> Any:
+    """`--run-id X` of a run directory the store does not know: rebuild its rows from the directory
+    (configs, checkpoints' manifests, attempts, telemetry cursor; store/recovery.py) and re-adopt it."""
+    from ulyssesd.daemon.store import recovery
+
+    run = recovery.adopt_run_dir(sup.store, run_dir, rid, spec_path=str(Path(sup.spec.source).resolve()))
+    if sup.run_lock is not None:
+        sup.run_lock(run_dir, rid)
+    what = recovery.rederive_run(sup.store, rid, run_dir)
+    recovery.settle_adopted_state(sup.store, run, what)
+    recovery.record_recovery(sup.store, rid, what, (
+        f"run directory {run_dir} re-adopted with --run-id (the store did not know it): "
+        f"{len(what['config_versions'])} config version(s), {len(what['checkpoints'])} checkpoint(s), "
+        f"{len(what['attempts'])} attempt(s) re-derived, telemetry cursor at step {what['last_step']}"))
+    log.info("run re-adopted from its directory", run_id=rid, run_dir=str(run_dir))
+    sup.say(f"run {rid} re-adopted from its directory {run_dir}")
+    return sup.store.get_run(rid)
+
+
+def create_run(sup: Supervisor) -> None:
+    rid = sup.requested_run_id or sup.spec.run.run_id or (
+        f"{sup.spec.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(sup.os.time()))}")
+    sup.run_id = rid
+    sup.run_dir = Path(sup.dcfg.state_dir) / "runs" / rid
+    refuse_unknown_run_dirs(sup.store, Path(sup.dcfg.state_dir), rid, sup.spec.source)
+    for d in (sup.run_dir, sup.run_dir / "configs", sup.run_dir / "logs"):
+        private_dir(d)
+    if sup.run_lock is not None:
+        sup.run_lock(sup.run_dir, rid)
+    src = Path(sup.spec.source)
+    if src.is_file():
+        (sup.run_dir / "spec.toml").write_bytes(src.read_bytes())
+    sup.config = sup.spec.job.model_dump(mode="json")
+    sup.store.create_run(rid, run_dir=str(sup.run_dir), spec_path=str(src.resolve()),
+                          spec=jsonable(sup.spec.raw), state=S.STARTING, reason="daemon started the run")
+    # Stored configs carry the launcher env overrides remediation may add (`launcher.env.X`), so diffs
+    # show them by their dotted key; the job's configs/vN.json stays a pure JobSpec.
+    sup.store.add_config_version(rid, {**sup.config, "launcher": {"env": {}}}, reason="initial spec",
+                                  parent_version=None, version=1)
+    jc.write_json_atomic(sup.run_dir / "configs" / "v1.json", sup.config)
+    sup.config_version = 1
+    sup.engine = sup.engine_factory(sup.spec, sup.config)
+    sup.reader = TelemetryReader(sup.telemetry_path)
+    log.info("run created", run_id=rid, run_dir=str(sup.run_dir))
+    sup.say(f"run {rid} created in {sup.run_dir}")
+
+
+def adopt(sup: Supervisor, run: Any) -> None:
+    """Resume supervising a run a previous daemon left behind (its job may still be running)."""
+    sup.run_id = run.id
+    sup.run_dir = Path(run.run_dir)
+    if sup.run_lock is not None:
+        sup.run_lock(sup.run_dir, run.id)
+    sup.state = RunState(run.state)
+    cv = sup.store.list_config_versions(run.id)
+    latest = max(cv, key=lambda c: c.version)
+    sup.config_version, sup.config = latest.version, dict(latest.config)
+    sup.launch_env = dict((sup.config.pop("launcher", None) or {}).get("env") or {})
+    # The engine starts from v1 (its bounds are relative to the initial values) and the warm-up replay
+    # walks it through the same decisions again, so its values end where the stored config is.
+    v1 = dict(min(cv, key=lambda c: c.version).config)
+    v1.pop("launcher", None)
+    sup.engine = sup.engine_factory(sup.spec, v1)
+    attempts = sup.store.list_attempts(run.id)
+    now = sup.os.time()
+    sup.counters.restarts = [a.started_at.timestamp() for a in attempts[1:] if now - a.started_at.timestamp() < 3600]
+    cursor = sup.store.get_telemetry_cursor(run.id)
+    sup.reader = TelemetryReader(sup.telemetry_path,
+                                  Cursor(cursor.inode, cursor.offset) if cursor is not None else None)
+    for ck in sup.store.list_checkpoints(run.id):
+        if ck.valid and (sup.latest_ckpt is None or ck.step > sup.latest_ckpt[1]):
+            sup.latest_ckpt = (ck.tag, ck.step)
+    sup.incidents.pick_up(run.id)
+    if not attempts:
+        sup.launch(reason="adopted a run that never launched")
+        return
+    a = attempts[-1]
+    sup.attempt = a.number
+    warm_engine(sup, a.number)
+    if a.pid and a.proc_start_time and a.ended_at is None:
+        sup.job = JobHandle(a.pid, a.proc_start_time)
+        alive = sup.os.is_alive(sup.job)
+        if not alive and (watcher := slurm_supervise.reattach(sup, a)) is not None:
+            sup.job, alive = watcher, True  # its Slurm job still runs: a new watcher took it over
+        log.info("re-adopting", run_id=run.id, attempt=a.number, pid=a.pid, alive=alive, state=sup.state.value)
+        sup.say(f"re-adopted run {run.id} attempt {a.number} (pid {a.pid}, {'alive' if alive else 'gone'})")
+        sup.attempt_started_mono = sup.os.monotonic()
+        sup.attempt_progress = sup.last_step is not None
+        if sup.state == S.STOPPING:
+            sup.begin_termination("stop (re-adopted while stopping)", TerminationPlan(Then.STOP),
+                                    grace=sup.dcfg.stop_grace_s)
+        elif sup.state in (S.REMEDIATING, S.RESTARTING):
+            # We were restarting: finish the job off and relaunch from the latest valid checkpoint.
+            sup.begin_termination("restart (re-adopted mid-restart)", TerminationPlan.relaunching(
+                decided_relaunch(sup, a.number, "re-adopted mid-restart", True)), grace=sup.dcfg.stop_grace_s)
+        # else: the exit (if any) is noticed by the next tick
+    elif sup.state == S.BACKOFF:
+        sup.pending_relaunch = decided_relaunch(sup, a.number, "re-adopted during backoff", False)
+        sup.backoff_until = now
+    elif sup.state in LIVE_JOB_STATES:
+        sup.pending_relaunch = decided_relaunch(sup, a.number, "re-adopted with no live attempt", False)
+        sup.set_state(S.BACKOFF, "no live attempt after daemon restart")
+        sup.backoff_until = now
+
+
+def decided_relaunch(sup: Supervisor, attempt: int, reason: str, counts: bool) -> Relaunch:
+    """The relaunch a previous daemon decided for `attempt` but did not carry out (it died in between):
+    the newest restart-mode action on that attempt's incidents, read back from the store, so that a
+    rollback-and-skip is not silently turned into a restart from the latest, possibly bad, checkpoint."""
+    incidents = {i.id for i in sup.store.list_incidents(sup.run_id) if i.attempt == attempt}
+    decided = [a for a in sup.store.list_actions(run_id=sup.run_id)
+               if a.incident_id in incidents and a.mode == ApplyMode.restart and not a.observe_only]
+    if not decided:
+        return Relaunch(reason, counts_against_budget=counts)
+    last = decided[-1]
+    target = (last.parameters or {}).get("rollback_to_step")
+    rollback = target if isinstance(target, int) and not isinstance(target, bool) else None
+    if rollback is not None:
+        log.info("pending rollback picked up from the store", to_step=rollback, action=last.id)
+        sup.say(f"pending rollback to <= step {rollback} (action {last.id}) picked up from the store")
+        reason += f"; pending rollback to <= step {rollback}"
+    return Relaunch(reason, last.incident_id, rollback, counts_against_budget=counts)
+
+
+def warm_engine(sup: Supervisor, attempt: int) -> None:
+    """Feed the current attempt's already-processed records to a fresh engine (baselines, hang clock)
+    and drop its decisions: they were acted upon by the previous daemon."""
+    assert sup.reader is not None
+    limit = sup.reader.cursor.offset
+    if limit <= 0 or not sup.telemetry_path.exists():
+        return
+    warm = TelemetryReader(sup.telemetry_path)
+    fed = 0
+    while warm.cursor.offset < limit:
+        scanned = warm.scanned_to
+        batch = warm.read()
+        if not batch and warm.scanned_to == scanned:  # bad lines or an over-long one still move it
+            break
+        for rec, off in batch:
+            if off > limit:
+                break
+            decisions.track(sup, rec)
+            # Every attempt's records, at their own timestamps: restart history (budget), known-good
+            # tags and baselines come back as they were; `started` events re-run the engine's restarts.
+            try:
+                sup.engine.observe(rec, rec.time if rec.time is not None else sup.os.time())
+            except Exception as exc:  # noqa: BLE001
+                log.warning("engine warm-up failed on a record", error=repr(exc))
+            fed += 1
+    log.info("engine warmed from telemetry", records=fed, up_to_offset=limit, attempt=attempt)
