@@ -1,4 +1,4 @@
-"""A store that survives damage (store/recovery.py): real SQLite files damaged the ways an operator or a
+"""A store that survives damage (store/recovery/): real SQLite files damaged the ways an operator or a
 disk does it — random bytes, truncation, emptied to 0 bytes, deleted while open — and real run
 directories (config files, checkpoint tags with manifests, telemetry) to re-derive from."""
 
@@ -311,3 +311,20 @@ def test_restored_mid_restart_state_does_not_kill_the_newer_live_attempt(tmp_pat
     assert (att.number, att.pid, att.proc_start_time) == (2, os.getpid(), 123.0)
     assert st.get_attempt(RUN, 1).ended_at is not None
     st.close()
+
+
+def test_telemetry_end_skips_a_torn_or_hostile_last_line(tmp_path):
+    from ulyssesd.daemon.store.recovery import telemetry_end
+
+    tel = tmp_path / "telemetry.jsonl"
+    _steps(tel, 1, 8)
+    healthy = telemetry_end(tel)
+    assert healthy is not None and healthy[1:] == (tel.stat().st_size, 7)
+    # A line nested 100k deep (json.loads raises RecursionError, not ValueError), then a torn line: the
+    # cursor goes after the deep line (it is complete) and the last step is still the last real one.
+    with tel.open("ab") as fh:
+        fh.write(b"[" * 100_000 + b"]" * 100_000 + b"\n")
+        fh.write(b'{"kind": "step", "step": 9, "lo')
+    inode, offset, last_step = telemetry_end(tel)
+    assert (inode, last_step) == (tel.stat().st_ino, 7)
+    assert offset == tel.stat().st_size - len(b'{"kind": "step", "step": 9, "lo')

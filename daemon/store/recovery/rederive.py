@@ -5,7 +5,9 @@ marker, the telemetry cursor at the end of the last complete line)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,50 +29,57 @@ def _numbers(d: Path, pattern: re.Pattern[str]) -> set[int]:
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_bytes()[: 16 << 20])
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
+
+
+def _telemetry_tail(path: Path) -> tuple[int, int, bytes] | None:
+    """(inode, offset where the tail starts, the file's last TELEMETRY_TAIL_BYTES up to its size when
+    opened), or None when it cannot be read."""
+    try:
+        with path.open("rb") as fh:
+            st = os.fstat(fh.fileno())
+            start = max(0, st.st_size - TELEMETRY_TAIL_BYTES)
+            fh.seek(start)
+            return st.st_ino, start, fh.read(st.st_size - start)
+    except OSError:
+        return None
+
+
+def _records_newest_first(lines: bytes) -> Iterator[dict[str, Any]]:
+    """The JSON objects among `lines`, last line first; other lines (torn, garbage, too deep) skipped."""
+    for line in lines.splitlines()[::-1]:
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(rec, dict):
+            yield rec
 
 
 def telemetry_end(path: Path) -> tuple[int, int, int | None] | None:
     """(inode, offset just after the last complete line, last step seen in the file's last MiB)."""
-    try:
-        st = path.stat()
-        with path.open("rb") as fh:
-            start = max(0, st.st_size - TELEMETRY_TAIL_BYTES)
-            fh.seek(start)
-            tail = fh.read()
-    except OSError:
+    got = _telemetry_tail(path)
+    if got is None:
         return None
+    inode, start, tail = got
     end = tail.rfind(b"\n")
     if end < 0:
-        return (st.st_ino, start, None) if start else (st.st_ino, 0, None)
+        return inode, start, None
     last_step = None
-    for line in tail[: end + 1].splitlines()[::-1]:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        step = rec.get("step") if isinstance(rec, dict) else None
+    for rec in _records_newest_first(tail[: end + 1]):
+        step = rec.get("step")
         if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 1 << 62:
             last_step = step
             break
-    return st.st_ino, start + end + 1, last_step
+    return inode, start + end + 1, last_step
 
 
 def _last_exiting_reason(path: Path) -> str | None:
     """`reason` of the last `exiting` event in the telemetry file's last MiB."""
-    try:
-        with path.open("rb") as fh:
-            fh.seek(max(0, path.stat().st_size - TELEMETRY_TAIL_BYTES))
-            tail = fh.read()
-    except OSError:
-        return None
-    for line in tail.splitlines()[::-1]:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("event") == "exiting":
+    got = _telemetry_tail(path)
+    for rec in _records_newest_first(got[2] if got else b""):
+        if rec.get("event") == "exiting":
             reason = rec.get("reason")
             return reason if isinstance(reason, str) else None
     return None
