@@ -64,6 +64,7 @@ SYSTEM_BINARIES = ("ip", "unshare", "nsenter", "mount")
 CLAIMS_DIR = Path("/run/ulyssesd-slurm-test")
 MAX_INSTANCES = 16
 LOG_TAIL_CHARS = 2500
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
 # sinfo's node states that mean "usable, nothing running"
 IDLE_STATES = frozenset({"idle"})
 _RECORD_KEY = re.compile(r"[A-Z][A-Za-z0-9_:/]*")
@@ -282,6 +283,9 @@ class SlurmTestCluster:
         reason = missing_prerequisites()
         if reason:
             raise ClusterUnavailable(reason)
+        if len(str(self.munge_socket)) > UNIX_PATH_MAX:
+            raise ClusterError(f"base_dir {self.dir} is too long: the munge socket path under it would be "
+                               f"{len(str(self.munge_socket))} bytes, a unix socket path holds {UNIX_PATH_MAX}")
         reap_orphans()
         self._claim_instance()
         try:
@@ -297,9 +301,8 @@ class SlurmTestCluster:
             self._make_network()
             self._write_conf()
             self._start_slurmctld()
-            for node in self.node_names:
-                self._start_slurmd(node)
-            self.wait_idle(self.config.start_timeout_s)
+            slurmds = {node: self._start_slurmd(node) for node in self.node_names}
+            self.wait_idle(self.config.start_timeout_s, slurmds)
         except BaseException:
             self.down(check=False)
             raise
@@ -401,6 +404,9 @@ class SlurmTestCluster:
                     os.symlink(str(self.dir), claim)
                 except FileExistsError:
                     continue
+            if self.config.instance is None and not _port_free(16817 + 2 * i):
+                claim.unlink(missing_ok=True)  # something else listens on this instance's slurmctld port
+                continue
             self.instance = i
             return
         raise ClusterUnavailable(f"no free Slurm test cluster instance (0..{MAX_INSTANCES - 1} claimed under "
@@ -426,12 +432,15 @@ class SlurmTestCluster:
             _run(["mungekey", "--create", "--keyfile", str(key)])
         key.chmod(0o600)
         (self.dir / "munge").chmod(0o755)
-        self._spawn(["munged", "--foreground", "--force", f"--socket={self.munge_socket}",
+        child = self._spawn(["munged", "--foreground", "--force", f"--socket={self.munge_socket}",
                      f"--key-file={key}", f"--pid-file={self.dir / 'run' / 'munged.pid'}",
                      f"--log-file={self.munged_log}", f"--seed-file={self.dir / 'munge' / 'munged.seed'}",
                      "--num-threads=2"], self.dir / "log" / "munged.out")
 
         def credential_round_trips() -> bool:
+            if child.poll() is not None:
+                raise ClusterError(f"munged exited {child.returncode} at start; munged log:\n"
+                                   f"{_tail(self.munged_log)}\n{_tail(self.dir / 'log' / 'munged.out')}")
             if not self.munge_socket.exists():
                 return False
             enc = subprocess.run(["munge", "-n", "-S", str(self.munge_socket)], capture_output=True, timeout=10)
@@ -602,11 +611,16 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                     + _tail(self.slurmd_log(node)), interval=0.5)
         return seen[node]
 
-    def wait_idle(self, timeout: float = 60) -> None:
-        """Wait until every node is idle and answering (sinfo ``idle``, no ``*``)."""
+    def wait_idle(self, timeout: float = 60, slurmds: dict[str, subprocess.Popen[bytes]] | None = None) -> None:
+        """Wait until every node is idle and answering (sinfo ``idle``, no ``*``). With ``slurmds`` (node ->
+        the slurmd just started), a slurmd that exits fails the wait at once, quoting its log."""
         seen: dict[str, str] = {}
 
         def all_idle() -> bool:
+            for node, child in (slurmds or {}).items():
+                if child.poll() is not None:
+                    raise ClusterError(f"slurmd of node {node} exited {child.returncode} at start:\n"
+                                       f"{_tail(self.slurmd_log(node))}\n{_tail(self.dir / 'log' / f'slurmd.{node}.out')}")
             seen.clear()
             seen.update(self.node_states())
             return all(seen.get(n) in IDLE_STATES for n in self.node_names)
@@ -858,6 +872,16 @@ def _cpu_cgroup_root() -> Path | None:
     except OSError:
         return None
     return None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def _process_identity(pid: int) -> str:

@@ -4,6 +4,7 @@ look to Slurm like the real ones, and nothing is left behind."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -63,6 +64,31 @@ def test_missing_tools_and_non_root_are_named_as_the_skip_reason(monkeypatch, tm
     assert "apt-get install" in reason
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "needs root" in (sc.missing_prerequisites() or "")
+
+
+def test_a_daemon_that_cannot_start_is_named_with_its_log_and_nothing_is_left(slurm_cluster, tmp_path):
+    free = [i for i in range(sc.MAX_INSTANCES) if not (sc.CLAIMS_DIR / str(i)).exists()]
+    if not free:
+        pytest.skip("every test cluster instance is in use")
+    busy = sc.ClusterConfig(base_dir=tmp_path / "c", nodes=1, instance=free[-1])
+    with socket.socket() as squatter:  # slurmctld's port taken: it must fail, and say so
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("0.0.0.0", 16817 + 2 * free[-1]))
+        squatter.listen()
+        broken = sc.SlurmTestCluster(busy)
+        with pytest.raises(sc.ClusterError, match="slurmctld exited") as err:
+            broken.up()
+    assert "Address already in use" in str(err.value)  # its log tail is quoted
+    assert broken.leftovers() == []
+
+
+def test_a_base_dir_too_long_for_the_munge_socket_is_refused_up_front(tmp_path):
+    if sc.missing_prerequisites():
+        pytest.skip(sc.missing_prerequisites())
+    deep = sc.SlurmTestCluster(sc.ClusterConfig(base_dir=tmp_path / ("d" * 60) / ("e" * 60), nodes=1))
+    with pytest.raises(sc.ClusterError, match="too long: the munge socket path"):
+        deep.up()
+    assert deep.instance == -1  # nothing was claimed or started
 
 
 def test_sinfo_shows_three_idle_nodes_in_debug(slurm_cluster_clean):
