@@ -328,3 +328,20 @@ def test_telemetry_end_skips_a_torn_or_hostile_last_line(tmp_path):
     inode, offset, last_step = telemetry_end(tel)
     assert (inode, last_step) == (tel.stat().st_ino, 7)
     assert offset == tel.stat().st_size - len(b'{"kind": "step", "step": 9, "lo')
+
+
+def test_adopting_a_run_dir_whose_spec_is_a_fifo_does_not_hang(tmp_path):
+    from ulyssesd.daemon.store.recovery import adopt_run_dir
+
+    run_dir = tmp_path / "runs" / RUN
+    run_dir.mkdir(parents=True)
+    os.mkfifo(run_dir / "spec.toml")  # open() for reading would block until a writer appears
+    st = open_store(tmp_path / "other.db")
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(adopt_run_dir(st, run_dir, RUN, spec_path=None)),
+                              daemon=True)
+    worker.start()
+    worker.join(20)
+    assert done, "adopt_run_dir blocked on a FIFO spec.toml"
+    assert done[0].spec == {} and done[0].state == RunState.STARTING
+    st.close()

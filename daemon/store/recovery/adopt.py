@@ -18,11 +18,11 @@ def adopt_run_dir(store: Store, run_dir: Path, run_id: str, *, spec_path: str | 
     """Create the store's row for a run directory it does not know (the database was emptied, restored
     from an older backup, or replaced): state RUNNING when its job still runs, else BACKOFF (the daemon
     relaunches from the newest valid checkpoint), STARTING when it never launched."""
-    import tomllib
+    from ulyssesd.training.spec import SpecError, read_toml
 
-    try:
-        raw = tomllib.loads((run_dir / "spec.toml").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    try:  # bounded and refuses a special file: a spec.toml that is a FIFO must not hang the daemon's start
+        raw = read_toml(run_dir / "spec.toml")
+    except SpecError:
         raw = {}
     store.create_run(run_id, spec=json.loads(json.dumps(raw, default=str)), run_dir=str(run_dir),
                      spec_path=spec_path or str(run_dir / "spec.toml"), state="STARTING",
