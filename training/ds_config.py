@@ -92,9 +92,10 @@ def load_user_config(spec: JobSpec) -> tuple[dict[str, Any], str]:
     return deep_merge(base, spec.deepspeed.config), source
 
 
-def build_ds_config(spec: JobSpec, world_size: int, run_dir: str | Path | None = None
+def build_ds_config(spec: JobSpec, world_size: int, run_dir: str | Path | None = None, attempt: int | None = None
                     ) -> tuple[dict[str, Any], list[str]]:
-    """Return (DeepSpeed config, warnings). Raises SpecError listing every conflict."""
+    """Return (DeepSpeed config, warnings). Raises SpecError listing every conflict. `attempt` names the
+    per-attempt CSV directory of `[scalars] csv`."""
     cfg, source = load_user_config(spec)
     warnings: list[str] = []
     problems: list[str] = []
@@ -174,7 +175,7 @@ def build_ds_config(spec: JobSpec, world_size: int, run_dir: str | Path | None =
     _precision(spec, cfg, source, problems)
 
     if run_dir is not None:
-        for block, ours in monitor_blocks(spec).items():
+        for block, ours in monitor_blocks(spec, attempt).items():
             user = cfg.get(block)
             if isinstance(user, dict) and user.get("enabled"):
                 warnings.append(f"scalars asks for the {block} monitor and {source} enables one: {source}'s "

@@ -28,8 +28,6 @@ log = logging.getLogger("ulyssesd.training.scalars")
 TAG_PREFIX = "Train/Steps/"
 #: Failed writes in a row after which the writer gives up (a full disk or a dead W&B stays dead).
 MAX_CONSECUTIVE_FAILURES = 3
-#: DeepSpeed monitor blocks the job may enable, and the job_name (sub-directory) of each under scalars.dir.
-MONITOR_BLOCKS = {"tensorboard": "tensorboard", "csv_monitor": "csv"}
 
 
 def model_flops_per_step(m: ResolvedModel, seq_len: int, tokens_per_step: int) -> float:
@@ -53,13 +51,19 @@ def mfu(spec: JobSpec, world_size: int, tokens_per_step: int, step_time_s: float
     return flops / step_time_s / world_size / (peak * 1e12)
 
 
-def monitor_blocks(spec: JobSpec) -> dict[str, dict[str, Any]]:
+def monitor_blocks(spec: JobSpec, attempt: int | None = None) -> dict[str, dict[str, Any]]:
     """The DeepSpeed monitor blocks `[scalars]` asks for; a relative `output_path` (scalars.dir) is placed
-    under the run directory by build_ds_config, like a user's own monitor block."""
+    under the run directory by build_ds_config, like a user's own monitor block.
+
+    CSV files go to one directory per attempt (`csv/attempt-N`): DeepSpeed's csv_monitor appends, and a
+    new process writes the `step,<name>` header again, so a relaunched attempt sharing the files would
+    leave a header row in the middle of each. TensorBoard starts a new event file per process in the same
+    directory, which TensorBoard reads as one run."""
     sc = spec.scalars
+    jobs = {"tensorboard": "tensorboard", "csv_monitor": "csv" if attempt is None else f"csv/attempt-{attempt}"}
     wanted = {"tensorboard": sc.tensorboard, "csv_monitor": sc.csv}
     return {block: {"enabled": True, "output_path": sc.dir.rstrip("/") + "/", "job_name": job}
-            for block, job in MONITOR_BLOCKS.items() if wanted[block]}
+            for block, job in jobs.items() if wanted[block]}
 
 
 def check_monitor_dependencies(ds_config: dict[str, Any]) -> None:

@@ -128,7 +128,7 @@ class Trainer(TrainerCheckpoints):
         from .model.attention import resolve_backend
 
         spec = self.spec
-        self.ds_config, warnings = build_ds_config(spec, self.world, self.run_dir)
+        self.ds_config, warnings = build_ds_config(spec, self.world, self.run_dir, self.attempt)
         check_monitor_dependencies(self.ds_config)  # same answer on every rank: all exit 2 together
         if self.rank == 0:
             warnings += drop_unwritable_monitors(self.ds_config)  # only rank 0 builds monitors

@@ -49,6 +49,14 @@ def test_scalars_add_the_monitor_blocks_under_the_run_dir(tmp_path):
     assert cfg["csv_monitor"] == {"enabled": True, "output_path": f"{tmp_path}/scalars/", "job_name": "csv"}
 
 
+def test_each_attempt_gets_its_own_csv_directory(tmp_path):
+    # DeepSpeed's csv_monitor appends and writes its header row once per process: attempts must not share files.
+    spec = tiny_spec(scalars={"tensorboard": True, "csv": True})
+    cfg, _ = build_ds_config(spec, 2, tmp_path, attempt=3)
+    assert cfg["csv_monitor"]["job_name"] == "csv/attempt-3"
+    assert cfg["tensorboard"]["job_name"] == "tensorboard"  # one TensorBoard run: a new event file per attempt
+
+
 def test_a_monitor_block_of_the_users_config_wins_with_a_warning(tmp_path):
     spec = tiny_spec(scalars={"tensorboard": True},
                      deepspeed={"config": {"tensorboard": {"enabled": True, "output_path": "tb"}}})
@@ -184,7 +192,7 @@ def test_tensorboard_event_files_hold_every_scalar_once_per_step(scalars_run):
 
 @pytest.mark.slow
 def test_csv_monitor_files_hold_the_telemetrys_values(scalars_run):
-    csv_dir = scalars_run.run_dir / "scalars" / "csv"
+    csv_dir = scalars_run.run_dir / "scalars" / "csv" / "attempt-1"
     steps = _telemetry_steps(scalars_run)
     for name in TAGS:
         path = csv_dir / f"{(TAG_PREFIX + name).replace('/', '_')}.csv"
@@ -223,7 +231,7 @@ def test_broken_monitors_never_stop_the_real_job(tmp_path):
     proc = start(spec, run_dir)
     run = JobRun(run_dir, None, "")
     wait_for(lambda: 2 in run.steps() if (run_dir / "telemetry.jsonl").exists() else False, 120, "step 2", proc)
-    csv_dir = run_dir / "scalars" / "csv"
+    csv_dir = run_dir / "scalars" / "csv" / "attempt-1"
     assert (csv_dir / f"{TAG_PREFIX.replace('/', '_')}loss.csv").exists()
     for f in csv_dir.iterdir():
         f.unlink()
