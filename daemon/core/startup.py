@@ -123,7 +123,9 @@ def adopt(sup: Supervisor, run: Any) -> None:
     sup.engine = sup.engine_factory(sup.spec, v1)
     attempts = sup.store.list_attempts(run.id)
     now = sup.os.time()
-    sup.counters.restarts = [a.started_at.timestamp() for a in attempts[1:] if now - a.started_at.timestamp() < 3600]
+    # The last hour's restart budget as the previous daemon spent it: operator relaunches were never in it.
+    sup.counters.restarts = [r.started_at.timestamp() for r in sup.store.list_relaunches(run.id)
+                             if not r.by_operator and now - r.started_at.timestamp() < 3600]
     cursor = sup.store.get_telemetry_cursor(run.id)
     sup.reader = TelemetryReader(sup.telemetry_path,
                                   Cursor(cursor.inode, cursor.offset) if cursor is not None else None)

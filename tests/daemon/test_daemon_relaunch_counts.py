@@ -1,5 +1,6 @@
 """The store's restart count on a real supervised run (fake job, the daemon loop in-process): a pause +
-resume is an operator relaunch, the crash of the resumed attempt is the run's one restart."""
+resume is an operator relaunch, the crash of the resumed attempt is the run's one restart, and a daemon
+restart takes over a restart budget that holds the crash only."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from ulyssesd.daemon.store.enums import RunState
 
 def test_pause_resume_then_a_crash_is_one_restart(tmp_path, make_sup):
     # The SIGKILL fault fires in attempt 2 only (the resumed one), a few steps after it resumed.
-    sup = make_sup(fake_spec(tmp_path, steps=400, interval=4, faults=[{"kind": "sigkill", "at_step": 14,
-                                                                     "attempts": [2]}]))
+    spec = fake_spec(tmp_path, steps=400, interval=4, faults=[{"kind": "sigkill", "at_step": 14, "attempts": [2]}])
+    sup = make_sup(spec)
     sup.start()
     run_until(sup, lambda s: (s.last_step or 0) >= 5, timeout=60)
     assert sup.handle_command({"cmd": "pause"})["ok"]
@@ -22,5 +23,10 @@ def test_pause_resume_then_a_crash_is_one_restart(tmp_path, make_sup):
 
     assert sup.store.relaunch_counts(sup.run_id).to_dict() == {"restarts": 1, "operator_relaunches": 1}
     assert [(r.attempt, r.by_operator) for r in sup.store.list_relaunches(sup.run_id)] == [(2, True), (3, False)]
-    assert sup.handle_command({"cmd": "stop"})["ok"]
-    run_until(sup, lambda s: s.state == RunState.STOPPED, timeout=30)
+
+    # A daemon restart re-adopts the run: the restart budget it takes over holds the crash, not the resume.
+    again = make_sup(spec)
+    again.start()
+    assert again.run_id == sup.run_id and again.attempt == 3 and len(again.counters.restarts) == 1
+    assert again.handle_command({"cmd": "stop"})["ok"]
+    run_until(again, lambda s: s.state == RunState.STOPPED, timeout=30)
