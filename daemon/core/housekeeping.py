@@ -77,7 +77,7 @@ def backup(sup: Supervisor) -> None:
 
 def check_store_file(sup: Supervisor) -> None:
     """Database file deleted or replaced under us (one stat): re-create it from the open connection
-    before anything is written to an inode nobody can read, and say so (store/recovery.py)."""
+    before anything is written to an inode nobody can read, and say so (store/recovery/repair.py)."""
     if not hasattr(sup.store, "file_problem"):
         return
     from ulyssesd.daemon.store.recovery import mend_replaced_file

@@ -60,7 +60,7 @@ def find_existing_run(sup: Supervisor) -> Any:
 
 def adopt_run_dir(sup: Supervisor, run_dir: Path, rid: str) -> Any:
     """`--run-id X` of a run directory the store does not know: rebuild its rows from the directory
-    (configs, checkpoints' manifests, attempts, telemetry cursor; store/recovery.py) and re-adopt it."""
+    (configs, checkpoints' manifests, attempts, telemetry cursor; store/recovery/) and re-adopt it."""
     from ulyssesd.daemon.store import recovery
 
     run = recovery.adopt_run_dir(sup.store, run_dir, rid, spec_path=str(Path(sup.spec.source).resolve()))
