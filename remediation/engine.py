@@ -495,6 +495,3 @@ class RemediationEngine:
                 f"({after:.4g} vs {st.tps_before:.4g} tokens/s) and the symptom came back")
         return revert, note
 
-
-# The hot-control keys a decision may set (CONTRACTS.md control.json), for the daemon's writer.
-HOT_KEYS = ("lr_scale", "gradient_clipping", "dump_stacks", "suspect")

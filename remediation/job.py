@@ -10,6 +10,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+#: DeepSpeed's own ZeRO-3 defaults (deepspeed 0.19.8, `DeepSpeedZeroConfig`) for the memory knobs the
+#: remediation ladders move and the memory planner reads: the one owner of these numbers (remediation
+#: imports neither daemon nor training, so training's planner imports them from here).
+ZERO3_DEFAULTS: dict[str, int] = {
+    "stage3_param_persistence_threshold": 100_000,  # params with numel <= this stay gathered on every GPU
+    "stage3_max_live_parameters": 1_000_000_000,  # cap on gathered (unpartitioned) numel
+    "stage3_prefetch_bucket_size": 50_000_000,  # numel gathered ahead of use
+    "reduce_bucket_size": 500_000_000,  # numel of the gradient reduce bucket
+}
+
 
 def job_values(config: Mapping[str, Any] | None, *, num_layers: int | None = None,
                launcher_env: Mapping[str, str] | None = None) -> dict[str, Any]:

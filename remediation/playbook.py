@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ulyssesd.remediation.config import RemediationConfig
+from ulyssesd.remediation.job import ZERO3_DEFAULTS
 
 Apply = Literal["hot", "restart_latest", "rollback_skip", "stop", "none"]
 APPLIES = ("hot", "restart_latest", "rollback_skip", "stop", "none")
@@ -35,10 +36,10 @@ K_REDUCE = ZERO + "reduce_bucket_size"
 K_OFFLOAD = ZERO + "offload_optimizer.device"
 K_ALLOC = "launcher.env.PYTORCH_CUDA_ALLOC_CONF"
 
-# Values in effect when the spec does not set them (DeepSpeed's own defaults for the ZeRO keys).
+# Values in effect when the spec does not set them (the ZeRO keys: DeepSpeed's own defaults, one owner).
 DEFAULTS: dict[str, Any] = {
     K_CLIP: 1.0, K_LR: 3e-4, K_FP32: 0, K_LAYERS: 4, K_MB: 1, K_GA: 1, K_ACKPT: 0, K_DTYPE: "bf16",
-    K_SKIP: [], K_PERSIST: 1e5, K_LIVE: 1e9, K_PREFETCH: 5e7, K_REDUCE: 5e8, K_OFFLOAD: "none", K_ALLOC: None,
+    K_SKIP: [], K_OFFLOAD: "none", K_ALLOC: None, **{ZERO + key: value for key, value in ZERO3_DEFAULTS.items()},
 }
 
 

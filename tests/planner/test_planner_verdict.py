@@ -10,9 +10,9 @@ from ulyssesd.training.planner import (
     Cluster,
     GiB,
     apply_overrides,
-    effective_ds_config,
     plan,
     predict_peak_gib,
+    user_ds_config,
 )
 from ulyssesd.training.spec import JobSpec
 
@@ -55,12 +55,12 @@ def test_seed_176b_suggestions_each_fit_when_replanned_independently():
     kinds = {k for s in p.suggestions for k in s.overrides}
     assert "cluster.nodes" in kinds                  # more nodes of 8xA100 is among the answers
     for sg in p.suggestions:
-        j2, c2, ds2 = apply_overrides(job, A100_8, effective_ds_config(job), sg.overrides)
+        j2, c2, ds2 = apply_overrides(job, A100_8, user_ds_config(job), sg.overrides)
         again = plan(j2, c2, ds2, search=False)
         assert again.fits, (sg.changes, again.problems)
     nodes = next(s for s in p.suggestions if set(s.overrides) == {"cluster.nodes"})
     assert nodes.overrides["cluster.nodes"] == 4     # 3 nodes: ~1 TiB of optimizer state per node does not fit
-    j3, c3, ds3 = apply_overrides(job, A100_8, effective_ds_config(job), {"cluster.nodes": 3})
+    j3, c3, ds3 = apply_overrides(job, A100_8, user_ds_config(job), {"cluster.nodes": 3})
     assert not plan(j3, c3, ds3, search=False).fits  # negative control: one node fewer does not fit
 
 

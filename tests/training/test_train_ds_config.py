@@ -110,7 +110,7 @@ def test_planner_reads_the_user_config_the_job_builds_from(tmp_path):
     """One merge and one list of misplaced ZeRO keys: a top-level `sub_group_size` (DeepSpeed would ignore it)
     is moved into zero_optimization by the job and read from there by the planner; a key that stays where the
     user wrote it (`stage3_max_reuse_distance` inside zero_optimization) is left alone by both."""
-    from ulyssesd.training.planner import PlanInputError, ZeroSettings, effective_ds_config
+    from ulyssesd.training.planner import PlanInputError, ZeroSettings, user_ds_config
 
     base = tmp_path / "ds.json"
     base.write_text(json.dumps({"sub_group_size": 2e8, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1e7}}))
@@ -119,11 +119,11 @@ def test_planner_reads_the_user_config_the_job_builds_from(tmp_path):
     assert cfg["zero_optimization"]["sub_group_size"] == 200_000_000 and "sub_group_size" not in cfg
     assert isinstance(cfg["zero_optimization"]["sub_group_size"], int)
     assert any("'sub_group_size'" in w and "moved to zero_optimization" in w for w in warnings)
-    user = effective_ds_config(spec)  # the raw merge: inline wins over the file
+    user = user_ds_config(spec)  # the raw merge: inline wins over the file
     assert user["zero_optimization"]["reduce_bucket_size"] == 3e7 and user["sub_group_size"] == 2e8
     for planned in (ZeroSettings.from_ds_config(user), ZeroSettings.from_ds_config(cfg)):
         assert planned.sub_group_size == 200_000_000 and planned.reduce_bucket_size == 30_000_000
     # Bad input: the planner's error names the key and the file, as the job's does.
     missing = _spec(deepspeed={"config_path": str(tmp_path / "nope.json")})
     with pytest.raises(PlanInputError, match=r"nope\.json.*deepspeed\.config_path: file not found"):
-        effective_ds_config(missing)
+        user_ds_config(missing)

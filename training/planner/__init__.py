@@ -29,15 +29,15 @@ from .inputs import (
     GiB,
     PlanInputError,
     ZeroSettings,
-    effective_ds_config,
+    user_ds_config,
 )
 from .rendering import Item, Plan, Suggestion
 from .search import search_suggestions
 
 __all__ = [
     "ALLOCATOR_HEADROOM", "CUDA_CONTEXT_GIB", "GPU_PRESETS", "Cluster", "GiB", "Item", "Plan", "PlanInputError",
-    "Suggestion", "ZeroSettings", "apply_overrides", "block_saved_bytes_per_token", "effective_ds_config",
-    "model_stats", "param_shapes", "plan", "predict_peak_gib",
+    "Suggestion", "ZeroSettings", "apply_overrides", "block_saved_bytes_per_token", "model_stats",
+    "param_shapes", "plan", "predict_peak_gib", "user_ds_config",
 ]
 
 
@@ -46,7 +46,7 @@ def plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any] | None = None
     """Per-GPU/per-host memory plan of `job` on `cluster`, with a verdict and (if it does not fit and
     `search`) the cheapest changes that would fit. `ds_config` defaults to the spec's own DeepSpeed config
     (base file + inline); pass the job's effective config when you have it."""
-    ds = effective_ds_config(job) if ds_config is None else ds_config
+    ds = user_ds_config(job) if ds_config is None else ds_config
     kw = dict(allocator_headroom=allocator_headroom, cuda_context_gib=cuda_context_gib)
     result = compute_plan(job, cluster, ds, **kw)
     if search and not result.fits:

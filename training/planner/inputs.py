@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ulyssesd.remediation.job import ZERO3_DEFAULTS
+
 from ..ds_config import MISPLACED_ZERO_KEYS, ZERO_STAGE, load_user_config
 from ..spec import JobSpec, SpecError
 
@@ -83,11 +85,12 @@ class ZeroSettings:
     offload_optimizer: str = "none"          # none | cpu | nvme
     offload_param: str = "none"              # none | cpu | nvme
     pin_memory: bool = False                 # offloaded buffers are page-locked (cannot be swapped out)
-    param_persistence_threshold: int = 100_000  # params with numel <= this stay gathered on every GPU
+    # params with numel <= this stay gathered on every GPU
+    param_persistence_threshold: int = ZERO3_DEFAULTS["stage3_param_persistence_threshold"]
     model_persistence_threshold: int = sys.maxsize  # cap on the total numel of persistent params
-    max_live_parameters: int = 1_000_000_000  # cap on gathered (unpartitioned) numel
-    prefetch_bucket_size: int = 50_000_000    # numel gathered ahead of use
-    reduce_bucket_size: int = 500_000_000     # numel of the gradient reduce bucket
+    max_live_parameters: int = ZERO3_DEFAULTS["stage3_max_live_parameters"]  # cap on gathered numel
+    prefetch_bucket_size: int = ZERO3_DEFAULTS["stage3_prefetch_bucket_size"]  # numel gathered ahead of use
+    reduce_bucket_size: int = ZERO3_DEFAULTS["reduce_bucket_size"]  # numel of the gradient reduce bucket
     sub_group_size: int = 1_000_000_000       # optimizer-step granularity (fp32 grad copy per sub-group)
     overlap_comm: bool = True                 # stage-3 default; a second bucket is in flight
     grad_accum_dtype: str | None = None       # data_types.grad_accum_dtype; None = the model dtype
@@ -150,9 +153,10 @@ class ZeroSettings:
         )
 
 
-def effective_ds_config(job: JobSpec) -> dict[str, Any]:
+def user_ds_config(job: JobSpec) -> dict[str, Any]:
     """The user's base ds_config file (deepspeed.config_path) with the inline deepspeed.config merged over it
-    (the job's own merge, `ds_config.load_user_config`)."""
+    (the job's own merge, `ds_config.load_user_config`): what the user wrote, before the job's builder adds
+    its own keys (`ulyssesctl`'s `effective_ds_config` is the built config the job actually runs)."""
     try:
         return load_user_config(job)[0]
     except SpecError as exc:
