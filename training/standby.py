@@ -119,6 +119,11 @@ def rank_files(tag_dir: Path, rank: int, manifest_files: dict[str, Any]) -> list
     return sorted(rel for rel in manifest_files if key in Path(rel).name)
 
 
+def unowned_files(manifest_files: dict[str, Any]) -> list[str]:
+    """Files of a tag no rank's shard pattern names (DeepSpeed's zero_to_fp32.py): rank 0 checks them."""
+    return sorted(rel for rel in manifest_files if "zero_pp_rank_" not in Path(rel).name)
+
+
 @dataclass
 class Preload:
     """One rank's shards of one checkpoint tag, in host memory, checked against the tag's manifest."""
@@ -126,9 +131,12 @@ class Preload:
     ckpt_dir: Path
     tag: str
     files: dict[str, _File] = field(default_factory=dict)  # absolute path -> bytes
+    # relative path -> (inode, size, mtime_ns) of every file this rank checked against the manifest's sha256
+    verified: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     seconds: float = 0.0
     hits: int = 0
     misses: int = 0
+    verified_in_standby: str | None = None  # the tag rank 0 validated by sizes only (the standby hashed it)
 
     @property
     def nbytes(self) -> int:
@@ -151,7 +159,9 @@ class Preload:
             log.info("standby preload skipped: %s", exc)
             return None
         out = cls(ckpt_dir, tag)
-        for rel in rank_files(tag_dir, rank, manifest["files"]):
+        mine = rank_files(tag_dir, rank, manifest["files"])
+        checked_only = unowned_files(manifest["files"]) if rank == 0 else []
+        for rel in mine + checked_only:
             path = (tag_dir / rel).resolve()
             try:
                 ident = _ident(path)
@@ -163,9 +173,17 @@ class Preload:
             if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
                 log.warning("standby preload of %s dropped: %s does not match its manifest", tag, rel)
                 return None
-            out.files[str(path)] = _File(data, ident)
+            out.verified[rel] = ident
+            if rel in mine:
+                out.files[str(path)] = _File(data, ident)
         out.seconds = time.monotonic() - t0
         return out
+
+    def verified_newest(self, ckpt_dir: Path, run_dir: Path, attempt: int, world: int) -> str | None:
+        """`verified_newest` (below), for the Trainer that holds a preload (it does not import this module);
+        remembered for the `standby_preload_used` event."""
+        self.verified_in_standby = verified_newest(ckpt_dir, run_dir, attempt, world)
+        return self.verified_in_standby
 
     def still_latest(self) -> bool:
         from . import checkpoint as ckpt
@@ -213,7 +231,8 @@ class Preload:
         finally:
             del ce.load  # the class's own load again
             event("standby_preload_used", tag=tag, from_memory=self.hits, from_disk=self.misses,
-                  preloaded_bytes=self.nbytes, preload_seconds=round(self.seconds, 3))
+                  preloaded_bytes=self.nbytes, preload_seconds=round(self.seconds, 3),
+                  checksums_verified_in_standby=self.verified_in_standby == tag)
             self.files.clear()  # the host memory goes back once the load is done
 
 
@@ -266,8 +285,17 @@ def wait_at_gate(gate_path: Path, run_dir: Path, attempt: int, *,
     warm_s = clock() - t0
     log.info("standby warm in %.1fs (%s); preload %s; waiting for the gate %s (at most %.0fs)", warm_s, device,
              f"{preload.tag} ({preload.nbytes} bytes)" if preload else "none", gate_path, timeout_s)
-    _write_ready(run_dir, attempt, rank, {"warm_s": round(warm_s, 3), "device": device,
-                                          "preloaded": preload.tag if preload else None})
+    import resource
+
+    def ready(preload: Preload | None) -> None:
+        _write_ready(run_dir, attempt, rank, {
+            "warm_s": round(warm_s, 3), "device": device, "preloaded": preload.tag if preload else None,
+            "preloaded_bytes": preload.nbytes if preload else 0,
+            "verified": {"tag": preload.tag, "files": preload.verified} if preload else None,
+            # what a waiting standby costs in host RAM (Linux: KiB)
+            "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
+
+    ready(preload)
     deadline = clock() + timeout_s
     next_latest = clock() + LATEST_POLL_S
     refused: str | None = None  # a tag whose preload did not check out: not hashed again every second
@@ -298,4 +326,35 @@ def wait_at_gate(gate_path: Path, run_dir: Path, attempt: int, *,
                 if preload is not None:
                     log.info("standby preloaded %s (%d bytes, %.2fs)", preload.tag, preload.nbytes,
                              preload.seconds)
+                    ready(preload)
         sleep(GATE_POLL_S)
+
+
+def verified_newest(ckpt_dir: Path, run_dir: Path, attempt: int, world: int) -> str | None:
+    """The newest tag of `ckpt_dir` if this attempt's standby ranks together checked every file of it
+    against its manifest's sha256 while they waited (their ready files) and no file changed since; else None.
+    Rank 0 then validates that tag by sizes only instead of hashing the whole checkpoint a second time on
+    the restart's critical path. Any doubt (a rank missing, a file replaced, a newer tag) means None."""
+    from . import checkpoint as ckpt
+
+    tags = ckpt.list_tags(ckpt_dir)
+    if not tags:
+        return None
+    tag, covered = tags[-1], {}
+    for r in range(world):
+        try:
+            data = json.loads((run_dir / "standby" / f"attempt-{attempt}-rank-{r}.ready").read_text()[:1 << 20])
+            got = data["verified"]
+            if not isinstance(got, dict) or got.get("tag") != tag or not isinstance(got.get("files"), dict):
+                return None
+            covered.update(got["files"])
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            return None
+    try:
+        manifest = ckpt.read_manifest(ckpt_dir / tag)
+        for rel in manifest["files"]:
+            if rel not in covered or list(_ident(ckpt_dir / tag / rel)) != list(covered[rel]):
+                return None
+    except (ckpt.ManifestError, OSError):
+        return None
+    return tag

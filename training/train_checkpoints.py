@@ -112,7 +112,11 @@ class TrainerCheckpoints:
 
         if cs.load == "latest":
             had_tags = bool(ckpt.list_tags(root))
-            tag = ckpt.latest_valid_tag(root, cs.verify_checksums, on_invalid=invalid)
+            # A warm standby's ranks already checked every file of the newest tag against its sha256 while
+            # they waited: sizes suffice then (training/standby.py verified_newest); any doubt, full check.
+            verify = cs.verify_checksums and not (self.preload is not None and self.preload.verified_newest(
+                root, self.run_dir, self.attempt, self.world) is not None)
+            tag = ckpt.latest_valid_tag(root, verify, on_invalid=invalid)
             if tag is None and had_tags:
                 return None, f"no valid checkpoint left in {root} (all tags failed validation)"
         else:

@@ -112,6 +112,32 @@ def test_a_preload_of_another_tag_or_a_replaced_file_is_never_used(tmp_path):
     assert Preload.read(root, rank=0) is None
 
 
+def test_checksums_checked_by_every_standby_rank_spare_the_second_hash_only_while_nothing_changed(tmp_path):
+    root, run_dir = tmp_path / "checkpoints", tmp_path
+    d = _tag(root, 4, seed=1)
+    (d / "zero_to_fp32.py").write_text("# DeepSpeed's recovery script: no rank owns it, rank 0 checks it\n")
+    ckpt.write_manifest(d, 4, 1.0, 4, 1)
+
+    def ready(rank):
+        pre = Preload.read(root, rank)
+        standby._write_ready(run_dir, 2, rank, {"verified": {"tag": pre.tag, "files": pre.verified}})
+        return pre
+
+    pre0 = ready(0)
+    assert "zero_to_fp32.py" in pre0.verified and all("zero_pp_rank_0_" in Path(p).name for p in pre0.files)
+    assert standby.verified_newest(root, run_dir, 2, world=2) is None  # rank 1 has not said so yet
+    ready(1)
+    assert pre0.verified_newest(root, run_dir, 2, world=2) == d.name == pre0.verified_in_standby
+    assert standby.verified_newest(root, run_dir, 3, world=2) is None  # another attempt's standby
+    f = d / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    f.write_bytes(f.read_bytes())  # rewritten after the check (same bytes, new mtime): hash again
+    assert standby.verified_newest(root, run_dir, 2, world=2) is None
+    ready(1)
+    assert standby.verified_newest(root, run_dir, 2, world=2) == d.name
+    _tag(root, 8, seed=2)  # a newer tag nobody checked
+    assert standby.verified_newest(root, run_dir, 2, world=2) is None
+
+
 def test_wait_is_bounded_preloads_a_tag_that_appears_and_returns_the_gate(tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
     root.mkdir()
@@ -135,7 +161,8 @@ def test_wait_is_bounded_preloads_a_tag_that_appears_and_returns_the_gate(tmp_pa
     assert got == standby.Gate(2, Path("c.json"), 3)
     assert pre is not None and pre.tag == "step-00000004" and all("zero_pp_rank_1_" in p for p in pre.files)
     ready = json.loads((tmp_path / "standby" / "attempt-2-rank-1.ready").read_text())
-    assert ready["device"] == "cpu" and ready["preloaded"] is None  # nothing to preload when it got warm
+    # Rewritten when the tag appeared: what it checked is what rank 0 may rely on after the gate.
+    assert ready["device"] == "cpu" and ready["preloaded"] == ready["verified"]["tag"] == "step-00000004"
 
     now[0] = 0.0
     gate.unlink()
