@@ -66,6 +66,7 @@ def test_missing_tools_and_non_root_are_named_as_the_skip_reason(monkeypatch, tm
     assert "needs root" in (sc.missing_prerequisites() or "")
 
 
+@pytest.mark.slow
 def test_a_daemon_that_cannot_start_is_named_with_its_log_and_nothing_is_left(slurm_cluster, tmp_path):
     free = [i for i in range(sc.MAX_INSTANCES) if not (sc.CLAIMS_DIR / str(i)).exists()]
     if not free:
