@@ -137,6 +137,11 @@ def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attem
     if kind == "local":
         env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launcher.master_port or free_port())})
+    elif kind == "srun" and not submit:
+        # Every attempt in one allocation has the same job id: the port the ranks derive from it would be the
+        # previous attempt's (maybe still in TIME_WAIT); a port per attempt instead. The first node is the
+        # rendezvous (SLURM_STEP_NODELIST, training/__main__.py).
+        env["MASTER_PORT"] = str(launcher.master_port or sl.port_for_job(run_id, attempt))
     (run_dir / "attempts").mkdir(parents=True, exist_ok=True)
     if submit:
         _write_submit_plan(launcher, slurm, run_id=run_id, run_dir=run_dir, attempt=attempt, env=env,
