@@ -2,18 +2,20 @@
 
 Why: the daemon's Slurm integration (sbatch/srun/scancel/sacct, node loss, time limits) must be tested against
 the real scheduler, and multi-node traffic (gloo between ranks) must really cross a network. Every compute node
-``nK`` is a ``slurmd -N nK`` inside network namespace ``<tag>-nK`` with address ``10.77.<I>.(10+K)`` on a
-bridge; slurmctld and munged run in the root namespace (controller address ``10.77.<I>.1``). Processes a job
+``nK`` is a ``slurmd -N nK`` inside network namespace ``usl<I>-nK`` with address ``10.77.<I>.(10+K)`` on a
+bridge (the node's side of its veth is ``eth0`` everywhere, so ``GLOO_SOCKET_IFNAME=eth0`` fits every node); slurmctld and munged run in the root namespace (controller address ``10.77.<I>.1``). Processes a job
 starts on nK are children of that slurmd, so they live in nK's namespace (and in a UTS namespace whose hostname
-is ``nK``); the filesystem is shared, so run directories are visible on every node.
+is ``nK``, which resolves to the node's address there: gloo binds it without GLOO_SOCKET_IFNAME too); the
+filesystem is shared, so run directories are visible on every node.
 
 Needs root, ``ip netns``, ``unshare`` and Debian's ``slurm-wlm`` + ``munge`` (tested with Slurm 22.05.8):
 ``apt-get install -y --no-install-recommends slurm-wlm munge``.
 
-Use from a test (tests/slurm/conftest.py gives the session fixture ``slurm_cluster``, 3 nodes)::
+Use from a test (tests/slurm/conftest.py gives the session fixture ``slurm_cluster``, 3 nodes: 2 for a job and
+the spare n3; ``slurm_cluster_clean`` is the same cluster after ``reset()``: jobs cancelled, nodes restored)::
 
     def test_something(slurm_cluster):
-        env = {**os.environ, **slurm_cluster.env}          # SLURM_CONF (+ PATH) for sbatch/srun/scancel/...
+        env = {**os.environ, **slurm_cluster.env}          # SLURM_CONF for sbatch/srun/scancel/scontrol
         subprocess.run(["sbatch", "-N2", "-p", "debug", "job.sh"], env=env, check=True)
         slurm_cluster.wait_node_state("n1", {"allocated", "mixed"}, timeout=30)
         slurm_cluster.kill_node("n1")            # SIGKILL slurmd, slurmstepd, the ranks; link cut first
@@ -24,9 +26,11 @@ Use from a test (tests/slurm/conftest.py gives the session fixture ``slurm_clust
 Fault helpers: ``kill_node`` (a node that dies), ``freeze_node``/``thaw_node`` (SIGSTOP/SIGCONT: a hung node),
 ``slow_node(name, cpu_fraction)``/``unslow_node`` (its processes capped in a cpu cgroup: a straggler),
 ``set_down(name, reason)`` (``scontrol update state=down``), ``restore_node``, ``wait_idle``, ``node_of_pid``
-(which node a process runs on, from its network namespace), ``node_addr``, ``pids_on``. Every wait is bounded
+(which node a process runs on, from its network namespace), ``node_addr``/``master_addr``, ``pids_on``,
+``link_bytes`` (traffic through a node's link), ``node_states``/``node_info``/``job_info``. Every wait is bounded
 and raises ``ClusterError`` quoting the log tail of the daemon that failed. The fixture must not leak: ``down()``
-kills everything in the namespaces, removes them, the bridge and /etc/netns/<ns>, and raises if anything is left.
+kills everything in the namespaces, removes them, the bridge, /etc/netns/<ns> and the cpu cgroups, and raises if
+anything is left; a test run killed before its teardown is cleaned up by the next ``up`` (``reap_orphans``).
 
 What the scheduler records (no slurmdbd here): ``sacct`` does not work (AccountingStorageType=none; Debian's
 22.05 has no accounting_storage/filetxt); finished jobs are read from ``scontrol show job -o <id>`` for
