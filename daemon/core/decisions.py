@@ -132,7 +132,9 @@ def handle_outputs(sup: Supervisor, out: Iterable[Finding | Decision], step: int
                 continue
             on_hang(sup, fnd)  # recorded once the stacks are captured
             continue
-        sup.incidents.finding(fnd)
+        from ulyssesd.daemon.job.slurm_supervise import with_nodes
+
+        sup.incidents.finding(with_nodes(sup, fnd))  # a Slurm job's straggler: its node is named too
     for dec in decisions:
         try:
             apply_decision(sup, dec, step)

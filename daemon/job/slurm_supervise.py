@@ -218,3 +218,18 @@ def _env() -> dict[str, str]:
     import os
 
     return dict(os.environ, PYTHONUNBUFFERED="1", ULYSSESD_REATTACHED=str(int(time.time())))
+
+
+def with_nodes(sup: Supervisor, fnd: Any) -> Any:
+    """A straggler finding (submit mode) also names the slowest rank's node: `evidence.slowest_node` and the
+    message's `(rank R on node N)`, from the job's node list. Anything else is returned unchanged."""
+    rank = (fnd.evidence or {}).get("slowest_rank") if fnd.symptom == "straggler" else None
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        return fnd
+    named = hang_nodes(sup, [rank])
+    node = (named.get("rank_nodes") or {}).get(str(rank))
+    if node is None:
+        return fnd
+    fnd.evidence = {**fnd.evidence, "slowest_node": node, "slurm_job": named["slurm_job"]}
+    fnd.message = f"{fnd.message} (rank {rank} on node {node})"
+    return fnd

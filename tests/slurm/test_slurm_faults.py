@@ -462,3 +462,26 @@ def test_allocation_mode_runs_srun_with_the_exclusions(tmp_path, mode):
     cmd = plan.argv[plan.argv.index("--") + 1:]
     assert cmd[:5] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--exclude=n9,n2"]
     assert "--cpu-bind=none" in cmd and not (tmp_path / "slurm" / "attempt-1.plan.json").exists()
+
+
+def test_a_straggler_names_its_node_and_even_steps_name_nothing(tmp_path):
+    fos, fake = WatcherOS(), FakeSlurm()
+    sup = _slurm_sup(tmp_path, fos, fake)
+    sup.start()
+    plan = WatchPlan.read(sup.run_dir / "slurm" / "attempt-1.plan.json")
+    job_id = fake.sbatch(Path(plan.script), plan.sbatch_args, plan.env)
+    (sup.run_dir / "slurm" / "attempt-1.job.json").write_text(json.dumps({"job_id": job_id}))
+    _emit(sup, kind="event", event="started", step=0)
+    for s in range(1, 40):  # even ranks: rank 1 a hair slower, well under straggler_ratio
+        fos.advance(0.5)
+        _emit(sup, kind="step", step=s, loss=3.0, step_time_s=0.5, step_time_max_s=0.52, slowest_rank=1,
+              samples=[s - 1, s])
+        sup.tick()
+    assert not [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "straggler"]
+    for s in range(40, 70):  # n2 slowed down: rank 1 takes twice as long, step after step
+        fos.advance(1.0)
+        _emit(sup, kind="step", step=s, loss=3.0, step_time_s=0.5, step_time_max_s=1.0, slowest_rank=1,
+              samples=[s - 1, s])
+        sup.tick()
+    inc = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "straggler"]
+    assert inc and inc[0].evidence["slowest_node"] == "n2" and "(rank 1 on node n2)" in inc[0].summary
