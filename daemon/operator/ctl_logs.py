@@ -8,6 +8,8 @@ the daemon down. The newest attempt is the highest N with a log file.
 `--rank R` keeps the lines a launcher prefixed with rank R, without the prefix: torch's `[rank1]:`, torchrun
 `--tee`'s `[default1]:` (a local rank), srun `-l`'s `1:` and mpirun's `[1,1]<stdout>:`. A log with no
 prefixed line at all is refused (exit 2) rather than shown empty: the launcher was not asked to label.
+When the spec gives torchrun a `--log-dir` (e.g. with `--redirects 3`), `--rank R` reads torchrun's own
+files of local rank R instead (its stdout.log, then its stderr.log): the rank's whole output, unfiltered.
 
 `-f` prints what is there, then polls the file every `FOLLOW_POLL_S` until the attempt ends (its exit file
 appears, a newer attempt starts, or the run ends), then prints the rest and exits 0. Ctrl-C ends it quietly.
@@ -15,6 +17,8 @@ appears, a newer attempt starts, or the run ends), then prints the rest and exit
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import re
 import sys
@@ -136,32 +140,61 @@ def _write(lines: Iterator[bytes]) -> None:
     out.flush()
 
 
-def print_log(path: Path, rank: int | None, lines: int | None, follow: bool, run_dir: Path, attempt: int,
-              run_id: str | None) -> int:
-    """The command's body (callable from tests); returns the exit code."""
+def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bool, run_dir: Path,
+              attempt: int, run_id: str | None) -> int:
+    """The command's body (callable from tests): the files one after the other, then (with follow) each
+    one's new lines per poll until the attempt is over. Returns the exit code."""
     seen = [False]
-    pending = bytearray()
     last_check = [time.monotonic()]
-    with open(path, "rb") as fh:
-        if lines is not None:
-            _seek_last_lines(fh, lines)
+    with contextlib.ExitStack() as stack:
+        files = [(stack.enter_context(open(p, "rb")), bytearray()) for p in paths]
+        for fh, _ in files:
+            if lines is not None:
+                _seek_last_lines(fh, lines)
         over = not follow or _attempt_over(run_dir, attempt, run_id, last_check)
-        _write(rank_filter(_lines(fh, pending, final=over), rank, seen))
-        while not over:
+        while True:
+            for fh, pending in files:
+                if os.fstat(fh.fileno()).st_size < fh.tell():  # truncated under us: start over, like tail -F
+                    fh.seek(0)
+                _write(rank_filter(_lines(fh, pending, final=over), rank, seen))
+            if over:
+                break
             time.sleep(FOLLOW_POLL_S)
             over = _attempt_over(run_dir, attempt, run_id, last_check)
-            if os.fstat(fh.fileno()).st_size < fh.tell():  # truncated under us: start over, like tail -F
-                fh.seek(0)
-            _write(rank_filter(_lines(fh, pending, final=over), rank, seen))
     if rank is not None and not seen[0]:
-        print(f"error: {path} has no rank-prefixed lines; --rank needs a launcher that labels its output "
-              f"(torchrun --tee 3, srun -l, ...)", file=sys.stderr)
+        print(f"error: {paths[0]} has no rank-prefixed lines; --rank needs a launcher that labels its output "
+              f"(torchrun --tee 3, srun -l, ...) or torchrun's own per-rank files (--log-dir)", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_OK
 
 
-def _run_dir_of(run_id: str | None) -> tuple[Path, str | None]:
-    """The run's directory from the store; a run dir under the state dir when the store cannot say."""
+def torchrun_rank_files(spec: dict | None, run_dir: Path, run_id: str, attempt: int, rank: int) -> list[Path]:
+    """torchrun's own files of one local rank of an attempt, when the spec's `launcher.extra_args` give it a
+    `--log-dir`: `<log-dir>/<rdzv-id>_<random>/attempt_<k>/<rank>/{stdout,stderr}.log`, the rendezvous id
+    being the daemon's `<run_id>-<attempt>` (a relative log dir is the launcher's cwd, the run dir). Only the
+    files that exist, stdout first; [] when there are none."""
+    launcher = (spec or {}).get("launcher") or {}
+    if launcher.get("kind") != "torchrun":
+        return []
+    args = [str(a) for a in launcher.get("extra_args") or []]
+    log_dir = None
+    for i, arg in enumerate(args):
+        if arg in ("--log-dir", "--log_dir") and i + 1 < len(args):
+            log_dir = args[i + 1]
+        elif arg.startswith(("--log-dir=", "--log_dir=")):
+            log_dir = arg.split("=", 1)[1]
+    if not log_dir:
+        return []
+    base = run_dir / log_dir  # an absolute log_dir replaces run_dir
+    dirs = sorted(base.glob(f"{glob.escape(run_id)}-{attempt}_*/attempt_*/{rank}"), key=lambda d: d.stat().st_mtime)
+    if not dirs:
+        return []
+    return [f for f in (dirs[-1] / "stdout.log", dirs[-1] / "stderr.log") if f.is_file()]
+
+
+def _run_dir_of(run_id: str | None) -> tuple[Path, str | None, dict | None]:
+    """The run's directory, id and spec from the store; a run dir under the state dir (no id, no spec) when
+    the store cannot say."""
     from ulyssesd.daemon.store import open_store
     from ulyssesd.daemon.store.errors import StoreError
 
@@ -172,14 +205,14 @@ def _run_dir_of(run_id: str | None) -> tuple[Path, str | None]:
     except StoreError as exc:  # no or a damaged database: the run dir alone still has the logs
         fallback = CTX.state_dir / "runs" / (run_id or "")
         if run_id and (fallback / "logs").is_dir():
-            return fallback, None
+            return fallback, None, None
         die(f"{exc} (name the run, `ulyssesctl logs RUN`, to read its run dir without the database)",
             store_exit_code(exc) or EXIT_NOT_FOUND, False)
     try:
         run = current_run(store, False)
     finally:
         store.close()
-    return Path(run.run_dir or CTX.state_dir / "runs" / run.id), run.id
+    return Path(run.run_dir or CTX.state_dir / "runs" / run.id), run.id, run.spec
 
 
 def logs(run_id: str = typer.Argument(None, metavar="RUN", help="run id (default: the --run option, else the "
@@ -190,7 +223,7 @@ def logs(run_id: str = typer.Argument(None, metavar="RUN", help="run id (default
          rank: int = typer.Option(None, "--rank", min=0, metavar="R", help="only this rank's lines, without their prefix"),
          lines: int = typer.Option(None, "--lines", "-n", min=1, metavar="N", help="start with the last N lines only")) -> None:
     """The job's output of one attempt. The launcher's and every rank's lines; works with the daemon down."""
-    run_dir, known_id = _run_dir_of(run_id)
+    run_dir, known_id, spec = _run_dir_of(run_id)
     logs_by_attempt = attempt_logs(run_dir)
     if not logs_by_attempt:
         die(f"no attempt logs in {run_dir / 'logs'}", EXIT_NOT_FOUND, False)
@@ -198,8 +231,12 @@ def logs(run_id: str = typer.Argument(None, metavar="RUN", help="run id (default
     if number not in logs_by_attempt:
         die(f"no log of attempt {number} in {run_dir / 'logs'} (attempts with logs: "
             f"{', '.join(map(str, sorted(logs_by_attempt)))})", EXIT_NOT_FOUND, False)
+    paths = [logs_by_attempt[number]]
+    if rank is not None and known_id is not None:  # torchrun's own per-rank files beat filtering by prefix
+        paths = torchrun_rank_files(spec, run_dir, known_id, number, rank) or paths
     try:
-        code = print_log(logs_by_attempt[number], rank, lines, follow, run_dir, number, known_id)
+        code = print_log(paths, None if paths[0] != logs_by_attempt[number] else rank, lines, follow, run_dir,
+                         number, known_id)
     except KeyboardInterrupt:
         code = EXIT_OK
     except BrokenPipeError:  # `| head`: the reader left; exit quietly like other Unix tools

@@ -136,3 +136,22 @@ def test_follow_ends_cleanly_on_ctrl_c(tmp_path):
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait(10)
+
+
+@pytest.mark.slow
+def test_rank_comes_from_torchruns_own_per_rank_files(tmp_path, make_sup, capsys):
+    """torchrun with `--log-dir` and `--redirects 3` writes each rank's output to its own files and nothing
+    labelled to the console: `--rank` reads those files (a real torchrun, the fake job raising on attempt 1)."""
+    spec = fake_spec(tmp_path, steps=8, interval=3, faults=[{"kind": "raise", "at_step": 4}],
+                     launcher={"kind": "torchrun", "extra_args": ["--log-dir", "tr-logs", "--redirects", "3"]})
+    sup = make_sup(spec)
+    sup.start()
+    run_until(sup, lambda s: s.state in DONE, timeout=180)
+    assert sup.state == RunState.COMPLETED and sup.attempt == 2
+    sd = ["--state-dir", str(tmp_path / "state")]
+    rank0 = _out(capsys, [*sd, "logs", "--attempt", "1", "--rank", "0"])
+    assert "RuntimeError: injected fault at step 4" in rank0  # from tr-logs/<run>-1_*/attempt_0/0/stderr.log
+    assert "[rank" not in rank0 and "[default" not in rank0
+    combined = _out(capsys, [*sd, "logs", "--attempt", "1"])
+    assert "injected fault at step 4" not in combined  # redirected: the console never saw the rank's stderr
+    assert main([*sd, "logs", "--attempt", "1", "--rank", "1"]) == 2  # no rank 1 files, nothing labelled
