@@ -137,7 +137,7 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
 
     from ulyssesd.daemon.control.protocol import ControlSocketError
     from ulyssesd.daemon.control.server import ControlServer
-    from ulyssesd.daemon.core.scheduler import LoopScheduler
+    from ulyssesd.daemon.core.housekeeping import LoopScheduler
     from ulyssesd.daemon.host.metrics import Metrics
     from ulyssesd.daemon.host.process import RealOS
     from ulyssesd.daemon.host.sdnotify import SdNotifier

@@ -17,8 +17,9 @@ and its collaborators: `incidents` (`core/incident_log.py`: every incident and a
 verified there) and `term` (`core/termination.py`: the phases, and the typed `TerminationPlan` that says
 what follows the exit). `core/startup.py` creates or re-adopts the run, `core/launch.py` starts an attempt
 (checkpoint choice, preflight, spawn), `core/decisions.py` runs the telemetry -> engine -> decisions path,
-`core/exits.py` an attempt's exit, `core/relaunch.py` the restart budget and backoff, `core/housekeeping.py`
-the periodic jobs and the store's health (docs/ARCHITECTURE.md).
+`core/exits.py` an attempt's exit, `core/relaunch.py` the restart budget and backoff, `core/commands.py`
+the control-socket requests and signals, `core/housekeeping.py` the periodic jobs and the store's health
+(docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -26,17 +27,16 @@ from __future__ import annotations
 import collections
 import math
 import os
-import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.daemon.core import decisions, exits, housekeeping, startup, termination
+from ulyssesd.daemon.core import commands, decisions, exits, housekeeping, startup, termination
 from ulyssesd.daemon.core import launch as launching
 from ulyssesd.daemon.core.files import _size
+from ulyssesd.daemon.core.housekeeping import LoopScheduler
 from ulyssesd.daemon.core.incident_log import IncidentLog, Position
 from ulyssesd.daemon.core.relaunch import Counters, Relaunch
-from ulyssesd.daemon.core.scheduler import LoopScheduler
 from ulyssesd.daemon.core.states import TERMINAL, check_transition, transition_reason
 from ulyssesd.daemon.core.termination import UNREQUESTED, RankWatch, Termination, TerminationPlan, Then
 from ulyssesd.daemon.host.logging import bind_run, get_logger
@@ -48,8 +48,7 @@ from ulyssesd.daemon.job.standby import StandbyKeeper
 from ulyssesd.daemon.job.telemetry_reader import TelemetryReader
 from ulyssesd.daemon.spec import RunSpec, engine_job_values
 from ulyssesd.daemon.store.enums import IncidentStatus, RunState, Severity, Symptom
-from ulyssesd.daemon.store.errors import NotFoundError
-from ulyssesd.remediation.records import INT64_MAX, StepRecord, bounded_repr
+from ulyssesd.remediation.records import StepRecord
 from ulyssesd.training.control import STACK_DUMP_DIR, stack_dump_files
 
 log = get_logger("ulyssesd.supervisor")
@@ -212,7 +211,7 @@ class Supervisor:
     def tick(self) -> None:
         bind_run(self.run_id, self.attempt)  # every log line of this tick names the run and attempt
         housekeeping.check_store_file(self)
-        self._drain_events()
+        commands.drain_events(self)
         if self.scheduler is not None:
             self.scheduler.run_due()
         self.standby.tick(self)  # start, check or stop the warm standby
@@ -389,76 +388,9 @@ class Supervisor:
         """Safe from signal handlers: appending to a deque is atomic; the loop does the work."""
         self.events.append((kind, payload))
 
-    def _drain_events(self) -> None:
-        while self.events:
-            kind, payload = self.events.popleft()
-            if kind == "signal":
-                self._on_signal(payload)
-            elif kind == "command":
-                self.handle_command(payload)
-
-    def _on_signal(self, signum: int) -> None:
-        if signum in (signal.SIGTERM, signal.SIGINT):
-            # Detach: the job keeps training; the next daemon re-adopts it (KillMode=process).
-            log.info("signal: detaching, the job keeps running", signal=signal.Signals(signum).name)
-            self.say(f"daemon got {signal.Signals(signum).name}: detaching, job keeps running")
-            if self.notifier is not None:
-                self.notifier.stopping("detaching; the job keeps running")
-            self.detach = True
-        elif signum == signal.SIGHUP:
-            log.info("SIGHUP ignored (no reloadable settings)")
-
     def handle_command(self, req: dict[str, Any]) -> dict[str, Any]:
-        """Control-socket requests (answered on the main loop's thread)."""
-        cmd = req.get("cmd")
-        args = req.get("args") or {}
-        peer = req.get("peer") or {}
-        try:
-            if cmd == "status":
-                return {"ok": True, "status": self.status_dict()}
-            if cmd == "pause":
-                if self.state in (S.PAUSED,) or self.state in TERMINAL:
-                    return {"ok": False, "code": "bad_state", "error": f"run is {self.state.value}"}
-                self.stop_run(f"operator pause (uid {peer.get('uid')})", pause=True)
-                return {"ok": True, "state": self.state.value}
-            if cmd == "resume":
-                if self.state != S.PAUSED:
-                    return {"ok": False, "code": "bad_state", "error": f"run is {self.state.value}, not PAUSED"}
-                self.launch("operator resume")
-                return {"ok": True, "state": self.state.value}
-            if cmd == "stop":
-                if self.state in TERMINAL:
-                    return {"ok": False, "code": "bad_state", "error": f"run is already {self.state.value}"}
-                self.stop_run(f"operator stop (uid {peer.get('uid')})")
-                return {"ok": True, "state": self.state.value}
-            if cmd == "restart":
-                if self.job is None or self.state not in (S.RUNNING, S.STARTING):
-                    return {"ok": False, "code": "bad_state", "error": f"run is {self.state.value}; nothing to restart"}
-                self.set_state(S.RESTARTING, "operator restart")
-                self.begin_termination("operator restart", TerminationPlan.relaunching(Relaunch(
-                    "operator restart", None, counts_against_budget=False)), grace=self.dcfg.stop_grace_s)
-                return {"ok": True, "state": self.state.value}
-            if cmd == "ack":
-                iid = args.get("id")
-                if type(iid) is not int or not 0 < iid <= INT64_MAX:
-                    return {"ok": False, "code": "bad_request",
-                            "error": f"'args.id' must be a positive integer incident id, got {bounded_repr(iid)}"}
-                by = args.get("by")
-                if by is not None and (not isinstance(by, str) or len(by) > 200):
-                    return {"ok": False, "code": "bad_request",
-                            "error": f"'args.by' must be an operator name (a string of at most 200 characters), "
-                                     f"got {bounded_repr(by)}"}
-                try:
-                    self.store.ack_incident(iid, by.strip() if by and by.strip() else f"uid:{peer.get('uid')}")
-                except NotFoundError:
-                    return {"ok": False, "code": "not_found", "error": f"no incident {iid}"}
-                return {"ok": True, "id": iid}
-            return {"ok": False, "code": "unknown_command", "error": f"unknown command {bounded_repr(cmd)}"}
-        except Exception as exc:  # noqa: BLE001 - a bad request must not take the loop down
-            log.exception("control command failed", cmd=cmd)
-            # No exception text to the client: it may hold paths or internals; the daemon log has it all.
-            return {"ok": False, "code": "internal",
-                    "error": f"internal error handling {bounded_repr(cmd)} ({type(exc).__name__}); see the daemon log"}
+        """Control-socket requests (answered on the main loop's thread; core/commands.py)."""
+        return commands.handle(self, req)
 
     def status_dict(self) -> dict[str, Any]:
         r = self.last_step_record

@@ -1,16 +1,27 @@
-"""The loop's periodic jobs and the store's health: what the scheduler runs between ticks.
+"""The loop's periodic jobs and the store's health: what runs between ticks, on the supervisor's thread.
 
-Checkpoint retention, store maintenance (integrity check), store backups, closing stale attempts and a
-status line, each on its own interval (`[daemon] *_every_s`); and, every tick, the one-stat check that the
-database file was not deleted, replaced or damaged under the daemon (then it is mended in place from the
-open connection or restored from the newest backup, this run re-derived from its directory, and an
-incident says what was recovered).
+`LoopScheduler`: APScheduler's BackgroundScheduler fires triggers from its own thread. The supervisor's
+invariant is one thread doing the work (no locks around the store, the job handle or the state machine), so
+a trigger does only one thing: put the job's name on a thread-safe queue. The main loop drains the queue
+each tick and runs the job body itself. `coalesce=True` + `max_instances=1` + a queue that holds each name
+at most once mean a slow loop never accumulates a backlog of the same job.
+
+The jobs (`setup` registers them): checkpoint retention + disk guard, store maintenance (integrity check),
+store backups, closing stale attempts and a status line, each on its own interval (`[daemon] *_every_s`);
+and, every tick, the one-stat check that the database file was not deleted, replaced or damaged under the
+daemon (then it is mended in place from the open connection or restored from the newest backup, this run
+re-derived from its directory, and an incident says what was recovered).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from apscheduler.schedulers.background import BackgroundScheduler
 
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle
@@ -21,6 +32,65 @@ if TYPE_CHECKING:
     from ulyssesd.daemon.supervisor import Supervisor
 
 log = get_logger("ulyssesd.supervisor")
+sched_log = get_logger("ulyssesd.scheduler")
+
+
+class LoopScheduler:
+    """Periodic jobs fired by APScheduler's thread, run by the main loop (`run_due`), never concurrently."""
+
+    def __init__(self, use_thread: bool = True) -> None:
+        self._queue: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._bodies: dict[str, Callable[[], None]] = {}
+        self._sched = BackgroundScheduler(timezone="UTC", job_defaults={"coalesce": True, "max_instances": 1,
+                                                                        "misfire_grace_time": None}) if use_thread else None
+        self.runs: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+
+    def add(self, name: str, every_s: float, body: Callable[[], None]) -> None:
+        self._bodies[name] = body
+        if self._sched is not None:
+            self._sched.add_job(self.enqueue, "interval", seconds=every_s, args=[name], id=name,
+                                replace_existing=True)
+
+    def enqueue(self, name: str) -> None:
+        """Called from APScheduler's thread (or a test): mark `name` due, at most once."""
+        with self._lock:
+            if name in self._pending:
+                return
+            self._pending.add(name)
+        self._queue.put(name)
+
+    def start(self) -> None:
+        if self._sched is not None and not self._sched.running:
+            self._sched.start()
+
+    def shutdown(self) -> None:
+        if self._sched is not None and self._sched.running:
+            self._sched.shutdown(wait=False)
+
+    def run_due(self, limit: int = 8) -> list[str]:
+        """Run due jobs on the caller's (main loop's) thread; a failing job is logged, never fatal."""
+        ran = []
+        for _ in range(limit):
+            try:
+                name = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            with self._lock:
+                self._pending.discard(name)
+            body = self._bodies.get(name)
+            if body is None:
+                continue
+            try:
+                body()
+                self.runs[name] = self.runs.get(name, 0) + 1
+            except Exception as exc:  # noqa: BLE001 - a housekeeping failure must not kill supervision
+                self.errors[name] = self.errors.get(name, 0) + 1
+                sched_log.error("scheduled job failed", job=name, error=repr(exc))
+            ran.append(name)
+        return ran
 
 
 def setup(sup: Supervisor) -> None:

@@ -6,7 +6,7 @@ import json
 import os
 import threading
 
-from ulyssesd.daemon.core.scheduler import LoopScheduler
+from ulyssesd.daemon.core.housekeeping import LoopScheduler
 from ulyssesd.daemon.job.telemetry_reader import Cursor, TelemetryReader
 
 

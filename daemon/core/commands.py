@@ -1,0 +1,102 @@
+"""The operator's commands and the daemon's signals, as the supervisor's loop handles them.
+
+`handle` answers a control-socket request (status, pause, resume, stop, restart, ack) on the supervisor's
+thread, validating its arguments (a bad one is `bad_request` naming the field; an exception is `internal`,
+with no internals in the answer, the traceback in the daemon log). Signals are queued by their handlers
+(`Supervisor.enqueue`) and done here by `drain_events`.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING, Any
+
+from ulyssesd.daemon.core.relaunch import Relaunch
+from ulyssesd.daemon.core.states import TERMINAL
+from ulyssesd.daemon.core.termination import TerminationPlan
+from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.store.enums import RunState
+from ulyssesd.daemon.store.errors import NotFoundError
+from ulyssesd.remediation.records import INT64_MAX, bounded_repr
+
+if TYPE_CHECKING:
+    from ulyssesd.daemon.supervisor import Supervisor
+
+log = get_logger("ulyssesd.supervisor")
+S = RunState
+
+
+def drain_events(sup: Supervisor) -> None:
+    """Do what signal handlers and `enqueue` queued, in order, on the loop's thread."""
+    while sup.events:
+        kind, payload = sup.events.popleft()
+        if kind == "signal":
+            on_signal(sup, payload)
+        elif kind == "command":
+            handle(sup, payload)
+
+
+def on_signal(sup: Supervisor, signum: int) -> None:
+    """SIGTERM/SIGINT: detach (the job keeps training; the next daemon re-adopts it); SIGHUP: ignored."""
+    if signum in (signal.SIGTERM, signal.SIGINT):
+        # Detach: the job keeps training; the next daemon re-adopts it (KillMode=process).
+        log.info("signal: detaching, the job keeps running", signal=signal.Signals(signum).name)
+        sup.say(f"daemon got {signal.Signals(signum).name}: detaching, job keeps running")
+        if sup.notifier is not None:
+            sup.notifier.stopping("detaching; the job keeps running")
+        sup.detach = True
+    elif signum == signal.SIGHUP:
+        log.info("SIGHUP ignored (no reloadable settings)")
+
+
+def handle(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
+    """Control-socket requests (answered on the main loop's thread)."""
+    cmd = req.get("cmd")
+    args = req.get("args") or {}
+    peer = req.get("peer") or {}
+    try:
+        if cmd == "status":
+            return {"ok": True, "status": sup.status_dict()}
+        if cmd == "pause":
+            if sup.state in (S.PAUSED,) or sup.state in TERMINAL:
+                return {"ok": False, "code": "bad_state", "error": f"run is {sup.state.value}"}
+            sup.stop_run(f"operator pause (uid {peer.get('uid')})", pause=True)
+            return {"ok": True, "state": sup.state.value}
+        if cmd == "resume":
+            if sup.state != S.PAUSED:
+                return {"ok": False, "code": "bad_state", "error": f"run is {sup.state.value}, not PAUSED"}
+            sup.launch("operator resume")
+            return {"ok": True, "state": sup.state.value}
+        if cmd == "stop":
+            if sup.state in TERMINAL:
+                return {"ok": False, "code": "bad_state", "error": f"run is already {sup.state.value}"}
+            sup.stop_run(f"operator stop (uid {peer.get('uid')})")
+            return {"ok": True, "state": sup.state.value}
+        if cmd == "restart":
+            if sup.job is None or sup.state not in (S.RUNNING, S.STARTING):
+                return {"ok": False, "code": "bad_state", "error": f"run is {sup.state.value}; nothing to restart"}
+            sup.set_state(S.RESTARTING, "operator restart")
+            sup.begin_termination("operator restart", TerminationPlan.relaunching(Relaunch(
+                "operator restart", None, counts_against_budget=False)), grace=sup.dcfg.stop_grace_s)
+            return {"ok": True, "state": sup.state.value}
+        if cmd == "ack":
+            iid = args.get("id")
+            if type(iid) is not int or not 0 < iid <= INT64_MAX:
+                return {"ok": False, "code": "bad_request",
+                        "error": f"'args.id' must be a positive integer incident id, got {bounded_repr(iid)}"}
+            by = args.get("by")
+            if by is not None and (not isinstance(by, str) or len(by) > 200):
+                return {"ok": False, "code": "bad_request",
+                        "error": f"'args.by' must be an operator name (a string of at most 200 characters), "
+                                 f"got {bounded_repr(by)}"}
+            try:
+                sup.store.ack_incident(iid, by.strip() if by and by.strip() else f"uid:{peer.get('uid')}")
+            except NotFoundError:
+                return {"ok": False, "code": "not_found", "error": f"no incident {iid}"}
+            return {"ok": True, "id": iid}
+        return {"ok": False, "code": "unknown_command", "error": f"unknown command {bounded_repr(cmd)}"}
+    except Exception as exc:  # noqa: BLE001 - a bad request must not take the loop down
+        log.exception("control command failed", cmd=cmd)
+        # No exception text to the client: it may hold paths or internals; the daemon log has it all.
+        return {"ok": False, "code": "internal",
+                "error": f"internal error handling {bounded_repr(cmd)} ({type(exc).__name__}); see the daemon log"}
