@@ -47,6 +47,8 @@ from ulyssesd.daemon.operator.ctl_common import (
 RATE_WINDOW_STEPS = 20
 #: States in which no job is training: their last tokens/s and MFU are history, not a current figure.
 NO_THROUGHPUT_STATES = frozenset({"PAUSED", "STOPPED", "BACKOFF", "FAILED"})
+#: States with no ETA: the run waits for an operator (PAUSED) or is on its way there or to its end (STOPPING).
+NO_ETA_STATES = frozenset({"PAUSED", "STOPPING"})
 #: States in which a silent job is a hang candidate (elsewhere the last-step age is expected to grow).
 TRAINING_STATES = frozenset({"RUNNING", "REMEDIATING"})
 #: Width of the progress bar, in characters.
@@ -142,6 +144,8 @@ def status_data(store, run) -> dict[str, Any]:
     training = state not in NO_THROUGHPUT_STATES
     progress = progress_fields(recent, total if isinstance(total, int) else None, aware(run.created_at),
                                aware(run.ended_at) if run.ended_at else None, datetime.now(timezone.utc))
+    if state in NO_ETA_STATES:
+        progress["eta_s"] = None
     hang_s = hang_timeout_s(recent, (run.spec or {}).get("detectors"))
     age = progress["last_step_age_s"]
     return {

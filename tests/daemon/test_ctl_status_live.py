@@ -46,6 +46,7 @@ def test_paused_run_shows_no_throughput_and_operator_relaunches_are_not_restarts
     run_until(sup, lambda s: s.state == RunState.PAUSED, timeout=30)
     st = _status(capsys, sd)
     assert st["state"] == "PAUSED" and st["tokens_per_s"] is None and st["mfu"] is None and st["loss"] is not None
+    assert st["eta_s"] is None and st["step_rate_per_s"] > 0  # a paused run has no ETA, whatever its last rate
     assert EMPTY in _row(_table(capsys, sd), "tokens/s")  # not the last value the job printed before pausing
 
     assert sup.handle_command({"cmd": "resume"})["ok"]
