@@ -709,16 +709,24 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         self._kill_pids(pids, signal.SIGKILL)
         return not pids
 
-    def freeze_node(self, node: str) -> list[int]:
-        """A hung node: SIGSTOP every process in its namespace (its TCP peers see no reset, slurmctld no pong)."""
+    def freeze_node(self, node: str, jobs_only: bool = False) -> list[int]:
+        """A hung node: SIGSTOP every process in its namespace (its TCP peers see no reset, slurmctld no pong,
+        so Slurm sets it DOWN after SlurmdTimeout). ``jobs_only``: stop only the job's processes, not slurmd
+        and slurmstepd: the ranks hang (a wedged GPU, a stuck collective) while Slurm keeps the node up."""
         pids = self.pids_on(node)
+        if jobs_only:
+            pids = [p for p in pids if not _is_slurm_daemon(p)]
         self._kill_pids(pids, signal.SIGSTOP)
+        _wait_until(lambda: all(_proc_state(p) in ("T", "t", "") for p in pids), 10,
+                    f"the processes of node {node} to stop", lambda: str({p: _proc_state(p) for p in pids}), 0.05)
         return pids
 
     def thaw_node(self, node: str) -> list[int]:
         """Undo ``freeze_node``: SIGCONT every process in the node's namespace."""
         pids = self.pids_on(node)
         self._kill_pids(pids, signal.SIGCONT)
+        _wait_until(lambda: not any(_proc_state(p) == "T" for p in pids), 10,
+                    f"the processes of node {node} to continue", lambda: str({p: _proc_state(p) for p in pids}), 0.05)
         return pids
 
     def slow_node(self, node: str, cpu_fraction: float) -> list[int]:
@@ -827,11 +835,26 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def _slurmd_running(self, node: str) -> bool:
         return any(_cmdline(p).startswith("slurmd ") for p in self.pids_on(node))
 
+
     def status(self) -> dict[str, object]:
         return {"dir": str(self.dir), "instance": self.instance, "SLURM_CONF": str(self.conf_path),
                 "controller": f"{self.controller_addr}:{self.controller_port}",
                 "nodes": {n: {"addr": self.node_addr(n), "state": s}
                           for n, s in {n: self.node_states().get(n, "?") for n in self.node_names}.items()}}
+
+
+def _is_slurm_daemon(pid: int) -> bool:
+    """slurmd or slurmstepd (it renames itself ``slurmstepd: [job.step]``)."""
+    cmd = _cmdline(pid)
+    return cmd.startswith(("slurmd ", "slurmstepd"))
+
+
+def _proc_state(pid: int) -> str:
+    """The process's state letter (R, S, T, Z, ...), "" when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _cmdline(pid: int) -> str:

@@ -217,6 +217,27 @@ def test_frozen_node_stops_answering_and_thaws(slurm_cluster_clean):
 
 
 @pytest.mark.slow
+def test_frozen_ranks_hang_while_slurm_keeps_the_node_up(slurm_cluster_clean):
+    c = slurm_cluster_clean
+    job = _sbatch(c, "-N1", "-w", "n2", "--wrap", "srun sleep 300")
+    _wait_job(c, job, {"RUNNING"}, 30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not any(sc._cmdline(p) == "/usr/bin/sleep 300" for p in c.pids_on("n2")):
+        time.sleep(0.2)
+    stopped = c.freeze_node("n2", jobs_only=True)
+    rank = [p for p in stopped if sc._cmdline(p) == "/usr/bin/sleep 300"]
+    assert rank and sc._proc_state(rank[0]) == "T"
+    daemons = [p for p in c.pids_on("n2") if sc._is_slurm_daemon(p)]
+    assert daemons and not set(daemons) & set(stopped)
+    time.sleep(c.config.slurmd_timeout_s + 8)  # longer than a frozen slurmd takes to be set DOWN (12 s measured)
+    assert c.node_states()["n2"] in ("allocated", "mixed")
+    assert c.job_info(job)["JobState"] == "RUNNING"
+    c.thaw_node("n2")
+    assert sc._proc_state(rank[0]) in ("S", "R")
+    _slurm(c, "scancel", job)
+
+
+@pytest.mark.slow
 def test_slow_node_caps_the_cpu_of_what_runs_there_later(slurm_cluster_clean):
     c = slurm_cluster_clean
     if sc._cpu_cgroup_root() is None:
