@@ -6,6 +6,7 @@ finder in a sitecustomize that also reports every attempt), against a real finis
 from __future__ import annotations
 
 import email
+import os
 import subprocess
 import sys
 import textwrap
@@ -57,14 +58,12 @@ def no_torch_env(tmp_path_factory) -> dict[str, str]:
             def find_spec(self, name, path=None, target=None):
                 if name.partition(".")[0] in {TRAIN_ONLY!r}:
                     sys.stderr.write("{BLOCKED_MARK} " + name + "\\n")
-                    raise ImportError("blocked by the packaging test: " + name)
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)  # as if absent
                 return None
         sys.meta_path.insert(0, _NoTrainingStack())
         for mod in [m for m in sys.modules if m.partition(".")[0] in {TRAIN_ONLY!r}]:
             del sys.modules[mod]
         """))
-    import os
-
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return {**env, "PYTHONPATH": str(site), "COLUMNS": "120"}
 
@@ -157,4 +156,12 @@ def test_the_daemon_supervises_a_run_without_the_training_stack(no_torch_env, tm
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     assert BLOCKED_MARK not in res.stdout + res.stderr, res.stderr[-3000:]
     assert '"to": "COMPLETED"' in res.stdout, res.stdout[-3000:]
+
+
+def test_the_training_job_without_its_stack_says_what_to_install(no_torch_env, tmp_path):
+    res = _run(no_torch_env, str(BIN / "ulysses-train"), "--spec", str(ROOT / "configs" / "tiny-cpu.toml"),
+               "--run-dir", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 1, (res.returncode, res.stderr[-3000:])  # a crash, for the daemon as for torchrun
+    assert "pip install 'ulyssesd[train]'" in res.stderr, res.stderr[-3000:]
+    assert "ModuleNotFoundError: No module named" in res.stderr  # the daemon's diagnosis: launcher_error
 

@@ -124,10 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as exc:
         print(f"ulysses-train: {exc}", file=sys.stderr)
         return EXIT_SPEC
-    if spec.train.device == "cpu" or (spec.train.device == "auto" and not _cuda_available()):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
-    from .train import Trainer
-    from .train_checkpoints import CheckpointLoadError
+    try:
+        if spec.train.device == "cpu" or (spec.train.device == "auto" and not _cuda_available()):
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must be set before deepspeed is imported
+        from .train import Trainer
+        from .train_checkpoints import CheckpointLoadError
+    except ModuleNotFoundError as exc:  # an operator-only install (`pip install ulyssesd`) has no torch
+        traceback.print_exc()  # the daemon's log diagnosis reads "No module named" (launcher_error)
+        print(f"ulysses-train: the training stack is not installed ({exc}): pip install 'ulyssesd[train]'",
+              file=sys.stderr)
+        return EXIT_CRASH
 
     run_dir = Path(args.run_dir or ".").resolve()
     _register_stack_dumps(run_dir, args.attempt)
