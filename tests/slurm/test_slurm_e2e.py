@@ -236,3 +236,32 @@ def test_allocation_mode_runs_the_ranks_with_srun_inside_the_allocation(cluster,
         assert sorted(losses(sup.run_dir)) == list(range(1, 7))
     finally:
         subprocess.run(["scancel", job.group(1)], timeout=30)
+
+
+def test_a_restarted_daemon_whose_watcher_died_re_adopts_the_job_by_its_id(cluster, tmp_path):
+    import os
+    import signal
+
+    from ulyssesd.daemon.job.slurm_watch import read_job_id
+
+    spec_path = slurm_spec(tmp_path, steps=40, interval=4)
+    first = supervise(spec_path, lambda s: (s.last_step or 0) >= 3 or s.state in (S.FAILED, S.COMPLETED), 300)
+    job_id = read_job_id(first.run_dir, 1)
+    assert job_id is not None and first.state == S.RUNNING
+    # The login node "rebooted": the daemon and the attempt's wrapper + watcher are gone; the Slurm job runs on.
+    os.killpg(first.job.pgid, signal.SIGKILL)
+    time.sleep(1.0)
+    spec = load_run_spec(spec_path)
+    sup = Supervisor(spec, open_store(spec.daemon.resolved_db_path()), RealOS(), run_id=first.run_id,
+                     say=lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", flush=True))
+    sup.start()
+    assert sup.attempt == 1 and sup.job is not None and sup.job.pid != first.job.pid
+    deadline = time.monotonic() + 300
+    while sup.state not in (S.COMPLETED, S.FAILED) and time.monotonic() < deadline:
+        sup.tick()
+        time.sleep(0.25)
+    assert sup.state == S.COMPLETED, sup.store.get_run(sup.run_id).state_reason
+    attempts = sup.store.list_attempts(sup.run_id)
+    assert len(attempts) == 1 and attempts[0].host.startswith(f"slurm job {job_id} ")  # the same job, no resubmit
+    log = (sup.run_dir / "logs" / "attempt-1.log").read_text()
+    assert f"attaching to job {job_id}" in log and log.count("submitted job") == 1
