@@ -67,8 +67,9 @@ def monitor_blocks(spec: JobSpec, attempt: int | None = None) -> dict[str, dict[
 
 
 def check_monitor_dependencies(ds_config: dict[str, Any]) -> None:
-    """Refuse (exit 2) before the engine is built when an enabled monitor's package is missing: DeepSpeed
-    would raise ImportError from deepspeed.initialize on rank 0 only, and the other ranks would hang."""
+    """Refuse (exit 2, on every rank alike) before the engine is built when an enabled monitor's package is
+    missing: DeepSpeed would raise ImportError from deepspeed.initialize on rank 0 only (where it builds its
+    monitors), a crash instead of a config error naming the extra to install."""
     needs = {"tensorboard": ("tensorboard", "pip install 'ulyssesd[tensorboard]'"),
              "wandb": ("wandb", "pip install wandb")}
     problems = []
