@@ -175,6 +175,14 @@ def request(cmd: str, args: dict | None, as_json: bool) -> dict:
     return resp
 
 
+def reader_gone() -> None:
+    """After a BrokenPipeError (`| head` closed the pipe): point stdout at /dev/null so the interpreter's final
+    flush does not raise again; the caller then exits 0, like other Unix tools under head."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 # ------------------------------------------------------------------------------------------- formatting
 def fmt_duration(seconds: float | None) -> str:
     """1h02m03s / 4m05s / 7s; EMPTY when unknown."""

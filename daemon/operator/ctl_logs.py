@@ -37,6 +37,7 @@ from ulyssesd.daemon.operator.ctl_common import (
     current_run,
     db_path,
     die,
+    reader_gone,
     store_exit_code,
 )
 
@@ -240,9 +241,7 @@ def logs(run_id: str = typer.Argument(None, metavar="RUN", help="run id (default
     except KeyboardInterrupt:
         code = EXIT_OK
     except BrokenPipeError:  # `| head`: the reader left; exit quietly like other Unix tools
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        reader_gone()
         code = EXIT_OK
     raise typer.Exit(code)
 

@@ -39,6 +39,7 @@ from ulyssesd.daemon.operator.ctl_common import (
     open_ro_store,
     or_empty,
     out,
+    reader_gone,
     socket_path,
 )
 
@@ -306,12 +307,8 @@ def _watch_lines(store, json_out: bool, interval: float) -> None:
             time.sleep(interval)
     except KeyboardInterrupt:
         pass
-    except BrokenPipeError:
-        # The reader closed the pipe (`| head -3`): point stdout at /dev/null so the interpreter's final
-        # flush does not raise again, and exit 0 like other Unix tools do under head.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+    except BrokenPipeError:  # the reader closed the pipe (`| head -3`)
+        reader_gone()
 
 
 # ------------------------------------------------------------------------------------------------ runs

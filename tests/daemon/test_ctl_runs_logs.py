@@ -155,3 +155,15 @@ def test_rank_comes_from_torchruns_own_per_rank_files(tmp_path, make_sup, capsys
     combined = _out(capsys, [*sd, "logs", "--attempt", "1"])
     assert "injected fault at step 4" not in combined  # redirected: the console never saw the rank's stderr
     assert main([*sd, "logs", "--attempt", "1", "--rank", "1"]) == 2  # no rank 1 files, nothing labelled
+
+
+def test_logs_into_head_ends_quietly(tmp_path):
+    """`ulyssesctl logs RUN | head -1` on a log far larger than the pipe: exit 0, no BrokenPipe traceback."""
+    logs = tmp_path / "state" / "runs" / "r1" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "attempt-1.log").write_bytes(b"".join(b"[rank0]:line %d of a long log\n" % i for i in range(200_000)))
+    cmd = (f"'{CTL}' --state-dir '{tmp_path / 'state'}' logs r1 --rank 0 2>ctl.err | head -1; "
+           "echo \"ctl_rc=${PIPESTATUS[0]}\"; cat ctl.err >&2")
+    res = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert res.stdout.splitlines() == ["line 0 of a long log", "ctl_rc=0"], (res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and "BrokenPipe" not in res.stderr, res.stderr
