@@ -38,6 +38,15 @@ class SlurmError(RuntimeError):
     """A Slurm command failed (after its retries) or answered something unreadable; the message says which."""
 
 
+class SubmitRefused(SlurmError):
+    """sbatch refused the job itself (bad partition, gres, time, account, an unknown node in --exclude):
+    submitting it again cannot help."""
+
+
+#: stderr of a Slurm command that may succeed when tried again (the controller busy or unreachable).
+TRANSIENT = re.compile(r"timed out|Socket|try again|Unable to contact|Resource temporarily|Zero Bytes", re.I)
+
+
 # ----------------------------------------------------------------------------------------- parsing
 _KV = re.compile(r"(?:^|\s)([A-Za-z][\w:/.]*)=(.*?)(?=\s+[A-Za-z][\w:/.]*=|\s*$)")
 
@@ -234,8 +243,7 @@ class RealSlurm:
              ok_codes: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
         def once() -> subprocess.CompletedProcess[str]:
             cp = self._run_once(argv, env)
-            if cp.returncode not in ok_codes and retry and re.search(
-                    r"timed out|Socket|try again|Unable to contact|Resource temporarily", cp.stderr, re.I):
+            if cp.returncode not in ok_codes and retry and TRANSIENT.search(cp.stderr):
                 raise _Transient(f"{shlex.join(argv)}: {cp.stderr.strip()[:300]}")
             return cp
 
@@ -251,7 +259,8 @@ class RealSlurm:
         # Not retried: a submission that timed out may have been accepted; a second one would run twice.
         cp = self._run([self._cmd("sbatch"), "--parsable", *args, str(script)], env=env, retry=False)
         if cp.returncode != 0:
-            raise SlurmError(f"sbatch refused the job (exit {cp.returncode}): {cp.stderr.strip()[:500]}")
+            kind = SlurmError if TRANSIENT.search(cp.stderr) else SubmitRefused
+            raise kind(f"sbatch refused the job (exit {cp.returncode}): {cp.stderr.strip()[:500]}")
         job_id = cp.stdout.strip().split(";")[0]
         if not job_id.isdigit():
             raise SlurmError(f"sbatch --parsable printed {cp.stdout.strip()[:200]!r}, not a job id")

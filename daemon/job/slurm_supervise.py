@@ -115,6 +115,16 @@ def before_exit(sup: Supervisor, status: ExitStatus) -> sl.SlurmEnd | None:
     """Turn the attempt's Slurm end into the request the exit path carries out (see the module doc)."""
     if not submit_mode(sup):
         return None
+    refused = _refusal(sup)
+    if refused is not None and (sup.term is None or sup.term.plan.then is Then.CRASH):
+        # A refused submission is the spec's problem (partition, gres, time, account, --exclude): stop now
+        # with sbatch's own words rather than resubmit the same thing until the restart budget runs out.
+        what = f"sbatch refused attempt {sup.attempt}: {refused}"
+        iid = sup.incidents.incident(Symptom.launch_failure, sup.last_step or 0, Severity.critical, what,
+                                     {"sbatch_error": refused, "status": status.describe()})
+        sup.incidents.stopped(iid, what)
+        _then(sup, what, TerminationPlan(Then.FAIL))
+        return None
     end = read_attempt_end(sup)
     if end is None or (sup.term is not None and sup.term.plan.then is not Then.CRASH):
         return end  # no job (sbatch refused: the log says why), or an end the daemon asked for
@@ -136,6 +146,16 @@ def before_exit(sup: Supervisor, status: ExitStatus) -> sl.SlurmEnd | None:
         sup.say(f"  {reason}")
         _then(sup, reason, TerminationPlan.relaunching(Relaunch(reason, None, counts_against_budget=stalled)))
     return end
+
+
+def _refusal(sup: Supervisor) -> str | None:
+    import json
+
+    try:
+        data = json.loads((sup.run_dir / sl.SLURM_DIR / f"attempt-{sup.attempt}.refused.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return str(data.get("error"))[:1000] if isinstance(data, dict) else None
 
 
 def _node_lost(sup: Supervisor, end: sl.SlurmEnd) -> None:

@@ -35,6 +35,7 @@ from ulyssesd.daemon.job.slurm import (
     SlurmCommands,
     SlurmEnd,
     SlurmError,
+    SubmitRefused,
     classify_end,
     expand_hostlist,
     node_lost,
@@ -42,6 +43,8 @@ from ulyssesd.daemon.job.slurm import (
 
 #: Failed polls in a row (controller unreachable) before the watch gives up with an "unknown" end.
 MAX_QUERY_FAILURES = 30
+#: The watcher's exit code when sbatch refused the job (attempt-N.refused.json says why).
+EXIT_REFUSED = 2
 
 
 @dataclass(frozen=True)
@@ -143,8 +146,13 @@ class Watcher:
             self.say(f"attaching to job {job_id} (attempt {self.plan.attempt}; recorded in "
                      f"{self.plan.path('job.json')})")
             return job_id
-        job_id = self.slurm.sbatch(Path(self.plan.script), self.plan.sbatch_args, self.plan.env)
         from ulyssesd.daemon.job.config import write_json_atomic
+
+        try:
+            job_id = self.slurm.sbatch(Path(self.plan.script), self.plan.sbatch_args, self.plan.env)
+        except SubmitRefused as exc:
+            write_json_atomic(self.plan.path("refused.json"), {"error": str(exc), "sbatch_args": self.plan.sbatch_args})
+            raise
 
         write_json_atomic(self.plan.path("job.json"), {"job_id": job_id, "submitted": time.time(),
                                                        "sbatch_args": self.plan.sbatch_args})
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         _, code = watcher.run()
     except SlurmError as exc:
         print(f"ulyssesd slurm_watch: {exc}", file=sys.stderr, flush=True)
-        return 1
+        return EXIT_REFUSED if isinstance(exc, SubmitRefused) else 1
     return code
 
 

@@ -254,6 +254,7 @@ class WatcherOS:
 
 
 def _slurm_sup(tmp_path, fos, fake, slurm=None, remediation=None, run_id=None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     spec_path = fake_spec(tmp_path, launcher={"kind": "srun", "nnodes": 2, "nproc_per_node": 1},
                           remediation=remediation)
     with open(spec_path, "a") as fh:
@@ -485,3 +486,58 @@ def test_a_straggler_names_its_node_and_even_steps_name_nothing(tmp_path):
         sup.tick()
     inc = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "straggler"]
     assert inc and inc[0].evidence["slowest_node"] == "n2" and "(rank 1 on node n2)" in inc[0].summary
+
+
+def test_a_refused_submission_stops_the_run_with_sbatch_words_and_a_transient_one_does_not(tmp_path):
+    from ulyssesd.daemon.job.slurm_watch import EXIT_REFUSED
+
+    class Refusing(FakeSlurm):
+        def sbatch(self, script, args, env):
+            raise sl.SubmitRefused("sbatch refused the job (exit 1): sbatch: error: invalid partition specified: gpux")
+
+    w, _ = _watcher(tmp_path / "w", Refusing())
+    with pytest.raises(sl.SubmitRefused):
+        w.run()
+    assert "invalid partition" in json.loads((tmp_path / "w" / "slurm" / "attempt-1.refused.json").read_text())["error"]
+    assert EXIT_REFUSED == 2
+    fos, fake = WatcherOS(), FakeSlurm()
+    sup = _slurm_sup(tmp_path / "a", fos, fake)
+    sup.start()
+    (sup.run_dir / "slurm" / "attempt-1.refused.json").write_text(json.dumps(
+        {"error": "sbatch: error: invalid partition specified: gpux"}))
+    fos.advance(2)
+    fos.die(sup.job.pid, ExitStatus(EXIT_REFUSED, None, "wait"))
+    sup.tick()
+    assert sup.state == S.FAILED and "invalid partition specified: gpux" in sup.store.get_run(sup.run_id).state_reason
+    assert [i.symptom.value for i in sup.store.list_incidents(sup.run_id)] == ["launch_failure"]
+    # the controller was only unreachable (no refusal recorded): the crash path relaunches it
+    fos2, fake2 = WatcherOS(), FakeSlurm()
+    sup2 = _slurm_sup(tmp_path / "b", fos2, fake2, remediation={"max_restarts_per_hour": 10})
+    sup2.start()
+    with open(sup2.log_path, "a") as fh:
+        fh.write("ulyssesd slurm_watch: sbatch refused the job (exit 1): sbatch: error: Socket timed out\n")
+    fos2.advance(2)
+    fos2.die(sup2.job.pid, ExitStatus(1, None, "wait"))
+    sup2.tick()
+    while sup2.state == S.BACKOFF:
+        fos2.advance(1)
+        sup2.tick()
+    assert sup2.state != S.FAILED and sup2.attempt == 2
+
+
+def test_sbatch_refusal_and_transient_errors_are_told_apart(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, err in (("sbatch", "sbatch: error: invalid partition specified: gpux"),):
+        (bin_dir / name).write_text(f"#!/bin/sh\necho '{err}' >&2\nexit 1\n")
+        (bin_dir / name).chmod(0o755)
+    real = sl.RealSlurm(timeout_s=5, retries=0, bin_dir=str(bin_dir))
+    with pytest.raises(sl.SubmitRefused, match="invalid partition"):
+        real.sbatch(tmp_path / "x.sbatch", ["--nodes=1"], {})
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Socket timed out on send/recv operation' >&2\n"
+                                    "exit 1\n")
+    with pytest.raises(sl.SlurmError) as exc:
+        real.sbatch(tmp_path / "x.sbatch", ["--nodes=1"], {})
+    assert not isinstance(exc.value, sl.SubmitRefused)
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho '42;cluster'\n")
+    assert real.sbatch(tmp_path / "x.sbatch", [], {}) == "42"
