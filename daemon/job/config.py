@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from ulyssesd.client.contract import CONTROL_NAME, parse_control
+from ulyssesd.training.durable import atomic_write_text
 from ulyssesd.training.spec import JobSpec
 
 _MISSING = object()
@@ -55,17 +55,10 @@ def apply_patch(cfg: dict[str, Any], patch: dict[str, Any]) -> tuple[dict[str, A
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    """`data` as JSON at `path`, durably (training.durable: temp file, fsync, rename, directory fsync); a
+    failed write (full disk) raises and leaves neither `path` changed nor its temp file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write (full disk) must not leave its partial temp file behind
-        raise
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def read_control(run_dir: Path) -> dict[str, Any]:

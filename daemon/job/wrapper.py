@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from ulyssesd.training.durable import atomic_write_text
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -72,21 +74,12 @@ def _reap() -> None:
 
 def write_exit_file(path: str, returncode: int | None, sig: int | None, extra: dict | None = None) -> None:
     data = {"returncode": returncode, "signal": sig, "ended": time.time(), **(extra or {})}
-    tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        with open(tmp, "w") as fh:
-            json.dump(data, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(data))  # its temp file is removed when the write fails
     except OSError as exc:
         # A full or read-only disk: the daemon that spawned us still learns the status through waitpid; only
         # a re-adopting daemon misses it (it then closes the attempt as "unknown"). Never a traceback here.
         print(f"ulyssesd job_wrapper: cannot write the exit file {path}: {exc}", file=sys.stderr, flush=True)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
 
 
 def main(argv: list[str] | None = None) -> int:
