@@ -167,3 +167,33 @@ def test_standby_off_by_default_and_refused_where_it_cannot_have_its_own_rendezv
     assert "standby" not in _launch_reason(sup, 2)
     with pytest.raises(SpecError, match="restart.standby needs launcher.kind 'torchrun' or 'local' on one node"):
         _sup(tmp_path / "srun", FakeOS(), launcher={"kind": "srun", "nnodes": 2})
+
+
+def test_a_standby_left_by_a_dead_daemon_is_killed_by_the_next_one(tmp_path):
+    from ulyssesd.daemon.job.launcher import job_marker
+
+    class LeftBehind(FakeOS):
+        """One process of a previous daemon's standby carries the next attempt's marker."""
+
+        def __init__(self):
+            super().__init__()
+            self.orphan_alive, self.scanned = True, []
+
+        def job_pids(self, job, marker=None):
+            self.scanned.append(marker)
+            if job.pid == 0 and self.orphan_alive and marker == self.want:
+                return [4242]
+            return super().job_pids(job, marker)
+
+        def signal_pids(self, pids, sig):
+            if 4242 in pids and sig == signal.SIGKILL:
+                self.orphan_alive = False
+            return super().signal_pids([p for p in pids if p != 4242], sig) + ([4242] if 4242 in pids else [])
+
+    fos = LeftBehind()
+    sup = _sup(tmp_path, fos)
+    sup.start()
+    fos.want = job_marker(sup.run_id, sup.run_dir, sup.attempt + 1)
+    sup.tick()
+    assert not fos.orphan_alive and fos.want in fos.scanned
+    assert sup.job is not None and fos.is_alive(sup.job)  # the training attempt is untouched
