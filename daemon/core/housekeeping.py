@@ -204,14 +204,14 @@ def check_store_damage(sup: Supervisor) -> None:
 def sweep_stale_attempts(sup: Supervisor) -> None:
     """Attempts the store thinks are live but whose process is gone (e.g. left by a crashed daemon
     for another run) are closed with what their exit file says."""
-    from ulyssesd.daemon.host.process import _read_exit_file
+    from ulyssesd.daemon.host.process import read_exit_file
 
     for a in sup.store.list_attempts(sup.run_id):
         if a.ended_at is not None or a.number == sup.attempt or not a.pid or not a.proc_start_time:
             continue
         h = JobHandle(a.pid, a.proc_start_time)
         if not sup.os.is_alive(h):
-            st = _read_exit_file(sup.run_dir / "attempts" / f"{a.number}.exit") or ExitStatus(None, None, "unknown")
+            st = read_exit_file(sup.run_dir / "attempts" / f"{a.number}.exit") or ExitStatus(None, None, "unknown")
             sup.store.end_attempt(sup.run_id, a.number, returncode=st.returncode, signal=st.signal)
             log.info("stale attempt closed", attempt=a.number, status=st.describe())
 

@@ -84,7 +84,8 @@ class OSInterface(Protocol):
     def start_time_of(self, pid: int) -> float | None: ...
 
 
-def _read_exit_file(path: Path) -> ExitStatus | None:
+def read_exit_file(path: Path) -> ExitStatus | None:
+    """The status the job wrapper recorded in `path` (`attempts/N.exit`); None when absent or damaged."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError):
@@ -168,14 +169,14 @@ class RealOS:
             if rc is None:
                 return None
             self._children.pop(job.pid, None)
-            from_file = _read_exit_file(exit_file)
+            from_file = read_exit_file(exit_file)
             if from_file is not None:
                 return from_file
             # The wrapper itself was killed (SIGKILL of the group): no file, the wait status says so.
             return ExitStatus(None, -rc, "wait") if rc < 0 else ExitStatus(rc, None, "wait")
         if self._same_process(job) is not None:
             return None
-        return _read_exit_file(exit_file) or ExitStatus(None, None, "unknown")
+        return read_exit_file(exit_file) or ExitStatus(None, None, "unknown")
 
     def job_pids(self, job: JobHandle, marker: tuple[str, str] | None = None) -> list[int]:
         """Every live process of the attempt: the wrapper's descendants, its process group, and any

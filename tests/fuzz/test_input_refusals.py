@@ -128,15 +128,15 @@ def test_a_hostile_checkpoint_manifest_makes_the_tag_invalid_not_the_daemon_cras
 
 
 def test_damaged_exit_and_control_files_read_as_absent(tmp_path):
-    from ulyssesd.daemon.host.process import _read_exit_file
+    from ulyssesd.daemon.host.process import read_exit_file
     from ulyssesd.daemon.job.config import read_control
 
     exit_file = tmp_path / "1.exit"
     for body in ("[1, 2]", "[" * 50_000, '{"returncode": "x", "signal": [9]}'):
         exit_file.write_text(body)
-        status = _read_exit_file(exit_file)
+        status = read_exit_file(exit_file)
         assert status is None or (status.returncode is None and status.signal is None)
         (tmp_path / "control.json").write_text(body)
         assert isinstance(read_control(tmp_path), dict)  # a JSON object is returned as is, anything else: {}
     exit_file.write_text('{"returncode": 0, "signal": null}')  # positive control
-    assert _read_exit_file(exit_file).returncode == 0
+    assert read_exit_file(exit_file).returncode == 0

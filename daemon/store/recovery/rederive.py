@@ -112,7 +112,7 @@ def find_live_job(run_id: str, run_dir: Path, attempt: int) -> tuple[int, float]
 def rederive_run(store: Store, run_id: str, run_dir: Path, *, ckpt_dir: Path | None = None,
                  telemetry: Path | None = None) -> dict[str, Any]:
     """Bring the store's view of one run up to what its run directory holds; returns what was added."""
-    from ulyssesd.daemon.host.process import _read_exit_file
+    from ulyssesd.daemon.host.process import read_exit_file
     from ulyssesd.training import checkpoint as ck
 
     got: dict[str, Any] = {"config_versions": [], "checkpoints": [], "attempts": [], "telemetry_cursor": None}
@@ -147,7 +147,7 @@ def rederive_run(store: Store, run_id: str, run_dir: Path, *, ckpt_dir: Path | N
         a = atts.get(n)
         if a is not None and (a.ended_at is not None or n == last):
             continue  # known; the last attempt's exit is noticed by the daemon's normal exit path
-        st = _read_exit_file(run_dir / "attempts" / f"{n}.exit")
+        st = read_exit_file(run_dir / "attempts" / f"{n}.exit")
         live = find_live_job(run_id, run_dir, n) if n == last and st is None else None
         if a is None:
             store.add_attempt(run_id, number=n, command=["(re-derived from the run directory)"],
@@ -168,7 +168,7 @@ def rederive_run(store: Store, run_id: str, run_dir: Path, *, ckpt_dir: Path | N
                                    "was": None if cur is None else {"offset": cur.offset, "last_step": cur.last_step}}
     got["last_attempt"] = last
     # The run had ended COMPLETED: its last attempt exited 0 after saying so (an adopted run is not relaunched).
-    st_last = _read_exit_file(run_dir / "attempts" / f"{last}.exit") if last else None
+    st_last = read_exit_file(run_dir / "attempts" / f"{last}.exit") if last else None
     got["completed"] = bool(st_last is not None and st_last.returncode == 0 and end is not None
                             and _last_exiting_reason(tel) == "completed")
     got["last_step"] = end[2] if end else (cur.last_step if cur else None)
