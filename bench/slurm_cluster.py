@@ -52,6 +52,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -125,7 +126,7 @@ def missing_prerequisites() -> str | None:
     if missing:
         return ("not installed: " + ", ".join(missing)
                 + " (apt-get install -y --no-install-recommends slurm-wlm munge iproute2 util-linux)")
-    probe = f"ulyssesd-probe-{os.getpid()}"
+    probe = f"ulyssesd-probe-{os.getpid()}-{secrets.token_hex(3)}"  # unique: clusters may start at once
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=20)
     if made.returncode != 0:
         return f"`ip netns add` does not work here: {made.stderr.strip() or made.returncode}"
@@ -291,6 +292,9 @@ class SlurmTestCluster:
             raise ClusterError(f"base_dir {self.dir} is too long: the munge socket path under it would be "
                                f"{len(str(self.munge_socket))} bytes, a unix socket path holds {UNIX_PATH_MAX}")
         reap_orphans()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # the owner before the claim: a claim whose owner lives is never taken over (see _claim_is_stale)
+        (self.dir / "owner").write_text(_process_identity(os.getpid()) if owned else "cli")
         self._claim_instance()
         try:
             self._purge_instance_leftovers()
@@ -300,7 +304,6 @@ class SlurmTestCluster:
             for sub in ("log", "state", "spool", "run", "munge"):
                 (self.dir / sub).mkdir(parents=True, exist_ok=True)
             (self.dir / "instance").write_text(str(self.instance))
-            (self.dir / "owner").write_text(_process_identity(os.getpid()) if owned else "cli")
             self._start_munged()
             self._make_network()
             self._write_conf()
@@ -872,16 +875,40 @@ def _pids_with_cmdline_containing(text: str) -> list[int]:
     return out
 
 
+CLAIM_GRACE_S = 60  # a claim this young may belong to a cluster still starting (no daemons yet): keep it
+
+
 def _claim_is_stale(claim: Path) -> bool:
-    """A claim whose cluster dir is gone or whose slurmctld and munged are both dead."""
+    """A claim nobody uses: its cluster dir is gone, or it is older than CLAIM_GRACE_S, its owning process
+    (if one owns it) is gone and its slurmctld and munged are dead."""
     try:
         target = Path(os.readlink(claim))
+        age = time.time() - os.lstat(claim).st_mtime
     except OSError:
         return True
     if not target.is_dir():
         return True
+    if age < CLAIM_GRACE_S or _owner_alive(target):
+        return False
     pids = [SlurmTestCluster._pidfile_pid(target / "run" / f"{n}.pid") for n in ("slurmctld", "munged")]
     return not any(p and _pid_alive(p) for p in pids)
+
+
+def _holds_live_claim(base_dir: Path) -> bool:
+    """Whether a cluster started in base_dir still holds its instance."""
+    try:
+        claim = CLAIMS_DIR / (base_dir / "instance").read_text().strip()
+        return os.readlink(claim) == str(base_dir) and not _claim_is_stale(claim)
+    except OSError:
+        return False
+
+
+def _owner_alive(base_dir: Path) -> bool:
+    try:
+        owner = (base_dir / "owner").read_text().strip()
+    except OSError:
+        return False
+    return ":" in owner and not _owner_gone(base_dir)
 
 
 def _cpu_cgroup_root() -> Path | None:
@@ -996,7 +1023,7 @@ def main(argv: list[str] | None = None) -> int:
     base = args.dir.resolve()
     try:
         if args.action == "up":
-            if (base / "instance").exists() and not _claim_is_stale(CLAIMS_DIR / (base / "instance").read_text()):
+            if _holds_live_claim(base):
                 print(f"a cluster is already up in {base}; `down --dir {base}` first", file=sys.stderr)
                 return 1
             cluster = SlurmTestCluster(ClusterConfig(base_dir=base, nodes=args.nodes))

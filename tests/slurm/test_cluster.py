@@ -344,3 +344,32 @@ def test_cli_up_status_down_leaves_nothing(tmp_path):
     missing = subprocess.run([*cli, "down", "--dir", str(tmp_path / "nothing")], capture_output=True, text=True,
                              timeout=60)
     assert missing.returncode == 1 and "holds no test cluster" in missing.stderr
+
+
+@pytest.mark.slow
+def test_two_clusters_started_at_once_get_their_own_instances(slurm_cluster, tmp_path):
+    import threading
+
+    pair = [sc.SlurmTestCluster(sc.ClusterConfig(base_dir=tmp_path / f"c{k}", nodes=1)) for k in (1, 2)]
+    errors: list[BaseException] = []
+
+    def start(c: sc.SlurmTestCluster) -> None:
+        try:
+            c.up()
+        except BaseException as e:  # reported below, with the other cluster's outcome
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(c,)) for c in pair]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert not errors, errors
+        assert len({c.instance for c in pair} | {slurm_cluster.instance}) == 3
+        for c in pair:
+            done = _slurm(c, "srun", "-N1", "hostname")
+            assert done.returncode == 0 and done.stdout.strip() == "n1", done.stderr
+    finally:
+        for c in pair:
+            c.down(check=True)
