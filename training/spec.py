@@ -86,6 +86,8 @@ class ModelSpec(_Section):
                                                                "+(d·h + 4·heads) bytes per token per block.")
     mlp_chunk_tokens: int = Field(0, ge=0, description="TiledMLP: each block's MLP over checkpointed chunks of N local "
                                                        "tokens (long sequences; one more MLP forward); 0 = untiled.")
+    offload_checkpoints: bool = Field(False, description="Checkpointed block inputs go to (pinned) host memory in forward "
+                                                         "and are prefetched back in backward; needs recompute on.")
 
     def resolved(self) -> ResolvedModel:
         base = dict(PRESETS[self.preset]) if self.preset else {}
@@ -106,7 +108,8 @@ class ModelSpec(_Section):
         return ResolvedModel(bias=self.bias, rope_theta=self.rope_theta, init_std=self.init_std,
                              norm_fp32_copy=self.norm_fp32_copy, rotary_fused=self.rotary_fused,
                              qkv_copy=self.qkv_copy, checkpoint_keep_attention=self.checkpoint_keep_attention,
-                             mlp_chunk_tokens=self.mlp_chunk_tokens, **base)
+                             mlp_chunk_tokens=self.mlp_chunk_tokens,
+                             offload_checkpoints=self.offload_checkpoints, **base)
 
 
 class ResolvedModel(BaseModel):
@@ -128,6 +131,7 @@ class ResolvedModel(BaseModel):
     qkv_copy: bool = True
     checkpoint_keep_attention: bool = False
     mlp_chunk_tokens: int = 0
+    offload_checkpoints: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -337,6 +341,11 @@ class JobSpec(_Section):
         n_ck = self.train.activation_checkpoint_layers
         if n_ck is not None and n_ck > m.num_layers:
             problems.append(f"train.activation_checkpoint_layers={n_ck} exceeds model.num_layers={m.num_layers}")
+        if m.offload_checkpoints and not (self.train.activation_checkpoint_layers
+                                          if n_ck is not None else self.train.activation_checkpoint_every):
+            problems.append("model.offload_checkpoints=true needs activation checkpointing (train."
+                            "activation_checkpoint_every >= 1 or activation_checkpoint_layers >= 1): without "
+                            "recompute there are no checkpointed block inputs to offload")
         if self.precision.fp32_layers > m.num_layers:
             problems.append(f"precision.fp32_layers={self.precision.fp32_layers} exceeds "
                             f"model.num_layers={m.num_layers}")

@@ -15,10 +15,13 @@
   attention as a strided view of the qkv output (SP=1), `checkpoint_keep_attention` makes checkpointed blocks
   keep the attention kernel's outputs so recompute skips the attention forward (torch selective checkpoint).
 - `mlp_chunk_tokens=N` (long sequences) runs each block's MLP over checkpointed chunks of N local tokens.
+- `offload_checkpoints` (long sequences) moves each checkpointed chunk input to (pinned) host memory in
+  forward and prefetches it back in backward (offload.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -31,6 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..spec import ResolvedModel
 from .attention import UlyssesAttention
+from .offload import CheckpointInputOffloader, OffloadStats
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +236,14 @@ class GPT(nn.Module):
         self._ckpt_kw: dict[str, Any] = {"use_reentrant": False}
         if cfg.checkpoint_keep_attention:
             self._ckpt_kw["context_fn"] = _keep_attention_contexts
+        # What the last training forward offloaded to host (model.offload_checkpoints), None when off.
+        self.last_offload: OffloadStats | None = None
+
+    def _checkpoint(self, offloader: CheckpointInputOffloader | None, start: int, end: int, x, cos, sin):
+        # The offloader's saved-tensor hooks wrap the checkpoint call itself: they see its saved inputs only.
+        ctx = offloader.region(x) if offloader is not None else contextlib.nullcontext()
+        with ctx:
+            return checkpoint(self._run_chunk, start, end, x, cos, sin, **self._ckpt_kw)
 
     def set_fp32_layers(self, n: int) -> None:
         for blk in cast("list[Block]", self.blocks):
@@ -272,17 +284,24 @@ class GPT(nn.Module):
         x = self.embed(input_ids)
         cos, sin = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
         n, k = len(self.blocks), self.checkpoint_every
-        if self.checkpoint_layers is not None and self.training and torch.is_grad_enabled():
+        recompute = self.training and torch.is_grad_enabled()
+        offloader = CheckpointInputOffloader() if self.cfg.offload_checkpoints and recompute else None
+        if self.checkpoint_layers is not None and recompute:
             for i in range(n):
                 if i < self.checkpoint_layers:
-                    x = checkpoint(self._run_chunk, i, i + 1, x, cos, sin, **self._ckpt_kw)
+                    x = self._checkpoint(offloader, i, i + 1, x, cos, sin)
                 else:
                     x = self.blocks[i](x, cos, sin)
-        elif k > 0 and self.training and torch.is_grad_enabled():
+        elif k > 0 and recompute:
             for start in range(0, n, k):
-                x = checkpoint(self._run_chunk, start, min(n, start + k), x, cos, sin, **self._ckpt_kw)
+                x = self._checkpoint(offloader, start, min(n, start + k), x, cos, sin)
         else:
             x = self._run_chunk(0, n, x, cos, sin)
+        if offloader is not None:
+            if self.last_offload is None:
+                log.info("offload_checkpoints: %d checkpointed block inputs, %.3f GiB to host per forward",
+                         offloader.stats.tensors, offloader.stats.bytes / 2**30)
+            self.last_offload = offloader.stats
         x = self.ln_f(x)
         if self.loss_chunk_tokens > 0:
             return self._tiled_loss(x, labels)
