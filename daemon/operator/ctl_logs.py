@@ -8,6 +8,8 @@ the daemon down. The newest attempt is the highest N with a log file.
 `--rank R` keeps the lines a launcher prefixed with rank R, without the prefix: torch's `[rank1]:`, torchrun
 `--tee`'s `[default1]:` (a local rank), srun `-l`'s `1:` and mpirun's `[1,1]<stdout>:`. A log with no
 prefixed line at all is refused (exit 2) rather than shown empty: the launcher was not asked to label.
+The built-in job's own log lines (`2026-12-01 23:37:01,835 [rank0] INFO ...`) are labelled too; they are
+kept whole. Unlabelled lines (a traceback printed by Python itself) belong to no rank and are left out.
 When the spec gives torchrun a `--log-dir` (e.g. with `--redirects 3`), `--rank R` reads torchrun's own
 files of local rank R instead (its stdout.log, then its stderr.log): the rank's whole output, unfiltered.
 
@@ -49,6 +51,9 @@ FOLLOW_STORE_CHECK_S = 2.0
 CHUNK = 1 << 16
 #: Rank prefixes: torch `[rank3]:`, torchrun --tee `[default3]:`, mpirun `[1,3]<stdout>:`, srun -l `3:`.
 RANK_PREFIX = re.compile(rb"^\s*(?:\[(?:rank|default)(\d+)\]:|\[\d+,(\d+)\]<std(?:out|err)>:|(\d+):)\s?")
+#: The built-in job's own log lines (training/__main__.py's logging format: `%(asctime)s [rankN] LEVEL ...`):
+#: labelled mid-line, so they are kept whole.
+JOB_LOG_LINE = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \[rank(\d+)\] ")
 _ATTEMPT_LOG = re.compile(r"^attempt-(\d+)\.log$")
 
 
@@ -69,11 +74,14 @@ def rank_filter(lines: Iterator[bytes], rank: int | None, seen: list[bool]) -> I
             yield line
             continue
         m = RANK_PREFIX.match(line)
-        if m is None:
-            continue
-        seen[0] = True
-        if int(next(g for g in m.groups() if g is not None)) == rank:
-            yield line[m.end():]
+        if m is not None:
+            seen[0] = True
+            if int(next(g for g in m.groups() if g is not None)) == rank:
+                yield line[m.end():]
+        elif (job := JOB_LOG_LINE.match(line)) is not None:
+            seen[0] = True
+            if int(job.group(1)) == rank:
+                yield line
 
 
 def _lines(fh: BinaryIO, pending: bytearray, final: bool) -> Iterator[bytes]:

@@ -227,7 +227,8 @@ def render_status(d: dict[str, Any]) -> Table:
         t.add_row("progress", progress_bar(d["progress"]))
     t.add_row("elapsed", fmt_duration(d.get("elapsed_s")))
     rate = d.get("step_rate_per_s")
-    t.add_row("ETA", fmt_duration(d.get("eta_s")) + (f" (at {rate:.2f} steps/s)" if rate else ""))
+    t.add_row("ETA", fmt_duration(d.get("eta_s")) + (f" (at {rate:.2f} steps/s)" if rate and d.get("eta_s") is not None
+                                                      else ""))
     t.add_row("last step", _last_step_cell(d))
     loss = d["loss"]
     t.add_row("loss", f"{loss:.4f}" if isinstance(loss, float) else or_empty(loss))

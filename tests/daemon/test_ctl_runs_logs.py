@@ -82,6 +82,12 @@ def test_logs_picks_the_attempt_and_the_rank(two_runs, capsys):
     assert main([*sd, "logs", "newer", "--rank", "1"]) == 2  # attempt 2's log has no rank prefixes at all
     assert "no rank-prefixed lines" in capsys.readouterr().err.replace("\n", "")
     assert main([*sd, "logs", "nosuchrun"]) == 4
+    # The built-in job's own format (training/__main__.py) labels mid-line: such lines are kept whole.
+    job = (b"2026-12-01 23:37:01,835 [rank0] INFO ulyssesd.training: step 33 loss 4.227\n"
+           b"Traceback (most recent call last):\n2026-12-01 23:37:01,901 [rank1] INFO ulyssesd.training: saved\n")
+    (logs / "attempt-2.log").write_bytes(job)
+    assert _out(capsys, [*sd, "logs", "newer", "--rank", "1"]) == (
+        "2026-12-01 23:37:01,901 [rank1] INFO ulyssesd.training: saved\n")
 
 
 def test_logs_work_from_the_run_dir_when_the_database_is_gone(two_runs, tmp_path):
