@@ -158,6 +158,26 @@ def _chunks(num_layers: int, k: int) -> list[int]:
     return [min(k, num_layers - s) for s in range(0, num_layers, k)]
 
 
+# model.offload_checkpoints: chunk inputs on the GPU at once besides the host copies: in forward, the copies
+# not yet done (CheckpointInputOffloader.max_in_flight = 2); in backward, the chunk being recomputed and the
+# previous one being prefetched (training/model/offload.py).
+OFFLOAD_IN_FLIGHT = 2
+
+
+def _pinned_block(nbytes: int) -> int:
+    """torch's CUDA caching host allocator rounds every pinned allocation up to a power of two."""
+    return 1 << max(0, nbytes - 1).bit_length()
+
+
+def checkpointed_inputs(c_tokens: int, m: ResolvedModel, d: int, k: int, ck_layers: int | None) -> tuple[int, int]:
+    """(how many checkpointed chunk inputs one forward keeps, bytes of each: b·s/sp·h·d)."""
+    if ck_layers is not None:
+        count = min(ck_layers, m.num_layers)
+    else:
+        count = len(_chunks(m.num_layers, k)) if k > 0 else 0
+    return count, c_tokens * m.hidden_size * d
+
+
 @dataclass(frozen=True)
 class _Ctx:
     """Quantities every item formula needs."""
@@ -219,8 +239,8 @@ def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None =
         # Selective recompute (train.activation_checkpoint_layers = N): the first N blocks keep only their
         # input and are recomputed one at a time; the other L - N blocks keep everything autograd saves.
         n_ck = min(ck_layers, L)
-        items.append(Item(f"checkpointed block inputs ({n_ck} blocks)", t * d * m.hidden_size * n_ck, "gpu",
-                          f"b·s/sp·{n_ck}·{d}·h", FWD_BWD))
+        items.append(_chunk_inputs_item(m, f"checkpointed block inputs ({n_ck} blocks)", n_ck, t * d * m.hidden_size,
+                                        f"b·s/sp·{n_ck}·{d}·h"))
         items.append(Item(f"activations of {L - n_ck} uncheckpointed blocks", t * sum(blk[n_ck:]), "gpu",
                           f"b·s/sp·{L - n_ck}·{blk[-1]} B/token", FWD_BWD))
         if n_ck:
@@ -231,8 +251,8 @@ def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None =
                           f"b·s/sp·L·{blk[-1]} B/token", FWD_BWD))
     else:
         chunks = _chunks(L, k)
-        items.append(Item("checkpointed chunk inputs", t * d * m.hidden_size * len(chunks), "gpu",
-                          f"b·s/sp·{len(chunks)} chunks·{d}·h", FWD_BWD))
+        items.append(_chunk_inputs_item(m, "checkpointed chunk inputs", len(chunks), t * d * m.hidden_size,
+                                        f"b·s/sp·{len(chunks)} chunks·{d}·h"))
         items.append(Item(f"recomputed chunk ({max(chunks)} block(s))",
                           t * max(sum(blk[i:i + k]) for i in range(0, L, k)), "gpu",
                           f"b·s/sp·{max(chunks)}·{blk[-1]} B/token", ("backward",)))
@@ -267,10 +287,25 @@ def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None =
     return items
 
 
-def _host_items(c: _Ctx, host_mem_gib: float) -> list[Item]:
-    """Per-node host RAM and NVMe items."""
+def _chunk_inputs_item(m: ResolvedModel, name: str, count: int, each: int, formula: str) -> Item:
+    if not m.offload_checkpoints:
+        return Item(name, count * each, "gpu", formula, FWD_BWD)
+    # model.offload_checkpoints: the inputs live on the host; only those in flight are on the GPU.
+    live = min(OFFLOAD_IN_FLIGHT, count)
+    return Item(f"{name}, in flight ({live} of {count}; the rest offloaded to host)", live * each, "gpu",
+                f"min({OFFLOAD_IN_FLIGHT}, {count})·b·s/sp·d·h (offload_checkpoints)", FWD_BWD)
+
+
+def _host_items(c: _Ctx, host_mem_gib: float, offloaded: tuple[int, int] = (0, 0)) -> list[Item]:
+    """Per-node host RAM and NVMe items; `offloaded` = (count, bytes) of the checkpointed inputs one rank
+    offloads (model.offload_checkpoints)."""
     z, shard, gpn, d, g = c.zero, c.shard, c.gpn, c.d, c.g
     items: list[Item] = []
+    count, each = offloaded
+    if count:
+        items.append(Item("offloaded checkpointed inputs (pinned)", count * _pinned_block(each) * gpn, "host",
+                          f"{count}·pow2ceil(b·s/sp·d·h = {each:,} B)·gpus_per_node (pinned: the OS cannot swap "
+                          "it; torch rounds pinned blocks up to a power of two)"))
     if z.offload_optimizer == "cpu":
         items.append(Item("fp32 master + Adam m, v (offloaded)", 12 * shard * gpn, "host", "12·P/N·gpus_per_node"))
         items.append(Item("fp32 gradient partitions (offload)", 4 * shard * gpn, "host", "4·P/N·gpus_per_node"))
@@ -337,7 +372,9 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
     phase_bytes = {ph: sum(it.bytes for it in items if ph in it.phases) for ph in PHASES}
     peak = max(phase_bytes.values())
     required = int(peak * (1 + allocator_headroom) + cuda_context_gib * GiB)
-    host = _host_items(c, cluster.host_mem_gib)
+    offloaded = (checkpointed_inputs(c.tokens, m, c.d, k, job.train.activation_checkpoint_layers)
+                 if m.offload_checkpoints else (0, 0))
+    host = _host_items(c, cluster.host_mem_gib, offloaded)
     host_required = sum(it.bytes for it in host if it.where == "host")
     nvme_required = sum(it.bytes for it in host if it.where == "nvme")
     items += host
@@ -378,6 +415,7 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
         "checkpointing": "none" if k == 0 else ("every layer" if k == 1 else f"chunks of {k} blocks"),
         "activation_checkpoint_every": k, "zero_partitions": n, "dp": n // sp,
         "persistent_params": st.persistent, "world_size": n,
+        "offload_checkpoints": m.offload_checkpoints, "offloaded_checkpoint_bytes_per_rank": offloaded[0] * offloaded[1],
     }
     return Plan(cluster=cluster, zero=zero, summary=summary, items=items, phase_bytes=phase_bytes,
                 gpu_peak_allocated=peak, gpu_required=required, host_required=host_required,
