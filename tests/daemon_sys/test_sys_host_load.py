@@ -43,7 +43,7 @@ class _FakeLoadOS:
 
 def test_slow_step_evidence_names_other_hogs_not_the_job_or_the_daemon():
     rows = [(99.0, 4242, "hog"), (50.0, os.getpid(), "ulyssesd"), (10.0, 77, "job rank")]
-    sup = SimpleNamespace(last_step_record=None, job=object(), os=_FakeLoadOS(rows), _marker=lambda: None)
+    sup = SimpleNamespace(last_step_record=None, job=object(), os=_FakeLoadOS(rows), marker=lambda: None)
     sup.os.job_pids = lambda job, marker=None: [77]
     ev = host_evidence(sup)
     assert ev["load_avg"] == [3.0, 2.0, 1.0] and ev["cpu_count"] == 2
@@ -52,6 +52,6 @@ def test_slow_step_evidence_names_other_hogs_not_the_job_or_the_daemon():
 
 
 def test_quiet_host_gives_no_suspects():
-    sup = SimpleNamespace(last_step_record=None, job=None, os=_FakeLoadOS([]), _marker=lambda: None)
+    sup = SimpleNamespace(last_step_record=None, job=None, os=_FakeLoadOS([]), marker=lambda: None)
     ev = host_evidence(sup)
     assert ev["top_other_processes"] == [] and ev["job_cpu_percent"] == {}
