@@ -128,3 +128,24 @@ def test_ulyssesctl_plan_shows_the_host_line_and_preflight_refuses_a_small_host(
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_the_search_suggests_tiled_mlp_and_offload_for_1m_tokens_and_the_suggestion_fits():
+    from ulyssesd.training.planner import apply_overrides
+
+    long_job = JobSpec.model_validate({"model": {"preset": "gpt-1b", "max_seq_len": 1 << 20},
+                                       "precision": {"dtype": "bf16"},
+                                       "train": {"seq_len": 1 << 20, "activation_checkpoint_every": 1,
+                                                 "loss_chunk_tokens": 8192}})
+    p = plan(long_job, Cluster.preset("h200-141g", host_mem_gib=128.0, **H200))
+    assert not p.fits
+    best = p.suggestions[0]
+    assert best.overrides == {"model.mlp_chunk_tokens": 16384, "model.offload_checkpoints": True}, best
+    job, cluster, ds = apply_overrides(long_job, p.cluster, {}, best.overrides)
+    assert job.model.offload_checkpoints is True
+    assert plan(job, cluster, ds, search=False).fits
+    # 32K already fits: nothing to suggest.
+    short = plan(JobSpec.model_validate({"model": {"preset": "gpt-1b"}, "precision": {"dtype": "bf16"},
+                                         "train": {"seq_len": 32768, "activation_checkpoint_every": 1}}),
+                 Cluster.preset("h200-141g", host_mem_gib=128.0, **H200))
+    assert short.fits and not short.suggestions

@@ -39,7 +39,9 @@ class _Scenario:
 # Relative costs: slowdown or hardware spend, roughly "how much would an operator mind". Documented in PLANNER.md.
 MOVE_COSTS = {"no_offload": 0.0, "ckpt_every_layer": 1.0, "halve_micro_batch": 1.0, "double_sp": 1.5, "offload_optimizer_cpu": 3.0,
               "more_host_ram": 3.0, "offload_param_cpu": 4.0, "bigger_gpu": 5.0, "nvme_offload": 6.0,
-              "more_nodes_per_doubling": 3.0, "halve_seq": 8.0}
+              "more_nodes_per_doubling": 3.0, "halve_seq": 8.0, "tiled_mlp": 1.0, "offload_checkpoints": 2.0}
+# model.mlp_chunk_tokens the long-sequence move sets (ALST's TiledMLP; docs/TRAINING.md).
+TILED_MLP_TOKENS = 16384
 
 
 def _set_zero(ds: dict[str, Any], **kv: Any) -> dict[str, Any]:
@@ -143,6 +145,27 @@ def _mv_offload(opt: str, par: str) -> Move:
     return mv
 
 
+def _mv_long_seq(tiled_mlp: bool, offload_ckpt: bool) -> Move:
+    # ALST's long-sequence pieces: TiledMLP and checkpointed inputs offloaded to host RAM (both need recompute,
+    # so they combine with the checkpointing group, which is applied first).
+    def mv(sc: _Scenario, base: Plan):
+        m = sc.job.model
+        ch: dict[str, Any] = {}
+        if tiled_mlp and not m.mlp_chunk_tokens and sc.job.train.seq_len // sc.job.parallel.sequence_parallel_size \
+                > TILED_MLP_TOKENS:
+            ch["model.mlp_chunk_tokens"] = TILED_MLP_TOKENS
+        if offload_ckpt and not m.offload_checkpoints:
+            ch["model.offload_checkpoints"] = True
+        if len(ch) != tiled_mlp + offload_ckpt:
+            return None
+        j = _job_with(sc.job, **ch)
+        what = {"model.mlp_chunk_tokens": f"TiledMLP (MLP over chunks of {TILED_MLP_TOKENS} tokens)",
+                "model.offload_checkpoints": "checkpointed block inputs offloaded to pinned host RAM"}
+        cost = MOVE_COSTS["tiled_mlp"] * tiled_mlp + MOVE_COSTS["offload_checkpoints"] * offload_ckpt
+        return j and (replace(sc, job=j), [what[k] for k in ch], ch, cost)
+    return mv
+
+
 def _mv_no_offload(sc: _Scenario, base: Plan):
     # Taking offload away is faster (no PCIe traffic, GPU Adam) - worth showing when more GPUs make room.
     z = ZeroSettings.from_ds_config(sc.ds)
@@ -188,6 +211,7 @@ _MOVE_GROUPS: list[list[Move]] = [
      _mv_offload("nvme", "nvme")],
     [_mv_bigger_gpu],
     [_mv_seq(2), _mv_seq(4)],
+    [_mv_long_seq(True, False), _mv_long_seq(False, True), _mv_long_seq(True, True)],
 ]
 MAX_NODES = 64
 MAX_SUGGESTIONS = 8
