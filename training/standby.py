@@ -106,6 +106,7 @@ def read_gate(path: Path) -> Gate | None:
         problems.append(f"'config_version' must be a positive integer or null, got {version!r:.60}")
     if problems:
         raise StandbyError(f"standby gate {path}: " + "; ".join(problems))
+    assert isinstance(attempt, int) and isinstance(config, str)  # checked above; says so to the type checker
     return Gate(attempt, Path(config), version)
 
 
