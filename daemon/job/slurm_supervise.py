@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,43 @@ log = get_logger("ulyssesd.slurm")
 def submit_mode(sup: Supervisor) -> bool:
     slurm = getattr(sup.spec, "slurm", None)
     return slurm is not None and slurm.mode == "submit"
+
+
+def allocation_mode(sup: Supervisor) -> bool:
+    slurm = getattr(sup.spec, "slurm", None)
+    return slurm is not None and slurm.mode == "allocation" and bool(os.environ.get("SLURM_JOB_ID"))
+
+
+def _allocation_exit(sup: Supervisor) -> sl.SlurmEnd | None:
+    """Allocation mode: the srun step ended unrequested. A node of the allocation that is now DOWN or not
+    responding (an allocation made with --no-kill outlives it) is the cause: named, excluded from the next
+    srun within the allocation's nodes, resumed from the latest valid checkpoint; anything else: the crash path."""
+    if sup.term is not None and sup.term.plan.then is not Then.CRASH:
+        return None
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    alloc = sl.expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
+    states = {}
+    for n in alloc:
+        try:
+            info = commands(sup).node(n)
+        except sl.SlurmError:
+            info = None
+        if info is not None:
+            states[n] = info.get("State", "")
+    lost = [n for n in alloc if sl.node_lost(states.get(n, ""))]
+    if not lost:
+        return None
+    excluded = [*sup.spec.slurm.exclude, *sl.read_exclusions(sup.run_dir)]
+    step_nodes = [n for n in alloc if n not in excluded][:sup.spec.launcher.nnodes]  # srun's block placement
+    by_rank = sl.rank_nodes(step_nodes, sup.spec.launcher.nproc_per_node)
+    lost_ranks = {n: sorted(r for r, nn in by_rank.items() if nn == n) for n in lost}
+    named = ", ".join(f"{n} (rank{'s' if len(lost_ranks[n]) != 1 else ''} "
+                      f"{','.join(map(str, lost_ranks[n])) or 'none'}, state {states[n]})" for n in lost)
+    end = sl.SlurmEnd("node_lost", job_id, "RUNNING", "", step_nodes, lost, lost_ranks, states,
+                      f"allocation {job_id} lost node {named}",
+                      {"scontrol_show_node": {n: commands(sup).raw(["scontrol", "show", "node", n]) for n in lost}})
+    _node_lost(sup, end, partition=alloc)
+    return end
 
 
 def commands(sup: Supervisor) -> sl.SlurmCommands:
@@ -113,6 +151,8 @@ def read_attempt_end(sup: Supervisor) -> sl.SlurmEnd | None:
 
 def before_exit(sup: Supervisor, status: ExitStatus) -> sl.SlurmEnd | None:
     """Turn the attempt's Slurm end into the request the exit path carries out (see the module doc)."""
+    if allocation_mode(sup):
+        return _allocation_exit(sup)
     if not submit_mode(sup):
         return None
     refused = _refusal(sup)
@@ -158,21 +198,23 @@ def _refusal(sup: Supervisor) -> str | None:
     return str(data.get("error"))[:1000] if isinstance(data, dict) else None
 
 
-def _node_lost(sup: Supervisor, end: sl.SlurmEnd) -> None:
+def _node_lost(sup: Supervisor, end: sl.SlurmEnd, partition: list[str] | None = None) -> None:
+    """`partition`: the nodes a replacement can come from (default: the spec's partition, from sinfo)."""
     slurm = sup.spec.slurm
     current = list(dict.fromkeys([*slurm.exclude, *sl.read_exclusions(sup.run_dir)]))
-    try:
-        partition = commands(sup).partition_nodes(slurm.partition)
-    except sl.SlurmError as exc:
-        partition = []
-        end.evidence["sinfo_error"] = str(exc)
+    if partition is None:
+        try:
+            partition = commands(sup).partition_nodes(slurm.partition)
+        except sl.SlurmError as exc:
+            partition = []
+            end.evidence["sinfo_error"] = str(exc)
     new, refused = sl.bounded_exclude(current, end.lost_nodes, partition, sup.spec.launcher.nnodes,
                                       slurm.max_excluded)
     evidence = {"slurm": end.to_json(), "exclude_before": current, "exclude_after": new,
                 "partition_nodes": partition, "last_step": sup.last_step}
     summary = f"{end.why}; the attempt ended"
     iid = sup.incidents.incident(Symptom.crash, sup.last_step or 0, Severity.critical,
-                        summary + (f"; {refused}" if refused else f"; next allocation excludes {', '.join(new)}"),
+                        summary + (f"; {refused}" if refused else f"; the next attempt excludes {', '.join(new)}"),
                         evidence)
     if refused:
         reason = f"node lost and no node left to replace it: {refused}"
@@ -184,7 +226,7 @@ def _node_lost(sup: Supervisor, end: sl.SlurmEnd) -> None:
                                           "checkpoint", "lost_nodes": end.lost_nodes, "exclude": new},
                 {}, ApplyMode.restart, sup.config_version, sup.config_version)
     sup.store.update_incident_status(iid, IncidentStatus.remediating, "resubmitting without the lost node")
-    sup.say(f"  node lost: {', '.join(end.lost_nodes) or '?'}; next allocation --exclude={','.join(new)}")
+    sup.say(f"  node lost: {', '.join(end.lost_nodes) or '?'}; the next attempt runs with --exclude={','.join(new)}")
     _then(sup, summary, TerminationPlan.relaunching(Relaunch(f"node {', '.join(end.lost_nodes) or '?'} lost", iid)))
 
 
@@ -235,8 +277,6 @@ def reattach(sup: Supervisor, attempt: Any) -> JobHandle | None:
 
 
 def _env() -> dict[str, str]:
-    import os
-
     return dict(os.environ, PYTHONUNBUFFERED="1", ULYSSESD_REATTACHED=str(int(time.time())))
 
 

@@ -258,8 +258,8 @@ def _slurm_sup(tmp_path, fos, fake, slurm=None, remediation=None, run_id=None):
     spec_path = fake_spec(tmp_path, launcher={"kind": "srun", "nnodes": 2, "nproc_per_node": 1},
                           remediation=remediation)
     with open(spec_path, "a") as fh:
-        fh.write("\n[slurm]\nmode = \"submit\"\npoll_s = 1.0\n")
-        for k, v in (slurm or {}).items():
+        fh.write("\n[slurm]\npoll_s = 1.0\n")
+        for k, v in {"mode": "submit", **(slurm or {})}.items():
             fh.write(f"{k} = {json.dumps(v)}\n")
     spec = load_run_spec(spec_path)
     sup = Supervisor(spec, open_store(spec.daemon.resolved_db_path()), fos, run_id=run_id)
@@ -541,3 +541,28 @@ def test_sbatch_refusal_and_transient_errors_are_told_apart(tmp_path, monkeypatc
     assert not isinstance(exc.value, sl.SubmitRefused)
     (bin_dir / "sbatch").write_text("#!/bin/sh\necho '42;cluster'\n")
     assert real.sbatch(tmp_path / "x.sbatch", [], {}) == "42"
+
+
+def test_allocation_mode_names_a_lost_node_of_the_allocation_and_excludes_it_from_the_next_srun(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "55")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-3]")
+    fos, fake = WatcherOS(), FakeSlurm()
+    sup = _slurm_sup(tmp_path, fos, fake, slurm={"mode": "allocation"})
+    sup.start()
+    assert fos.spawned[0][fos.spawned[0].index("--") + 1] == "srun"
+    fake.nodes["n2"] = "DOWN*"  # --no-kill kept the allocation; the step died with the node
+    fos.advance(30)
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    sup.tick()
+    inc = [i for i in sup.store.list_incidents(sup.run_id) if "lost node" in i.summary]
+    assert len(inc) == 1 and "allocation 55 lost node n2 (rank 1, state DOWN*)" in inc[0].summary
+    assert sl.read_exclusions(sup.run_dir) == ["n2"] and sup.attempt == 2
+    assert "--exclude=n2" in fos.spawned[-1]
+    # healthy nodes after a crash: the crash path, nothing excluded (negative control)
+    fake.nodes["n2"] = "IDLE"
+    fos.advance(30)
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    sup.tick()
+    assert len([i for i in sup.store.list_incidents(sup.run_id) if "lost node" in i.summary]) == 1
+    assert sl.read_exclusions(sup.run_dir) == ["n2"]
