@@ -22,7 +22,9 @@ def _slurm(cluster: sc.SlurmTestCluster, *cmd: str, timeout: float = 120) -> sub
 
 
 def _sbatch(cluster: sc.SlurmTestCluster, *args: str) -> str:
-    done = _slurm(cluster, "sbatch", "--parsable", "-p", "debug", *args)
+    # A job's output goes to the cluster dir unless the test names a file (sbatch's default is the cwd: the repo).
+    output = () if "-o" in args else (f"--output={cluster.dir}/slurm-%j.out",)
+    done = _slurm(cluster, "sbatch", "--parsable", "-p", "debug", *output, *args)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")[0]
 
