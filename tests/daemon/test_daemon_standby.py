@@ -197,3 +197,34 @@ def test_a_standby_left_by_a_dead_daemon_is_killed_by_the_next_one(tmp_path):
     sup.tick()
     assert not fos.orphan_alive and fos.want in fos.scanned
     assert sup.job is not None and fos.is_alive(sup.job)  # the training attempt is untouched
+
+
+def test_the_gate_opens_only_once_the_old_attempt_is_gone(tmp_path):
+    class Lingering(FakeOS):
+        """Attempt 1's rank outlives the SIGKILLs (an unkillable D-state process) until `freed`."""
+
+        freed = False
+
+        def job_pids(self, job, marker=None):
+            if job.pid == 1000 and not self.freed:
+                return [1001]
+            return super().job_pids(job, marker)
+
+    fos = Lingering()
+    sup = _sup(tmp_path, fos)
+    _training(sup)
+    sb = sup.standby.current
+    _crash(sup, fos)
+    # Still there after the bounded wait (10 s of the fake clock): no gate, the standby is killed, cold launch.
+    assert not sb.gate.exists() and not fos.is_alive(sb.job) and sup.job != sb.job
+    assert "the previous attempt's processes are still alive" in _launch_reason(sup, 2)
+    kills = [t for t, p, s in fos.signals if p == 1001 and s == signal.SIGKILL]
+    assert len(kills) > 1 and kills[-1] - kills[0] >= 9.9  # retried, bounded
+
+    fos2 = Lingering()
+    sup2 = _sup(tmp_path / "freed", fos2)
+    _training(sup2)
+    sb2 = sup2.standby.current
+    fos2.freed = True  # gone by the time the relaunch looks
+    _crash(sup2, fos2)
+    assert sb2.gate.exists() and sup2.job == sb2.job
