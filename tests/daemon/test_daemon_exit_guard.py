@@ -111,21 +111,7 @@ def test_an_exception_in_the_exit_handler_after_an_operator_stop_still_stops(tmp
     assert any("Input/output error" in i.summary for i in incs), [i.summary for i in incs]
 
 
-def test_a_healthy_stop_records_no_internal_error(tmp_path):
-    # The negative control of the guard: the normal stop path records no incident at all.
-    fos = FakeOS()
-    fos.term_behaviour = "exit0"
-    sup = _sup(tmp_path, fos)
-    sup.start()
-    _running(sup, fos)
-    sup.handle_command({"cmd": "stop"})
-    for _ in range(5):
-        fos.advance(0.5)
-        sup.tick()
-    assert sup.state == S.STOPPED and sup.store.list_incidents(sup.run_id) == []
-
-
-def test_stop_reason_is_said_once(tmp_path):
+def _stopped_by_the_operator(tmp_path):
     fos = FakeOS()
     fos.term_behaviour = "exit0"
     sup = _sup(tmp_path, fos)
@@ -136,6 +122,17 @@ def test_stop_reason_is_said_once(tmp_path):
         fos.advance(0.5)
         sup.tick()
     assert sup.state == S.STOPPED
+    return sup
+
+
+def test_a_healthy_stop_records_no_internal_error(tmp_path):
+    # The negative control of the guard: the normal stop path records no incident at all.
+    sup = _stopped_by_the_operator(tmp_path)
+    assert sup.store.list_incidents(sup.run_id) == []
+
+
+def test_stop_reason_is_said_once(tmp_path):
+    sup = _stopped_by_the_operator(tmp_path)
     reason = sup.store.get_run(sup.run_id).state_reason
     assert reason == "job exited after operator stop", reason
     last = sup.store.list_transitions(sup.run_id)[-1]
