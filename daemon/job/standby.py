@@ -122,6 +122,15 @@ class StandbyKeeper:
         self.last_note = ""  # why the newest relaunch was cold (tests, logs)
         self.lost: str | None = None  # why the last standby went away before a relaunch could use it
 
+    def describe(self, sup: Supervisor) -> dict[str, Any] | None:
+        """For `status`: the standby now (None without one), e.g. {"attempt": 3, "pid": 123, "ready_ranks": 2,
+        "warm_for_s": 41.0}; `ready_ranks` counts the ranks that finished warming up."""
+        sb = self.current
+        if sb is None:
+            return None
+        return {"attempt": sb.attempt, "pid": sb.job.pid, "ready_ranks": len(self._ready(sup.run_dir, sb.attempt)),
+                "warm_for_s": round(sup.os.monotonic() - sb.started_mono, 1)}
+
     # ------------------------------------------------------------------------------- the loop
     def tick(self, sup: Supervisor) -> None:
         if not self.cfg.standby:
