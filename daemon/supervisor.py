@@ -250,7 +250,8 @@ class Supervisor:
                                 slowest_rank=r.slowest_rank if r else None,
                                 mem_allocated_gib=r.mem_allocated_gib if r else None,
                                 mem_max_allocated_gib=r.mem_max_allocated_gib if r else None,
-                                state=self.state.value, restarts=max(0, self.attempt - 1),
+                                state=self.state.value, attempt=self.attempt,
+                                relaunch_counts=lambda: self.store.relaunch_counts(self.run_id),
                                 incidents_by_symptom=self.incidents.counts, actions_by_kind=self.incidents.actions_by_kind,
                                 config_version=self.config_version)
         if self.alerts is not None:
@@ -404,6 +405,7 @@ class Supervisor:
             "garbage_telemetry_lines": self.reader.garbage_lines if self.reader else 0,
             "telemetry_record_errors": self.record_errors,
             "run_dir": str(self.run_dir), "daemon_pid": os.getpid(),
+            "standby": self.standby.describe(self),  # the warm next attempt, or None (daemon/job/standby.py)
         }
 
     # -------------------------------------------------------------------- scheduler jobs

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -24,6 +24,8 @@ from ulyssesd.daemon.host.logging import get_logger
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
+
+    from ulyssesd.daemon.store.records import RelaunchCounts
 
 GIB = 1024 ** 3
 
@@ -40,7 +42,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "ulyssesd_memory_allocated_bytes": ("gauge", "Allocated accelerator memory on rank 0 at the last step."),
     "ulyssesd_memory_max_allocated_bytes": ("gauge", "Peak allocated accelerator memory over ranks, last step."),
     "ulyssesd_config_version": ("gauge", "Active config version."),
-    "ulyssesd_restarts_total": ("counter", "Job relaunches in this run (attempts after the first)."),
+    "ulyssesd_restarts_total": ("counter", "Relaunches the daemon decided on in this run (crash, hang, remediation, "
+                                           "requeue): `ulyssesctl status`'s restarts."),
+    "ulyssesd_operator_relaunches_total": ("counter", "Relaunches an operator command led to in this run (pause + "
+                                                      "resume, restart): not failures."),
     "ulyssesd_incidents_total": ("counter", "Incidents recorded in this run, by symptom (label symptom)."),
     "ulyssesd_actions_total": ("counter", "Remediation actions recorded by this daemon, by kind (label kind)."),
     "ulyssesd_last_update_timestamp_seconds": ("gauge", "Unix time the main loop last updated these metrics."),
@@ -100,6 +105,7 @@ class Metrics:
         self.enabled = False
         self._server: WSGIServer | None = None
         self._snap = _Snapshot()
+        self._relaunches_at_attempt: int | None = None  # the attempt the relaunch counters were read at
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self._snap)  # type: ignore[arg-type]  # any object with collect()
 
@@ -127,15 +133,20 @@ class Metrics:
                step_time_s: float | None = None, step_time_max_s: float | None = None,
                slowest_rank: int | None = None,
                mem_allocated_gib: float | None = None, mem_max_allocated_gib: float | None = None,
-               state: str | None = None, restarts: int | None = None,
+               state: str | None = None, attempt: int | None = None,
+               relaunch_counts: Callable[[], RelaunchCounts] | None = None,
                incidents_by_symptom: Mapping[str, int] | None = None,
                actions_by_kind: Mapping[str, int] | None = None,
                config_version: int | None = None, now: float | None = None) -> None:
         """Set what is known; None leaves a value unchanged. Memory comes in GiB (telemetry's unit) and is
-        exposed in bytes. Cheap no-op when disabled."""
+        exposed in bytes. `relaunch_counts` (the store's `relaunch_counts(run_id)`, the same rule as
+        `ulyssesctl status`) is called only when `attempt` differs from the last call's: a relaunch is a new
+        attempt, so the store is not queried every tick. Cheap no-op when disabled."""
         if not self.enabled:
             return
         import time
+
+        relaunches = self._read_relaunches(attempt, relaunch_counts)
 
         snap = self._snap
         with snap.lock:
@@ -146,7 +157,9 @@ class Metrics:
                     ("ulyssesd_loss", loss, 1), ("ulyssesd_tokens_per_second", tokens_per_s, 1),
                     ("ulyssesd_memory_allocated_bytes", mem_allocated_gib, GIB),
                     ("ulyssesd_memory_max_allocated_bytes", mem_max_allocated_gib, GIB),
-                    ("ulyssesd_restarts_total", restarts, 1), ("ulyssesd_config_version", config_version, 1)):
+                    ("ulyssesd_restarts_total", relaunches.restarts if relaunches else None, 1),
+                    ("ulyssesd_operator_relaunches_total", relaunches.operator_relaunches if relaunches else None, 1),
+                    ("ulyssesd_config_version", config_version, 1)):
                 if value is not None:
                     v = _num(value)
                     snap.values[name] = v * scale if math.isfinite(v) else v
@@ -167,6 +180,21 @@ class Metrics:
             if actions_by_kind is not None:
                 snap.actions.update({k: float(v) for k, v in actions_by_kind.items()})
             snap.values["ulyssesd_last_update_timestamp_seconds"] = time.time() if now is None else now
+
+    def _read_relaunches(self, attempt: int | None,
+                         relaunch_counts: Callable[[], RelaunchCounts] | None) -> RelaunchCounts | None:
+        """The store's counts when the attempt changed, else None (unchanged). A store error is logged and
+        retried at the next tick (the counters keep their last values): metrics never break the loop."""
+        if relaunch_counts is None or attempt is None or attempt == self._relaunches_at_attempt:
+            return None
+        try:
+            counts = relaunch_counts()
+        except Exception as exc:  # noqa: BLE001 - any store failure: keep the last values, try again next tick
+            get_logger("ulyssesd.metrics").warning("cannot read the relaunch counts; metrics keep the last values",
+                                                   error=str(exc))
+            return None
+        self._relaunches_at_attempt = attempt
+        return counts
 
     def close(self) -> None:
         if self._server is not None:

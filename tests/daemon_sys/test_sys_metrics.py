@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ulyssesd.daemon.host.metrics import METRIC_NAMES, Metrics
+from ulyssesd.daemon.store.records import RelaunchCounts
 
 
 def _free_port() -> int:
@@ -45,7 +46,8 @@ def test_scrape_after_updates():
     try:
         m.update(run_id="tiny-1", step=120, step_time=1764444400.5, loss=2.31, tokens_per_s=11217.0,
                  step_time_s=0.82, step_time_max_s=1.9, slowest_rank=5, mem_allocated_gib=41.2,
-                 mem_max_allocated_gib=66.9, state="RUNNING", restarts=2, config_version=3,
+                 mem_max_allocated_gib=66.9, state="RUNNING", attempt=4,
+                 relaunch_counts=lambda: RelaunchCounts(restarts=2, operator_relaunches=1), config_version=3,
                  incidents_by_symptom={"crash": 2, "loss_spike": 1}, actions_by_kind={"restart": 2},
                  now=1764444444.0)
         got = _scrape(port)
@@ -57,12 +59,13 @@ def test_scrape_after_updates():
         assert got["ulyssesd_rank_step_duration_seconds{rank=0}"] == 0.82
         assert got["ulyssesd_rank_step_duration_seconds{rank=5}"] == 1.9
         assert got["ulyssesd_state{state=RUNNING}"] == 1 and got["ulyssesd_restarts_total"] == 2
+        assert got["ulyssesd_operator_relaunches_total"] == 1
         assert got["ulyssesd_incidents_total{symptom=crash}"] == 2 and got["ulyssesd_config_version"] == 3
         assert got["ulyssesd_actions_total{kind=restart}"] == 2
         assert got["ulyssesd_run_info{run_id=tiny-1}"] == 1
         assert got["ulyssesd_last_update_timestamp_seconds"] == 1764444444.0
         types = _types(port)
-        for counter in ("ulyssesd_restarts", "ulyssesd_incidents", "ulyssesd_actions"):
+        for counter in ("ulyssesd_restarts", "ulyssesd_operator_relaunches", "ulyssesd_incidents", "ulyssesd_actions"):
             assert types[counter] == "counter", (counter, types[counter])
         # every documented family is exposed once the loop has published everything, and nothing else
         exposed = {s.name for fam in text_string_to_metric_families(
@@ -78,6 +81,37 @@ def test_scrape_after_updates():
         assert got["ulyssesd_incidents_total{symptom=crash}"] == 3
         # per-rank times are this step's only: rank 5 is no longer the slowest
         assert "ulyssesd_rank_step_duration_seconds{rank=5}" not in got
+    finally:
+        m.close()
+
+
+def test_relaunch_counts_are_read_once_per_attempt_and_a_store_error_keeps_the_last_values():
+    port = _free_port()
+    m = Metrics(port=port)
+    assert m.start()
+    reads: list[int] = []
+
+    def counts(restarts: int, operator: int):
+        def read() -> RelaunchCounts:
+            reads.append(restarts)
+            return RelaunchCounts(restarts=restarts, operator_relaunches=operator)
+        return read
+
+    def broken() -> RelaunchCounts:
+        raise OSError("database is locked")
+
+    try:
+        m.update(attempt=2, relaunch_counts=counts(1, 0))
+        for _ in range(5):  # ticks of the same attempt: the store is not asked again
+            m.update(attempt=2, relaunch_counts=counts(99, 99))
+        assert reads == [1]
+        got = _scrape(port)
+        assert got["ulyssesd_restarts_total"] == 1 and got["ulyssesd_operator_relaunches_total"] == 0
+        m.update(attempt=3, relaunch_counts=broken)  # logged, not raised; the counters keep their values
+        assert _scrape(port)["ulyssesd_restarts_total"] == 1
+        m.update(attempt=3, relaunch_counts=counts(1, 1))  # retried at the next tick
+        got = _scrape(port)
+        assert reads == [1, 1] and got["ulyssesd_operator_relaunches_total"] == 1
     finally:
         m.close()
 
