@@ -157,8 +157,7 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         # pointless; the scheduler's requeue (if any) restarts the service, which resumes from the checkpoint.
         what = f"the scheduler ended attempt {sup.attempt}: {(diag_evidence or [''])[0][:300]}"
         iid = sup.incidents.incident(Symptom.crash, sup.last_step or 0, Severity.critical, what, evidence)
-        sup.incidents.action(iid, ActionKind.stop, {"reason": what}, {}, ApplyMode.none)
-        sup.store.update_incident_status(iid, IncidentStatus.failed, what)
+        sup.incidents.stopped(iid, what)
         sup.fail(what)
         return
     if returncode in (2, 3) and status.signal is None:
@@ -175,8 +174,7 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
             what += ": " + "; ".join(p.removeprefix("- ") for p in problems[:3])[:400]
         sym = Symptom.crash if returncode == 2 else Symptom.checkpoint_corrupt
         iid = sup.incidents.incident(sym, sup.last_step or 0, Severity.critical, what, evidence)
-        sup.incidents.action(iid, ActionKind.stop, {"reason": what}, {}, ApplyMode.none)
-        sup.store.update_incident_status(iid, IncidentStatus.failed, what)
+        sup.incidents.stopped(iid, what)
         sup.fail(what)
         return
     what = (f"rank process(es) {sup.rank_lost['pids']} died; the daemon stopped the waiting ranks"

@@ -95,10 +95,10 @@ class IncidentLog:
                    action_id=aid, incident_id=incident_id, kind=kind.value, mode=mode.value)
         return aid
 
-    def stopped(self, incident_id: int, reason: str, status: IncidentStatus = IncidentStatus.failed) -> None:
-        """The incident ends the run: a `stop` action on it, and its status (failed unless told otherwise)."""
+    def stopped(self, incident_id: int, reason: str) -> None:
+        """The incident ends the run: a `stop` action on it, and the incident failed, both saying why."""
         self.action(incident_id, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
-        self.store.update_incident_status(incident_id, status, reason)
+        self.store.update_incident_status(incident_id, IncidentStatus.failed, reason)
 
     def finding(self, fnd: Finding) -> int:
         """A detector's finding as an incident, remembered as unacted until a decision takes it."""

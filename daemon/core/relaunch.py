@@ -89,8 +89,7 @@ def fail_budget(sup: Supervisor, symptom: Symptom, reason: str) -> None:
                         {"restarts_last_hour": len(sup.counters.restarts),
                          "restarts_without_progress": sup.counters.restarts_without_progress,
                          "latest_checkpoint": sup.latest_ckpt[0] if sup.latest_ckpt else None})
-    sup.incidents.action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
-    sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
+    sup.incidents.stopped(iid, reason)
     sup.fail(reason)
 
 
@@ -137,8 +136,7 @@ def own_write_failed(sup: Supervisor, exc: BaseException, relaunch: Relaunch) ->
         if n >= OWN_WRITE_RETRIES:
             reason = (f"the daemon could not write to {sup.run_dir} ({code}) in {n} tries; nothing was deleted "
                       f"beyond prunable checkpoints: free space there, then start the run again")
-            sup.incidents.action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
-            sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
+            sup.incidents.stopped(iid, reason)
             sup.fail(reason)
             return False
         out = disk.prune_for_space(sup)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ulyssesd.daemon.host.logging import get_logger
-from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, Severity, Symptom
+from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, Severity, Symptom
 
 if TYPE_CHECKING:
     from ulyssesd.daemon.supervisor import Supervisor
@@ -145,8 +145,7 @@ def resume_after_no_space(sup: Supervisor, iid: int, failure: dict[str, Any] | N
     reason = (f"disk full: nothing left to prune in {sup.ckpt_dir} (kept the newest valid tag "
               f"{out.newest_valid} and the known-good anchors); {out.free_bytes} bytes free, the next save "
               f"needs ~{out.need_bytes}: free space on that filesystem, then start the run again")
-    sup.incidents.action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
-    sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
+    sup.incidents.stopped(iid, reason)
     sup.fail(reason)
     return False
 
@@ -157,6 +156,5 @@ def stop_read_only(sup: Supervisor, where: str, evidence: dict[str, Any], iid: i
     if iid is None:
         iid = sup.incidents.incident(Symptom.crash, sup.last_step or 0, Severity.critical, reason,
                             {**evidence, "errno": READ_ONLY})
-    sup.incidents.action(iid, ActionKind.stop, {"reason": reason}, {}, ApplyMode.none)
-    sup.store.update_incident_status(iid, IncidentStatus.failed, reason)
+    sup.incidents.stopped(iid, reason)
     sup.fail(reason)
