@@ -228,3 +228,19 @@ def test_the_gate_opens_only_once_the_old_attempt_is_gone(tmp_path):
     fos2.freed = True  # gone by the time the relaunch looks
     _crash(sup2, fos2)
     assert sb2.gate.exists() and sup2.job == sb2.job
+
+
+def test_status_says_whether_a_standby_is_warm(tmp_path):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos)
+    sup.start()
+    assert sup.status_dict()["standby"] is None  # not before the attempt trains
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 3)
+    sb = sup.standby.current
+    got = sup.status_dict()["standby"]
+    assert got["attempt"] == 2 and got["pid"] == sb.job.pid and got["ready_ranks"] == 0
+    ready = sup.run_dir / "standby" / "attempt-2-rank-0.ready"
+    ready.parent.mkdir(parents=True, exist_ok=True)  # the standby's rank writes it when warm
+    ready.write_text(json.dumps({"pid": 1, "warm_s": 3.0}))
+    assert sup.status_dict()["standby"]["ready_ranks"] == 1
