@@ -175,7 +175,10 @@ def classify_end(job_id: str, job: dict[str, str] | None, sacct_rows: list[dict[
     st = "CANCELLED" if st.startswith("CANCELLED") else st
     exit_code = (job or {}).get("ExitCode") or row.get("ExitCode") or ""
     nodes = expand_hostlist((job or {}).get("NodeList") or row.get("NodeList") or "")
-    lost = list(dict.fromkeys([*lost_while_running, *(n for n in nodes if node_lost(node_states.get(n, "")))]))
+    ok = st == "COMPLETED" and exit_code.startswith("0:")
+    # A node found down only after the job completed cleanly did not end it: not a loss of this attempt.
+    lost = list(dict.fromkeys([*lost_while_running, *(n for n in nodes if node_lost(node_states.get(n, ""))
+                                                       and not ok)]))
     by_rank = rank_nodes(nodes, ntasks_per_node)
     lost_ranks = {n: sorted(r for r, nn in by_rank.items() if nn == n) for n in lost}
     end = SlurmEnd("unknown", job_id, st, exit_code, nodes, lost, lost_ranks,
@@ -190,7 +193,7 @@ def classify_end(job_id: str, job: dict[str, str] | None, sacct_rows: list[dict[
         end.kind = "time_limit"
         end.why = (f"Slurm job {job_id} reached its time limit ({st}"
                    + ("; the ranks were signalled to save first" if time_limit_signalled else "") + ")")
-    elif st == "COMPLETED" and exit_code.startswith("0:"):
+    elif ok:
         end.kind, end.why = "completed", f"Slurm job {job_id} completed"
     elif st == "CANCELLED":
         end.kind, end.why = "cancelled", f"Slurm job {job_id} was cancelled ({(job or row).get('Reason', '')})"

@@ -48,8 +48,8 @@ def _allocation_exit(sup: Supervisor) -> sl.SlurmEnd | None:
     """Allocation mode: the srun step ended unrequested. A node of the allocation that is now DOWN or not
     responding (an allocation made with --no-kill outlives it) is the cause: named, excluded from the next
     srun within the allocation's nodes, resumed from the latest valid checkpoint; anything else: the crash path."""
-    if sup.term is not None and sup.term.plan.then is not Then.CRASH:
-        return None
+    if (sup.term is not None and sup.term.plan.then is not Then.CRASH) or sup.last_exiting == "completed":
+        return None  # an end the daemon asked for, or the job's own completion
     job_id = os.environ.get("SLURM_JOB_ID", "")
     alloc = sl.expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", ""))
     states = {}
@@ -60,10 +60,10 @@ def _allocation_exit(sup: Supervisor) -> sl.SlurmEnd | None:
             info = None
         if info is not None:
             states[n] = info.get("State", "")
-    lost = [n for n in alloc if sl.node_lost(states.get(n, ""))]
+    excluded = [*sup.spec.slurm.exclude, *sl.read_exclusions(sup.run_dir)]
+    lost = [n for n in alloc if sl.node_lost(states.get(n, "")) and n not in excluded]  # not blamed twice
     if not lost:
         return None
-    excluded = [*sup.spec.slurm.exclude, *sl.read_exclusions(sup.run_dir)]
     step_nodes = [n for n in alloc if n not in excluded][:sup.spec.launcher.nnodes]  # srun's block placement
     by_rank = sl.rank_nodes(step_nodes, sup.spec.launcher.nproc_per_node)
     lost_ranks = {n: sorted(r for r, nn in by_rank.items() if nn == n) for n in lost}

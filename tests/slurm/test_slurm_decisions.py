@@ -57,6 +57,9 @@ def test_a_lost_node_is_named_with_its_ranks_and_a_healthy_end_is_not():
     assert "n2 (rank 1, state DOWN*)" in end.why
     healthy = sl.classify_end("12", _job("COMPLETED"), [], {"n1": "IDLE", "n2": "IDLE"}, 1, False)
     assert healthy.kind == "completed" and healthy.lost_nodes == []
+    # the job completed, then its node went down: the completion stands
+    after = sl.classify_end("12", _job("COMPLETED"), [], {"n1": "IDLE", "n2": "DOWN*"}, 1, False)
+    assert after.kind == "completed" and after.lost_nodes == []
     # the watcher saw n1 go while the job ran, then cancelled it: lost, though the end state is CANCELLED
     seen = sl.classify_end("12", _job("CANCELLED"), [], {"n1": "IDLE", "n2": "IDLE"}, 1, False, ["n1"])
     assert seen.kind == "node_lost" and seen.lost_ranks == {"n1": [0]}

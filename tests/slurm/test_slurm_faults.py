@@ -559,10 +559,17 @@ def test_allocation_mode_names_a_lost_node_of_the_allocation_and_excludes_it_fro
     assert len(inc) == 1 and "allocation 55 lost node n2 (rank 1, state DOWN*)" in inc[0].summary
     assert sl.read_exclusions(sup.run_dir) == ["n2"] and sup.attempt == 2
     assert "--exclude=n2" in fos.spawned[-1]
-    # healthy nodes after a crash: the crash path, nothing excluded (negative control)
-    fake.nodes["n2"] = "IDLE"
+    # a crash while n2 is still down (already excluded) and the rest healthy: not blamed on n2 again
     fos.advance(30)
     fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
     sup.tick()
     assert len([i for i in sup.store.list_incidents(sup.run_id) if "lost node" in i.summary]) == 1
-    assert sl.read_exclusions(sup.run_dir) == ["n2"]
+    assert sl.read_exclusions(sup.run_dir) == ["n2"] and sup.attempt == 3  # the crash path restarted it
+    # the job completes while n2 is down: a completion, not a node loss
+    with open(sup.telemetry_path, "a") as fh:
+        fh.write(json.dumps({"v": 1, "time": fos.t, "attempt": 3, "kind": "event", "event": "exiting", "step": 40,
+                             "reason": "completed"}) + "\n")
+    fos.advance(30)
+    fos.die(sup.job.pid, ExitStatus(0, None, "wait"))
+    sup.tick()
+    assert sup.state == S.COMPLETED
