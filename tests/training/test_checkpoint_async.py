@@ -361,3 +361,30 @@ def test_pinned_pool_hands_the_same_buffers_to_the_next_save():
     b = pool.take(like, pin=False)
     assert b is a and pool.allocated_bytes == 0 and pool.held_bytes == 2000
     assert pool.take(torch.zeros(1000, dtype=torch.float32), pin=False) is not a   # other dtype: new buffer
+
+
+def test_direct_write_pipeline_equals_the_buffered_one_across_buffer_edges(tmp_path, monkeypatch):
+    from ulyssesd.training.checkpoint import saving
+
+    monkeypatch.setattr(saving, "DIRECT_BUFFER_BYTES", 1 << 16)   # many full buffers plus a partial tail block
+    monkeypatch.setattr(saving, "DIRECT_BUFFERS", 2)
+    state = {"a": torch.randn(100_003), "b": torch.arange(7, dtype=torch.int16), "meta": [1, "x"]}
+    size, sha = saving.write_shard_direct(state, tmp_path / "direct.pt")
+    assert size == (tmp_path / "direct.pt").stat().st_size and sha == ck.sha256_file(tmp_path / "direct.pt")
+    back = torch.load(tmp_path / "direct.pt")
+    assert torch.equal(back["a"], state["a"]) and torch.equal(back["b"], state["b"]) and back["meta"] == [1, "x"]
+    assert not list(tmp_path.glob(".*.tmp-*"))
+
+
+def test_direct_write_failure_leaves_no_file_and_names_the_error(tmp_path, monkeypatch):
+    from ulyssesd.training.checkpoint import saving
+
+    monkeypatch.setattr(saving, "DIRECT_BUFFER_BYTES", 1 << 16)
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(saving.os, "pwrite", full)
+    with pytest.raises(OSError, match="No space left"):
+        saving.write_shard_direct({"a": torch.randn(50_000)}, tmp_path / "x.pt")
+    assert not list(tmp_path.iterdir())
