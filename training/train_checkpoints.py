@@ -310,8 +310,15 @@ class TrainerCheckpoints:
         nbytes = 0
         if self.rank == 0:
             nbytes = ckpt.manifest_bytes(ckpt.read_manifest(tag_dir))
+        # write_seconds: snapshot handed over -> this rank's shards durable (+ rank 0's commit: commit_seconds);
+        # seconds: snapshot -> reported here, i.e. up to the next save (one in flight).
         self._after_durable(step, tag, tag_dir, {"seconds": round(time.time() - t0, 3), "bytes": nbytes,
-                                                 "async_save": True, "blocked_seconds": round(blocked_s, 3)})
+                                                 "async_save": True, "blocked_seconds": round(blocked_s, 3),
+                                                 "write_seconds": round(writer.last_shards_s, 3),
+                                                 "commit_seconds": round(writer.last_write_s - writer.last_shards_s, 3),
+                                                 "write_bytes": writer.last_bytes,
+                                                 "host_buffer_alloc_bytes": writer.last_alloc_bytes,
+                                                 "device_staged_bytes": writer.last_staged_bytes})
         self.dist.barrier()
 
     def _save_files(self, tag: str, tag_dir: Path, client: dict[str, Any]) -> dict[str, Any] | None:
