@@ -5,6 +5,7 @@
 # with the offload's saved-tensor hooks) and qkv_copy on (the view costs 8 GiB at 1M).
 # A 1M step takes longer than one device command (10 min), so the job runs in the background and later
 # commands collect its telemetry:
+#   0. tests/training/test_offload_checkpoints_cuda.py (the offload's stream path on this GPU), then
 #   1. warm:  the same model at LS_WARM_SEQ (8K) for 1 step, saved at the end: Adam's m and v exist from then on.
 #   2. long:  attempt 2 in the same run dir resumes that checkpoint (moments loaded) and trains step 2 at LS_SEQ.
 #   A sampler writes nvidia-smi memory every 5 s (the peak while the long step runs); the step record's
@@ -93,6 +94,9 @@ case "$ACTION" in
   start)
     [ "$(state)" = "running" ] && { echo "already running"; exit 1; }
     rm -rf "$LS_DIR" && write_specs || exit 1
+    # The offload's CUDA stream path on this GPU first (seconds; skipped on the CPU).
+    $PY -m pytest -q -x -p no:cacheprovider tests/training/test_offload_checkpoints_cuda.py > "$OUT/offload_cuda.txt" 2>&1
+    tail -3 "$OUT/offload_cuda.txt"
     $PY - "$LS_DIR/long.toml" "${LS_NPROC:-1}" <<'PYEOF' | tee "$OUT/plan.txt"
 import sys
 from ulyssesd.daemon.spec import load_run_spec
