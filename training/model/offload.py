@@ -8,10 +8,10 @@ active when `checkpoint(...)` is called (`_CheckpointFrame.save_inputs`), while 
 through the checkpoint's own hooks. So a `saved_tensors_hooks` context around each checkpoint call sees
 exactly the chunk inputs, and nothing else, and composes with ZeRO-3's module hooks (they save nothing) and
 with `checkpoint_keep_attention` (a context_fn inside the region). That is why this and not
-DeepSpeed's `activation_checkpointing.cpu_checkpointing`, which belongs to DeepSpeed's reentrant
-CheckpointFunction (no selective checkpoint, a second checkpoint implementation), nor plain
-`torch.autograd.graph.save_on_cpu(pin_memory=True)`, which copies synchronously on the compute stream in
-forward and only on demand in backward (no prefetch), and offloads every saved tensor in its scope.
+DeepSpeed's `activation_checkpointing.cpu_checkpointing`, which lives in DeepSpeed's own checkpoint functions
+(module-global flags; adopting it replaces torch's checkpoint and its selective `context_fn`), nor plain
+`torch.autograd.graph.save_on_cpu(pin_memory=True)`, whose copies are queued on the compute stream (no
+overlap), come back on demand in backward (no prefetch), and cover every saved tensor in its scope.
 
 CUDA: the device-to-host copy runs on a side stream into pinned memory after that stream waits for the
 compute stream; the GPU tensor stays referenced until its copy is done, and at most `max_in_flight` copies
