@@ -49,6 +49,8 @@ FOLLOW_POLL_S = 0.25
 FOLLOW_STORE_CHECK_S = 2.0
 #: Bytes read per chunk (output is streamed, never held whole: attempt logs of multi-day runs are large).
 CHUNK = 1 << 16
+#: The longest piece of one line held in memory; a longer line is passed on in pieces of about this size.
+MAX_PIECE = 1 << 20
 #: Rank prefixes: torch `[rank3]:`, torchrun --tee `[default3]:`, mpirun `[1,3]<stdout>:`, srun -l `3:`.
 RANK_PREFIX = re.compile(rb"^\s*(?:\[(?:rank|default)(\d+)\]:|\[\d+,(\d+)\]<std(?:out|err)>:|(\d+):)\s?")
 #: The built-in job's own log lines (training/__main__.py's logging format: `%(asctime)s [rankN] LEVEL ...`):
@@ -66,33 +68,58 @@ def attempt_logs(run_dir: Path) -> dict[int, Path]:
     return {int(m.group(1)): run_dir / "logs" / n for n in names if (m := _ATTEMPT_LOG.match(n))}
 
 
-def rank_filter(lines: Iterator[bytes], rank: int | None, seen: list[bool]) -> Iterator[bytes]:
+def rank_filter(lines: Iterator[bytes], rank: int | None, seen: list[bool],
+                cont: list[bool | None] | None = None) -> Iterator[bytes]:
     """The lines of `rank` without their prefix (all lines when rank is None); seen[0] is set once any line
-    carried a rank prefix at all."""
+    carried a rank prefix at all. An item without a final newline is a piece of an overlong line (`_lines`):
+    its rest follows in the next items and goes where its first piece went; cont[0] carries that decision
+    across calls (None: the next item starts a line)."""
+    cont = cont if cont is not None else [None]
     for line in lines:
         if rank is None:
             yield line
             continue
+        if cont[0] is not None:  # the rest of an overlong line: kept or dropped with its first piece
+            if cont[0]:
+                yield line
+            if line.endswith(b"\n"):
+                cont[0] = None
+            continue
+        keep = False
         m = RANK_PREFIX.match(line)
         if m is not None:
             seen[0] = True
             if int(next(g for g in m.groups() if g is not None)) == rank:
+                keep = True
                 yield line[m.end():]
         elif (job := JOB_LOG_LINE.match(line)) is not None:
             seen[0] = True
             if int(job.group(1)) == rank:
+                keep = True
                 yield line
+        if not line.endswith(b"\n"):
+            cont[0] = keep
 
 
 def _lines(fh: BinaryIO, pending: bytearray, final: bool) -> Iterator[bytes]:
     """Complete lines read from fh's current position on; a trailing partial line waits in `pending` until
-    its newline comes (or, with final, is given as is)."""
+    its newline comes (or, with final, is given as is). A line longer than MAX_PIECE is given in pieces
+    (each but the last without its newline): memory stays bounded and each byte is looked at once (a job
+    that redraws a progress bar with a carriage return for days writes one endless line)."""
     while chunk := fh.read(CHUNK):
-        pending += chunk
-        *done, rest = bytes(pending).split(b"\n")
-        pending[:] = rest
-        for line in done:
-            yield line + b"\n"
+        start = 0
+        while (nl := chunk.find(b"\n", start)) >= 0:
+            if pending:
+                pending += chunk[start:nl + 1]
+                yield bytes(pending)
+                pending.clear()
+            else:
+                yield chunk[start:nl + 1]
+            start = nl + 1
+        pending += chunk[start:]
+        if len(pending) >= MAX_PIECE:
+            yield bytes(pending)
+            pending.clear()
     if final and pending:
         yield bytes(pending)
         pending.clear()
@@ -110,12 +137,12 @@ def _seek_last_lines(fh: BinaryIO, n: int) -> None:
         block = fh.read(step)
         if pos + step == end and block.endswith(b"\n"):
             block = block[:-1]  # the file's final newline ends the last line, it does not start one
-        for i in range(len(block) - 1, -1, -1):
-            if block[i] == 0x0A:
-                newlines += 1
-                if newlines == n:
-                    fh.seek(pos + i + 1)
-                    return
+        i = len(block)
+        while (i := block.rfind(b"\n", 0, i)) >= 0:  # rfind, not a byte loop: a 50 MiB line is one call
+            newlines += 1
+            if newlines == n:
+                fh.seek(pos + i + 1)
+                return
     fh.seek(0)
 
 
@@ -156,16 +183,18 @@ def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bo
     seen = [False]
     last_check = [time.monotonic()]
     with contextlib.ExitStack() as stack:
-        files = [(stack.enter_context(open(p, "rb")), bytearray()) for p in paths]
-        for fh, _ in files:
+        files = [(stack.enter_context(open(p, "rb")), bytearray(), [None]) for p in paths]
+        for fh, _, _ in files:
             if lines is not None:
                 _seek_last_lines(fh, lines)
         over = not follow or _attempt_over(run_dir, attempt, run_id, last_check)
         while True:
-            for fh, pending in files:
+            for fh, pending, cont in files:
                 if os.fstat(fh.fileno()).st_size < fh.tell():  # truncated under us: start over, like tail -F
                     fh.seek(0)
-                _write(rank_filter(_lines(fh, pending, final=over), rank, seen))
+                    pending.clear()
+                    cont[0] = None
+                _write(rank_filter(_lines(fh, pending, final=over), rank, seen, cont))
             if over:
                 break
             time.sleep(FOLLOW_POLL_S)
@@ -201,6 +230,11 @@ def torchrun_rank_files(spec: dict | None, run_dir: Path, run_id: str, attempt: 
     return [f for f in (dirs[-1] / "stdout.log", dirs[-1] / "stderr.log") if f.is_file()]
 
 
+def _is_plain_name(run_id: str) -> bool:
+    """A run id that names one directory entry under `runs/` (what the daemon creates), not a path."""
+    return run_id not in (".", "..") and not any(c in run_id for c in ("/", "\\", "\0"))
+
+
 def _run_dir_of(run_id: str | None) -> tuple[Path, str | None, dict | None]:
     """The run's directory, id and spec from the store; a run dir under the state dir (no id, no spec) when
     the store cannot say."""
@@ -212,6 +246,8 @@ def _run_dir_of(run_id: str | None) -> tuple[Path, str | None, dict | None]:
     try:
         store = open_store(db_path(), readonly=True)
     except StoreError as exc:  # no or a damaged database: the run dir alone still has the logs
+        if run_id and not _is_plain_name(run_id):  # `../../x` must not read a directory outside the state dir
+            die(f"run id {run_id!r} is not a plain name (no '/', not '.' or '..'); {exc}", EXIT_USAGE, False)
         fallback = CTX.state_dir / "runs" / (run_id or "")
         if run_id and (fallback / "logs").is_dir():
             return fallback, None, None
