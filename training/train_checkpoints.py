@@ -142,9 +142,10 @@ class TrainerCheckpoints:
 
     def _resume(self, tag: str | None) -> tuple[str | None, float]:
         t0 = time.time()
+        # A warm standby's bytes of its own shards (training/standby.py): used by this load, then released.
+        preload, self.preload = self.preload, None
         if tag is None:
             return None, 0.0
-        preload = self.preload  # a warm standby's bytes of its own shards (training/standby.py)
         try:
             with (preload.serve(self.engine, self.ckpt_dir, tag, self._event) if preload is not None
                   else contextlib.nullcontext()):
