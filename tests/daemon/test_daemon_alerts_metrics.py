@@ -50,7 +50,7 @@ def test_failed_run_alerts_and_metrics_follow_the_loop(tmp_path, make_sup):
     assert "restart" in kinds and "incident" in kinds and "action" in kinds, kinds  # crash -> restart -> ...
     assert alerts.events[-1][1]["run_id"] == sup.run_id and alerts.events[-1][1]["state"] == "FAILED"
     assert metrics.last["state"] == "FAILED" and metrics.last["incidents_by_symptom"]
-    assert metrics.last["actions_by_kind"] and metrics.last["restarts"] >= 1
+    assert metrics.last["actions_by_kind"] and metrics.last["relaunch_counts"]().restarts >= 1
     # levels that mean something: the crash incidents at error, the FAILED transition at critical, and the
     # narration copies no longer duplicate the structured lines
     by_event = {}
