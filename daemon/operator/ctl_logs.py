@@ -230,14 +230,10 @@ def torchrun_rank_files(spec: dict | None, run_dir: Path, run_id: str, attempt: 
     return [f for f in (dirs[-1] / "stdout.log", dirs[-1] / "stderr.log") if f.is_file()]
 
 
-def _is_plain_name(run_id: str) -> bool:
-    """A run id that names one directory entry under `runs/` (what the daemon creates), not a path."""
-    return run_id not in (".", "..") and not any(c in run_id for c in ("/", "\\", "\0"))
-
-
 def _run_dir_of(run_id: str | None) -> tuple[Path, str | None, dict | None]:
     """The run's directory, id and spec from the store; a run dir under the state dir (no id, no spec) when
     the store cannot say."""
+    from ulyssesd.daemon.spec import run_id_problem
     from ulyssesd.daemon.store import open_store
     from ulyssesd.daemon.store.errors import StoreError
 
@@ -246,8 +242,8 @@ def _run_dir_of(run_id: str | None) -> tuple[Path, str | None, dict | None]:
     try:
         store = open_store(db_path(), readonly=True)
     except StoreError as exc:  # no or a damaged database: the run dir alone still has the logs
-        if run_id and not _is_plain_name(run_id):  # `../../x` must not read a directory outside the state dir
-            die(f"run id {run_id!r} is not a plain name (no '/', not '.' or '..'); {exc}", EXIT_USAGE, False)
+        if run_id and (bad_id := run_id_problem(run_id)):  # `../../x` must not read a dir outside the state dir
+            die(f"{bad_id}; {exc}", EXIT_USAGE, False)
         fallback = CTX.state_dir / "runs" / (run_id or "")
         if run_id and (fallback / "logs").is_dir():
             return fallback, None, None
