@@ -45,7 +45,7 @@ def _print_version(value: bool) -> None:
 
 def build_app() -> typer.Typer:
     """`ulyssesd`'s commands, on the same CLI framework as ulyssesctl (plain help, same exit handling)."""
-    from ulyssesd.daemon.operator.cli_app import cli_app
+    from ulyssesd.cli_app import cli_app
 
     app = cli_app("Supervisor for long DeepSpeed ZeRO-3 + Ulysses runs.")
 
@@ -82,7 +82,7 @@ def build_app() -> typer.Typer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ulyssesd.daemon.operator.cli_app import exit_code_of
+    from ulyssesd.cli_app import exit_code_of
 
     try:
         build_app()(args=argv, prog_name="ulyssesd")

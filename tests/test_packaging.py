@@ -165,3 +165,16 @@ def test_the_training_job_without_its_stack_says_what_to_install(no_torch_env, t
     assert "pip install 'ulyssesd[train]'" in res.stderr, res.stderr[-3000:]
     assert "ModuleNotFoundError: No module named" in res.stderr  # the daemon's diagnosis: launcher_error
 
+
+
+def test_the_preprocessor_without_its_stack_says_what_to_install(no_torch_env, tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
+    res = _run(no_torch_env, str(BIN / "ulysses-preprocess"), "in.jsonl", "--output-prefix", "out",
+               "--train-tokenizer", "tok.json", cwd=tmp_path)
+    assert res.returncode == 1, (res.returncode, res.stderr[-3000:])
+    assert f"{BLOCKED_MARK} numpy" in res.stderr  # it really tried, and numpy was really missing
+    assert "pip install 'ulyssesd[train]'" in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert not (tmp_path / "tok.json").exists() and not list(tmp_path.glob("out*"))  # nothing half-written
+    res = _run(no_torch_env, str(BIN / "ulysses-preprocess"), "--help", cwd=tmp_path)  # help needs no numpy
+    assert res.returncode == 0 and res.stdout.startswith("Usage: ulysses-preprocess"), res.stderr[-3000:]
+    assert BLOCKED_MARK not in res.stderr, res.stderr[-3000:]

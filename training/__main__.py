@@ -6,7 +6,6 @@ resume from; 5 a warm standby whose gate did not open in time (training/standby.
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
 import logging
 import os
@@ -15,26 +14,61 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
+
+import typer  # the shared CLI framework (ulyssesd.cli_app); a base dependency, no torch
 
 EXIT_OK, EXIT_CRASH, EXIT_SPEC, EXIT_NO_CHECKPOINT = 0, 1, 2, 3
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ulysses-train", description="Run the ZeRO-3 + Ulysses GPT training job "
-                                "(launch one process per rank with torchrun / deepspeed / srun).")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--config", help="effective job config JSON (JobSpec.to_json(), written by the daemon)")
-    src.add_argument("--spec", help="run spec TOML (manual use; daemon sections are ignored)")
-    src.add_argument("--standby-gate", help="warm standby (the daemon's): warm up, wait until this gate file "
-                     "opens, then read the config it names (training/standby.py)")
-    p.add_argument("--run-dir", default=os.environ.get("ULYSSESD_RUN_DIR"),
-                   help="run directory: telemetry.jsonl, control.json, checkpoints/ (default $ULYSSESD_RUN_DIR or .)")
-    p.add_argument("--attempt", type=int, default=int(os.environ.get("ULYSSESD_ATTEMPT", "1")),
-                   help="attempt number (faults fire on attempt 1 by default; recorded in telemetry)")
-    p.add_argument("--config-version", type=int,
-                   default=int(os.environ["ULYSSESD_CONFIG_VERSION"]) if os.environ.get("ULYSSESD_CONFIG_VERSION")
-                   else None, help="config version recorded in telemetry and checkpoints")
-    return p
+def build_app(parsed: list[SimpleNamespace]) -> typer.Typer:
+    """The job's command line on the CLI framework every ulyssesd executable shares (ulyssesd.cli_app;
+    no daemon import). Parsing appends the flags to `parsed`; main() runs the job with them."""
+    from ulyssesd.cli_app import cli_app
+
+    app = cli_app("The training job (one process per rank).", no_args_is_help=False)  # help: train's docstring
+
+    @app.command()
+    def train(
+        ctx: typer.Context,
+        config: str = typer.Option(None, "--config", metavar="JSON",
+                                   help="effective job config JSON (JobSpec.to_json(), written by the daemon)"),
+        spec: str = typer.Option(None, "--spec", metavar="RUN.toml",
+                                 help="run spec TOML (manual use; daemon sections are ignored)"),
+        standby_gate: str = typer.Option(None, "--standby-gate", metavar="GATE",
+                                         help="warm standby (the daemon's): warm up, wait until this gate file "
+                                              "opens, then read the config it names (training/standby.py)"),
+        run_dir: str = typer.Option(None, "--run-dir", metavar="DIR", envvar="ULYSSESD_RUN_DIR",
+                                    help="run directory: telemetry.jsonl, control.json, checkpoints/ "
+                                         "(default $ULYSSESD_RUN_DIR or .)"),
+        attempt: int = typer.Option(1, "--attempt", metavar="N", envvar="ULYSSESD_ATTEMPT",
+                                    help="attempt number (faults fire on attempt 1 by default; recorded in "
+                                         "telemetry)"),
+        config_version: int = typer.Option(None, "--config-version", metavar="V", envvar="ULYSSESD_CONFIG_VERSION",
+                                           help="config version recorded in telemetry and checkpoints"),
+    ) -> None:
+        """Run the ZeRO-3 + Ulysses GPT training job, one process per rank (launched by torchrun, deepspeed or
+        srun; the daemon passes --config, --run-dir, --attempt, --config-version). Exactly one of --config,
+        --spec, --standby-gate."""
+        given = [flag for flag, value in (("--config", config), ("--spec", spec), ("--standby-gate", standby_gate))
+                 if value is not None]
+        if len(given) != 1:
+            ctx.fail("exactly one of --config, --spec, --standby-gate is required"
+                     + (f" (got {' and '.join(given)})" if given else ""))
+        parsed.append(SimpleNamespace(config=config, spec=spec, standby_gate=standby_gate, run_dir=run_dir,
+                                      attempt=attempt, config_version=config_version))
+
+    return app
+
+
+def _parse_args(argv: list[str] | None) -> SimpleNamespace | int:
+    """The parsed flags, or the exit status when there is nothing to run: 0 after --help, 2 on a usage error
+    (unknown flag, none or two of --config/--spec/--standby-gate), as argparse exited."""
+    from ulyssesd.cli_app import run_cli
+
+    parsed: list[SimpleNamespace] = []
+    code = run_cli(build_app(parsed), argv, "ulysses-train")
+    return parsed[0] if parsed else code
 
 
 def _first_host(nodelist: str) -> str:
@@ -100,7 +134,9 @@ def _register_stack_dumps(run_dir: Path, attempt: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse_args(argv)
+    if isinstance(args, int):
+        return args  # --help, or a usage error (printed)
     rank_env_from_slurm()  # before logging: its format names the rank
     _setup_logging()
     # DeepSpeed's ZeRO-3 calls torch's renamed collectives every step; keep the log readable.

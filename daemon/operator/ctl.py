@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from ulyssesd.daemon.operator.cli_app import cli_app, exit_code_of
+from ulyssesd.cli_app import cli_app, exit_code_of
 from ulyssesd.daemon.operator.ctl_common import (  # noqa: F401 - the documented import path of these names
     CTX,
     DAEMON_NOT_RESPONDING,

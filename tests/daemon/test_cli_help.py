@@ -1,5 +1,5 @@
-"""Every command's --help renders: each executable on the one CLI framework (daemon/operator/cli_app.py),
-walked from its real command tree. No flag shows a `<bool>` metavar, bracketed words such as `[detectors]`
+"""Every command's --help renders: all four executables (ulyssesd, ulyssesctl, ulysses-train,
+ulysses-preprocess) on the one CLI framework (ulyssesd_pkg/cli_app.py), walked from their real command trees. No flag shows a `<bool>` metavar, bracketed words such as `[detectors]`
 survive (the rich formatter ate them as markup), and every option and argument has its own help text."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import typer.main
 
 from ulyssesd.daemon import cli as ulyssesd_cli
 from ulyssesd.daemon.operator import ctl
+from ulyssesd.training import __main__ as train_cli
+from ulyssesd.training.data import preprocess_cli
 
 BIN = Path(sys.executable).parent
 
@@ -24,7 +26,9 @@ def _commands(group, path=()):
         yield from _commands(cmd, (*path, name))
 
 
-EXECUTABLES = {"ulyssesctl": (ctl.app, ctl.main), "ulyssesd": (ulyssesd_cli.build_app(), ulyssesd_cli.main)}
+EXECUTABLES = {"ulyssesctl": (ctl.app, ctl.main), "ulyssesd": (ulyssesd_cli.build_app(), ulyssesd_cli.main),
+               "ulysses-train": (train_cli.build_app([]), train_cli.main),
+               "ulysses-preprocess": (preprocess_cli.app, preprocess_cli.main)}
 CASES = [(exe, path, cmd) for exe, (app, _) in EXECUTABLES.items()
          for path, cmd in _commands(typer.main.get_command(app))]
 
@@ -57,6 +61,43 @@ def test_bracketed_words_survive_in_help():
 
 @pytest.mark.parametrize("exe", ["ulysses-train", "ulysses-preprocess"])
 def test_job_side_executables_render_help(exe):
-    """The job's own entry points (argparse, they run on every rank): help renders, no `<bool>`."""
+    """The job's own entry points, as installed (they run on every rank): plain help, no `<bool>`."""
     res = subprocess.run([str(BIN / exe), "--help"], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0 and res.stdout.startswith(f"usage: {exe}") and "<bool>" not in res.stdout
+    assert res.returncode == 0 and res.stdout.startswith(f"Usage: {exe} [OPTIONS]") and "<bool>" not in res.stdout
+
+
+@pytest.mark.parametrize(("exe", "argv", "message"), [
+    ("ulysses-train", [], "exactly one of --config, --spec, --standby-gate is required"),
+    ("ulysses-train", ["--config", "a.json", "--spec", "b.toml"], "(got --config and --spec)"),
+    ("ulysses-train", ["--spec", "b.toml", "--attempt", "two"], "Invalid value for '--attempt'"),
+    ("ulysses-train", ["--spec", "b.toml", "--no-such-flag"], "No such option: --no-such-flag"),
+    ("ulysses-preprocess", ["in.jsonl", "--output-prefix", "out"], "exactly one of --tokenizer, --train-tokenizer"),
+    ("ulysses-preprocess", ["in.jsonl", "--output-prefix", "o", "--tokenizer", "t.json", "--text-unit", "page"],
+     "--text-unit must be file or line"),
+    ("ulysses-preprocess", ["--tokenizer", "t.json"], "Missing argument 'INPUT'"),
+])
+def test_job_side_usage_errors_exit_2_naming_the_problem(exe, argv, message):
+    """A usage error exits 2 with one line naming it, as argparse did (the daemon reads 2 as 'config
+    rejected'), and nothing is run."""
+    res = subprocess.run([str(BIN / exe), *argv], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_job_flags_parse_as_before_with_their_environment_defaults(monkeypatch):
+    """Every flag the daemon passes to the job's ranks, and the ULYSSESD_* variables that stand in for them."""
+    for var in ("ULYSSESD_RUN_DIR", "ULYSSESD_ATTEMPT", "ULYSSESD_CONFIG_VERSION"):
+        monkeypatch.delenv(var, raising=False)
+    args = train_cli._parse_args(["--config", "c.json", "--run-dir", "/r", "--attempt", "3", "--config-version", "2"])
+    assert vars(args) == {"config": "c.json", "spec": None, "standby_gate": None, "run_dir": "/r", "attempt": 3,
+                          "config_version": 2}
+    assert vars(train_cli._parse_args(["--spec", "s.toml"])) == {
+        "config": None, "spec": "s.toml", "standby_gate": None, "run_dir": None, "attempt": 1, "config_version": None}
+    monkeypatch.setenv("ULYSSESD_RUN_DIR", "/env-run")
+    monkeypatch.setenv("ULYSSESD_ATTEMPT", "4")
+    monkeypatch.setenv("ULYSSESD_CONFIG_VERSION", "")  # empty: no version, as before
+    args = train_cli._parse_args(["--standby-gate", "g.json"])
+    assert (args.standby_gate, args.run_dir, args.attempt, args.config_version) == ("g.json", "/env-run", 4, None)
+    monkeypatch.setenv("ULYSSESD_CONFIG_VERSION", "7")
+    assert train_cli._parse_args(["--config", "c.json", "--attempt", "9"]).config_version == 7
+    assert train_cli._parse_args(["--config", "c.json", "--attempt", "9"]).attempt == 9  # the flag wins

@@ -19,7 +19,6 @@ part; a `.bin`/`.idx` without a matching `<prefix>.json` is never taken for comp
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -424,43 +423,23 @@ def _iter_texts(paths: list[Path], opts: Options) -> Iterator[str]:
                 yield text
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ulysses-preprocess", description="Tokenize JSONL/Parquet/text into a "
-                                 "Megatron-compatible indexed dataset (.bin + .idx) for data.kind='indexed'.")
-    ap.add_argument("inputs", nargs="+", type=Path, help="input files (.jsonl/.json, .parquet, else UTF-8 text)")
-    ap.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx and PREFIX.json")
-    tk = ap.add_mutually_exclusive_group(required=True)
-    tk.add_argument("--tokenizer", type=Path, help="tokenizer.json (Hugging Face tokenizers) or its folder")
-    tk.add_argument("--train-tokenizer", type=Path, metavar="OUT.json",
-                    help="first train a byte-level BPE on the inputs and save it here (then encode with it)")
-    ap.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of --train-tokenizer (default 4096)")
-    ap.add_argument("--text-key", default="text", help="JSON key / Parquet column of the text (default text)")
-    ap.add_argument("--text-unit", choices=["file", "line"], default="file",
-                    help="plain-text inputs: one document per file (default) or per line")
-    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes (default 2)")
-    ap.add_argument("--chunk-mb", type=float, default=16.0, help="JSONL/line-text work unit size in MB (default 16)")
-    ap.add_argument("--skip-empty", action="store_true", help="drop empty documents instead of failing")
-    ap.add_argument("--no-eos", action="store_true", help="do not append EOS after each document")
-    ap.add_argument("--eos-token", default=DEFAULT_EOS, help=f"EOS special token (default {DEFAULT_EOS})")
-    ap.add_argument("--bos-token", help="prepend this BOS special token to each document")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
-    opts = Options(text_key=args.text_key, text_unit=args.text_unit, append_eos=not args.no_eos,
-                   prepend_bos=args.bos_token is not None, skip_empty=args.skip_empty, eos_token=args.eos_token,
-                   bos_token=args.bos_token)
+def run(inputs: list[Path], output_prefix: str | Path, *, tokenizer: Path | None, train_tokenizer: Path | None,
+        vocab_size: int, options: Options, workers: int, chunk_mb: float, progress: bool) -> int:
+    """What `ulysses-preprocess` does once its flags are parsed (training/data/preprocess_cli.py): train the
+    tokenizer if asked, encode, print the outcome and the config lines to use. 0, or 1 with the problem."""
     try:
-        tok_path = args.tokenizer
-        if args.train_tokenizer is not None:
-            tok_path = args.train_tokenizer
+        tok_path = train_tokenizer if train_tokenizer is not None else tokenizer
+        if tok_path is None:
+            raise PreprocessError("no tokenizer: give --tokenizer PATH or --train-tokenizer OUT.json")
+        if train_tokenizer is not None:
             if not tok_path.is_file():
-                trained = train_bpe(_iter_texts(args.inputs, opts), args.vocab_size, special_tokens=[args.eos_token])
+                trained = train_bpe(_iter_texts(inputs, options), vocab_size, special_tokens=[options.eos_token])
                 trained.save(tok_path)
                 print(f"trained a {trained.vocab_size}-id BPE tokenizer -> {tok_path}")
             else:
                 print(f"tokenizer {tok_path} exists; reusing it")
-        stats = preprocess(args.inputs, tok_path, args.output_prefix, opts, workers=args.workers,
-                           chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))),
-                           progress=not args.no_progress and sys.stderr.isatty())
+        stats = preprocess(inputs, tok_path, output_prefix, options, workers=workers,
+                           chunk_bytes=max(1, int(chunk_mb * (1 << 20))), progress=progress)
     except (PreprocessError, TokenizerError, IndexedDatasetError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -474,5 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m ulyssesd.training.data.preprocess`: the same command line
+    import runpy
+
+    # Run the CLI module as the program rather than import it here: it imports this module (lazily, so that
+    # it starts without numpy), and an import back would be a cycle.
+    runpy.run_module("ulyssesd.training.data.preprocess_cli", run_name="__main__", alter_sys=True)
