@@ -97,6 +97,26 @@ def test_eval_and_no_grad_forward_offload_nothing():
     assert m.last_offload is None
 
 
+def test_a_first_forward_that_would_not_fit_host_ram_fails_with_the_numbers_and_later_ones_are_not_rechecked(
+        monkeypatch):
+    each = TOKENS * H * 4
+    # Room for 3 of the 4 block inputs after the reserve: the 4th is refused, naming the option.
+    monkeypatch.setattr(offload, "host_bytes_available", lambda: offload.HOST_RESERVE_BYTES + 3 * each)
+    m = _model(checkpoint_every=1, model={"offload_checkpoints": True})
+    with pytest.raises(offload.HostMemoryError, match=r"model\.offload_checkpoints: checkpointed block input 4"):
+        m(*_batch())
+    # Enough room: the same first forward passes; afterwards the pinned blocks are reused, no new check.
+    monkeypatch.setattr(offload, "host_bytes_available", lambda: offload.HOST_RESERVE_BYTES + 4 * each)
+    m(*_batch()).backward()
+    assert m.last_offload.host_bytes == 4 * each
+    monkeypatch.setattr(offload, "host_bytes_available", lambda: 0)
+    m(*_batch()).backward()
+    # Ranks of one node share its RAM.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(offload, "host_bytes_available", lambda: offload.HOST_RESERVE_BYTES + 8 * each)
+    assert offload.first_forward_host_budget() == 2 * each
+
+
 def test_offloader_bounds_its_in_flight_copies():
     with pytest.raises(ValueError, match="max_in_flight=0"):
         offload.CheckpointInputOffloader(max_in_flight=0)

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..spec import ResolvedModel
 from .attention import UlyssesAttention
-from .offload import CheckpointInputOffloader, OffloadStats
+from .offload import CheckpointInputOffloader, OffloadStats, first_forward_host_budget
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,11 @@ class GPT(nn.Module):
         cos, sin = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
         n, k = len(self.blocks), self.checkpoint_every
         recompute = self.training and torch.is_grad_enabled()
-        offloader = CheckpointInputOffloader() if self.cfg.offload_checkpoints and recompute else None
+        offloader = None
+        if self.cfg.offload_checkpoints and recompute:
+            # The first forward pins the host blocks: fail it with the numbers, not the OOM killer.
+            offloader = CheckpointInputOffloader(
+                host_budget=first_forward_host_budget() if self.last_offload is None else None)
         if self.checkpoint_layers is not None and recompute:
             for i in range(n):
                 if i < self.checkpoint_layers:

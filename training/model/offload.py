@@ -24,6 +24,7 @@ CPU: plain copies into fresh host tensors (the same code path, which the CPU tes
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,42 @@ class OffloadStats:
     tensors: int = 0          # chunk inputs offloaded
     bytes: int = 0            # their bytes (the host memory they occupy until backward)
     restored: int = 0         # chunk inputs brought back in backward
+    host_bytes: int = 0       # host memory taken for them (pinned blocks rounded up to a power of two)
+
+
+class HostMemoryError(RuntimeError):
+    """The offloaded inputs of one forward would not fit in the host RAM this rank may use."""
+
+
+# Left to the OS, page cache and the rest of the process when checking the first forward's host budget.
+HOST_RESERVE_BYTES = 2 << 30
+
+
+def host_bytes_available() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), None where there is none."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def first_forward_host_budget() -> int | None:
+    """Host bytes one rank may pin for its first forward: (MemAvailable - reserve) / ranks on this node.
+    Only the first forward is checked: later ones reuse the pinned blocks torch's host cache keeps."""
+    avail = host_bytes_available()
+    if avail is None:
+        return None
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(0, avail - HOST_RESERVE_BYTES) // ranks
+
+
+def _pinned_bytes(nbytes: int) -> int:
+    # torch's CUDA caching host allocator rounds pinned blocks up to a power of two (as the planner counts).
+    return 1 << max(0, nbytes - 1).bit_length()
 
 
 _SIDE_STREAMS: dict[int, Any] = {}
@@ -67,6 +104,7 @@ class CheckpointInputOffloader:
     """Offloads the inputs of the checkpoints of ONE forward pass; make a new one per forward."""
 
     max_in_flight: int = 2                    # device-to-host copies pending before forward waits for the oldest
+    host_budget: int | None = None            # host bytes this pass may take (None = unchecked)
     stats: OffloadStats = field(default_factory=OffloadStats)
     _entries: list[_Entry] = field(default_factory=list)
     _pending: deque = field(default_factory=deque)
@@ -92,6 +130,15 @@ class CheckpointInputOffloader:
 
     # ------------------------------------------------------------------------------------ forward
     def _offload(self, t: torch.Tensor) -> int:
+        nbytes = t.numel() * t.element_size()
+        host = _pinned_bytes(nbytes) if t.is_cuda else nbytes
+        if self.host_budget is not None and self.stats.host_bytes + host > self.host_budget:
+            raise HostMemoryError(
+                f"model.offload_checkpoints: checkpointed block input {self.stats.tensors + 1} needs "
+                f"{host / 2**30:.2f} GiB more host RAM, {self.stats.host_bytes / 2**30:.2f} GiB are taken by the "
+                f"earlier ones, and this rank may use {self.host_budget / 2**30:.2f} GiB (MemAvailable minus "
+                f"{HOST_RESERVE_BYTES >> 30} GiB, over LOCAL_WORLD_SIZE ranks). `ulyssesctl plan` shows the host "
+                "RAM the run needs; use more GPUs (SP or nodes), fewer checkpointed blocks, or turn the option off")
         entry = _Entry(host=None, device=t.device)
         if t.is_cuda:
             self._bound_in_flight()
@@ -108,7 +155,8 @@ class CheckpointInputOffloader:
             entry.host = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
         self._entries.append(entry)
         self.stats.tensors += 1
-        self.stats.bytes += t.numel() * t.element_size()
+        self.stats.bytes += nbytes
+        self.stats.host_bytes += host
         return len(self._entries) - 1
 
     def _bound_in_flight(self) -> None:
