@@ -11,6 +11,10 @@ Ulysses SP=2); faults injected by the job itself (`[[faults]]`, each on a chosen
   attempt 4: NaN loss (→ roll back to a known-good checkpoint and skip the bad batches)
   attempt 5: trains to the final step.
 
+Watchable live: the demo listens on its own control socket and writes `ulyssesd.daemon.json` into its state
+dir as `ulyssesd run` does, and prints the `ulyssesctl --state-dir STATE status --watch` command that follows
+it from another terminal (pause/resume/stop work there too).
+
 Ends with the incidents table, goodput (productive training time / wall time) and the run's postmortem
 report (`report-RUN.html` in the work dir, next to `state/`); exit code 0 only when the run completed and
 the report was written (3: completed, report not written).
@@ -182,6 +186,7 @@ def run_demo(work_dir: str | None = None) -> int:
               f"(attempt 1) · crash (2) · hang (3) · NaN (4)\n")
     sup = Supervisor(spec, store, RealOS(), say=say)
     sup.start()
+    server = open_live_view(spec, sup, state, con)
     last_shown = 0
     deadline = time.monotonic() + 900
     try:
@@ -193,13 +198,20 @@ def run_demo(work_dir: str | None = None) -> int:
                 con.print(f"[dim]{time.monotonic() - t0:6.1f}s   step {r.step:3d}  loss {r.loss:.4f}  "
                           f"{(r.tokens_per_s or 0):,.0f} tok/s  mem {(r.mem_max_allocated_gib or 0):.2f} GiB[/dim]",
                           highlight=False)
-            time.sleep(spec.daemon.tick_s)
+            if server is not None:
+                server.poll(spec.daemon.tick_s)  # the tick's sleep, answering ulyssesctl meanwhile
+            else:
+                time.sleep(spec.daemon.tick_s)
     except KeyboardInterrupt:
         con.print("[yellow]interrupted: stopping the job[/yellow]")
         sup.handle_command({"cmd": "stop"})
         while sup.job is not None and time.monotonic() < deadline:
             sup.tick()
             time.sleep(0.2)
+    finally:
+        if server is not None:  # the run is over (or the demo is leaving): nothing to watch any more
+            (state / DAEMON_INFO).unlink(missing_ok=True)
+            server.close()
     wall = time.monotonic() - t0
     con.rule("incidents")
     con.print(incidents_table(store.list_incidents(sup.run_id), store))
@@ -221,6 +233,40 @@ def run_demo(work_dir: str | None = None) -> int:
     if sup.state.value != "COMPLETED":
         return DEMO_EXIT_RUN_NOT_COMPLETED
     return DEMO_EXIT_OK if report_error is None else DEMO_EXIT_REPORT_FAILED
+
+
+#: The file `ulyssesctl` reads to find a live daemon (its pid, socket, run, database): `ulyssesd run` writes
+#: the same one (daemon/cli.py); the demo cannot import it from there (the cli imports the demo).
+DAEMON_INFO = "ulyssesd.daemon.json"
+
+
+def open_live_view(spec, sup, state: Path, con):
+    """The demo's control socket and daemon info file, as `ulyssesd run` has them, so that `ulyssesctl
+    --state-dir STATE status --watch` follows the demo from another terminal. Prints that command. None
+    (and says why) when the socket cannot be made: the demo runs on, without the live view."""
+    import os
+
+    from ulyssesd.daemon.control.protocol import ControlSocketError
+    from ulyssesd.daemon.control.server import ControlServer
+    from ulyssesd.daemon.job.config import write_json_atomic
+
+    socket_path = spec.daemon.resolved_socket_path()
+    try:
+        server = ControlServer(socket_path, sup.handle_command, group=None)  # root and this uid may connect
+    except (ControlSocketError, OSError) as exc:
+        con.print(f"[yellow]no live view ({escape(str(exc))}); the demo runs on[/yellow]")
+        return None
+    write_json_atomic(state / DAEMON_INFO, {"pid": os.getpid(), "socket": str(socket_path), "run_id": sup.run_id,
+                                            "db": str(spec.daemon.resolved_db_path()), "started": time.time()})
+    con.print(f"watch live (another terminal): [bold]{escape(watch_command(state))}[/bold]\n", highlight=False)
+    return server
+
+
+def watch_command(state: Path) -> str:
+    """The exact command that follows the demo's run live."""
+    import shlex
+
+    return f"ulyssesctl --state-dir {shlex.quote(str(state))} status --watch"
 
 
 #: Demo exit codes: the run completed and its report was written · the run did not complete ·
