@@ -308,10 +308,10 @@ def on_hang(sup: Supervisor, fnd: Finding) -> None:
                   waited_for_ranks=list(reading.waited_for))
         from ulyssesd.daemon.job.slurm_supervise import hang_nodes
 
-        on_nodes = hang_nodes(sup, list(reading.waited_for))  # a Slurm job: which node(s) the ranks ran on
+        on_nodes = hang_nodes(sup, list(reading.waited_for), list(per_rank))  # a Slurm job: the suspects' nodes
         ev.update(on_nodes)
         iid = sup.incidents.incident(Symptom.hang, step, Severity.critical, f"{summary} {reading.summary}" + (
-            f" (on node {', '.join(on_nodes['waited_for_nodes'])})" if on_nodes else ""), ev,
+            f" ({on_nodes['note']})" if on_nodes else ""), ev,
                             attempt=attempt)
         sup.incidents.action(iid, ActionKind.restart, {"reason": "hang: stack dump, SIGTERM, SIGKILL after grace, "
                                               "restart from latest valid checkpoint"}, {}, ApplyMode.restart,

@@ -107,10 +107,12 @@ def request_stack_dumps(sup: Supervisor, t: Termination, files: dict[int, Path],
     return True
 
 
-def hang_nodes(sup: Supervisor, ranks: list[int]) -> dict[str, Any]:
-    """The nodes the hang path's waited-for ranks ran on (rank -> node from the job's node list), for the
-    hang incident; {} outside submit mode or when Slurm does not know the job."""
-    if not submit_mode(sup) or not ranks:
+def hang_nodes(sup: Supervisor, ranks: list[int], dumped: list[int] | None = None) -> dict[str, Any]:
+    """The nodes of the hang path's suspects (rank -> node from the job's node list), for the hang incident:
+    the waited-for ranks (`ranks`), or, when the stacks name none, the ranks that wrote no dump while the others
+    did (`dumped`: a stopped or wedged process cannot run its SIGUSR1 handler). {} outside submit mode or
+    when Slurm does not know the job."""
+    if not submit_mode(sup) or not (ranks or dumped):
         return {}
     job_id = current_job_id(sup)
     if job_id is None:
@@ -121,9 +123,19 @@ def hang_nodes(sup: Supervisor, ranks: list[int]) -> dict[str, Any]:
         return {}
     nodes = sl.expand_hostlist((job or {}).get("NodeList", ""))
     by_rank = sl.rank_nodes(nodes, sup.spec.launcher.nproc_per_node)
+    out: dict[str, Any] = {}
     named = {r: by_rank[r] for r in ranks if r in by_rank}
-    return {"slurm_job": job_id, "waited_for_nodes": sorted(set(named.values())),
-            "rank_nodes": {str(r): n for r, n in named.items()}} if named else {}
+    silent = sorted(set(by_rank) - set(dumped)) if dumped and not named else []
+    if silent and len(silent) < len(by_rank):
+        out["silent_ranks"] = silent  # no dump from them, while their peers dumped
+        named = {r: by_rank[r] for r in silent}
+    if not named:
+        return {}
+    where = ", ".join(sorted(set(named.values())))
+    note = (f"rank{'s' if len(silent) > 1 else ''} {','.join(map(str, silent))} wrote no stack dump: node {where}"
+            if silent else f"on node {where}")
+    return {**out, "slurm_job": job_id, "waited_for_nodes": sorted(set(named.values())),
+            "rank_nodes": {str(r): n for r, n in named.items()}, "note": note}
 
 
 def _ensure_gone(sup: Supervisor, job_id: str) -> None:

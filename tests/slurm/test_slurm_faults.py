@@ -573,3 +573,42 @@ def test_allocation_mode_names_a_lost_node_of_the_allocation_and_excludes_it_fro
     fos.die(sup.job.pid, ExitStatus(0, None, "wait"))
     sup.tick()
     assert sup.state == S.COMPLETED
+
+
+def test_a_rank_that_wrote_no_stack_dump_while_its_peer_waits_names_its_node(tmp_path):
+    fos, fake = WatcherOS(), FakeSlurm()
+    sup = _slurm_sup(tmp_path, fos, fake)
+    sup.start()
+    plan = WatchPlan.read(sup.run_dir / "slurm" / "attempt-1.plan.json")
+    job_id = fake.sbatch(Path(plan.script), plan.sbatch_args, plan.env)
+    (sup.run_dir / "slurm" / "attempt-1.job.json").write_text(json.dumps({"job_id": job_id}))
+    _emit(sup, kind="event", event="started", step=0)
+    for s in range(1, 8):
+        fos.advance(0.5)
+        _emit(sup, kind="step", step=s, loss=3.0, step_time_s=0.5, samples=[s - 1, s])
+        sup.tick()
+    fos.advance(60)
+    sup.tick()
+    stacks = sup.run_dir / "stacks"
+    stacks.mkdir(exist_ok=True)
+    # rank 0 waits in a collective; rank 1 (SIGSTOPped on n2) writes nothing
+    (stacks / "attempt-1-rank-0.txt").write_text('Thread 0x1 (most recent call first):\n  File "x.py", line 1 in '
+                                                 'all_reduce\n  File "deepspeed/comm/torch.py", line 1 in all_reduce\n')
+    fos.advance(sup.dcfg.stack_dump_wait_s + 0.1)
+    sup.tick()
+    inc = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "hang"][0]
+    assert inc.evidence["silent_ranks"] == [1] and inc.evidence["waited_for_nodes"] == ["n2"]
+    assert "(rank 1 wrote no stack dump: node n2)" in inc.summary
+
+
+def test_every_rank_dumped_and_none_is_waited_for_names_no_node(tmp_path):
+    from ulyssesd.daemon.job.slurm_supervise import hang_nodes
+
+    fos, fake = WatcherOS(), FakeSlurm()
+    sup = _slurm_sup(tmp_path, fos, fake)
+    sup.start()
+    job_id = fake.sbatch(Path("x"), ["--nodes=2"], {})
+    (sup.run_dir / "slurm" / "attempt-1.job.json").write_text(json.dumps({"job_id": job_id}))
+    assert hang_nodes(sup, [], [0, 1]) == {}  # both dumped, nobody named: no node blamed
+    assert hang_nodes(sup, [], []) == {}  # nobody dumped: no contrast, no node blamed
+    assert hang_nodes(sup, [1], [0, 1])["note"] == "on node n2"
