@@ -118,12 +118,15 @@ class LogParseStats:
 class LogTelemetryParser:
     """Stateful line parser: `feed(line, now)` returns the telemetry records (contract dicts) it completes."""
 
-    def __init__(self, attempt: int | None = None, config_version: int | None = None):
+    def __init__(self, attempt: int | None = None, config_version: int | None = None,
+                 after_step: int | None = None):
+        """`after_step`: the last step already emitted for this attempt (a log re-read from an older offset);
+        lines of steps up to it are dropped as repeated."""
         self.attempt = attempt
         self.config_version = config_version
         self.stats = LogParseStats()
         self._pending = _Pending()
-        self._last_step: int | None = None
+        self._last_step: int | None = after_step
         self._progress_step: int | None = None
         self._progress_step_time: float | None = None
         self._hf_count = 0
