@@ -157,7 +157,7 @@ def drop_unwritable_monitors(ds_config: dict[str, Any]) -> list[str]:
         path = os.path.join(sec["output_path"], sec.get("job_name") or "")
         try:
             os.makedirs(path, exist_ok=True)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in a user's own monitor block's path
             ds_config.pop(block)
             warnings.append(f"scalars: the {block} monitor is off for this attempt: cannot create {path} ({exc})")
     return warnings

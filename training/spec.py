@@ -269,6 +269,11 @@ class TelemetrySpec(_Section):
 
 
 # -------------------------------------------------------------------------------------- scalars
+#: The largest believable dense peak of one accelerator (TF/s); a larger (or infinite) value would make every
+#: MFU read ~0 % rather than be refused (today's largest dense peaks are a few thousand TF/s).
+MAX_PEAK_TFLOPS_PER_GPU = 100_000.0
+
+
 class ScalarsSpec(_Section):
     """Training scalars through DeepSpeed's monitor (training/scalars.py); everything off by default."""
 
@@ -278,9 +283,22 @@ class ScalarsSpec(_Section):
                                          "{scalars.dir}/csv/.")
     dir: str = Field("scalars", min_length=1, description="Output directory, relative to the run directory "
                                                           "unless absolute.")
-    peak_tflops_per_gpu: float | None = Field(None, gt=0, description="Dense peak TF/s of one accelerator for "
-                                              "the run's dtype (989 for H100/H200 bf16); set, the job reports "
-                                              "MFU in scalars and telemetry.")
+    peak_tflops_per_gpu: float | None = Field(None, gt=0, le=MAX_PEAK_TFLOPS_PER_GPU, description="Dense peak "
+                                              "TF/s of one accelerator for the run's dtype (989 for H100/H200 "
+                                              "bf16); set, the job reports MFU in scalars and telemetry.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lax_values(cls, data: Any) -> Any:
+        # Lax parsing would take `peak_tflops_per_gpu = true` as 1.0 TF/s (an MFU 989x too high on an H100), and a
+        # NUL in `dir` passes a str check but makes os.makedirs raise ValueError on rank 0 mid-start.
+        if isinstance(data, dict):
+            if isinstance(data.get("peak_tflops_per_gpu"), bool):
+                raise ValueError(f"scalars.peak_tflops_per_gpu={data['peak_tflops_per_gpu']!r} is a boolean, not a peak: give "
+                                 f"the accelerator's peak in TF/s (e.g. 989)")
+            if isinstance(data.get("dir"), str) and "\0" in data["dir"]:
+                raise ValueError(f"scalars.dir={data['dir']!r} holds a NUL byte (no path can)")
+        return data
 
 
 # --------------------------------------------------------------------------------------- faults
