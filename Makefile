@@ -41,7 +41,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check daemon remediation training migrations client ulyssesd_pkg tests bench examples
 	mkdir -p $(MYPY_SRC)/ulyssesd
 	for d in daemon remediation training migrations client; do ln -sfn ../../../$$d $(MYPY_SRC)/ulyssesd/$$d; done
-	ln -sfn ../../../ulyssesd_pkg/__init__.py $(MYPY_SRC)/ulyssesd/__init__.py
+	for f in ulyssesd_pkg/*.py; do ln -sfn ../../../$$f $(MYPY_SRC)/ulyssesd/$${f#ulyssesd_pkg/}; done
 	MYPYPATH=$(MYPY_SRC) $(VENV)/bin/mypy -p ulyssesd
 
 clean:

@@ -438,7 +438,7 @@ def run(inputs: list[Path], output_prefix: str | Path, *, tokenizer: Path | None
                 print(f"trained a {trained.vocab_size}-id BPE tokenizer -> {tok_path}")
             else:
                 print(f"tokenizer {tok_path} exists; reusing it")
-        stats = preprocess(inputs, tok_path, output_prefix, options, workers=workers,
+        stats = preprocess([*inputs], tok_path, output_prefix, options, workers=workers,
                            chunk_bytes=max(1, int(chunk_mb * (1 << 20))), progress=progress)
     except (PreprocessError, TokenizerError, IndexedDatasetError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
