@@ -146,6 +146,26 @@ def daemon_pid_alive() -> int | None:
     return pid
 
 
+#: How long a mutating command keeps retrying a daemon that answers `busy` (every control slot taken, e.g. by
+#: a burst of other clients). The daemon says busy at accept, before it reads a byte, so a retry can never
+#: make it apply a request twice.
+BUSY_RETRY_S = 5.0
+
+
+def _send_retrying_busy(send_request, path: Path, payload: dict) -> dict:
+    """send_request with its deadline, retried with backoff while the answer is `busy` (bounded by
+    BUSY_RETRY_S; then the last busy answer is returned); any other answer or error ends it at once."""
+    import tenacity
+
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_delay(BUSY_RETRY_S),
+        wait=tenacity.wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05),
+        retry=tenacity.retry_if_result(lambda resp: isinstance(resp, dict) and resp.get("code") == "busy"),
+        retry_error_callback=lambda state: state.outcome.result(),
+    )
+    return retrying(send_request, path, payload, timeout_s=10.0, with_deadline=True)
+
+
 def request(cmd: str, args: dict | None, as_json: bool) -> dict:
     """A mutating request, sent with a deadline: one the daemon handles too late is refused, never applied."""
     from ulyssesd.daemon.control.client import send_request
@@ -157,7 +177,7 @@ def request(cmd: str, args: dict | None, as_json: bool) -> dict:
     )
 
     try:
-        resp = send_request(socket_path(), {"cmd": cmd, "args": args or {}}, timeout_s=10.0, with_deadline=True)
+        resp = _send_retrying_busy(send_request, socket_path(), {"cmd": cmd, "args": args or {}})
     except DaemonNotRunning as exc:
         die(f"{exc} (this command needs a running daemon)", EXIT_NO_DAEMON, as_json)
     except ControlPermissionError as exc:

@@ -209,3 +209,24 @@ def test_idle_connections_holding_every_slot_get_the_next_client_busy_at_once_no
     finally:
         for h in hogs:
             h.close()
+
+
+def test_ulyssesctl_pause_rides_out_a_burst_that_takes_every_slot(serve, tmp_path, capsys):
+    """A mutating command that meets `busy` retries with backoff (bounded) instead of failing with exit 5:
+    busy is answered before the daemon reads a byte, so the retry cannot apply the pause twice."""
+    from ulyssesd.daemon.operator.ctl import main
+
+    path, loop = serve(read_timeout_s=1.0, max_connections=4)
+    hogs = [_connect(path) for _ in range(4)]
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        code = main(["--state-dir", str(tmp_path), "--socket", path, "pause", "--json"])
+        took = time.monotonic() - t0
+    finally:
+        for h in hogs:
+            h.close()
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["ok"] is True, doc
+    assert 0.5 < took < 5.0, f"took {took:.2f} s"  # waited out the hogs' 1 s read timeout, no longer
+    assert [r["cmd"] for r in loop.handled] == ["pause"]  # applied exactly once
