@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow
 S = RunState
 
 
-def slurm_spec(tmp: Path, *, steps: int, interval: int = 4, slurm: dict | None = None, name: str = "slurm") -> Path:
+def slurm_spec(tmp: Path, *, steps: int, interval: int = 4, slurm: dict | None = None, name: str = "slurm",
+               detectors: dict | None = None) -> Path:
     sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
     tmp.mkdir(parents=True, exist_ok=True)
     return write_spec(tmp / "run.toml", {
@@ -46,7 +47,8 @@ def slurm_spec(tmp: Path, *, steps: int, interval: int = 4, slurm: dict | None =
         # noise (a restart with a patched config) would end an attempt before the time limit does.
         "detectors": {"warmup_steps": 10, "loss_smooth_records": 50, "loss_spike_min_rel": 1.0, "loss_osc_ratio": 6.0,
                       "slow_step_ratio": 5.0, "slow_step_min_consecutive": 5, "throughput_drop_frac": 0.8,
-                      "throughput_persist_steps": 50, "drift_enabled": False, "hang_timeout_floor_s": 120.0},
+                      "throughput_persist_steps": 50, "drift_enabled": False, "hang_timeout_floor_s": 120.0,
+                      **(detectors or {})},
         "remediation": {"max_restarts_per_hour": 10},
         "daemon": {"state_dir": str(tmp / "state"), "socket_path": str(sock), "tick_s": 0.25, "stop_grace_s": 60.0,
                    "hang_grace_s": 5.0, "stack_dump_wait_s": 2.0, "early_death_s": 5.0, "preflight": False},
@@ -279,3 +281,29 @@ def test_a_restarted_daemon_whose_watcher_died_re_adopts_the_job_by_its_id(clust
     assert len(attempts) == 1 and attempts[0].host.startswith(f"slurm job {job_id} ")  # the same job, no resubmit
     log = (sup.run_dir / "logs" / "attempt-1.log").read_text()
     assert f"attaching to job {job_id}" in log and log.count("submitted job") == 1
+
+
+def test_a_hung_rank_is_dumped_through_scancel_and_the_hang_incident_names_its_node(cluster, tmp_path):
+    import os
+    import signal
+
+    import slurm_cluster as sc
+
+    stopped: dict[str, int] = {}
+
+    def stop_rank_on_n2(sup):
+        if not stopped and sup.attempt == 1 and (sup.last_step or 0) >= 5:
+            ranks = [p for p in cluster.pids_on("n2") if "ulyssesd.training" in sc._cmdline(p)]
+            if ranks:
+                os.kill(ranks[0], signal.SIGSTOP)  # the node answers Slurm; its rank is wedged
+                stopped["pid"] = ranks[0]
+
+    sup = supervise(slurm_spec(tmp_path, steps=14, detectors={"hang_timeout_floor_s": 15.0}),
+                    lambda s: s.state in (S.COMPLETED, S.FAILED), 600, during=stop_rank_on_n2)
+    assert stopped and sup.state == S.COMPLETED, sup.store.get_run(sup.run_id).state_reason
+    hang = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "hang"]
+    assert len(hang) == 1, [i.summary for i in sup.store.list_incidents(sup.run_id)]
+    assert hang[0].evidence["waited_for_nodes"] == ["n2"] and "node n2" in hang[0].summary, hang[0].summary
+    log = (sup.run_dir / "logs" / "attempt-1.log").read_text()
+    assert "scancel --signal=TERM" in log  # the stop went through the scheduler
+    assert (sup.run_dir / "stacks" / "attempt-1-rank-0.txt").read_text().strip()  # rank 0 dumped via scancel
