@@ -177,6 +177,8 @@ def phase_faults(a, work: Path, out: Path, timeout: float, name: str = "faults",
     spec = work / f"{name}.toml"
     faults = f'\n[[faults]]\nkind = "hang"\nat_step = {a.hang_at}\nrank = 0\nattempts = [2]\n' if a.hang_at else ""
     restart = "[restart]\nstandby = true\n" if standby else ""
+    if standby and "nopreload" in name:   # the warm process alone: the checkpoint is read from disk as cold
+        restart += "standby_preload = false\n"
     spec.write_text(DAEMON.format(name=name, state=state, sock=sock, hang_floor=a.hang_floor) + restart
                     + JOB.format(preset=a.preset, dtype=a.dtype, seq=a.seq, device=a.device, steps=a.steps,
                                  interval=a.interval, keep=2, async_save="true") + faults)
@@ -432,7 +434,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--phases", default="disk,sync,faults",
-                    help="disk, sync, then supervised runs by name (a name containing 'standby' turns it on)")
+                    help="disk, sync, bare_async, then supervised runs by name (a name containing 'standby' turns it "
+                         "on, 'nopreload' turns its checkpoint preload off)")
     ap.add_argument("--dd-gib", type=int, default=6, help="size of each dd run")
     ap.add_argument("--probe-gib", type=int, default=6, help="size of the pinned/write probe")
     ap.add_argument("--sync-steps", type=int, default=26)
