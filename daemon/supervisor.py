@@ -34,7 +34,7 @@ from typing import Any
 from ulyssesd.daemon.core import commands, decisions, exits, housekeeping, startup, termination
 from ulyssesd.daemon.core import launch as launching
 from ulyssesd.daemon.core.files import _size
-from ulyssesd.daemon.core.housekeeping import LoopScheduler
+from ulyssesd.daemon.core.housekeeping import LoopScheduler, StepGuard
 from ulyssesd.daemon.core.incident_log import IncidentLog, Position
 from ulyssesd.daemon.core.relaunch import Counters, Relaunch
 from ulyssesd.daemon.core.states import TERMINAL, check_transition, transition_reason
@@ -118,6 +118,8 @@ class Supervisor:
         self.known_good_marked: set[str] = set()
         self.ready_sent = False
         self.started_wall = self.os.time()
+        # Every tick step runs through it: a bug in one is logged, recorded and bounded (core/housekeeping.py).
+        self.guard = StepGuard(self, self.dcfg.step_error_limit)
 
     # ------------------------------------------------------------------------------- helpers
     @property
@@ -210,34 +212,42 @@ class Supervisor:
     # --------------------------------------------------------------------------- the tick
     def tick(self) -> None:
         bind_run(self.run_id, self.attempt)  # every log line of this tick names the run and attempt
-        housekeeping.check_store_file(self)
-        commands.drain_events(self)
+        step = self.guard.run  # each step's exception: logged once, an incident, bounded (never the daemon's end)
+        step("store_check", lambda: housekeeping.check_store_file(self))
+        step("commands", lambda: commands.drain_events(self))
         if self.scheduler is not None:
-            self.scheduler.run_due()
-        self.standby.tick(self)  # start, check or stop the warm standby
+            step("scheduler", self.scheduler.run_due)
+        step("standby", lambda: self.standby.tick(self))  # start, check or stop the warm standby
         if self.state in TERMINAL:
             return
         if self.job is not None:
-            decisions.read_telemetry(self)
+            step("telemetry", lambda: decisions.read_telemetry(self))
             if self.engine is not None and self.term is None and self.state in (S.RUNNING, S.STARTING):
-                decisions.handle_outputs(self, self.engine.tick(self.os.time()), step=self.last_step or 0)
+                step("engine", lambda: decisions.handle_outputs(self, self.engine.tick(self.os.time()),
+                                                                step=self.last_step or 0))
         if self.term is not None:
-            self._advance_termination()
+            step("termination", self._advance_termination)
         if self.job is not None:
-            status = self.os.exit_status(self.job, self.exit_file)
-            if status is not None:
-                decisions.read_telemetry(self)  # the job's last words (exiting event, final checkpoint)
-                self._on_exit(status)
+            step("exit_check", self._notice_exit)
         if self.job is not None and self.term is None and self.last_exiting is None \
                 and self.state in (S.RUNNING, S.STARTING) and self.rank_watch.due(self.os.monotonic()):
-            self._watch_ranks()
-        if self.state == S.BACKOFF and self.backoff_until is not None and self.os.time() >= self.backoff_until:
-            relaunch = self.pending_relaunch or Relaunch("backoff over")
-            self.pending_relaunch, self.backoff_until = None, None
-            self.launch(relaunch.reason, relaunch.rollback_to_step, relaunch.incident_id)
-        self._publish()
+            step("rank_watch", self._watch_ranks)
+        if self.state == S.BACKOFF and self.job is None and self.backoff_until is not None \
+                and self.os.time() >= self.backoff_until:
+            step("relaunch", self._relaunch_after_backoff)
+        step("publish", self._publish)
         if self.notifier is not None:
-            self.notifier.maybe_watchdog()
+            step("watchdog", self.notifier.maybe_watchdog)
+
+    def _relaunch_after_backoff(self) -> None:
+        relaunch = self.pending_relaunch or Relaunch("backoff over")
+        self.pending_relaunch, self.backoff_until = None, None
+        try:
+            self.launch(relaunch.reason, relaunch.rollback_to_step, relaunch.incident_id)
+        except Exception:
+            if self.job is None and self.state == S.BACKOFF and self.backoff_until is None:
+                self.pending_relaunch, self.backoff_until = relaunch, self.os.time()  # retried next tick
+            raise
 
     def _publish(self) -> None:
         """Metrics and alert bookkeeping, from the loop (both helpers never block it)."""
@@ -358,17 +368,23 @@ class Supervisor:
                 self.set_state(S.STOPPED, reason)
 
     # ------------------------------------------------------------------------------ exits
-    def _on_exit(self, status: ExitStatus) -> None:
+    def _notice_exit(self) -> None:
+        assert self.job is not None
+        status = self.os.exit_status(self.job, self.exit_file)
+        if status is None:
+            return
+        # The job's last words (exiting event, final checkpoint); a bug there must not keep the exit unhandled.
+        self.guard.run("telemetry", lambda: decisions.read_telemetry(self))
         attempt = self.attempt
         plan = self.term.plan if self.term is not None else UNREQUESTED
-        try:
-            slurm_end = slurm_supervise.before_exit(self, status)  # submit mode: Slurm's record decides first
-            exits.on_exit(self, status)
-            slurm_supervise.after_exit(self, attempt, slurm_end)
-        except Exception as exc:  # noqa: BLE001 - one exit must not end supervision (like a telemetry record)
-            log.exception("handling the attempt's exit failed", run_id=self.run_id, attempt=attempt,
-                          status=status.describe(), plan=str(plan))
-            exits.exit_handling_failed(self, status, plan, attempt, exc)
+        # A failed exit handling has its own recovery: the run goes where the plan said (core/exits.py).
+        self.guard.run("exit", lambda: self._on_exit(status, attempt),
+                       on_error=lambda exc: exits.exit_handling_failed(self, status, plan, attempt, exc))
+
+    def _on_exit(self, status: ExitStatus, attempt: int) -> None:
+        slurm_end = slurm_supervise.before_exit(self, status)  # submit mode: Slurm's record decides first
+        exits.on_exit(self, status)
+        slurm_supervise.after_exit(self, attempt, slurm_end)
 
     def fail(self, reason: str, symptom: Symptom | None = None) -> None:
         if symptom is not None:
@@ -404,6 +420,7 @@ class Supervisor:
             "config_version": self.config_version, "restarts_last_hour": len(self.counters.restarts),
             "garbage_telemetry_lines": self.reader.garbage_lines if self.reader else 0,
             "telemetry_record_errors": self.record_errors,
+            "tick_step_errors": self.guard.counts(),  # raises per tick step since the daemon started
             "run_dir": str(self.run_dir), "daemon_pid": os.getpid(),
             "standby": self.standby.describe(self),  # the warm next attempt, or None (daemon/job/standby.py)
         }

@@ -17,6 +17,7 @@ from ulyssesd.daemon.core.termination import TerminationPlan
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.store.enums import RunState
 from ulyssesd.daemon.store.errors import NotFoundError
+from ulyssesd.daemon.store.repository.runs import OPERATOR_REASON_PREFIX
 from ulyssesd.remediation.records import INT64_MAX, bounded_repr
 
 if TYPE_CHECKING:
@@ -49,6 +50,14 @@ def on_signal(sup: Supervisor, signum: int) -> None:
         log.info("SIGHUP ignored (no reloadable settings)")
 
 
+def operator_reason(what: str, peer: dict[str, Any] | None = None) -> str:
+    """The reason an operator command records: "operator stop by uid 1000", or "operator resume" when the peer's
+    uid is unknown. It starts with the store's OPERATOR_REASON_PREFIX, which is how the store tells an operator
+    relaunch from a restart (its relaunch counts depend on it)."""
+    uid = (peer or {}).get("uid")
+    return f"{OPERATOR_REASON_PREFIX}{what}" + (f" by uid {uid}" if type(uid) is int else "")
+
+
 def handle(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
     """Control-socket requests (answered on the main loop's thread)."""
     cmd = req.get("cmd")
@@ -60,24 +69,25 @@ def handle(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
         if cmd == "pause":
             if sup.state in (S.PAUSED,) or sup.state in TERMINAL:
                 return {"ok": False, "code": "bad_state", "error": f"run is {sup.state.value}"}
-            sup.stop_run(f"operator pause (uid {peer.get('uid')})", pause=True)
+            sup.stop_run(operator_reason("pause", peer), pause=True)
             return {"ok": True, "state": sup.state.value}
         if cmd == "resume":
             if sup.state != S.PAUSED:
                 return {"ok": False, "code": "bad_state", "error": f"run is {sup.state.value}, not PAUSED"}
-            sup.launch("operator resume")
+            sup.launch(operator_reason("resume", peer))
             return {"ok": True, "state": sup.state.value}
         if cmd == "stop":
             if sup.state in TERMINAL:
                 return {"ok": False, "code": "bad_state", "error": f"run is already {sup.state.value}"}
-            sup.stop_run(f"operator stop (uid {peer.get('uid')})")
+            sup.stop_run(operator_reason("stop", peer))
             return {"ok": True, "state": sup.state.value}
         if cmd == "restart":
             if sup.job is None or sup.state not in (S.RUNNING, S.STARTING):
                 return {"ok": False, "code": "bad_state", "error": f"run is {sup.state.value}; nothing to restart"}
-            sup.set_state(S.RESTARTING, "operator restart")
-            sup.begin_termination("operator restart", TerminationPlan.relaunching(Relaunch(
-                "operator restart", None, counts_against_budget=False)), grace=sup.dcfg.stop_grace_s)
+            why = operator_reason("restart", peer)
+            sup.set_state(S.RESTARTING, why)
+            sup.begin_termination(why, TerminationPlan.relaunching(Relaunch(why, None, counts_against_budget=False)),
+                                  grace=sup.dcfg.stop_grace_s)
             return {"ok": True, "state": sup.state.value}
         if cmd == "ack":
             iid = args.get("id")

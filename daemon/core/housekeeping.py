@@ -11,13 +11,26 @@ store backups, closing stale attempts and a status line, each on its own interva
 and, every tick, the one-stat check that the database file was not deleted, replaced or damaged under the
 daemon (then it is mended in place from the open connection or restored from the newest backup, this run
 re-derived from its directory, and an incident says what was recovered).
+
+`StepGuard`: every step of the tick runs through `StepGuard.run`, so a bug in any of them (the telemetry
+path, the engine, advancing a termination, an exit, the rank watch, a BACKOFF's relaunch, a command, the
+store check, ...) never ends the daemon. Each distinct error (step, exception type, message, raising line)
+is logged with its traceback once and recorded as one `crash` incident (evidence.internal_error); repeats
+are counted and logged at 2, 4, 8, ... A step that raises `[daemon] step_error_limit` ticks in a row ends
+the run FAILED, "internal error in <step>: <exc>": the job is stopped with the stop grace (it saves; no
+checkpoint is removed). If the stop itself cannot proceed (the step is the termination, stopping raised, or
+the grace ran out with the run still not ended) the job's processes are SIGKILLed and the run marked
+FAILED. A step that runs cleanly again resolves its incidents.
 """
 
 from __future__ import annotations
 
 import queue
+import signal
 import threading
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +39,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle
 from ulyssesd.daemon.job import config as jc
-from ulyssesd.daemon.store.enums import IncidentStatus, Severity, Symptom
+from ulyssesd.daemon.store.enums import TERMINAL_RUN_STATES, IncidentStatus, RunState, Severity, Symptom
 
 if TYPE_CHECKING:
     from ulyssesd.daemon.supervisor import Supervisor
@@ -91,6 +104,122 @@ class LoopScheduler:
                 sched_log.error("scheduled job failed", job=name, error=repr(exc))
             ran.append(name)
         return ran
+
+
+#: Steps the orderly stop itself goes through: when one of them is the broken one, the job is killed at once.
+STOP_DEPENDS_ON = frozenset({"termination"})
+
+
+@dataclass
+class StepErrors:
+    """What one tick step's failures look like so far."""
+
+    in_a_row: int = 0  # ticks in a row the step raised (0 once it runs cleanly)
+    total: int = 0  # every raise of the step since the daemon started
+    distinct: dict[str, int] = field(default_factory=dict)  # error signature -> how often it was seen
+    incident_ids: list[int] = field(default_factory=list)  # open incidents of this step's errors
+    ending_since: float | None = None  # monotonic time the run was told to end for this step's errors
+
+
+class StepGuard:
+    """Runs each tick step so that its exception is logged, recorded, counted and bounded, never fatal."""
+
+    def __init__(self, sup: Supervisor, limit: int) -> None:
+        self.sup = sup
+        self.limit = limit  # raises in a row that end the run ([daemon] step_error_limit)
+        self.steps: dict[str, StepErrors] = {}
+
+    def counts(self) -> dict[str, int]:
+        """Raises per step since the daemon started (the control socket's status answer)."""
+        return {name: e.total for name, e in self.steps.items() if e.total}
+
+    def run(self, step: str, body: Callable[[], object],
+            on_error: Callable[[BaseException], None] | None = None) -> bool:
+        """Run `body`; False when it raised. `on_error` (the exit step's own plan-aware recovery) then records
+        the error instead of the generic incident."""
+        try:
+            body()
+        except Exception as exc:  # noqa: BLE001 - the one place a tick step's bug is caught (module doc)
+            self._failed(step, exc, on_error)
+            return False
+        errors = self.steps.get(step)
+        if errors is not None and errors.in_a_row:
+            self._recovered(step, errors)
+        return True
+
+    def _failed(self, step: str, exc: BaseException, on_error: Callable[[BaseException], None] | None) -> None:
+        sup = self.sup
+        errors = self.steps.setdefault(step, StepErrors())
+        errors.in_a_row += 1
+        errors.total += 1
+        what = f"{type(exc).__name__}: {str(exc)[:300]}"
+        frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        signature = f"{what} at {frame.filename}:{frame.lineno}" if frame else what
+        seen = errors.distinct.get(signature, 0) + 1
+        errors.distinct[signature] = seen
+        if seen == 1:
+            log.exception("tick step failed", step=step, error=what, in_a_row=errors.in_a_row)
+        elif seen & (seen - 1) == 0:  # 2, 4, 8, ...: counted, not a log line every tick
+            log.error("tick step still failing", step=step, error=what, times=seen, in_a_row=errors.in_a_row)
+        if on_error is not None:
+            on_error(exc)  # never raises (core/exits.exit_handling_failed ends in its own last resort)
+        elif seen == 1 and sup.run_id:
+            try:
+                iid = sup.incidents.incident(
+                    Symptom.crash, sup.last_step or 0, Severity.critical, f"internal error in {step}: {what}",
+                    {"internal_error": traceback.format_exc(limit=30)[-8000:], "step": step,
+                     "limit_in_a_row": self.limit})
+                errors.incident_ids.append(iid)
+            except Exception as inner:  # noqa: BLE001 - the log line above already has the traceback
+                log.warning("could not record the internal error as an incident", step=step, error=repr(inner))
+        # PAUSED is already safe (no job; only idle steps run): the error is logged and counted, the run waits.
+        if sup.state not in TERMINAL_RUN_STATES and sup.state != RunState.PAUSED and errors.in_a_row >= self.limit:
+            self._end_run(step, errors, f"internal error in {step}: {what}")
+
+    def _recovered(self, step: str, errors: StepErrors) -> None:
+        log.info("tick step ran cleanly again", step=step, after_failures=errors.in_a_row)
+        errors.in_a_row, errors.ending_since = 0, None
+        for iid in errors.incident_ids:
+            try:
+                self.sup.store.update_incident_status(iid, IncidentStatus.resolved, f"{step} ran cleanly again")
+            except Exception as exc:  # noqa: BLE001 - bookkeeping; the incident stays open, the log says why
+                log.warning("could not resolve the internal-error incident", incident=iid, error=repr(exc))
+        errors.incident_ids.clear()
+
+    def _end_run(self, step: str, errors: StepErrors, reason: str) -> None:
+        """The bound: stop the job with its grace (it saves) and end FAILED; kill it if that cannot work."""
+        sup = self.sup
+        now = sup.os.monotonic()
+        if errors.ending_since is None:
+            errors.ending_since = now
+            log.critical("tick step keeps failing; ending the run", step=step, in_a_row=errors.in_a_row)
+            sup.say(f"INTERNAL ERROR: {step} raised {errors.in_a_row} ticks in a row; ending the run ({reason})")
+            if step not in STOP_DEPENDS_ON:
+                try:
+                    sup.stop_run(reason, fail=True)
+                    return
+                except Exception:  # noqa: BLE001 - the orderly stop is broken too: the hard way below
+                    log.exception("the orderly stop after the internal error failed; killing the job")
+        elif now - errors.ending_since < sup.dcfg.stop_grace_s + 10.0:
+            return  # the orderly stop has its grace (SIGTERM, the job's final save, SIGKILL)
+        self._kill_and_fail(reason)
+
+    def _kill_and_fail(self, reason: str) -> None:
+        sup = self.sup
+        if sup.job is not None:
+            try:
+                sup.os.signal_pids(sup.os.job_pids(sup.job, sup.marker()), signal.SIGKILL)
+                sup.store.end_attempt(sup.run_id, sup.attempt, returncode=None, diagnosis="internal_error",
+                                      diagnosis_evidence=[reason])
+            except Exception as exc:  # noqa: BLE001 - the run still ends FAILED below; the log says what is left
+                log.error("could not kill or close the attempt after the internal error", error=repr(exc))
+            sup.job, sup.term = None, None
+        try:
+            sup.fail(reason)
+        except Exception:  # noqa: BLE001 - the store is gone too: end the loop; the next daemon re-adopts
+            log.critical("could not record the run as FAILED; ending supervision of it", run_id=sup.run_id,
+                         exc_info=True)
+            sup.state = RunState.FAILED
 
 
 def setup(sup: Supervisor) -> None:

@@ -40,7 +40,7 @@ TRANSITIONS: dict[tuple[RunState, RunState], str] = {
     # RUNNING -> COMPLETED because the job reached train.steps and exited 0.
     (S.RUNNING, S.COMPLETED): "reached final step",
     # RUNNING -> FAILED because the restart budget / no-progress rule was hit on a crash.
-    (S.RUNNING, S.FAILED): "budget exhausted",
+    (S.RUNNING, S.FAILED): "budget exhausted or an unrecoverable error",
     # REMEDIATING -> RUNNING because the decision was hot (control.json) or observe-only: no restart.
     (S.REMEDIATING, S.RUNNING): "hot fix applied",
     # REMEDIATING -> RESTARTING because the decision needs a relaunch (new config version / rollback).
@@ -50,7 +50,7 @@ TRANSITIONS: dict[tuple[RunState, RunState], str] = {
     # REMEDIATING -> STOPPING because the ladder is exhausted (stop + alert) or the operator stopped.
     (S.REMEDIATING, S.STOPPING): "ladder exhausted or stop requested",
     # REMEDIATING -> FAILED because the restart budget / no-progress rule forbids another attempt.
-    (S.REMEDIATING, S.FAILED): "budget exhausted",
+    (S.REMEDIATING, S.FAILED): "budget exhausted or an unrecoverable error",
     # REMEDIATING -> COMPLETED because the job finished its last step while we were acting.
     (S.REMEDIATING, S.COMPLETED): "reached final step",
     # REMEDIATING -> PAUSED because the operator paused during a remediation.
@@ -81,8 +81,8 @@ TRANSITIONS: dict[tuple[RunState, RunState], str] = {
     (S.PAUSED, S.STOPPED): "operator stop while paused",
     # STOPPING -> STOPPED because the job exited after the stop request (operator stop).
     (S.STOPPING, S.STOPPED): "job exited after stop",
-    # STOPPING -> FAILED because the stop came from an exhausted ladder: the run did not make it.
-    (S.STOPPING, S.FAILED): "stopped by the playbook",
+    # STOPPING -> FAILED because the stop came from an exhausted ladder or an internal error: the run did not make it.
+    (S.STOPPING, S.FAILED): "stopped by the playbook or an internal error",
     # STOPPING -> COMPLETED because the job reached its final step while stopping.
     (S.STOPPING, S.COMPLETED): "reached final step",
     # STOPPING -> PAUSED because the stop was a pause (the job saved and exited).
@@ -103,12 +103,23 @@ def can_transition(src: RunState, dst: RunState) -> bool:
     return (src, dst) in TRANSITIONS
 
 
+#: Words too small to say what a reason is about ("stop requested" and "operator stop" share "stop", not "or").
+_FILLER_WORDS = frozenset({"a", "an", "the", "of", "in", "on", "by", "or", "and", "to", "its", "it", "is", "was",
+                           "with", "after", "before", "for", "at", "from", "while", "no", "not", "be"})
+
+
+def _content_words(text: str) -> set[str]:
+    words = "".join(c if c.isalnum() or c in "_-" else " " for c in text.lower()).split()
+    return {w for w in words if w not in _FILLER_WORDS}
+
+
 def transition_reason(reason: str, table_reason: str) -> str:
     """The one line recorded for a transition: the caller's reason, with the table's reason for the edge in
-    parentheses only when it adds something. It adds nothing when each of its words is already in the
-    caller's reason ("job exited after operator stop" already says "job exited after stop")."""
-    said = set(reason.lower().replace("(", " ").replace(")", " ").replace(";", " ").replace(",", " ").split())
-    if table_reason in reason or set(table_reason.lower().split()) <= said:
+    parentheses only when it is about something else. Sharing a word means the caller already said it in
+    its own, more precise, words: "job exited after operator stop" needs no "(job exited after stop)",
+    "operator stop by uid 0" no "(stop requested)", "internal error in engine: ..." no "(... or an
+    unrecoverable error)"; "nan_loss: lr -10%" gets "(anomaly detected)"."""
+    if _content_words(table_reason) & _content_words(reason):
         return reason
     return f"{reason} ({table_reason})"
 

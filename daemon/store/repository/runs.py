@@ -14,8 +14,8 @@ from ..models import Attempt, Run, StateTransition
 from ..records import AttemptRecord, RelaunchCounts, RelaunchRecord, RunRecord, StateTransitionRecord
 from .base import StoreBase, Timestamp, parse_enum, to_utc
 
-#: The reason of the state transition an operator command causes starts with this ("operator pause (uid
-#: 1000)", "operator restart", "operator stop (uid 0)"): the supervisor writes them so, and the store tells an
+#: The reason of the state transition an operator command causes starts with this ("operator pause by uid
+#: 1000", "operator restart", "operator stop by uid 0"): the supervisor writes them so, and the store tells an
 #: operator relaunch from a restart by it. Only the command's own transition counts: a launch that merely
 #: quotes it ("attempt 3 launched (operator resume) from ...") comes after that attempt started.
 OPERATOR_REASON_PREFIX = "operator "
