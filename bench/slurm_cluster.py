@@ -1012,15 +1012,35 @@ def cluster_from_dir(base_dir: Path) -> SlurmTestCluster:
     return cluster
 
 
+MAX_NODES = 200  # ClusterConfig's bound: addresses 10.77.<I>.(10+K) stay inside the /24
+
+
+def _node_count(text: str) -> int:
+    """--nodes: an integer 1..MAX_NODES (a usage error otherwise, before anything is started)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of nodes") from None
+    if not 1 <= n <= MAX_NODES:
+        raise argparse.ArgumentTypeError(f"{n} nodes: give 1..{MAX_NODES}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A real Slurm cluster on this machine (slurmd per network "
                                      "namespace) for tests; needs root and slurm-wlm + munge.")
     parser.add_argument("action", choices=("up", "down", "status"))
-    parser.add_argument("--nodes", type=int, default=3, help="compute nodes n1..nN (up only; default 3)")
+    parser.add_argument("--nodes", type=_node_count, default=3, metavar="N",
+                        help=f"compute nodes n1..nN, 1..{MAX_NODES} (up only; default 3)")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/ulyssesd-slurm"),
                         help="cluster directory: slurm.conf, logs, state (default /tmp/ulyssesd-slurm)")
     args = parser.parse_args(argv)
     base = args.dir.resolve()
+    if args.action == "up" and (base.exists() and not base.is_dir()
+                                or any(p.exists() and not p.is_dir() for p in base.parents)):
+        print(f"error: --dir {base}: a file is in the way (the cluster directory must be a directory or not "
+              f"exist yet)", file=sys.stderr)
+        return 2
     try:
         if args.action == "up":
             if _holds_live_claim(base):
@@ -1041,6 +1061,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the cluster directory cannot be made or written (read-only, full disk)
+        print(f"error: cluster directory {base}: {e}", file=sys.stderr)
         return 1
     return 0
 
