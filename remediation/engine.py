@@ -7,7 +7,7 @@ Pure: every call takes the clock value `now`; nothing here reads files or the sy
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +140,7 @@ class RemediationEngine:
         self.last_step: int | None = None
         self.failed = False
         self.memory_evidence: dict[str, Any] | None = None   # of the last decision (memory_evidence.choose)
+        self.replanner: Callable[[], Replan | None] | None = None   # for spikes; lazy: it may probe the GPUs
 
     def _active(self, symptom: str) -> bool:
         """Whether an episode of `symptom` persists in any detector that reports it."""
@@ -221,11 +222,8 @@ class RemediationEngine:
         if st is not None and st.verify_left <= 0 and st.position < len(LADDERS[ladder]) \
                 and LADDERS[ladder][st.position].max_uses(self.policy) > 1:
             st.uses = 0  # a crash long after the last one starts the restart count afresh
-        choice = None
-        if ladder == "memory" and not self.failed and not (st is not None and st.exhausted):
-            lines = list(evidence.values()) if isinstance(evidence, dict) else list(evidence or [])
-            choice = memory_evidence.choose([str(x) for x in lines], Context(
-                self.values, self.initial, self.launched, self.policy), replan)
+        choice = memory_evidence.choose(evidence, Context(self.values, self.initial, self.launched, self.policy),
+                                        replan) if ladder == "memory" and not (st and st.exhausted) else None
         return self._decide(ladder, symptom, None, self.last_step, now, f"the job crashed with {label}{ev}",
                             memory=choice)
 
@@ -379,8 +377,9 @@ class RemediationEngine:
             return "crash_loop", (f"{len(self.restart_times)} restarts in the last hour reached the budget of "
                                   f"{pol.max_restarts_per_hour} (remediation.max_restarts_per_hour)")
         if no_progress and self.restarts_without_progress >= pol.no_progress_restarts:
+            past = "the start (no checkpoint yet)" if self.max_ckpt_step is None else f"step {self.max_ckpt_step}"
             return "no_progress", (f"{self.restarts_without_progress} restarts without a checkpoint advancing past "
-                                   f"step {self.max_ckpt_step} (remediation.no_progress_restarts="
+                                   f"{past} (remediation.no_progress_restarts="
                                    f"{pol.no_progress_restarts})")
         return None
 
@@ -397,14 +396,19 @@ class RemediationEngine:
         anomaly_step = finding.evidence.get("since_step", finding.step) if finding else step
         ctx = Context(self.values, self.initial, self.launched, self.policy, self._rollback_plan(anomaly_step),
                       finding.evidence if finding else {})
+        if memory is None and finding is not None and finding.symptom == "memory_spike":
+            memory = memory_evidence.choose_spike(finding.evidence, ctx, self.replanner and self.replanner(),
+                                                  self.config.memory_capacity_frac)
+            if memory is not None and memory.action is memory_evidence.SPIKE_NOTE and in_verify and st.last \
+                    and st.last.action_kind == memory.action.kind:
+                return []   # the same "nothing to change" note again within its window: said once
         skipped: list[str] = []
         action: Action  # both set on the iteration that breaks
         built: Proposal | str
-        while memory is not None:   # the evidence chose the rung (or to stop): no walk
+        if memory is not None:   # the evidence chose the rung (or to stop, or a spike's note): no walk
             action, built = memory.action, memory.proposal
-            if action is not STOP:
+            if action in rungs and action is not STOP:   # a spike's note leaves the ladder where it is
                 st.position, st.uses = rungs.index(action), 0
-            break
         while memory is None:
             action = rungs[st.position] if st.position < len(rungs) else STOP
             if st.uses >= action.max_uses(self.policy) and action is not STOP:
@@ -432,7 +436,7 @@ class RemediationEngine:
         # A memory ladder whose next change is predicted to fit is converging: the no-progress rule (restarts
         # without a checkpoint advancing, which OOMs before the first save always are) does not cut it off.
         converging = memory is not None and memory.predicted_fit is True
-        stop_why = self._budget_stop(now, no_progress=not converging) if apply in RESTARTING else None
+        stop_why = self._budget_stop(now, not converging) if apply in RESTARTING else None
         if stop_why is not None:
             symptom, budget = stop_why
             action, apply, patch, plan = STOP, "stop", {}, None

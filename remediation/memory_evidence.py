@@ -165,12 +165,15 @@ def classify(oom: OomReport | None, base: PlanView | None, values: dict[str, Any
     return "unknown", "no planner breakdown and no sign of fragmentation"
 
 
-def _calibrated_fit(view: PlanView, under_gib: float) -> bool:
-    return view.fits and view.required_gib + under_gib <= view.capacity_gib
+def _calibrated_fit(view: PlanView, under_gib: float, peak_limit_gib: float | None = None) -> bool:
+    """Fits with the measured shortfall added; with `peak_limit_gib` (a spike's threshold) the calibrated peak
+    must also stay below it, or the spike detector would fire again on the changed config."""
+    return (view.fits and view.required_gib + under_gib <= view.capacity_gib
+            and (peak_limit_gib is None or view.peak_allocated_gib + under_gib < peak_limit_gib))
 
 
 def _drop_unneeded(steps: list[tuple[str, dict[str, Any]]], patch: dict[str, Any], view: PlanView, under: float,
-                   replan: Replan) -> tuple[dict[str, Any], list[str], PlanView]:
+                   replan: Replan, limit: float | None = None) -> tuple[dict[str, Any], list[str], PlanView]:
     """Leave out earlier changes the fitting config does not need (a later rung alone may fit), re-planned."""
     kept = list(steps)
     for i in range(len(steps) - 2, -1, -1):
@@ -184,15 +187,67 @@ def _drop_unneeded(steps: list[tuple[str, dict[str, Any]]], patch: dict[str, Any
             trial = replan(trial_patch)
         except Exception:  # noqa: BLE001 - keep the change when the smaller config cannot be planned
             continue
-        if _calibrated_fit(trial, under):
+        if _calibrated_fit(trial, under, limit):
             patch, view = trial_patch, trial
             kept.remove(steps[i])
     return patch, [w for w, p in kept if any(k in patch for k in p)], view
 
 
-def choose(lines: Iterable[str] | str, ctx: Context, replan: Replan | None = None) -> MemoryChoice | None:
-    """The evidence-driven memory decision for a CUDA OOM, or None when there is no evidence to go on (no
-    parsable OOM and no planner): the plain ladder applies then."""
+@dataclass
+class _Found:
+    """The outcome of the cumulative search: the fitting patch (action None: nothing fitted) and its plan."""
+
+    action: Action | None
+    patch: dict[str, Any]
+    changes: list[str]
+    view: PlanView
+
+    def what(self, said: str, under: float) -> str:
+        return (f"{'; '.join(self.changes)} ({said}; re-planned: {self.view.required_gib:.1f} GiB needed of "
+                f"{self.view.capacity_gib:.1f} GiB" + (f", +{under:.1f} GiB the planner missed" if under else "")
+                + ")")
+
+
+def _first_fit(ctx: Context, replan: Replan, base: PlanView, order: list[str], under: float,
+               limit: float | None, problems: list[str]) -> _Found:
+    """Apply the rungs of `order` cumulatively, each re-planned, until the patched config is predicted to fit
+    (calibrated by `under`, the peak below `limit` when given); then leave out the changes it does not need."""
+    values = dict(ctx.values)
+    patch: dict[str, Any] = {}
+    changes: list[str] = []
+    view = base
+    steps: list[tuple[str, dict[str, Any]]] = []   # (what, patch) of each change, in order
+    for kind in order:
+        action = _rung(kind)
+        while len(changes) < MAX_CHANGES:
+            built = action.build(replace(ctx, values=values))
+            if isinstance(built, str):
+                break
+            try:
+                trial = replan({**patch, **built.patch})
+            except Exception as exc:  # noqa: BLE001 - e.g. a config the spec rejects: try the next rung
+                problems.append(f"{action.kind}: {exc}")
+                break
+            patch.update(built.patch)
+            values.update(built.patch)
+            changes.append(built.what)
+            steps.append((built.what, dict(built.patch)))
+            view = trial
+            if _calibrated_fit(view, under, limit):
+                patch, changes, view = _drop_unneeded(steps, patch, view, under, replan, limit)
+                return _Found(action, patch, changes, view)
+            if kind != "halve_micro_batch":
+                break   # one use per rung; only the micro-batch halves again
+    return _Found(None, patch, changes, view)
+
+
+def choose(lines: Iterable[str] | str | dict[str, Any] | None, ctx: Context,
+           replan: Replan | None = None) -> MemoryChoice | None:
+    """The evidence-driven memory decision for a CUDA OOM (`lines`: the crash diagnosis' evidence lines, or its
+    dict of them), or None when there is no evidence to go on (no parsable OOM and no planner): the plain ladder
+    applies then."""
+    if not isinstance(lines, str):
+        lines = [str(x) for x in (lines.values() if isinstance(lines, dict) else lines or [])]
     oom = parse_oom(lines)
     base: PlanView | None = None
     problems: list[str] = []
@@ -226,43 +281,109 @@ def choose(lines: Iterable[str] | str, ctx: Context, replan: Replan | None = Non
         under = max(0.0, oom.allocated_gib + oom.requested_gib - base.peak_allocated_gib)
     evidence["planner_shortfall_gib"] = under
     trusted = not _calibrated_fit(base, under)   # the planner explains the OOM (with the OOM's own correction)
-    values = dict(ctx.values)
-    patch: dict[str, Any] = {}
-    changes: list[str] = []
-    view = base
-    steps: list[tuple[str, dict[str, Any]]] = []   # (what, patch) of each change, in order
-    for kind in order:
-        action = _rung(kind)
-        while len(changes) < MAX_CHANGES:
-            built = action.build(replace(ctx, values=values))
-            if isinstance(built, str):
-                break
-            try:
-                trial = replan({**patch, **built.patch})
-            except Exception as exc:  # noqa: BLE001 - e.g. a config the spec rejects: try the next rung
-                problems.append(f"{action.kind}: {exc}")
-                break
-            patch.update(built.patch)
-            values.update(built.patch)
-            changes.append(built.what)
-            steps.append((built.what, dict(built.patch)))
-            view = trial
-            if _calibrated_fit(view, under):
-                patch, changes, view = _drop_unneeded(steps, patch, view, under, replan)
-                what = (f"{'; '.join(changes)} ({said}; re-planned: {view.required_gib:.1f} GiB needed of "
-                        f"{view.capacity_gib:.1f} GiB" + (f", +{under:.1f} GiB the planner missed" if under else "")
-                        + ")")
-                evidence["predicted_required_gib"] = view.required_gib
-                if trusted:
-                    return MemoryChoice(cause, action, Proposal(patch, what=what), True, evidence)
-                # The planner said the config that just failed fits and the message gives no allocated bytes
-                # to correct it: its "fits" now is no prediction (the no-progress rule keeps applying).
-                what += "; the planner predicted the failing config to fit, so this is not a prediction"
-                return MemoryChoice(cause, action, Proposal(patch, what=what), None, evidence)
-            if kind != "halve_micro_batch":
-                break   # one use per rung; only the micro-batch halves again
+    found = _first_fit(ctx, replan, base, order, under, None, problems)
+    view, changes = found.view, found.changes
+    if found.action is not None:
+        what = found.what(said, under)
+        evidence["predicted_required_gib"] = view.required_gib
+        if trusted:
+            return MemoryChoice(cause, found.action, Proposal(found.patch, what=what), True, evidence)
+        # The planner said the config that just failed fits and the message gives no allocated bytes
+        # to correct it: its "fits" now is no prediction (the no-progress rule keeps applying).
+        what += "; the planner predicted the failing config to fit, so this is not a prediction"
+        return MemoryChoice(cause, found.action, Proposal(found.patch, what=what), None, evidence)
     expl = "; ".join([*view.problems, *problems]) or (
         f"needs {view.required_gib + under:.1f} GiB of {view.capacity_gib:.1f} GiB")
     tried = ", ".join(changes) or "nothing applicable"
     return MemoryChoice(cause, STOP, Proposal(what=f"stop: no memory change is predicted to fit ({said}; tried "
                                                    f"{tried}; planner: {expl})"), False, evidence)
+
+
+# ------------------------------------------------------------------------------------------ memory spikes
+# The planner budgets 8 % of the allocated peak for normal caching-allocator slack (5-10 % is seen); a
+# reserved-but-unallocated share above this is more than normal slack: fragmentation.
+FRAGMENTATION_FRAC = 0.10
+# A spike is not a crash: when nothing is predicted to fit (or nothing is needed) the run goes on unchanged
+# and the operator gets an incident that says so (apply "none": no restart, no stop).
+SPIKE_NOTE = Action("alert", "none", lambda c: Proposal(what="record and alert the operator"))
+
+
+def _num(ev: dict[str, Any], key: str) -> float | None:
+    v = ev.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def spike_fragmentation(peak: float, reserved: float | None, capacity: float | None,
+                        values: dict[str, Any]) -> str | None:
+    """Why a step's numbers show fragmentation (None: they do not): the allocator holds reserved-but-unallocated
+    memory beyond normal slack AND at least as much as the device has left (expandable segments would give it
+    back), with expandable segments off. reserved - max_allocated, not - allocated: after the step the
+    activations are freed but stay cached for the next step's peak, which is not fragmentation."""
+    if reserved is None or capacity is None or _expandable_on(values):
+        return None
+    unalloc, headroom = reserved - peak, max(0.0, capacity - reserved)
+    if unalloc > FRAGMENTATION_FRAC * peak and unalloc >= headroom:
+        return (f"{unalloc:.2f} GiB reserved but unallocated (> {FRAGMENTATION_FRAC:.0%} of the peak) >= the "
+                f"{headroom:.2f} GiB the device has left")
+    return None
+
+
+def choose_spike(ev: dict[str, Any], ctx: Context, replan: Replan | None,
+                 capacity_frac: float) -> MemoryChoice | None:
+    """The evidence-driven decision for a memory_spike finding (no crash yet), from its numbers (evidence of
+    detectors/memory_spike.py: mem_max_allocated_gib, mem_reserved_gib, capacity_gib) and the planner's view of
+    the running config. None: no evidence to go on (no planner and no fragmentation), the plain ladder applies.
+    A change must bring the calibrated peak below `capacity_frac` x capacity (the detector's own threshold)."""
+    peak = _num(ev, "mem_max_allocated_gib")
+    if peak is None:
+        return None
+    reserved, capacity = _num(ev, "mem_reserved_gib"), _num(ev, "capacity_gib")
+    base: PlanView | None = None
+    problems: list[str] = []
+    if replan is not None:
+        try:
+            base = replan({})
+        except Exception as exc:  # noqa: BLE001 - a planner that fails leaves the step's numbers alone
+            problems.append(f"planner: {exc}")
+    if capacity is None and base is not None:
+        capacity = base.capacity_gib
+    frag = spike_fragmentation(peak, reserved, capacity, ctx.values)
+    cause, why = ("fragmentation", frag) if frag else classify(None, base, ctx.values)
+    said = (f"memory spike: peak {peak:.2f} GiB allocated, "
+            + ("?" if reserved is None else f"{reserved:.2f}") + " GiB reserved, of "
+            + ("?" if capacity is None else f"{capacity:.2f}") + f" GiB; cause: {cause} ({why})")
+    evidence: dict[str, Any] = {"cause": cause, "why": why, "spike": {
+        "max_allocated_gib": peak, "reserved_gib": reserved, "capacity_gib": capacity, "step": ev.get("since_step")}}
+    if base is None:
+        if frag is None:
+            return None
+        built = _rung("expandable_segments").build(ctx)
+        assert isinstance(built, Proposal)   # spike_fragmentation checked that expandable segments are off
+        return MemoryChoice(cause, _rung("expandable_segments"), replace(built, what=f"{built.what} ({said})"),
+                            None, evidence)
+    assert replan is not None and capacity is not None  # `base` came from it (and carries a capacity)
+    evidence["plan"] = {"required_gib": base.required_gib, "capacity_gib": base.capacity_gib,
+                        "peak_allocated_gib": base.peak_allocated_gib, "model_states_gib": base.model_states_gib,
+                        "activations_gib": base.activations_gib}
+    # max_allocated is a measured lower bound on the running config's peak (as an OOM's numbers are).
+    under = max(0.0, peak - base.peak_allocated_gib)
+    limit = capacity_frac * capacity
+    evidence.update(planner_shortfall_gib=under, limit_gib=limit)
+    if frag is None and _calibrated_fit(base, under, limit):
+        return MemoryChoice(cause, SPIKE_NOTE, Proposal(what=(
+            f"no memory change: the running config is predicted to stay below {limit:.1f} GiB ({said}; planner: "
+            f"{base.required_gib + under:.1f} GiB needed of {base.capacity_gib:.1f} GiB with the measured peak)")),
+            None, evidence)
+    order = [*CAUSE_RUNGS.get(cause, ()), *(k for c in CAUSE_ORDER if c != cause for k in CAUSE_RUNGS[c])]
+    found = _first_fit(ctx, replan, base, order, under, limit, problems)
+    if found.action is not None:
+        evidence["predicted_required_gib"] = found.view.required_gib
+        return MemoryChoice(cause, found.action, Proposal(found.patch, what=found.what(said, under)), True, evidence)
+    view = found.view
+    expl = "; ".join([*view.problems, *problems]) or (
+        f"needs {view.required_gib + under:.1f} GiB of {view.capacity_gib:.1f} GiB, peak "
+        f"{view.peak_allocated_gib + under:.1f} GiB vs the {limit:.1f} GiB limit")
+    return MemoryChoice(cause, SPIKE_NOTE, Proposal(what=(
+        f"no blind change: no memory change is predicted to fit ({said}; tried "
+        f"{', '.join(found.changes) or 'nothing applicable'}; planner: {expl}); the run continues unchanged")),
+        False, evidence)

@@ -1,5 +1,7 @@
 """Memory spike: a step's max-allocated memory (max over ranks) jumps above ratio × its rolling baseline,
-or reaches a fraction of the device capacity; names the rank that holds the peak."""
+or reaches a fraction of the device capacity, or the allocator's reserved memory does (fragmentation: the
+caching allocator holds blocks it cannot reuse, and an OOM comes when reserved cannot grow); names the rank
+that holds the peak. The engine chooses the change from these numbers (remediation/memory_evidence.py)."""
 
 from __future__ import annotations
 
@@ -29,10 +31,13 @@ class MemorySpikeDetector(EpisodeDetector):
         cfg = self.cfg
         cap = cfg.device_memory_gib
         near_cap = cap is not None and mem >= cfg.memory_capacity_frac * cap
+        reserved = rec.mem_reserved_gib
+        near_reserved = (cap is not None and reserved is not None and reserved == reserved
+                         and reserved >= cfg.memory_capacity_frac * cap)
         base = self._win.med
         over_base = (base is not None and self._clock.since_start(rec.step) >= cfg.warmup_steps
                      and mem > cfg.memory_spike_ratio * base and mem - base >= cfg.memory_min_delta_gib)
-        if not (near_cap or over_base):
+        if not (near_cap or over_base or near_reserved):
             if self._ep.active:
                 self._ep.normal(rec.step)
             self._win.add(mem)
@@ -50,5 +55,8 @@ class MemorySpikeDetector(EpisodeDetector):
         if near_cap:
             assert cap is not None  # near_cap implies a capacity
             parts.append(f"{mem / cap:.0%} of the {fmt(cap)} GiB device")
+        elif near_reserved:
+            assert cap is not None and reserved is not None  # near_reserved implies both
+            parts.append(f"{fmt(reserved)} GiB reserved = {reserved / cap:.0%} of the {fmt(cap)} GiB device")
         msg = f"step {rec.step}: {who} peaked at {fmt(mem)} GiB allocated, {' and '.join(parts)}."
-        return [Finding(self.symptom, rec.step, "critical" if near_cap else "warning", ev, msg, now)]
+        return [Finding(self.symptom, rec.step, "critical" if near_cap or near_reserved else "warning", ev, msg, now)]
