@@ -198,6 +198,8 @@ def apply_decision(sup: Supervisor, dec: Decision, step: int) -> None:
     kind = action_kind(dec)
     params: dict[str, Any] = {"rung": dec.action_kind, "ladder": dec.ladder,
               "apply": apply, "reason": reason}
+    if dec.ladder == "memory" and getattr(sup.engine, "memory_evidence", None):
+        params["evidence"] = sup.engine.memory_evidence   # a spike's numbers and plans (memory_evidence.py)
     if symptom == Symptom.hang and sup.term is not None:
         # The hang path (stack dump -> TERM -> KILL -> relaunch) already owns this attempt.
         if apply == "stop":
@@ -320,7 +322,8 @@ def on_hang(sup: Supervisor, fnd: Finding) -> None:
         if sup.term is not None and sup.term.plan.relaunch is not None:
             sup.term.plan.relaunch.incident_id = iid
 
-    sup.set_state(S.REMEDIATING, f"hang at step {step}: {summary}")
+    said = summary.rstrip(".")  # the detector's summary usually names the step already: say it once
+    sup.set_state(S.REMEDIATING, f"hang: {said}" if f"step {step}" in said else f"hang at step {step}: {said}")
     sup.set_state(S.RESTARTING, "hung attempt is being killed")
     sup.begin_termination("hang", TerminationPlan.relaunching(Relaunch("hang", None)), grace=sup.dcfg.hang_grace_s,
                            dump_stacks=True, on_stacks=with_stacks)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ulyssesd.daemon.core import decisions
+from ulyssesd.daemon.core import decisions, exits
 from ulyssesd.daemon.core.incident_log import jsonable
 from ulyssesd.daemon.core.relaunch import Relaunch
 from ulyssesd.daemon.core.states import LIVE_JOB_STATES, TERMINAL
@@ -100,6 +100,7 @@ def create_run(sup: Supervisor) -> None:
     jc.write_json_atomic(sup.run_dir / "configs" / "v1.json", sup.config)
     sup.config_version = 1
     sup.engine = sup.engine_factory(sup.spec, sup.config)
+    sup.engine.replanner = lambda: exits._memory_replanner(sup)   # memory spikes re-plan as OOMs do
     sup.reader = TelemetryReader(sup.telemetry_path)
     log.info("run created", run_id=rid, run_dir=str(sup.run_dir))
     sup.say(f"run {rid} created in {sup.run_dir}")
@@ -121,6 +122,7 @@ def adopt(sup: Supervisor, run: Any) -> None:
     v1 = dict(min(cv, key=lambda c: c.version).config)
     v1.pop("launcher", None)
     sup.engine = sup.engine_factory(sup.spec, v1)
+    sup.engine.replanner = lambda: exits._memory_replanner(sup)   # memory spikes re-plan as OOMs do
     attempts = sup.store.list_attempts(run.id)
     now = sup.os.time()
     # The last hour's restart budget as the previous daemon spent it: operator relaunches were never in it.

@@ -38,3 +38,26 @@ def test_cuda_oom_decision_is_replanned_and_names_its_evidence(tmp_path, make_su
     # change is made, and the decision says it is no prediction.
     assert "not a prediction" in params["reason"]
     assert memory[0].config_diff == {"train.micro_batch_size": [4, 2], "train.gradient_accumulation_steps": [1, 2]}
+
+
+def test_memory_spike_decision_uses_the_planner_and_never_stops_a_healthy_run(tmp_path, make_sup, monkeypatch):
+    """A memory spike (no crash) to 134 of 139.8 GiB on a (stubbed) H200: the daemon hands the engine its
+    replanner for spikes too. The planner's tiny-model plan cannot explain 134 GiB, so no change is predicted to
+    fit: the incident says so (alert, no config change, no restart) and the run completes."""
+    monkeypatch.setattr(ctl_plan, "detect_local_cluster",
+                        lambda nnodes, nproc: Cluster.preset("h200-141g", gpus_per_node=nproc, nodes=nnodes))
+    spec = fake_spec(tmp_path, steps=24, interval=5, detectors={"device_memory_gib": 139.8},
+                     remediation={"grace_steps": 2, "severe_grace_steps": 1},
+                     faults=[{"kind": "memory_spike", "at_step": 8, "steps": 6, "magnitude": 133.0}])
+    ev: list[str] = []
+    sup = make_sup(spec, ev)
+    sup.start()
+    run_until(sup, lambda s: s.state in DONE, timeout=90)
+    assert sup.state == RunState.COMPLETED, ev
+    assert len(sup.store.list_attempts(sup.run_id)) == 1   # no restart
+    [inc] = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "memory_spike"]
+    [act] = sup.store.list_actions(incident_id=inc.id)
+    params = act.parameters
+    assert params["rung"] == "alert" and params["apply"] == "none" and not act.config_diff, params
+    assert "no blind change" in params["reason"] and "peak 134.00 GiB" in params["reason"]
+    assert params["evidence"]["spike"]["max_allocated_gib"] == 134.0 and "plan" in params["evidence"]
