@@ -14,6 +14,7 @@ Store problems, each its own code and one line (never a traceback, never 1): 20 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from datetime import datetime, timedelta, timezone
@@ -74,9 +75,35 @@ def socket_path() -> Path:
     return resolve_socket_path(CTX.state_dir)
 
 
+def _strict(value: Any) -> Any:
+    """`value` with every NaN/±inf float replaced by the string "NaN" / "Infinity" / "-Infinity"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(v) for v in value]
+    return value
+
+
+def json_text(data: Any, indent: int | None = None) -> str:
+    """Strict JSON (RFC 8259) for every --json output: Python writes a NaN loss as the bare token NaN, which
+    jq and other strict parsers refuse, so non-finite floats become strings ("NaN", "Infinity", "-Infinity")
+    — a NaN loss is exactly what the operator must be able to read."""
+    return json.dumps(_strict(data), indent=indent, default=str, allow_nan=False)
+
+
+def fmt_loss(loss: Any) -> str:
+    """A loss for the table: 4 decimals, or 4 significant digits in e-notation once it is huge (a diverging
+    fp32 loss of 1e38 would otherwise print as 39 digits); EMPTY when unknown."""
+    if not isinstance(loss, float | int) or isinstance(loss, bool):
+        return or_empty(loss)
+    return f"{loss:.4f}" if abs(loss) < 1e6 else f"{loss:.4e}"
+
+
 def out(data: Any, as_json: bool) -> None:
     if as_json:
-        sys.stdout.write(json.dumps(data, indent=1, default=str) + "\n")
+        sys.stdout.write(json_text(data, indent=1) + "\n")
 
 
 def die(msg: str, code: int, as_json: bool) -> NoReturn:

@@ -7,7 +7,6 @@ clear error (exit 2), never waited on. The lead's ulyssesctl calls `register_dia
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -98,7 +97,9 @@ def register_diagnose(app: typer.Typer) -> None:
             raise typer.Exit(EXIT_BAD_INPUT) from None
         d, record = diagnose_log(logfile, text, exit_code, signal)
         if as_json:
-            typer.echo(json.dumps({**d.to_dict(), "file": str(logfile), **record}))
+            from ulyssesd.daemon.operator.ctl_common import json_text  # strict JSON, like every --json
+
+            typer.echo(json_text({**d.to_dict(), "file": str(logfile), **record}))
         else:
             render(d, logfile, Console(), record)
         raise typer.Exit(EXIT_OK)

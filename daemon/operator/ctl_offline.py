@@ -9,7 +9,6 @@ the file is read line by line; garbage lines are reported with their line number
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from collections.abc import Iterator
@@ -122,8 +121,10 @@ def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,
     items = replay(read_records(telemetry, bad), det, pol, job)
     if as_json:
         collected = [item_to_dict(it) for it in items]
-        json.dump({"telemetry": str(telemetry), "items": collected,
-                   "bad_lines": [dataclasses.asdict(b) for b in bad]}, out, indent=1)
+        from ulyssesd.daemon.operator.ctl_common import json_text  # strict JSON: a NaN loss as "NaN"
+
+        out.write(json_text({"telemetry": str(telemetry), "items": collected,
+                             "bad_lines": [dataclasses.asdict(b) for b in bad]}, indent=1))
         out.write("\n")
     else:
         _print_table(items, out)

@@ -35,7 +35,9 @@ from ulyssesd.daemon.operator.ctl_common import (
     daemon_info,
     daemon_pid_alive,
     fmt_duration,
+    fmt_loss,
     fmt_time,
+    json_text,
     open_ro_store,
     or_empty,
     out,
@@ -231,7 +233,7 @@ def render_status(d: dict[str, Any]) -> Table:
                                                       else ""))
     t.add_row("last step", _last_step_cell(d))
     loss = d["loss"]
-    t.add_row("loss", f"{loss:.4f}" if isinstance(loss, float) else or_empty(loss))
+    t.add_row("loss", fmt_loss(loss))
     tps = d["tokens_per_s"]
     t.add_row("tokens/s", f"{tps:,.0f}" if isinstance(tps, int | float) else EMPTY)
     t.add_row("MFU", f"{d['mfu']:.1%}" if isinstance(d.get("mfu"), int | float) else EMPTY)
@@ -290,7 +292,7 @@ def status_line(d: dict[str, Any]) -> str:
     overdue = " OVERDUE" if d.get("last_step_overdue") else ""
     return (f"{datetime.now(timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')} {d['run_id']} {d['state']} "
             f"step {or_empty(d['step'])}/{or_empty(d.get('total_steps'))}{pct} "
-            f"loss {f'{loss:.4f}' if isinstance(loss, float) else or_empty(loss)} "
+            f"loss {fmt_loss(loss)} "
             f"tok/s {f'{tps:,.0f}' if isinstance(tps, int | float) else EMPTY} "
             f"elapsed {fmt_duration(d.get('elapsed_s'))} ETA {fmt_duration(d.get('eta_s'))} "
             f"last-step {EMPTY if age is None else fmt_duration(age) + ' ago'}{overdue} "
@@ -303,7 +305,7 @@ def _watch_lines(store, json_out: bool, interval: float) -> None:
     try:
         while True:
             d = status_data(store, current_run(store, json_out))
-            sys.stdout.write((json.dumps(d, default=str) if json_out else status_line(d)) + "\n")
+            sys.stdout.write((json_text(d) if json_out else status_line(d)) + "\n")
             sys.stdout.flush()
             time.sleep(interval)
     except KeyboardInterrupt:
