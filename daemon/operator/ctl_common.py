@@ -141,7 +141,18 @@ def open_ro_store(as_json: bool):
     try:
         return open_store(db_path(), readonly=True)
     except StoreError as exc:
-        die(str(exc), store_exit_code(exc) or EXIT_DB_DAMAGED, as_json)
+        die(str(exc) + no_database_hint(exc), store_exit_code(exc) or EXIT_DB_DAMAGED, as_json)
+
+
+def no_database_hint(exc: Exception) -> str:
+    """For a missing database found through the state dir: where ulyssesctl looked and how to point it
+    elsewhere (a newcomer's first `ulyssesctl status` looks in ~/.local/state, the unit writes /var/lib)."""
+    from ulyssesd.daemon.store.errors import NoDatabaseError
+
+    if not isinstance(exc, NoDatabaseError) or CTX.db is not None or daemon_info().get("db"):
+        return ""
+    return (f" (state dir {CTX.state_dir}: pass --state-dir DIR or set ULYSSESD_STATE_DIR; the systemd unit's "
+            f"is /var/lib/ulyssesd)")
 
 
 def current_run(store, as_json: bool):
