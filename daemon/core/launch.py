@@ -222,7 +222,8 @@ def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, in
     if sup.engine is not None:
         sup.engine.on_restart(sup.os.time(), attempt=sup.attempt)
     if sup.state != S.STARTING:
-        sup.set_state(S.STARTING, f"attempt {sup.attempt} launched ({reason}) from {tag}")
+        sup.set_state(S.STARTING, f"attempt {sup.attempt} launched ({reason}) from "
+                       + (tag if tag != "none" else "the start (no checkpoint)"))
     log.info("launched", run_id=sup.run_id, attempt=sup.attempt, pid=job.pid, resume=tag, reason=reason,
              config_version=sup.config_version)
     sup.say(f"attempt {sup.attempt} launched (pid {job.pid}, config v{sup.config_version}, resume {tag}): {reason}")

@@ -11,7 +11,8 @@ from ulyssesd.daemon.store.enums import TERMINAL_RUN_STATES, RunState
 
 S = RunState
 
-# (from, to): why the edge exists.
+# (from, to): why the edge exists. Into STOPPING the table says only what happens ("job asked to stop": SIGTERM,
+# its final save): a stop, a pause, a playbook stop and an internal error all take it, and the caller says which.
 TRANSITIONS: dict[tuple[RunState, RunState], str] = {
     # STARTING -> RUNNING because the job emitted `started` or its first step record.
     (S.STARTING, S.RUNNING): "job reported progress",
@@ -22,21 +23,21 @@ TRANSITIONS: dict[tuple[RunState, RunState], str] = {
     # STARTING -> FAILED because the launcher cannot be started at all (retries exhausted) or budget is spent.
     (S.STARTING, S.FAILED): "launch impossible or budget spent",
     # STARTING -> STOPPING because the operator asked to stop before the job got going.
-    (S.STARTING, S.STOPPING): "operator stop",
+    (S.STARTING, S.STOPPING): "job asked to stop",
     # STARTING -> COMPLETED because a resumed job found nothing left to train and exited 0.
     (S.STARTING, S.COMPLETED): "job finished immediately",
     # STARTING -> REMEDIATING because a detector fired on the first records (e.g. NaN at step 1).
     (S.STARTING, S.REMEDIATING): "detector fired during start-up",
     # RUNNING -> REMEDIATING because a detector or the crash path produced a decision to apply.
     (S.RUNNING, S.REMEDIATING): "anomaly detected",
-    # RUNNING -> RESTARTING because the job crashed and the playbook says relaunch.
-    (S.RUNNING, S.RESTARTING): "crash, relaunching",
+    # RUNNING -> RESTARTING because the job crashed and the playbook says relaunch, or the operator restarted.
+    (S.RUNNING, S.RESTARTING): "crash or restart, relaunching",
     # RUNNING -> BACKOFF because the job crashed and the next launch must wait.
     (S.RUNNING, S.BACKOFF): "crash, waiting before relaunch",
     # RUNNING -> PAUSED because the operator paused (the job saved and exited on SIGTERM).
     (S.RUNNING, S.PAUSED): "operator pause",
     # RUNNING -> STOPPING because the operator asked to stop, or a `stop` decision.
-    (S.RUNNING, S.STOPPING): "stop requested",
+    (S.RUNNING, S.STOPPING): "job asked to stop",
     # RUNNING -> COMPLETED because the job reached train.steps and exited 0.
     (S.RUNNING, S.COMPLETED): "reached final step",
     # RUNNING -> FAILED because the restart budget / no-progress rule was hit on a crash.
@@ -48,7 +49,7 @@ TRANSITIONS: dict[tuple[RunState, RunState], str] = {
     # REMEDIATING -> BACKOFF because the job exited while we remediated and the relaunch must wait.
     (S.REMEDIATING, S.BACKOFF): "waiting before relaunch",
     # REMEDIATING -> STOPPING because the ladder is exhausted (stop + alert) or the operator stopped.
-    (S.REMEDIATING, S.STOPPING): "ladder exhausted or stop requested",
+    (S.REMEDIATING, S.STOPPING): "job asked to stop",
     # REMEDIATING -> FAILED because the restart budget / no-progress rule forbids another attempt.
     (S.REMEDIATING, S.FAILED): "budget exhausted or an unrecoverable error",
     # REMEDIATING -> COMPLETED because the job finished its last step while we were acting.
@@ -56,19 +57,19 @@ TRANSITIONS: dict[tuple[RunState, RunState], str] = {
     # REMEDIATING -> PAUSED because the operator paused during a remediation.
     (S.REMEDIATING, S.PAUSED): "operator pause",
     # RESTARTING -> STARTING because the new attempt has been launched.
-    (S.RESTARTING, S.STARTING): "relaunched",
+    (S.RESTARTING, S.STARTING): "next attempt launched",
     # RESTARTING -> BACKOFF because the launch must wait (restart spacing or launch error).
     (S.RESTARTING, S.BACKOFF): "waiting before relaunch",
     # RESTARTING -> FAILED because the budget is spent or no checkpoint can be loaded.
     (S.RESTARTING, S.FAILED): "cannot relaunch",
     # RESTARTING -> STOPPING because the operator asked to stop while we were relaunching.
-    (S.RESTARTING, S.STOPPING): "operator stop",
+    (S.RESTARTING, S.STOPPING): "job asked to stop",
     # RESTARTING -> COMPLETED because the job finished while being asked to restart.
     (S.RESTARTING, S.COMPLETED): "reached final step",
     # RESTARTING -> PAUSED because the operator paused while the old attempt was shutting down.
     (S.RESTARTING, S.PAUSED): "operator pause",
     # BACKOFF -> STARTING because the backoff delay elapsed and the next attempt was launched.
-    (S.BACKOFF, S.STARTING): "backoff elapsed, relaunched",
+    (S.BACKOFF, S.STARTING): "backoff elapsed, next attempt launched",
     # BACKOFF -> FAILED because the launch failed again and retries/budget are exhausted.
     (S.BACKOFF, S.FAILED): "cannot relaunch",
     # BACKOFF -> STOPPED because the operator stopped a run that had no live job.
@@ -117,7 +118,7 @@ def transition_reason(reason: str, table_reason: str) -> str:
     """The one line recorded for a transition: the caller's reason, with the table's reason for the edge in
     parentheses only when it is about something else. Sharing a word means the caller already said it in
     its own, more precise, words: "job exited after operator stop" needs no "(job exited after stop)",
-    "operator stop by uid 0" no "(stop requested)", "internal error in engine: ..." no "(... or an
+    "operator stop by uid 0" no "(job asked to stop)", "internal error in engine: ..." no "(... or an
     unrecoverable error)"; "nan_loss: lr -10%" gets "(anomaly detected)"."""
     if _content_words(table_reason) & _content_words(reason):
         return reason

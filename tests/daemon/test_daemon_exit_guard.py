@@ -142,8 +142,83 @@ def test_stop_reason_is_said_once(tmp_path):
 @pytest.mark.parametrize(("reason", "table", "expected"), [
     ("job exited after operator stop", "job exited after stop", "job exited after operator stop"),
     ("reached final step 40", "reached final step", "reached final step 40"),
-    ("operator pause (uid 0)", "stop requested", "operator pause (uid 0) (stop requested)"),
+    ("operator pause by uid 0", "job asked to stop", "operator pause by uid 0 (job asked to stop)"),
+    ("operator stop by uid 0", "job asked to stop", "operator stop by uid 0"),
+    ("internal error in engine: KeyError: 'x'", "budget exhausted or an unrecoverable error",
+     "internal error in engine: KeyError: 'x'"),
     ("nan_loss: lr -10%", "anomaly detected", "nan_loss: lr -10% (anomaly detected)"),
 ])
 def test_transition_reason_adds_the_table_reason_only_when_it_says_something_new(reason, table, expected):
     assert transition_reason(reason, table) == expected
+
+
+def _repeated_phrase(reason: str) -> str | None:
+    """A run of 2+ words said twice in one reason ("operator stop ... (operator stop)"), or None."""
+    words = [w.strip("():;,.").lower() for w in reason.split()]
+    for n in (3, 2):
+        grams = [" ".join(words[i:i + n]) for i in range(len(words) - n + 1)]
+        for g in grams:
+            if grams.count(g) > 1:
+                return g
+    return None
+
+
+def test_the_reasons_of_a_pause_resume_restart_crash_hang_stop_session_read_well(tmp_path):
+    # Every transition reason the supervisor writes in a busy session: no "None", no phrase said twice, the
+    # operator's commands start with the store's OPERATOR_REASON_PREFIX and name the uid only when known.
+    from ulyssesd.daemon.store.repository.runs import OPERATOR_REASON_PREFIX
+
+    fos = FakeOS()
+    fos.term_behaviour = "exit0"
+    sup = _sup(tmp_path, fos, daemon={"stack_dump_wait_s": 1.0, "hang_grace_s": 2.0},
+               detectors={"hang_timeout_floor_s": 5.0}, remediation={"no_progress_restarts": 10})
+    sup.start()
+    _running(sup, fos)
+
+    def settle(until, ticks=12):
+        for _ in range(ticks):
+            if until():
+                return
+            fos.advance(0.5)
+            sup.tick()
+        assert until(), sup.state
+
+    assert sup.handle_command({"cmd": "pause", "peer": {"uid": 1000}})["ok"]
+    settle(lambda: sup.state == S.PAUSED)
+    assert sup.handle_command({"cmd": "resume", "peer": {"uid": 1000}})["ok"]
+    _running(sup, fos, first_step=4)
+    assert sup.handle_command({"cmd": "restart", "peer": {}})["ok"]  # uid unknown
+    settle(lambda: sup.state == S.STARTING and sup.attempt == 3)
+    _running(sup, fos, first_step=7)
+    _crash(fos, sup)
+    settle(lambda: sup.attempt == 4 and sup.job is not None)
+    _running(sup, fos, first_step=10)
+    fos.term_behaviour = "ignore"  # hung: only SIGKILL ends it
+    fos.advance(6.0)  # no step for longer than the hang timeout
+    settle(lambda: sup.attempt == 5 and sup.job is not None, ticks=20)
+    assert [i.symptom.value for i in sup.store.list_incidents(sup.run_id)] == ["crash", "hang"]
+    _running(sup, fos, first_step=13)
+    fos.term_behaviour = "exit0"
+    assert sup.handle_command({"cmd": "stop", "peer": {"uid": 0}})["ok"]
+    settle(lambda: sup.state == S.STOPPED)
+
+    reasons = [t.reason for t in sup.store.list_transitions(sup.run_id)]
+    for r in reasons:
+        assert "None" not in r and "uid None" not in r, (r, reasons)
+        assert _repeated_phrase(r) is None, (r, _repeated_phrase(r), reasons)
+    operator = [r for r in reasons if r.startswith(OPERATOR_REASON_PREFIX)]
+    assert operator == ["operator pause by uid 1000 (job asked to stop)", "operator restart", "operator stop by uid 0"], \
+        reasons
+    assert reasons[-1] == "job exited after operator stop"
+    # The store tells the operator's relaunches (pause+resume, restart) from the restarts (crash, hang).
+    counts = sup.store.relaunch_counts(sup.run_id)
+    assert (counts.operator_relaunches, counts.restarts) == (2, 2), (counts, reasons)
+
+
+@pytest.mark.parametrize(("reason", "repeated"), [
+    ("operator stop (uid None) (stop requested)", None),  # "None" is caught by the other assertion
+    ("operator stop (operator stop)", "operator stop"),
+    ("relaunch in 2.0s (crash, relaunching) (crash, relaunching)", "crash relaunching"),
+])
+def test_the_repeated_phrase_check_catches_a_phrase_said_twice(reason, repeated):
+    assert _repeated_phrase(reason) == repeated
