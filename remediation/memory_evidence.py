@@ -383,7 +383,14 @@ def choose_spike(ev: dict[str, Any], ctx: Context, replan: Replan | None,
     expl = "; ".join([*view.problems, *problems]) or (
         f"needs {view.required_gib + under:.1f} GiB of {view.capacity_gib:.1f} GiB, peak "
         f"{view.peak_allocated_gib + under:.1f} GiB vs the {limit:.1f} GiB limit")
+    tried = ", ".join(found.changes) or "nothing applicable"
+    if frag is not None:
+        # The allocator's waste is measured, not predicted: give it back even though the planner sees no fit
+        # (as without a planner); this is no prediction, so the no-progress rule applies.
+        built = _rung("expandable_segments").build(ctx)
+        assert isinstance(built, Proposal)   # spike_fragmentation checked that expandable segments are off
+        return MemoryChoice(cause, _rung("expandable_segments"), replace(built, what=(
+            f"{built.what} ({said}; no change is predicted to fit, tried {tried}; planner: {expl})")), None, evidence)
     return MemoryChoice(cause, SPIKE_NOTE, Proposal(what=(
-        f"no blind change: no memory change is predicted to fit ({said}; tried "
-        f"{', '.join(found.changes) or 'nothing applicable'}; planner: {expl}); the run continues unchanged")),
-        False, evidence)
+        f"no blind change: no memory change is predicted to fit ({said}; tried {tried}; planner: {expl}); "
+        "the run continues unchanged")), False, evidence)

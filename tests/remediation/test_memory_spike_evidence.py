@@ -19,8 +19,8 @@ from ulyssesd.daemon.spec import load_run_spec
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.engine import Decision, RemediationEngine
-from ulyssesd.remediation.memory_evidence import PlanView, Replan, spike_fragmentation
-from ulyssesd.remediation.playbook import K_ACKPT, K_ALLOC, K_GA, K_LIVE, K_MB, K_OFFLOAD, LADDERS
+from ulyssesd.remediation.memory_evidence import PlanView, Replan, choose_spike, spike_fragmentation
+from ulyssesd.remediation.playbook import K_ACKPT, K_ALLOC, K_GA, K_LIVE, K_MB, K_OFFLOAD, LADDERS, Context
 from ulyssesd.remediation.records import parse_line
 from ulyssesd.training.planner import Cluster
 from ulyssesd.training.spec import JobSpec
@@ -111,6 +111,21 @@ def test_fragmentation_spike_goes_to_expandable_segments_first_with_or_without_p
     # The same reserve with expandable segments already on, or a normal 5 % slack, is not fragmentation.
     assert spike_fragmentation(96.0, 137.0, H200_GIB, {K_ALLOC: "expandable_segments:True"}) is None
     assert spike_fragmentation(133.0, 137.5, H200_GIB, {}) is None
+
+
+def test_measured_fragmentation_is_given_back_even_when_the_planner_sees_no_fit():
+    """The allocator's waste is measured, not predicted: with a planner that finds no change that fits, the
+    fragmented spike still gets expandable segments (as without a planner), marked as no prediction."""
+    engine = new_engine()
+    hopeless = PlanView(False, 300.0, 139.6, 290.0, 280.0, 10.0, ("GPU: needs 300.0 GiB of 139.6 GiB",))
+    engine.replanner = lambda: (lambda patch: hopeless)
+    _, [d] = replay(engine, step_lines(230, steady_then(200, (30.0, 60.0, 70.0), (31.0, 96.0, 137.0))))
+    assert d.action_kind == "expandable_segments" and d.apply == "restart_latest"
+    assert "no change is predicted to fit" in d.reason and "GPU: needs 300.0 GiB" in d.reason
+    # Garbage in the finding's numbers is no evidence: the plain ladder decides.
+    ctx = Context(dict(engine.initial), dict(engine.initial), dict(engine.initial), RemediationConfig())
+    for bad in ({"mem_max_allocated_gib": "lots"}, {"mem_max_allocated_gib": float("nan")}, {}):
+        assert choose_spike(bad, ctx, lambda patch: hopeless, 0.95) is None
 
 
 def test_activation_heavy_spike_halves_the_micro_batch_as_the_planner_predicts():
