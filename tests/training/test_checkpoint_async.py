@@ -364,7 +364,7 @@ def test_pinned_pool_hands_the_same_buffers_to_the_next_save():
 
 
 def test_direct_write_pipeline_equals_the_buffered_one_across_buffer_edges(tmp_path, monkeypatch):
-    from ulyssesd.training.checkpoint import saving
+    from ulyssesd.training.checkpoint import shard_io as saving
 
     monkeypatch.setattr(saving, "DIRECT_BUFFER_BYTES", 1 << 16)   # many full buffers plus a partial tail block
     monkeypatch.setattr(saving, "DIRECT_BUFFERS", 2)
@@ -377,7 +377,7 @@ def test_direct_write_pipeline_equals_the_buffered_one_across_buffer_edges(tmp_p
 
 
 def test_direct_write_failure_leaves_no_file_and_names_the_error(tmp_path, monkeypatch):
-    from ulyssesd.training.checkpoint import saving
+    from ulyssesd.training.checkpoint import shard_io as saving
 
     monkeypatch.setattr(saving, "DIRECT_BUFFER_BYTES", 1 << 16)
 

@@ -13,7 +13,8 @@ DeepSpeed loads (or half-loads) a bad tag. All ranks' files must be complete bef
 (barrier after `save_checkpoint`), and the directory must be visible to rank 0 (shared filesystem).
 
 Modules: `files` (tags, manifests, validation, quarantine, `latest`), `retention` (what to keep, pruning,
-disk guard, known-good anchors), `saving` (failed-write descriptions, the asynchronous writer). The package
+disk guard, known-good anchors), `saving` (failed-write descriptions, the asynchronous writer), `snapshot`
+(its host-memory copies and pinned pool), `shard_io` (how it writes one shard: hash on the way, O_DIRECT). The package
 namespace is the public import path the daemon, `ulyssesctl` and `ulyssesd.client.manifest` use
 (`from ulyssesd.training import checkpoint as ck`), so it re-exports the modules' public names.
 """
@@ -60,16 +61,14 @@ from .saving import (
     NO_SPACE_ERRNOS,
     AsyncCheckpointWriter,
     AsyncSaveError,
-    PinnedPool,
     commit_when_durable,
-    durable_torch_save,
     errno_name,
     filesystem_errno,
-    host_snapshot,
     is_write_error,
     save_failure,
-    write_shard,
 )
+from .shard_io import durable_torch_save, write_shard, write_shard_direct
+from .snapshot import PinnedPool, host_snapshot
 
 __all__ = [
     "AsyncCheckpointWriter",
@@ -116,4 +115,5 @@ __all__ = [
     "validate_tag",
     "write_manifest",
     "write_shard",
+    "write_shard_direct",
 ]
