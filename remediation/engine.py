@@ -433,8 +433,7 @@ class RemediationEngine:
                 patch.update(extra.patch)
         if action.kind == "alert" and ladder in NON_FATAL:
             st.exhausted = True
-        # A memory ladder whose next change is predicted to fit is converging: the no-progress rule (restarts
-        # without a checkpoint advancing, which OOMs before the first save always are) does not cut it off.
+        # A memory change predicted to fit is converging: the no-progress rule (OOMs never save) does not apply.
         converging = memory is not None and memory.predicted_fit is True
         stop_why = self._budget_stop(now, not converging) if apply in RESTARTING else None
         if stop_why is not None:
