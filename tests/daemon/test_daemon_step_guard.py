@@ -200,3 +200,72 @@ def test_a_paused_run_is_already_safe_and_stays_paused(tmp_path, monkeypatch):
     _tick(sup, fos, LIMIT * 3)
     assert sup.state == S.PAUSED and len(_internal(sup, "publish")) == 1
     assert sup.handle_command({"cmd": "resume"})["ok"]  # the operator can still act
+
+
+@pytest.mark.slow
+def test_a_real_daemon_with_a_persistent_bug_answers_status_and_ends_the_run_failed(tmp_path):
+    # A real `ulyssesd` process (the fake job, the control socket, `ulyssesctl` as a process) whose engine
+    # step raises on every tick once the flag file exists: it keeps answering status, records one incident,
+    # stops the job with SIGTERM (it saves), keeps every checkpoint and ends the run FAILED with the reason.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from uls_daemon_helpers import fake_spec, wait_for
+
+    from ulyssesd.daemon.control.client import send_request
+    from ulyssesd.daemon.spec import load_run_spec
+    from ulyssesd.daemon.store import open_store
+
+    ctl = Path(sys.executable).parent / "ulyssesctl"
+    spec = fake_spec(tmp_path, steps=3000, interval=10, step_s=0.05, daemon={"step_error_limit": 100})  # 10 s of failing ticks to watch
+    sock = load_run_spec(spec).daemon.resolved_socket_path()
+    state, flag = tmp_path / "state", tmp_path / "bug.flag"
+
+    def status() -> dict:
+        res = subprocess.run([str(ctl), "--state-dir", str(state), "status", "--json"], capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode == 0, res
+        return json.loads(res.stdout)
+
+    env = {**__import__("os").environ, "ULS_BUG_TARGET": "ulyssesd.daemon.core.decisions:handle_outputs",
+           "ULS_BUG_FLAG": str(flag)}
+    log = open(tmp_path / "daemon.log", "wb")
+    daemon = subprocess.Popen([sys.executable, str(Path(__file__).parent / "ulyssesd_with_a_bug.py"), "run",
+                               "--spec", str(spec)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                              start_new_session=True)
+    try:
+        st = wait_for(lambda: (s := status())["daemon"] == "running" and s["latest_checkpoint"] and s, 90,
+                      "a checkpoint")
+        ckpt_dir = Path(st["run_dir"]) / "checkpoints"
+        before = {p.name for p in ckpt_dir.iterdir() if p.is_dir()}
+        job_pid = send_request(sock, {"cmd": "status"})["status"]["pid"]
+        flag.touch()
+        live = wait_for(lambda: (a := send_request(sock, {"cmd": "status"})["status"])["tick_step_errors"]
+                        .get("engine", 0) >= 3 and a, 30, "the engine step failing")
+        assert live["state"] == "RUNNING"  # failing, not yet at the limit: the daemon answers meanwhile
+        st = status()
+        assert st["daemon"] == "running"
+        assert [i["summary"] for i in st["open_incident_list"]] == ["internal error in engine: RuntimeError: planted bug"]
+        assert daemon.wait(90) == 10  # the run ended FAILED (ulyssesd's exit code for it)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+        log.close()
+    store = open_store(state / "ulyssesd.db")
+    run = store.get_run(st["run_id"])
+    assert run.state.value == "FAILED" and run.state_reason.startswith("internal error in engine: RuntimeError: planted bug")
+    internal = [i for i in store.list_incidents(run.id) if i.summary.startswith("internal error")]
+    assert len(internal) == 1 and "Traceback" in store.get_incident(internal[0].id).evidence["internal_error"]
+    attempt = store.list_attempts(run.id)[-1]
+    assert attempt.ended_at is not None and attempt.returncode == 0  # SIGTERM: it saved and exited
+    assert not Path(f"/proc/{job_pid}").exists()
+    def step_of(tag: str) -> int:
+        return int("".join(c for c in tag if c.isdigit()) or -1)
+
+    after = {p.name for p in ckpt_dir.iterdir() if p.is_dir()}
+    newest = max(before, key=step_of)
+    assert newest in after and max(map(step_of, after)) >= step_of(newest), (before, after)  # nothing lost
+    text = (tmp_path / "daemon.log").read_text()
+    assert text.count('"tick step failed"') == 1 and text.count("tick step still failing") <= 7  # not per tick
