@@ -397,7 +397,7 @@ class RemediationEngine:
         ctx = Context(self.values, self.initial, self.launched, self.policy, self._rollback_plan(anomaly_step),
                       finding.evidence if finding else {})
         if memory is None and finding is not None and finding.symptom == "memory_spike":
-            memory = memory_evidence.choose_spike(finding.evidence, ctx, self.replanner and self.replanner(),
+            memory = memory_evidence.choose_spike(finding.evidence, ctx, self.replanner,
                                                   self.config.memory_capacity_frac)
             if memory is not None and memory.action is memory_evidence.SPIKE_NOTE and in_verify and st.last \
                     and st.last.action_kind == memory.action.kind:

@@ -328,23 +328,25 @@ def spike_fragmentation(peak: float, reserved: float | None, capacity: float | N
     return None
 
 
-def choose_spike(ev: dict[str, Any], ctx: Context, replan: Replan | None,
+def choose_spike(ev: dict[str, Any], ctx: Context, replanner: Callable[[], Replan | None] | None,
                  capacity_frac: float) -> MemoryChoice | None:
     """The evidence-driven decision for a memory_spike finding (no crash yet), from its numbers (evidence of
     detectors/memory_spike.py: mem_max_allocated_gib, mem_reserved_gib, capacity_gib) and the planner's view of
     the running config. None: no evidence to go on (no planner and no fragmentation), the plain ladder applies.
-    A change must bring the calibrated peak below `capacity_frac` x capacity (the detector's own threshold)."""
+    A change must bring the calibrated peak below `capacity_frac` x capacity (the detector's own threshold).
+    `replanner` gives the planner (or None) and is only called here: building one may probe the GPUs."""
     peak = _num(ev, "mem_max_allocated_gib")
     if peak is None:
         return None
     reserved, capacity = _num(ev, "mem_reserved_gib"), _num(ev, "capacity_gib")
     base: PlanView | None = None
     problems: list[str] = []
-    if replan is not None:
-        try:
-            base = replan({})
-        except Exception as exc:  # noqa: BLE001 - a planner that fails leaves the step's numbers alone
-            problems.append(f"planner: {exc}")
+    replan: Replan | None = None
+    try:
+        replan = replanner() if replanner is not None else None
+        base = replan({}) if replan is not None else None
+    except Exception as exc:  # noqa: BLE001 - a planner that fails leaves the step's numbers alone
+        problems.append(f"planner: {exc}")
     if capacity is None and base is not None:
         capacity = base.capacity_gib
     frag = spike_fragmentation(peak, reserved, capacity, ctx.values)

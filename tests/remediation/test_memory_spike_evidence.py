@@ -125,7 +125,15 @@ def test_measured_fragmentation_is_given_back_even_when_the_planner_sees_no_fit(
     # Garbage in the finding's numbers is no evidence: the plain ladder decides.
     ctx = Context(dict(engine.initial), dict(engine.initial), dict(engine.initial), RemediationConfig())
     for bad in ({"mem_max_allocated_gib": "lots"}, {"mem_max_allocated_gib": float("nan")}, {}):
-        assert choose_spike(bad, ctx, lambda patch: hopeless, 0.95) is None
+        assert choose_spike(bad, ctx, lambda: (lambda patch: hopeless), 0.95) is None
+
+    def no_gpu_probe() -> Replan:
+        raise OSError("nvidia-smi hung")
+
+    engine = new_engine()
+    engine.replanner = no_gpu_probe   # a replanner that raises is no planner, not a crashed tick
+    _, [d] = replay(engine, step_lines(230, steady_then(200, (40.0, 70.0, 75.0), (41.0, 134.0, 136.0))))
+    assert d.action_kind == LADDERS["memory"][0].kind
 
 
 def test_activation_heavy_spike_halves_the_micro_batch_as_the_planner_predicts():
