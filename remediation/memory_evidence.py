@@ -16,6 +16,10 @@ the patched config is predicted to fit; the prediction is calibrated by the OOM 
 allocated plus the request is a lower bound on the failing config's peak: when the planner predicted less,
 the shortfall is added to every candidate). When nothing is predicted to fit, the choice is to stop, with the
 planner's explanation.
+
+A memory spike in telemetry (no crash yet, `choose_spike`) goes the same way from the step's numbers: reserved
+memory the allocator cannot reuse is fragmentation; the measured max_allocated calibrates the planner; a change
+must bring the peak under the spike detector's threshold. Nothing predicted to fit is an alert, never a stop.
 """
 
 from __future__ import annotations
