@@ -199,11 +199,11 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         this_crash.add(ladder_for_crash(label)[1])
         replan = _memory_replanner(sup) if label == "cuda_oom" else None
         _, decisions = _split_outputs(sup.engine.on_crash(label, diag_evidence or [], sup.os.time(), replan=replan))
-    relaunch = Relaunch(f"crash ({diag_label})", iid)
+    relaunch = Relaunch(f"crash: {diag_label}" if diag_label else "crash", iid)  # quoted as "launched (crash: x)"
     acted = False
     for dec in decisions:
         dec_apply = dec.apply
-        reason = dec.reason or f"crash {diag_label}"
+        reason = dec.reason or (f"crash: {diag_label}" if diag_label else "crash")
         params = {"rung": dec.action_kind, "ladder": dec.ladder,
                   "apply": dec_apply, "reason": reason}
         if dec.ladder == "memory" and getattr(sup.engine, "memory_evidence", None):
