@@ -100,7 +100,9 @@ def handle(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
                         "error": f"'args.by' must be an operator name (a string of at most 200 characters), "
                                  f"got {bounded_repr(by)}"}
             try:
-                sup.store.ack_incident(iid, by.strip() if by and by.strip() else f"uid:{peer.get('uid')}")
+                uid = peer.get("uid")
+                sup.store.ack_incident(iid, by.strip() if by and by.strip() else
+                                       (f"uid:{uid}" if type(uid) is int else "an operator (uid unknown)"))
             except NotFoundError:
                 return {"ok": False, "code": "not_found", "error": f"no incident {iid}"}
             return {"ok": True, "id": iid}

@@ -222,3 +222,25 @@ def test_the_reasons_of_a_pause_resume_restart_crash_hang_stop_session_read_well
 ])
 def test_the_repeated_phrase_check_catches_a_phrase_said_twice(reason, repeated):
     assert _repeated_phrase(reason) == repeated
+
+
+@pytest.mark.parametrize(("peer", "expected"), [
+    ({"uid": 1000, "pid": 7}, "operator stop by uid 1000"),
+    ({"uid": 0}, "operator stop by uid 0"),  # root is a known uid, not a missing one
+    ({}, "operator stop"),
+    (None, "operator stop"),
+    ({"uid": None}, "operator stop"),
+])
+def test_an_operator_reason_names_the_uid_only_when_known(peer, expected):
+    from ulyssesd.daemon.core.commands import operator_reason
+
+    assert operator_reason("stop", peer) == expected
+
+
+def test_an_ack_without_a_name_or_uid_does_not_record_none(tmp_path):
+    from ulyssesd.daemon.store.enums import Severity, Symptom
+
+    sup = _stopped_by_the_operator(tmp_path)
+    iid = sup.incidents.incident(Symptom.crash, 1, Severity.warning, "an incident to acknowledge", {})
+    assert sup.handle_command({"cmd": "ack", "args": {"id": iid}})["ok"]  # no name, no peer credentials
+    assert sup.store.get_incident(iid).acknowledged_by == "an operator (uid unknown)"
