@@ -303,7 +303,7 @@ def exit_handling_failed(sup: Supervisor, status: ExitStatus, plan: TerminationP
 def _memory_replanner(sup: Supervisor) -> Any:
     """The planner over the current config for the memory ladder (built-in GPT job on a GPU host), else None.
     Never raises: without it the ladder falls back to the OOM message alone."""
-    if sup.spec.job_section.kind != "builtin":
+    if sup.spec.job_section.kind != "builtin" or sup.spec.job.train.device == "cpu":   # a CPU run on a GPU host
         return None
     try:
         from ulyssesd.daemon.operator import ctl_plan

@@ -241,3 +241,8 @@ def test_daemon_builds_the_replanner_from_its_current_config(monkeypatch):
     command = SimpleNamespace(spec=rs.model_copy(update={"job_section": rs.job_section.model_copy(
         update={"kind": "command"})}), config=cfg, launch_env={})
     assert exits._memory_replanner(command) is None
+    # A CPU run on a GPU host: its memory is no GPU plan's business.
+    monkeypatch.setattr(ctl_plan, "detect_local_cluster", lambda nnodes, nproc: H200)
+    cpu_job = rs.job.model_copy(update={"train": rs.job.train.model_copy(update={"device": "cpu"})})
+    assert exits._memory_replanner(SimpleNamespace(spec=rs.model_copy(update={"job": cpu_job}), config=cfg,
+                                                   launch_env={})) is None
