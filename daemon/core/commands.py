@@ -108,7 +108,8 @@ def handle(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
             return {"ok": True, "id": iid}
         return {"ok": False, "code": "unknown_command", "error": f"unknown command {bounded_repr(cmd)}"}
     except Exception as exc:  # noqa: BLE001 - a bad request must not take the loop down
-        log.exception("control command failed", cmd=cmd)
+        # Logged once per distinct error, one incident, counted: the tick steps' guard (core/housekeeping.py).
+        sup.guard.failed("control_request", exc, bounded=False)
         # No exception text to the client: it may hold paths or internals; the daemon log has it all.
         return {"ok": False, "code": "internal",
                 "error": f"internal error handling {bounded_repr(cmd)} ({type(exc).__name__}); see the daemon log"}

@@ -108,6 +108,9 @@ class LoopScheduler:
 
 #: Steps the orderly stop itself goes through: when one of them is the broken one, the job is killed at once.
 STOP_DEPENDS_ON = frozenset({"termination"})
+#: Distinct errors remembered per step: past this a new one is counted as a repeat (a hostile client's
+#: requests cannot grow the table or the incident list without bound).
+MAX_DISTINCT_ERRORS = 50
 
 
 @dataclass
@@ -140,14 +143,17 @@ class StepGuard:
         try:
             body()
         except Exception as exc:  # noqa: BLE001 - the one place a tick step's bug is caught (module doc)
-            self._failed(step, exc, on_error)
+            self.failed(step, exc, on_error=on_error)
             return False
         errors = self.steps.get(step)
         if errors is not None and errors.in_a_row:
             self._recovered(step, errors)
         return True
 
-    def _failed(self, step: str, exc: BaseException, on_error: Callable[[BaseException], None] | None) -> None:
+    def failed(self, step: str, exc: BaseException, *, on_error: Callable[[BaseException], None] | None = None,
+               bounded: bool = True) -> None:
+        """Log, record and count `exc` (called from its `except`); `bounded`: end the run after `limit` in a
+        row. A control request that raised is not bounded: it is the operator's call, not the loop spinning."""
         sup = self.sup
         errors = self.steps.setdefault(step, StepErrors())
         errors.in_a_row += 1
@@ -155,6 +161,8 @@ class StepGuard:
         what = f"{type(exc).__name__}: {str(exc)[:300]}"
         frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
         signature = f"{what} at {frame.filename}:{frame.lineno}" if frame else what
+        if signature not in errors.distinct and len(errors.distinct) >= MAX_DISTINCT_ERRORS:
+            signature = "(more distinct errors)"
         seen = errors.distinct.get(signature, 0) + 1
         errors.distinct[signature] = seen
         if seen == 1:
@@ -173,7 +181,8 @@ class StepGuard:
             except Exception as inner:  # noqa: BLE001 - the log line above already has the traceback
                 log.warning("could not record the internal error as an incident", step=step, error=repr(inner))
         # PAUSED is already safe (no job; only idle steps run): the error is logged and counted, the run waits.
-        if sup.state not in TERMINAL_RUN_STATES and sup.state != RunState.PAUSED and errors.in_a_row >= self.limit:
+        if bounded and sup.state not in TERMINAL_RUN_STATES and sup.state != RunState.PAUSED \
+                and errors.in_a_row >= self.limit:
             self._end_run(step, errors, f"internal error in {step}: {what}")
 
     def _recovered(self, step: str, errors: StepErrors) -> None:

@@ -269,3 +269,18 @@ def test_a_real_daemon_with_a_persistent_bug_answers_status_and_ends_the_run_fai
     assert newest in after and max(map(step_of, after)) >= step_of(newest), (before, after)  # nothing lost
     text = (tmp_path / "daemon.log").read_text()
     assert text.count('"tick step failed"') == 1 and text.count("tick step still failing") <= 7  # not per tick
+
+
+def test_a_control_request_that_keeps_raising_is_one_incident_and_never_ends_the_run(tmp_path, monkeypatch):
+    # The operator's call, not the loop spinning: answered `internal` each time, logged and recorded once.
+    fos, sup = _running(tmp_path)
+    monkeypatch.setattr(sup.store, "ack_incident", _raiser(sup.store.ack_incident, None))
+    with capture_logs() as logs:
+        for _ in range(LIMIT * 3):
+            resp = sup.handle_command({"cmd": "ack", "args": {"id": 1}})
+            assert resp["code"] == "internal" and "Injected" in resp["error"]
+            _tick(sup, fos, 1)
+    assert sup.state == S.RUNNING
+    assert len(_internal(sup, "control_request")) == 1
+    assert len([e for e in logs if e["event"] == "tick step failed"]) == 1
+    assert sup.status_dict()["tick_step_errors"] == {"control_request": LIMIT * 3}
