@@ -3,8 +3,10 @@
 Each `tick()` does, in order: drain queued signals/commands → run due scheduler jobs → read new telemetry
 and feed the remediation engine → the engine's clock check (hang) → advance a pending termination
 (stack dump → SIGTERM → SIGKILL) → notice the attempt's exit and decide (complete / relaunch / backoff /
-fail) → launch when a backoff is over → sd_notify. Signal handlers and the control socket only enqueue
-or answer from the same thread; nothing else mutates supervisor state.
+fail) → launch when a backoff is over → sd_notify. Each step runs through one guard (`StepGuard`,
+core/housekeeping.py): its exception is logged once per distinct error, recorded as an incident and bounded
+(`[daemon] step_error_limit` in a row end the run FAILED), never the daemon's end. Signal handlers and the
+control socket only enqueue or answer from the same thread; nothing else mutates supervisor state.
 
 The run's state machine is `ulyssesd.daemon.core.states`; every transition, attempt, incident, action and
 config version goes to the store (SQLite), which is also what makes re-adoption exact: the telemetry
