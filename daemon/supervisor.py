@@ -291,9 +291,9 @@ class Supervisor:
             self.tick()
             if self.state in TERMINAL or self.detach:
                 break
-            if poll is not None:
-                poll(self.dcfg.tick_s)
-            else:
+            # The socket's poll is the sleep; if it raises, the loop still sleeps (never a busy spin), and the
+            # training goes on: a broken socket is an incident, not a reason to end a run.
+            if poll is None or not self.guard.run("control_socket", lambda: poll(self.dcfg.tick_s), bounded=False):
                 self.os.sleep(self.dcfg.tick_s)
         self.standby.stop(self, "the daemon is leaving" if self.detach else f"the run is {self.state.value}")
         if self.scheduler is not None:

@@ -137,13 +137,16 @@ class StepGuard:
         return {name: e.total for name, e in self.steps.items() if e.total}
 
     def run(self, step: str, body: Callable[[], object],
-            on_error: Callable[[BaseException], None] | None = None) -> bool:
+            on_error: Callable[[BaseException], None] | None = None, bounded: bool = True) -> bool:
         """Run `body`; False when it raised. `on_error` (the exit step's own plan-aware recovery) then records
-        the error instead of the generic incident."""
+        the error instead of the generic incident; `bounded=False`: never ends the run (see `failed`)."""
         try:
             body()
         except Exception as exc:  # noqa: BLE001 - the one place a tick step's bug is caught (module doc)
-            self.failed(step, exc, on_error=on_error)
+            try:
+                self.failed(step, exc, on_error=on_error, bounded=bounded)
+            except Exception:  # noqa: BLE001 - the guard's own failure (a say() callback, the log) is not fatal
+                log.critical("handling a tick step's error failed too", step=step, exc_info=True)
             return False
         errors = self.steps.get(step)
         if errors is not None and errors.in_a_row:
@@ -202,16 +205,19 @@ class StepGuard:
         if errors.ending_since is None:
             errors.ending_since = now
             log.critical("tick step keeps failing; ending the run", step=step, in_a_row=errors.in_a_row)
-            sup.say(f"INTERNAL ERROR: {step} raised {errors.in_a_row} ticks in a row; ending the run ({reason})")
-            if step not in STOP_DEPENDS_ON:
+            orderly = step not in STOP_DEPENDS_ON
+            if orderly:
                 try:
                     sup.stop_run(reason, fail=True)
-                    return
                 except Exception:  # noqa: BLE001 - the orderly stop is broken too: the hard way below
                     log.exception("the orderly stop after the internal error failed; killing the job")
-        elif now - errors.ending_since < sup.dcfg.stop_grace_s + 10.0:
-            return  # the orderly stop has its grace (SIGTERM, the job's final save, SIGKILL)
-        self._kill_and_fail(reason)
+                    orderly = False
+            if not orderly:
+                self._kill_and_fail(reason)
+            # Last: the operator's console line may itself fail (the caller logs that), the run is ending anyway.
+            sup.say(f"INTERNAL ERROR: {step} raised {errors.in_a_row} ticks in a row; ending the run ({reason})")
+        elif now - errors.ending_since >= sup.dcfg.stop_grace_s + 10.0:
+            self._kill_and_fail(reason)  # the orderly stop had its grace (SIGTERM, final save, SIGKILL): not enough
 
     def _kill_and_fail(self, reason: str) -> None:
         sup = self.sup

@@ -284,3 +284,33 @@ def test_a_control_request_that_keeps_raising_is_one_incident_and_never_ends_the
     assert len(_internal(sup, "control_request")) == 1
     assert len([e for e in logs if e["event"] == "tick step failed"]) == 1
     assert sup.status_dict()["tick_step_errors"] == {"control_request": LIMIT * 3}
+
+
+def test_a_control_socket_poll_that_raises_still_sleeps_and_the_run_goes_on(tmp_path):
+    fos, sup = _running(tmp_path)
+    calls = {"n": 0}
+
+    def poll(timeout):
+        calls["n"] += 1
+        if calls["n"] > LIMIT * 2:
+            sup.detach = True  # enough: leave the loop as on SIGTERM
+            return 0
+        raise OSError(9, "Bad file descriptor")
+
+    t0 = fos.time()
+    assert sup.run_forever(poll=poll) == S.RUNNING
+    assert fos.time() - t0 >= LIMIT * 2 * sup.dcfg.tick_s - 1e-6  # it slept instead of spinning
+    assert len(_internal(sup, "control_socket")) == 1 and fos.jobs[sup.job.pid]["alive"]
+
+
+def test_the_guard_survives_its_own_console_callback_failing(tmp_path, monkeypatch):
+    fos, sup = _running(tmp_path)
+    _inject("engine", sup, fos, monkeypatch, times=None)
+
+    def say(msg):
+        if msg.startswith("INTERNAL ERROR"):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    sup.say = say
+    _tick(sup, fos, LIMIT + 4)
+    assert sup.state == S.FAILED and sup.store.get_run(sup.run_id).state_reason.startswith("internal error in engine")
