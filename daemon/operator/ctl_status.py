@@ -255,7 +255,7 @@ def render_status(d: dict[str, Any]) -> Table:
 def status(json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
            watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C: a live table on a terminal, "
                                       "one line per refresh in a pipe, JSON lines with --json"),
-           interval: float = typer.Option(2.0, "--interval", min=0.05, metavar="SECONDS", help="--watch refresh period")) -> None:
+           interval: float = typer.Option(2.0, "--interval", min=0.05, max=86400.0, metavar="SECONDS", help="--watch refresh period")) -> None:
     """Where the run is. State, progress, ETA, last step, loss, tokens/s, MFU, memory, checkpoints, restarts,
     open incidents."""
     store = open_ro_store(json_out)

@@ -84,3 +84,11 @@ def test_replay_json_of_a_nan_telemetry_is_strict(tmp_path, capsys):
                     '{"kind":"step","step":2,"loss":Infinity,"step_time_s":0.1}\n')
     doc = _json(capsys, ["replay", str(tele), "--spec", str(REPO / "configs" / "tiny-cpu.toml"), "--json"])
     assert len(doc["items"]) == 2
+
+
+@pytest.mark.parametrize("interval", ["inf", "1e308", "86401", "nan", "0", "-1"])
+def test_a_watch_interval_that_time_sleep_cannot_take_is_a_usage_error(state_dir, capsys, interval):
+    """`--interval inf` passed the old min-only bound and died in time.sleep with an OverflowError traceback."""
+    assert main(["--state-dir", str(state_dir), "status", "--watch", "--json", "--interval", interval]) == 2
+    err = capsys.readouterr().err
+    assert "--interval" in err and "Traceback" not in err
