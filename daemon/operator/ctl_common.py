@@ -9,6 +9,8 @@ request was sent with a deadline, so the daemon will never apply it later).
 Store problems, each its own code and one line (never a traceback, never 1): 20 no database ·
 21 database damaged (corrupt, truncated, emptied, not a database) · 22 schema mismatch (run
 `ulyssesctl db upgrade`) · 23 database locked/busy · 24 permission denied on the database.
+Every --json output is strict JSON (`json_text`: a NaN loss is the string "NaN"). A mutating request that
+meets a daemon whose control slots are all taken (`busy`) is retried with backoff for up to BUSY_RETRY_S.
 """
 
 from __future__ import annotations
