@@ -7,16 +7,19 @@ every rank, what does not depend on the attempt's config:
 - imports torch, DeepSpeed and the model code (most of a cold start-up on a big node);
 - creates the CUDA context on its device (when a GPU is present);
 - optionally reads the latest valid checkpoint's files that this rank will load (its own ZeRO shards) into
-  host memory, checked against the tag's manifest (sha256), and re-reads them when `latest` moves on;
+  host memory (one memfd per file), hashing each 64 MiB chunk as it lands (checked against the tag's
+  manifest sha256: one pass, never again at load time), and re-reads them when `latest` moves on; it looks
+  at the gate between chunks, so an opened gate stops it within one chunk (the files completed by then are
+  kept, the rest is loaded from disk): a restart never waits for a preload;
 
 then waits, bounded, for the daemon to open the gate: an atomically written JSON file
 `{"v": 1, "attempt": N, "config": "configs/vK.json", "config_version": K}`. Only then does the job read its
 config (so a config a remediation patched after the standby started is the one used) and go on as a cold
 attempt would: process group, model build, resume. The load of the resume tag goes through DeepSpeed's
 checkpoint engine (`TorchCheckpointEngine.load(path, map_location)`, which is `torch.load`); while it runs,
-`Preload.serve` answers it from the preloaded bytes (`torch.load(io.BytesIO(data))`: the same bytes, so
-the same tensors bit for bit) for each file whose inode, size and mtime are unchanged since the preload,
-and from disk for anything else. A preload of a tag other than the one the ranks agreed on is dropped,
+`Preload.serve` answers it from the preloaded bytes (`torch.load` of the memfd with `mmap=True`: the
+tensors map the same bytes, bit for bit, with no copy at load time, so never slower than a load from disk)
+for each file whose inode, size and mtime are unchanged since the preload, and from disk for anything else. A preload of a tag other than the one the ranks agreed on is dropped,
 never used: the job never resumes from a stale tag.
 
 Exit code 5 (`EXIT_STANDBY`): the gate was not opened within `ULYSSESD_STANDBY_TIMEOUT_S`, or it could not
@@ -28,9 +31,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
-import io
 import json
 import logging
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -111,15 +114,84 @@ def read_gate(path: Path) -> Gate | None:
 
 
 # ------------------------------------------------------------------------------------------------ preload
+#: The preload reads a shard in chunks of this size, hashing each chunk as it lands, and looks at the gate
+#: between chunks: an opened gate is noticed within one chunk's read (64 MiB: ~30-60 ms at 1-2 GB/s).
+PRELOAD_CHUNK_BYTES = 64 << 20
+#: Test knob: seconds slept after each chunk (a slow disk, to show a gate opened mid-preload is noticed).
+CHUNK_DELAY_ENV = "ULYSSESD_STANDBY_PRELOAD_CHUNK_DELAY_S"
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip format: the only one torch.load can mmap
+
+
+class _Stopped(Exception):
+    """The gate opened while a file was being read: the file is dropped, the preload ends."""
+
+
 @dataclass
 class _File:
-    data: bytes
+    fd: int  # a memfd holding the file's verified bytes; torch.load mmaps it (no copy at load time)
+    size: int
     ident: tuple[int, int, int]  # (inode, size, mtime_ns) when read: a file replaced since is read from disk
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:  # a dropped preload gives its memory back even if nobody called release()
+        self.close()
 
 
 def _ident(path: Path) -> tuple[int, int, int]:
     st = path.stat()
     return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _read_checked(path: Path, size: int, sha256: str, keep: bool, stop: Callable[[], bool],
+                  delay_s: float) -> int | None:
+    """Read `path` once in PRELOAD_CHUNK_BYTES chunks, hashing each chunk as it lands (one pass: verification
+    is done here, never again at load time). keep=True: into a memfd, returned (its fd) when the bytes match
+    `size` and `sha256`; keep=False: only checked, returns -1. None: they do not match. _Stopped: `stop()`
+    said so between two chunks (nothing of this file is kept)."""
+    fd, mm = -1, None
+    h = hashlib.sha256()
+    try:
+        if keep:
+            fd = os.memfd_create("ulyssesd-standby-preload", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size) if size else None
+        scratch = None if keep else memoryview(bytearray(min(PRELOAD_CHUNK_BYTES, max(size, 1))))
+        with open(path, "rb", buffering=0) as fh:
+            off = 0
+            while off < size:
+                if stop():
+                    raise _Stopped
+                want = min(PRELOAD_CHUNK_BYTES, size - off)
+                assert mm is not None or scratch is not None
+                view = memoryview(mm)[off:off + want] if mm is not None else scratch[:want]
+                try:
+                    got = fh.readinto(view)
+                    if not got:
+                        return None  # shorter than its manifest says
+                    h.update(view[:got])
+                finally:
+                    view.release()
+                off += got
+                if delay_s:
+                    time.sleep(delay_s)
+            if fh.read(1):
+                return None  # longer than its manifest says
+        if h.hexdigest() != sha256:
+            return None
+        if keep and (mm is None or mm[:4] != _ZIP_MAGIC):
+            return -1  # checked, but not a zip torch.save (it cannot be mmapped): loaded from disk
+        out, fd = fd, -1
+        return out
+    finally:
+        if mm is not None:
+            mm.close()  # the memfd keeps the pages
+        if fd >= 0:
+            os.close(fd)
 
 
 def rank_files(tag_dir: Path, rank: int, manifest_files: dict[str, Any]) -> list[str]:
@@ -140,22 +212,31 @@ class Preload:
 
     ckpt_dir: Path
     tag: str
-    files: dict[str, _File] = field(default_factory=dict)  # absolute path -> bytes
+    files: dict[str, _File] = field(default_factory=dict)  # absolute path -> its verified bytes (a memfd)
     # relative path -> (inode, size, mtime_ns) of every file this rank checked against the manifest's sha256
     verified: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     seconds: float = 0.0
     hits: int = 0
     misses: int = 0
     verified_in_standby: str | None = None  # the tag rank 0 validated by sizes only (the standby hashed it)
+    complete: bool = True  # False: the gate opened mid-preload; only the files read by then are held
 
     @property
     def nbytes(self) -> int:
-        return sum(len(f.data) for f in self.files.values())
+        return sum(f.size for f in self.files.values())
+
+    def release(self) -> None:
+        """Give the host memory back (the memfds; tensors a load returned keep their own pages)."""
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
 
     @classmethod
-    def read(cls, ckpt_dir: Path, rank: int) -> Preload | None:
+    def read(cls, ckpt_dir: Path, rank: int, stop: Callable[[], bool] = lambda: False) -> Preload | None:
         """The tag `latest` names, read and checked; None when there is none or it does not check out (then
-        the resume reads from disk as a cold start does, and validates the tag itself)."""
+        the resume reads from disk as a cold start does, and validates the tag itself). When `stop()` turns
+        true (the gate opened) it stops within one chunk and returns what it completed (complete=False):
+        whole verified files only; the rest is loaded from disk."""
         from . import checkpoint as ckpt
 
         t0 = time.monotonic()
@@ -168,24 +249,35 @@ class Preload:
         except ckpt.ManifestError as exc:
             log.info("standby preload skipped: %s", exc)
             return None
+        if not hasattr(os, "memfd_create"):
+            log.info("standby preload skipped: no memfd_create on this platform")
+            return None
+        delay_s = float(os.environ.get(CHUNK_DELAY_ENV) or 0.0)
         out = cls(ckpt_dir, tag)
         mine = rank_files(tag_dir, rank, manifest["files"])
         checked_only = unowned_files(manifest["files"]) if rank == 0 else []
         for rel in mine + checked_only:
             path = (tag_dir / rel).resolve()
+            meta = manifest["files"][rel]
             try:
                 ident = _ident(path)
-                data = path.read_bytes()
+                fd = _read_checked(path, int(meta["size"]), str(meta["sha256"]), rel in mine, stop, delay_s)
+            except _Stopped:
+                out.complete = False
+                log.info("standby preload of %s stopped by the gate after %d of %d files (%.2fs)", tag,
+                         len(out.verified), len(mine) + len(checked_only), time.monotonic() - t0)
+                break
             except OSError as exc:
                 log.info("standby preload of %s dropped: %s", tag, exc)
+                out.release()
                 return None
-            meta = manifest["files"][rel]
-            if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            if fd is None:
                 log.warning("standby preload of %s dropped: %s does not match its manifest", tag, rel)
+                out.release()
                 return None
             out.verified[rel] = ident
-            if rel in mine:
-                out.files[str(path)] = _File(data, ident)
+            if fd >= 0:
+                out.files[str(path)] = _File(fd, int(meta["size"]), ident)
         out.seconds = time.monotonic() - t0
         return out
 
@@ -200,16 +292,16 @@ class Preload:
 
         return ckpt.read_latest(self.ckpt_dir) == self.tag
 
-    def _lookup(self, path: str) -> bytes | None:
+    def _lookup(self, path: str) -> _File | None:
         f = self.files.get(str(Path(path).resolve()))
-        if f is None:
+        if f is None or f.fd < 0:
             return None
         try:
             if _ident(Path(path)) != f.ident:
                 return None  # replaced since the preload (a rolled-back timeline's tag saved again): disk
         except OSError:
             return None
-        return f.data
+        return f
 
     @contextlib.contextmanager
     def serve(self, engine: Any, ckpt_dir: Path, tag: str, event: Callable[..., None]) -> Iterator[None]:
@@ -218,7 +310,7 @@ class Preload:
         if tag != self.tag or Path(ckpt_dir).resolve() != self.ckpt_dir.resolve():
             log.warning("standby preload of %s dropped: resuming from %s", self.tag, tag)
             event("standby_preload_dropped", preloaded=self.tag, resume=tag)
-            self.files.clear()
+            self.release()
             yield
             return
         import torch
@@ -227,13 +319,17 @@ class Preload:
         disk_load = ce.load
 
         def load(path: str, map_location: Any = None) -> Any:
-            data = self._lookup(path)
-            if data is None:
+            f = self._lookup(path)
+            if f is None:
                 self.misses += 1
                 return disk_load(path, map_location=map_location)
             self.hits += 1
-            # What TorchCheckpointEngine.load does, from the same bytes.
-            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
+            # What TorchCheckpointEngine.load does, from the same (already verified) bytes, without copying
+            # them: the tensors map the memfd's pages (MAP_SHARED: the memfd is this process's own, so a
+            # tensor written later, e.g. a CPU-offloaded optimizer state, has no second copy-on-write copy).
+            with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+                return torch.load(f"/proc/self/fd/{f.fd}", map_location=map_location, weights_only=False,
+                                  mmap=True)
 
         ce.load = load
         try:
@@ -242,8 +338,8 @@ class Preload:
             del ce.load  # the class's own load again
             event("standby_preload_used", tag=tag, from_memory=self.hits, from_disk=self.misses,
                   preloaded_bytes=self.nbytes, preload_seconds=round(self.seconds, 3),
-                  checksums_verified_in_standby=self.verified_in_standby == tag)
-            self.files.clear()  # the host memory goes back once the load is done
+                  preload_complete=self.complete, checksums_verified_in_standby=self.verified_in_standby == tag)
+            self.release()  # the memfds go; the loaded tensors keep only the pages they map
 
 
 # -------------------------------------------------------------------------------------------- the wait
@@ -297,7 +393,11 @@ def wait_at_gate(gate_path: Path, run_dir: Path, attempt: int, *,
     device = _warm_imports()
     preload_on = os.environ.get(PRELOAD_ENV, "0") == "1" and bool(os.environ.get(CKPT_DIR_ENV))
     ckpt_dir = Path(os.environ.get(CKPT_DIR_ENV) or ".")
-    preload = Preload.read(ckpt_dir, rank) if preload_on else None
+
+    def gate_written() -> bool:  # between two chunks of a preload: a restart never waits for a preload
+        return gate_path.exists()
+
+    preload = Preload.read(ckpt_dir, rank, stop=gate_written) if preload_on else None
     warm_s = clock() - t0
     log.info("standby warm in %.1fs (%s); preload %s; waiting for the gate %s (at most %.0fs)", warm_s, device,
              f"{preload.tag} ({preload.nbytes} bytes)" if preload else "none", gate_path, timeout_s)
@@ -322,6 +422,7 @@ def wait_at_gate(gate_path: Path, run_dir: Path, attempt: int, *,
                 raise StandbyError(f"standby gate {gate_path} opens attempt {gate.attempt}, this standby is "
                                    f"attempt {attempt}")
             if preload is not None and not preload.still_latest():
+                preload.release()
                 preload = None  # moved on at the last moment: the resume reads from disk
             log.info("standby gate open after %.1fs: attempt %d, config %s", clock() - t0, gate.attempt,
                      gate.config)
@@ -333,16 +434,20 @@ def wait_at_gate(gate_path: Path, run_dir: Path, attempt: int, *,
         if preload_on and now >= next_latest:
             next_latest = now + LATEST_POLL_S
             if preload is None or not preload.still_latest():
-                preload = None  # the old bytes go first: never two tags in memory
+                if preload is not None:
+                    preload.release()  # the old bytes go first: never two tags in memory
+                preload = None
                 from . import checkpoint as ckpt
 
                 latest = ckpt.read_latest(ckpt_dir)
-                preload = Preload.read(ckpt_dir, rank) if latest is not None and latest != refused else None
+                preload = (Preload.read(ckpt_dir, rank, stop=gate_written)
+                           if latest is not None and latest != refused else None)
                 refused = latest if preload is None else None
                 if preload is not None:
-                    log.info("standby preloaded %s (%d bytes, %.2fs)", preload.tag, preload.nbytes,
-                             preload.seconds)
+                    log.info("standby preloaded %s (%d bytes, %.2fs%s)", preload.tag, preload.nbytes,
+                             preload.seconds, "" if preload.complete else ", stopped by the gate")
                     ready(preload)
+                continue  # the gate is looked at right away: it may have opened during the read
         sleep(GATE_POLL_S)
 
 

@@ -5,6 +5,7 @@ at all when it is of another tag, no longer the file on disk, or does not match 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,103 @@ def test_wait_is_bounded_preloads_a_tag_that_appears_and_returns_the_gate(tmp_pa
     gate.write_text(json.dumps({"attempt": 7, "config": "c.json", "config_version": 3}))
     with pytest.raises(StandbyError, match="opens attempt 7, this standby is attempt 2"):
         wait_at_gate(gate, tmp_path, 2, clock=lambda: now[0], sleep=lambda s: None)
+
+
+def _big_tag(root: Path, step: int, model_floats: int) -> Path:
+    """A tag whose rank-0 model shard is `model_floats` float32 (in 8 tensors) and whose rank-0 optimizer shard
+    is small; rank 1's shards are small. `latest` points at it."""
+    g = torch.Generator().manual_seed(step)
+    d = root / ckpt.tag_for_step(step)
+    d.mkdir(parents=True)
+    torch.save({"module": {f"w{i}": torch.randn(model_floats // 8, generator=g) for i in range(8)},
+                "ulyssesd_step": step}, d / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    for name in ("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt",
+                 "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        torch.save({"optimizer_state_dict": {"exp_avg": torch.randn(4096, generator=g)}}, d / name)
+    ckpt.write_manifest(d, step, 1.0, step, 1)
+    ckpt.point_latest_to(root, d.name)
+    return d
+
+
+def test_a_gate_opened_during_a_slow_preload_is_noticed_within_one_chunk(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    root, run_dir = tmp_path / "checkpoints", tmp_path
+    d = _big_tag(root, 4, model_floats=2 << 20)  # 8 MiB model shard: 32 chunks of 256 KiB
+    chunk_delay = 0.05
+    monkeypatch.setattr(standby, "PRELOAD_CHUNK_BYTES", 256 << 10)
+    monkeypatch.setenv(standby.CHUNK_DELAY_ENV, str(chunk_delay))  # a slow disk: the whole shard takes >= 1.6 s
+    for k, v in {standby.TIMEOUT_ENV: "60", standby.PRELOAD_ENV: "1", standby.CKPT_DIR_ENV: str(root),
+                 standby.DEVICE_ENV: "cpu", "RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    standby._warm_imports()  # imported once here, so the wait below starts its preload at once
+    gate = run_dir / "standby" / "gate-2.json"
+    gate.parent.mkdir()
+    opened: list[float] = []
+
+    def open_gate():
+        time.sleep(0.5)  # the small optimizer shard (one chunk) is done; the model shard is being read
+        tmp = gate.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"attempt": 2, "config": "c.json", "config_version": 1}))
+        os.replace(tmp, gate)
+        opened.append(time.monotonic())
+
+    opener = threading.Thread(target=open_gate)
+    t0 = time.monotonic()
+    opener.start()
+    got, pre = wait_at_gate(gate, run_dir, 2)
+    returned = time.monotonic()
+    opener.join()
+    noticed_s = returned - opened[0]
+    print(f"gate noticed {noticed_s * 1000:.0f} ms after it opened (chunk {chunk_delay * 1000:.0f} ms + read), "
+          f"wait {returned - t0:.2f}s, full shard >= {32 * chunk_delay:.1f}s")
+    assert got.attempt == 2
+    assert noticed_s < chunk_delay + 0.5, noticed_s  # one chunk (+ a loaded box), not the rest of the shard
+    assert returned - t0 < 32 * chunk_delay
+    # Only whole verified files are held: the optimizer shard; the interrupted model shard is loaded from disk,
+    # and the ready file does not vouch for it (rank 0 then hashes the tag itself).
+    assert pre is not None and not pre.complete
+    assert [Path(p).name for p in pre.files] == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert list(pre.verified) == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert standby.verified_newest(root, run_dir, 2, world=1) is None
+    eng, events = _Engine(), []
+    with pre.serve(eng, root, d.name, lambda name, **f: events.append((name, f))):
+        got_sd = {p.name: eng.checkpoint_engine.load(str(p), map_location="cpu") for p in d.glob("*zero_pp_rank_0_*.pt")}
+    for name, sd in got_sd.items():
+        assert _same(sd, torch.load(d / name, map_location="cpu", weights_only=False)), name
+    (name, fields), = events
+    assert (fields["from_memory"], fields["from_disk"], fields["preload_complete"]) == (1, 1, False)
+
+
+def test_a_load_served_from_the_preload_is_not_slower_than_from_disk(tmp_path):
+    """The hardest case for a preload: the shard is in the page cache (just written). Each load is followed by
+    what DeepSpeed does with it: a copy into buffers it already holds."""
+    import time
+
+    root = tmp_path / "checkpoints"
+    d = _big_tag(root, 4, model_floats=64 << 20)  # a 256 MiB model shard
+    shard = d / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    pre = Preload.read(root, rank=0)
+    assert pre is not None and pre.complete and str(shard.resolve()) in pre.files
+    dst = {k: torch.empty_like(v) for k, v in torch.load(shard, weights_only=False)["module"].items()}
+
+    def timed(load) -> float:
+        t0 = time.perf_counter()
+        sd = load(str(shard), map_location="cpu")
+        for k, v in sd["module"].items():
+            dst[k].copy_(v)
+        return time.perf_counter() - t0
+
+    disk_engine, eng = TorchCheckpointEngine(), _Engine()
+    served, disk = [], []
+    with pre.serve(eng, root, d.name, lambda name, **f: None):
+        for _ in range(4):  # interleaved, best of each: the box is shared
+            served.append(timed(eng.checkpoint_engine.load))
+            disk.append(timed(disk_engine.load))
+        sd = eng.checkpoint_engine.load(str(shard), map_location="cpu")
+        assert _same(sd, torch.load(shard, map_location="cpu", weights_only=False))  # bit for bit
+    gib = shard.stat().st_size / 2**30
+    print(f"{gib:.2f} GiB shard: preload {pre.seconds:.2f}s (read + sha256), load + copy from the preload "
+          f"{min(served):.3f}s, from disk (page cache) {min(disk):.3f}s")
+    assert min(served) <= 1.10 * min(disk), (served, disk)
