@@ -253,6 +253,8 @@ class CheckpointSpec(_Section):
     keep_last: int = Field(3, ge=1, description="Retention keeps the last K valid tags plus known-good anchors.")
     load: str = Field("latest", description="'latest' (newest valid), 'none', or an explicit tag such as step-00000100.")
     verify_checksums: bool = Field(True, description="Check manifest sha256 of every file on load.")
+    verify_threads: int | None = Field(None, ge=1, le=64, description="Threads hashing the checkpoint at load "
+                                       "(chunk by chunk); default min(CPU cores, 8).")
     save_at_end: bool = Field(True, description="Save when the last step completes (benchmarks turn it off: "
                                                 "a 7B ZeRO-3 checkpoint is ~96 GB of writes).")
     async_save: bool = Field(False, description="Snapshot shards to host memory and write them in a background "

@@ -333,8 +333,8 @@ def test_commit_takes_the_writers_digests_and_rehashes_only_what_they_do_not_cov
     assert marker["a.pt"]["sha256"] == ck.sha256_file(tag_dir / "a.pt")
     (tag_dir / "extra.txt").write_text("copied by DeepSpeed, not by the writer")
     hashed = []
-    real = files.sha256_file
-    monkeypatch.setattr(files, "sha256_file", lambda p, *a: (hashed.append(os.path.basename(p)), real(p, *a))[1])
+    real = files.digest_file
+    monkeypatch.setattr(files, "digest_file", lambda p, *a: (hashed.append(os.path.basename(p)), real(p, *a))[1])
     manifest = ck.commit_when_durable(tag_dir, 1, 2, 1.0, 8, 1, timeout_s=5)
     assert hashed == ["extra.txt"]   # the 200 KB shard was not read again
     assert manifest["files"]["a.pt"]["sha256"] == marker["a.pt"]["sha256"]

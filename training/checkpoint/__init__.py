@@ -22,7 +22,9 @@ namespace is the public import path the daemon, `ulyssesctl` and `ulyssesd.clien
 from __future__ import annotations
 
 from .files import (
+    DEFAULT_VERIFY_THREADS,
     DELETING_PREFIX,
+    DIGEST_CHUNK_BYTES,
     HASH_CHUNK,
     LATEST_NAME,
     MANIFEST_NAME,
@@ -30,6 +32,7 @@ from .files import (
     QUARANTINE_RE,
     TAG_RE,
     ManifestError,
+    digest_file,
     latest_valid_tag,
     list_quarantined,
     list_tags,
@@ -43,6 +46,7 @@ from .files import (
     step_of_tag,
     tag_for_step,
     validate_tag,
+    verify_checksums_parallel,
     write_manifest,
 )
 from .retention import (
@@ -74,7 +78,9 @@ __all__ = [
     "AsyncCheckpointWriter",
     "AsyncSaveError",
     "COMMIT_POLL_S",
+    "DEFAULT_VERIFY_THREADS",
     "DELETING_PREFIX",
+    "DIGEST_CHUNK_BYTES",
     "DONE_PREFIX",
     "HASH_CHUNK",
     "LATEST_NAME",
@@ -87,6 +93,7 @@ __all__ = [
     "TAG_RE",
     "bytes_free",
     "commit_when_durable",
+    "digest_file",
     "disk_guard",
     "durable_torch_save",
     "errno_name",
@@ -113,6 +120,7 @@ __all__ = [
     "tag_bytes",
     "tag_for_step",
     "validate_tag",
+    "verify_checksums_parallel",
     "write_manifest",
     "write_shard",
     "write_shard_direct",

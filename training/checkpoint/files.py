@@ -1,4 +1,4 @@
-"""Checkpoint files: tag names, manifests (sizes + sha256), validation, quarantine, `latest`.
+"""Checkpoint files: tag names, manifests (sizes, sha256, chunk digests), validation, quarantine, `latest`.
 
 The on-disk layout these functions read and write is described in the package docstring
 (`ulyssesd.training.checkpoint`). Stdlib only: the daemon and `ulyssesctl` import it without torch.
@@ -10,7 +10,9 @@ import hashlib
 import json
 import math
 import os
+import queue
 import re
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,13 +23,21 @@ from ..durable import atomic_write_text, fsync_dir
 
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"  # DeepSpeed's pointer file
-MANIFEST_VERSION = 1
+#: v2: a file entry may also carry `chunk_bytes` and `chunk_sha256` (the digest of each fixed-size chunk, in
+#: order). v1 manifests (whole-file sha256 only) are read and verified as before.
+MANIFEST_VERSION = 2
 HASH_CHUNK = 8 << 20  # 8 MiB reads: few syscalls, bounded memory on multi-GB shards
+#: Size of the chunks a manifest digests separately, so that verification at load hashes one file on several
+#: cores. Equal to the O_DIRECT writer's buffer (shard_io), which takes each chunk's digest as it writes it.
+DIGEST_CHUNK_BYTES = 64 << 20
+# Bounds on a manifest's `chunk_bytes`: a verification thread holds one chunk in memory.
+_MIN_CHUNK_BYTES, _MAX_CHUNK_BYTES = 4096, 1 << 30
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 TAG_RE = re.compile(r"^step-(\d{8,})$")
 QUARANTINE_RE = re.compile(r"^(step-\d{8,})\.corrupt-\d+(?:-\d+)?$")
 DELETING_PREFIX = ".deleting-"
-# hashlib releases the GIL on large updates, so threads hash several shards in parallel.
-_HASH_WORKERS = max(1, min(8, os.cpu_count() or 1))
+# hashlib releases the GIL on large updates, so threads hash several shards (or chunks) in parallel.
+DEFAULT_VERIFY_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 class ManifestError(ValueError):
@@ -84,12 +94,67 @@ def _tag_files(tag_dir: Path) -> list[str]:
     return sorted(out)
 
 
-def _hash_many(tag_dir: Path, rels: list[str]) -> dict[str, str]:
-    if len(rels) <= 1:
-        return {r: sha256_file(tag_dir / r) for r in rels}
-    with ThreadPoolExecutor(max_workers=min(_HASH_WORKERS, len(rels))) as pool:
-        return dict(zip(rels, pool.map(lambda r: sha256_file(tag_dir / r), rels), strict=True))
+def chunk_count(size: int, chunk_bytes: int) -> int:
+    """How many digests a file of `size` bytes has in chunks of `chunk_bytes` (the last one may be short)."""
+    return -(-size // chunk_bytes)
 
+
+def _sha256_hex(data: Any) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def digest_file(path: str | Path, chunk_bytes: int = DIGEST_CHUNK_BYTES) -> dict[str, Any]:
+    """{"size", "sha256", "chunk_bytes", "chunk_sha256"} of one file, read once, sequentially (HASH_CHUNK reads).
+
+    The whole-file sha256 is taken in this thread and the chunk digests in a helper thread fed the same
+    pieces in order (hashlib frees the GIL), so it costs the time of one hash, with a few pieces in memory.
+    """
+    pieces: queue.Queue[bytes | None] = queue.Queue(maxsize=4)
+    chunk_hex: list[str] = []
+
+    def chunk_loop() -> None:
+        h, filled = hashlib.sha256(), 0
+        while (piece := pieces.get()) is not None:
+            view = memoryview(piece)
+            while view:
+                take = min(len(view), chunk_bytes - filled)
+                h.update(view[:take])
+                filled, view = filled + take, view[take:]
+                if filled == chunk_bytes:
+                    chunk_hex.append(h.hexdigest())
+                    h, filled = hashlib.sha256(), 0
+        if filled:
+            chunk_hex.append(h.hexdigest())
+
+    helper = threading.Thread(target=chunk_loop, daemon=True, name="ckpt-chunk-hash")
+    helper.start()
+    whole, size = hashlib.sha256(), 0
+    try:
+        with open(path, "rb") as fh:
+            while piece := fh.read(HASH_CHUNK):
+                whole.update(piece)
+                size += len(piece)
+                pieces.put(piece)
+    finally:
+        pieces.put(None)
+        helper.join()
+    return {"size": size, "sha256": whole.hexdigest(), "chunk_bytes": chunk_bytes, "chunk_sha256": chunk_hex}
+
+
+def _digest_many(tag_dir: Path, rels: list[str], threads: int = DEFAULT_VERIFY_THREADS) -> dict[str, dict[str, Any]]:
+    """digest_file of each file, files in parallel."""
+    if len(rels) <= 1:
+        return {r: digest_file(tag_dir / r) for r in rels}
+    with ThreadPoolExecutor(max_workers=min(threads, len(rels)), thread_name_prefix="ckpt-file-hash") as pool:
+        return dict(zip(rels, pool.map(lambda r: digest_file(tag_dir / r), rels), strict=True))
+
+
+def _valid_chunks(entry: dict[str, Any], size: int) -> bool:
+    """A digest entry's chunk digests are usable: our chunk size and one well-formed digest per chunk."""
+    chunks = entry.get("chunk_sha256")
+    return (entry.get("chunk_bytes") == DIGEST_CHUNK_BYTES and isinstance(chunks, list)
+            and len(chunks) == chunk_count(size, DIGEST_CHUNK_BYTES)
+            and all(isinstance(c, str) and _SHA256_HEX.match(c) for c in chunks))
 
 
 def _json_float(x: float | None) -> float | str | None:
@@ -110,9 +175,11 @@ def write_manifest(tag_dir: str | Path, step: int, loss: float | None, samples_s
                    known: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Hash every file of the tag and write `manifest.json` atomically (tmp, fsync, rename, fsync dir).
 
-    `known` ({relative path: {"size", "sha256"}}) holds digests taken while the files were written (the async
-    writer's): a file whose size still matches is not read again. Call it LAST, after every rank's files are
-    written. Returns the manifest.
+    Each file gets its size, whole-file sha256 and the sha256 of each DIGEST_CHUNK_BYTES chunk. `known`
+    ({relative path: {"size", "sha256"[, "chunk_bytes", "chunk_sha256"]}}) holds digests taken while the files
+    were written (the async writer's): a file whose size still matches is not read again (an entry without
+    usable chunk digests is recorded without them and verified whole at load). Call it LAST, after every rank's
+    files are written. Returns the manifest.
     """
     tag_dir = Path(tag_dir)
     if not tag_dir.is_dir():
@@ -125,8 +192,13 @@ def write_manifest(tag_dir: str | Path, step: int, loss: float | None, samples_s
         raise ValueError(f"checkpoint tag directory {tag_dir} holds no files to record")
     sizes = {r: (tag_dir / r).stat().st_size for r in rels}
     known = {r: k for r, k in (known or {}).items() if r in sizes and k.get("size") == sizes[r]}
-    hashes = {r: known[r]["sha256"] for r in known} | _hash_many(tag_dir, [r for r in rels if r not in known])
-    files = {r: {"size": sizes[r], "sha256": hashes[r]} for r in rels}
+    digests = _digest_many(tag_dir, [r for r in rels if r not in known])
+    files: dict[str, dict[str, Any]] = {}
+    for r in rels:
+        entry = known.get(r) or digests[r]
+        files[r] = {"size": sizes[r], "sha256": entry["sha256"]}
+        if _valid_chunks(entry, sizes[r]):
+            files[r] |= {"chunk_bytes": entry["chunk_bytes"], "chunk_sha256": list(entry["chunk_sha256"])}
     manifest = {
         "v": MANIFEST_VERSION,
         "tag": tag_dir.name,
@@ -173,7 +245,24 @@ def read_manifest(tag_dir: str | Path) -> dict[str, Any]:
             raise ManifestError(f"{path}: manifest entry for {rel!r} needs integer 'size' and string 'sha256'")
         if rel.startswith("/") or ".." in Path(rel).parts:
             raise ManifestError(f"{path}: manifest entry {rel!r} points outside the tag directory")
+        if "chunk_bytes" in meta or "chunk_sha256" in meta:
+            _check_chunk_entry(path, rel, meta)
     return data
+
+
+def _check_chunk_entry(path: Path, rel: str, meta: dict[str, Any]) -> None:
+    cb, chunks = meta.get("chunk_bytes"), meta.get("chunk_sha256")
+    if not isinstance(cb, int) or isinstance(cb, bool) or not _MIN_CHUNK_BYTES <= cb <= _MAX_CHUNK_BYTES:
+        raise ManifestError(f"{path}: manifest entry for {rel!r}: 'chunk_bytes' must be an integer in "
+                            f"[{_MIN_CHUNK_BYTES}, {_MAX_CHUNK_BYTES}], got {cb!r}")
+    want = chunk_count(meta["size"], cb)
+    if not isinstance(chunks, list) or len(chunks) != want:
+        got = len(chunks) if isinstance(chunks, list) else type(chunks).__name__
+        raise ManifestError(f"{path}: manifest entry for {rel!r}: 'chunk_sha256' must list {want} digests "
+                            f"({meta['size']} bytes in chunks of {cb}), got {got}")
+    if not all(isinstance(c, str) and _SHA256_HEX.match(c) for c in chunks):
+        raise ManifestError(f"{path}: manifest entry for {rel!r}: 'chunk_sha256' holds a value that is not a "
+                            "64-digit lowercase hex sha256")
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> int:
@@ -181,8 +270,13 @@ def manifest_bytes(manifest: dict[str, Any]) -> int:
     return sum(int(meta["size"]) for meta in manifest["files"].values())
 
 
-def validate_tag(tag_dir: str | Path, verify_checksums: bool = True) -> tuple[bool, str]:
-    """(True, "ok") or (False, reason naming the file). verify_checksums=False checks sizes only (fast)."""
+def validate_tag(tag_dir: str | Path, verify_checksums: bool = True,
+                 threads: int | None = None) -> tuple[bool, str]:
+    """(True, "ok") or (False, reason naming the file). verify_checksums=False checks sizes only (fast).
+
+    Checksums are verified by `threads` workers (default DEFAULT_VERIFY_THREADS): chunk by chunk where the
+    manifest has chunk digests (one file on several cores), whole files for a v1 manifest.
+    """
     tag_dir = Path(tag_dir)
     if not tag_dir.is_dir():
         return False, f"{tag_dir}: tag directory not found"
@@ -203,16 +297,83 @@ def validate_tag(tag_dir: str | Path, verify_checksums: bool = True) -> tuple[bo
         if size != files[rel]["size"]:
             return False, f"{path}: size {size} bytes, manifest says {files[rel]['size']} (truncated or rewritten)"
     if verify_checksums:
-        rels = sorted(files)
-        try:
-            hashes = _hash_many(tag_dir, rels)
-        except OSError as exc:
-            return False, f"{tag_dir}: unreadable file while verifying checksums: {exc}"
-        for rel in rels:
-            if hashes[rel] != files[rel]["sha256"]:
-                return False, (f"{tag_dir / rel}: sha256 {hashes[rel][:12]}… does not match the manifest's "
-                               f"{files[rel]['sha256'][:12]}… (corrupted)")
+        reason = verify_checksums_parallel(tag_dir, files, threads)
+        if reason is not None:
+            return False, reason
     return True, "ok"
+
+
+def _verify_jobs(tag_dir: Path, files: dict[str, dict[str, Any]]) -> list[tuple[Path, int | None, int, int, str]]:
+    """(path, chunk index or None for a whole file, offset, length, expected sha256), in file and offset order,
+    so the workers' reads walk each file front to back."""
+    jobs: list[tuple[Path, int | None, int, int, str]] = []
+    for rel in sorted(files):
+        meta = files[rel]
+        if "chunk_sha256" in meta:
+            cb, size = meta["chunk_bytes"], meta["size"]
+            jobs += [(tag_dir / rel, k, k * cb, min(cb, size - k * cb), digest)
+                     for k, digest in enumerate(meta["chunk_sha256"])]
+        else:
+            jobs.append((tag_dir / rel, None, 0, meta["size"], meta["sha256"]))
+    return jobs
+
+
+_READ_BUFFERS = threading.local()   # one reusable read buffer per verification thread
+
+
+def _read_buffer(n: int) -> memoryview:
+    buf = getattr(_READ_BUFFERS, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _READ_BUFFERS.buf = bytearray(n)
+    return memoryview(buf)[:n]
+
+
+def _check_job(job: tuple[Path, int | None, int, int, str]) -> str | None:
+    """None when the bytes match, else the reason naming the file (and the chunk and its offset)."""
+    path, index, offset, length, expected = job
+    try:
+        if index is None:
+            got = sha256_file(path)
+        else:
+            view, done = _read_buffer(length), 0
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                while done < length:
+                    n = os.preadv(fd, [view[done:]], offset + done)
+                    if n == 0:
+                        return (f"{path}: ended at byte {offset + done} while verifying chunk {index} "
+                                f"(offset {offset}); the file shrank (truncated)")
+                    done += n
+            finally:
+                os.close(fd)
+            got = _sha256_hex(view)
+    except OSError as exc:
+        return f"{path}: unreadable file while verifying checksums: {exc}"
+    if got == expected:
+        return None
+    where = "" if index is None else f" of chunk {index} (bytes {offset}..{offset + length})"
+    return f"{path}: sha256{where} {got[:12]}… does not match the manifest's {expected[:12]}… (corrupted)"
+
+
+def verify_checksums_parallel(tag_dir: str | Path, files: dict[str, dict[str, Any]],
+                              threads: int | None = None) -> str | None:
+    """Hash every file a manifest lists (its `files`) in a bounded thread pool: None when all match, else the
+    reason of the first mismatch in file and offset order (the same answer whatever the thread count)."""
+    threads = DEFAULT_VERIFY_THREADS if threads is None else threads
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"verification threads must be an integer >= 1, got {threads!r}")
+    jobs = _verify_jobs(Path(tag_dir), files)
+    if threads == 1 or len(jobs) <= 1:
+        return next((r for r in map(_check_job, jobs) if r is not None), None)
+    with ThreadPoolExecutor(max_workers=min(threads, len(jobs)), thread_name_prefix="ckpt-verify") as pool:
+        futures = [pool.submit(_check_job, job) for job in jobs]
+        for i, fut in enumerate(futures):
+            reason = fut.result()
+            if reason is not None:
+                for later in futures[i + 1:]:   # the tag is bad: skip what has not started
+                    later.cancel()
+                return reason
+    return None
 
 
 def list_valid_tags(ckpt_dir: str | Path, verify_checksums: bool = False) -> list[str]:
@@ -222,11 +383,13 @@ def list_valid_tags(ckpt_dir: str | Path, verify_checksums: bool = False) -> lis
 
 
 def latest_valid_tag(ckpt_dir: str | Path, verify_checksums: bool = True,
-                     on_invalid: Callable[[str, str], None] | None = None) -> str | None:
-    """Newest tag that validates, scanning newest -> oldest; on_invalid(tag, reason) for each one skipped."""
+                     on_invalid: Callable[[str, str], None] | None = None,
+                     threads: int | None = None) -> str | None:
+    """Newest tag that validates, scanning newest -> oldest; on_invalid(tag, reason) for each one skipped.
+    `threads`: validate_tag's verification threads."""
     root = Path(ckpt_dir)
     for tag in reversed(list_tags(root)):
-        ok, reason = validate_tag(root / tag, verify_checksums)
+        ok, reason = validate_tag(root / tag, verify_checksums, threads)
         if ok:
             return tag
         if on_invalid is not None:
