@@ -255,6 +255,7 @@ class Trainer(TrainerCheckpoints):
             step = self.step + 1
             stop = self._train_step(step, tokens_per_step)
             self.step = step
+            self.poll_saves()  # an async save whose manifest is durable is reported now, not at the next save
             if step % spec.checkpoint.interval_steps == 0 or (step == tr.steps and spec.checkpoint.save_at_end):
                 self._save()
                 saved_at = step

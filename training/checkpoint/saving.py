@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import threading
 import time
@@ -15,7 +16,6 @@ from typing import Any
 
 from ..durable import atomic_write_text, fsync_dir
 from .files import (
-    DIGEST_CHUNK_BYTES,
     MANIFEST_NAME,
     point_latest_to,
     write_manifest,
@@ -30,6 +30,8 @@ from .snapshot import (
     host_snapshot,
     to_host,
 )
+
+log = logging.getLogger("ulyssesd.training")
 
 # ------------------------------------------------------------------------------- failed saves
 #: errnos that mean "no room": the daemon prunes old checkpoints and resumes (docs/CONTRACTS.md).
@@ -151,8 +153,11 @@ class AsyncCheckpointWriter:
         engine.checkpoint_engine.save = writer.collect   # DeepSpeed hands each shard: snapshot to host memory
         engine.save_checkpoint(...)            # returns once the snapshots are taken
         writer.start(commit=...)               # background: write + fsync each shard, marker, then commit()
+        writer.committed                       # polled by the step loop: True once that commit returned
 
     `commit` (rank 0: `commit_when_durable`) runs in the background thread after this rank's shards are durable.
+    `after_commit` (rank 0 of a job without the daemon: retention) runs there after it, off the training thread;
+    its failure is logged, never a failed save (the tag is already durable).
     `write_hook(path)` runs before each shard is written (fault injection in tests).
     """
 
@@ -182,6 +187,14 @@ class AsyncCheckpointWriter:
         self.last_shards_s = 0.0     # last save: start of the background write -> this rank's marker written
         self.last_write_s = 0.0      # the same, + rank 0's commit (waiting for every rank, the manifest)
         self.last_alloc_bytes = 0    # host memory newly allocated by the last snapshot (0: all reused)
+        self.last_after_commit_s = 0.0   # seconds the last save's after_commit (retention) took in this thread
+        self._committed = threading.Event()   # set once the save in flight is durable (rank 0: committed)
+
+    @property
+    def committed(self) -> bool:
+        """The save in flight is durable: this rank's shards and marker, and (given a commit) the commit returned.
+        Non-blocking; False again from the next start()."""
+        return self._committed.is_set()
 
     @property
     def in_flight(self) -> bool:
@@ -244,17 +257,20 @@ class AsyncCheckpointWriter:
         free, _total = torch.cuda.mem_get_info()
         return free - nbytes >= DEVICE_STAGING_MARGIN_BYTES
 
-    def start(self, commit: Callable[[], Any] | None = None) -> None:
-        """Write the collected snapshots in a background thread; then this rank's marker; then `commit`."""
+    def start(self, commit: Callable[[], Any] | None = None, after_commit: Callable[[], Any] | None = None) -> None:
+        """Write the collected snapshots in a background thread; then this rank's marker; then `commit`; then
+        `after_commit` (see the class docstring)."""
         if self._tag_dir is None:
             raise RuntimeError("AsyncCheckpointWriter.start called before begin()")
         tag_dir, pending = self._tag_dir, self._pending
         self._pending = []
-        self._thread = threading.Thread(target=self._write, args=(tag_dir, pending, commit), daemon=True,
-                                        name=f"ckpt-writer-{tag_dir.name}")
+        self._committed.clear()
+        self._thread = threading.Thread(target=self._write, args=(tag_dir, pending, commit, after_commit),
+                                        daemon=True, name=f"ckpt-writer-{tag_dir.name}")
         self._thread.start()
 
-    def _write(self, tag_dir: Path, pending: list[tuple[Any, str, Any]], commit: Callable[[], Any] | None) -> None:
+    def _write(self, tag_dir: Path, pending: list[tuple[Any, str, Any]], commit: Callable[[], Any] | None,
+               after_commit: Callable[[], Any] | None = None) -> None:
         t0, total, path = time.monotonic(), 0, str(tag_dir)
         try:
             tag_dir.mkdir(parents=True, exist_ok=True)
@@ -266,14 +282,12 @@ class AsyncCheckpointWriter:
                 if self.write_hook is not None:
                     self.write_hook(path)
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-                chunks: list[str] = []   # the O_DIRECT writer's per-chunk digests (the buffered one has none)
-                size, sha = (write_shard_direct(obj, path, chunk_digests=chunks) if self.direct_io
+                size, sha = (write_shard_direct(obj, path) if self.direct_io
                              else write_shard(obj, path, flush_behind=self.flush_behind))
                 del obj
                 total += size
                 try:
-                    digests[Path(path).relative_to(tag_dir).as_posix()] = {"size": size, "sha256": sha} | (
-                        {"chunk_bytes": DIGEST_CHUNK_BYTES, "chunk_sha256": chunks} if self.direct_io else {})
+                    digests[Path(path).relative_to(tag_dir).as_posix()] = {"size": size, "sha256": sha}
                 except ValueError:   # a shard outside the tag directory: the manifest does not list it
                     pass
             pending.clear()   # drop the snapshots (pool buffers are kept by the pool, the rest freed)
@@ -292,4 +306,14 @@ class AsyncCheckpointWriter:
                 (tag_dir / f"{FAILED_PREFIX}{self.rank}").touch()
             except OSError:
                 pass
+            self.last_bytes, self.last_write_s = total, time.monotonic() - t0
+            return
         self.last_bytes, self.last_write_s = total, time.monotonic() - t0
+        self._committed.set()   # after the figures above: whoever sees it may report them
+        if after_commit is not None:
+            t1 = time.monotonic()
+            try:
+                after_commit()
+            except Exception as exc:  # noqa: BLE001 - e.g. retention hit a busy dir: the next save's retention retries
+                log.warning("after the commit of %s: %s: %s", tag_dir.name, type(exc).__name__, exc)
+            self.last_after_commit_s = time.monotonic() - t1
