@@ -15,7 +15,7 @@ re-derived from its directory, and an incident says what was recovered).
 `StepGuard`: every step of the tick runs through `StepGuard.run`, so a bug in any of them (the telemetry
 path, the engine, advancing a termination, an exit, the rank watch, a BACKOFF's relaunch, a command, the
 store check, ...) never ends the daemon. Each distinct error (step, exception type, message, raising line)
-is logged with its traceback once and recorded as one `crash` incident (evidence.internal_error); repeats
+is logged with its traceback once and recorded as one `internal_error` incident (traceback in its evidence); repeats
 are counted and logged at 2, 4, 8, ... A step that raises `[daemon] step_error_limit` ticks in a row ends
 the run FAILED, "internal error in <step>: <exc>": the job is stopped with the stop grace (it saves; no
 checkpoint is removed). If the stop itself cannot proceed (the step is the termination, stopping raised, or
@@ -177,7 +177,7 @@ class StepGuard:
         elif seen == 1 and sup.run_id:
             try:
                 iid = sup.incidents.incident(
-                    Symptom.crash, sup.last_step or 0, Severity.critical, f"internal error in {step}: {what}",
+                    Symptom.internal_error, sup.last_step or 0, Severity.critical, f"internal error in {step}: {what}",
                     {"internal_error": traceback.format_exc(limit=30)[-8000:], "step": step,
                      "limit_in_a_row": self.limit})
                 errors.incident_ids.append(iid)

@@ -1,6 +1,6 @@
 """Every step of the supervisor's tick is guarded (core/housekeeping.StepGuard), on the fake OS and a real store.
 
-A step that raises once is logged with its traceback, recorded as one `crash` incident naming the step, and the
+A step that raises once is logged with its traceback, recorded as one `internal_error` incident naming the step, and the
 run goes on (the incident is resolved when the step runs cleanly again). A step that keeps raising is bounded:
 after `[daemon] step_error_limit` ticks in a row the run ends FAILED "internal error in <step>: <exc>", its job
 stopped (with the stop grace when the stop can work, killed when the broken step is the stop itself), with one
@@ -126,7 +126,7 @@ def test_a_step_that_raises_once_is_one_incident_and_the_run_goes_on(tmp_path, m
     incs = _internal(sup, step)
     assert len(incs) == 1, [i.summary for i in sup.store.list_incidents(sup.run_id)]
     inc = sup.store.get_incident(incs[0].id)
-    assert inc.symptom.value == "crash" and "Injected: injected fault" in inc.summary
+    assert inc.symptom.value == "internal_error" and "Injected: injected fault" in inc.summary
     assert "Traceback" in inc.evidence["internal_error"] and inc.evidence["step"] == step
     assert inc.status.value == "resolved"  # the step ran cleanly again
     failed = [e for e in logs if e["event"] == "tick step failed"]
