@@ -30,8 +30,9 @@ class _SaveCheckpointStandIn:
     """DeepSpeed's `save_checkpoint` as far as the writer sees it: one `checkpoint_engine.save` per shard."""
 
     class _CheckpointEngine:
-        def save(self, state_dict, path):
-            raise AssertionError("the async path must replace checkpoint_engine.save")
+        def save(self, state_dict, path):   # a synchronous save's write (the async path replaces it)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(state_dict, path)
 
     def __init__(self):
         self.checkpoint_engine = self._CheckpointEngine()
@@ -46,8 +47,8 @@ class _SaveCheckpointStandIn:
 
 
 class _Job(TrainerCheckpoints):
-    def __init__(self, run_dir, keep_last=5):
-        self.spec = h.tiny_spec(checkpoint={"async_save": True, "keep_last": keep_last})
+    def __init__(self, run_dir, keep_last=5, async_save=True):
+        self.spec = h.tiny_spec(checkpoint={"async_save": async_save, "keep_last": keep_last})
         self.run_dir, self.attempt, self.config_version = run_dir, 1, 1
         self.rank, self.world, self.dist = 0, 1, dist
         self.step, self.last_loss = 0, 1.0
@@ -185,6 +186,21 @@ def test_retention_of_an_async_job_runs_in_the_writer_thread_and_keeps_the_newes
     job.tele.close()
 
 
+def test_a_synchronous_job_still_reports_and_prunes_in_its_save(tmp_path, one_rank, monkeypatch):
+    removed_by = []
+    real_remove = retention.remove_dir
+    monkeypatch.setattr(retention, "remove_dir",
+                        lambda path: (removed_by.append(threading.current_thread().name), real_remove(path)))
+    job = _Job(tmp_path / "run", keep_last=1, async_save=False)
+    for step in (2, 4):
+        job.step = step
+        job._save()
+        assert [e["tag"] for e in job.saved()][-1] == f"step-0000000{step}"   # reported by the save itself
+    assert "async_save" not in job.saved()[-1] and removed_by == ["MainThread"]
+    assert ck.list_tags(job.ckpt_dir) == ["step-00000004"]
+    job.tele.close()
+
+
 def test_under_the_daemon_the_async_job_deletes_nothing(tmp_path, one_rank, monkeypatch):
     monkeypatch.setenv("ULYSSESD_RUN_DIR", str(tmp_path / "run"))
     job = _Job(tmp_path / "run", keep_last=1)
@@ -220,3 +236,18 @@ def test_real_job_reports_each_async_tag_within_two_steps_of_its_manifest(tmp_pa
     assert saved[2]["reported_at_step"] == 36
     assert ck.list_tags(tmp_path / "checkpoints") == ["step-00000024", "step-00000036"]
     assert all(validate_record(r) == [] for r in recs)
+
+
+def test_a_failing_after_commit_is_logged_and_never_a_failed_save(tmp_path, caplog):
+    writer = ck.AsyncCheckpointWriter(0, pin_memory=False, direct_io=False)
+    tag_dir = tmp_path / "step-00000002"
+    writer.begin(tag_dir)
+    writer.collect({"w": torch.ones(8)}, str(tag_dir / "a.pt"))
+
+    def busy():
+        raise OSError(16, "Device or resource busy")
+    writer.start(commit=lambda: ck.commit_when_durable(tag_dir, 1, 2, 1.0, 8, 1, timeout_s=5), after_commit=busy)
+    assert writer.wait(30) and writer.committed and writer.take_failure() is None
+    assert ck.validate_tag(tag_dir) == (True, "ok")
+    assert "after the commit of step-00000002" in caplog.text and "busy" in caplog.text
+    writer.begin(tmp_path / "step-00000004")   # the next save starts: nothing to raise
