@@ -314,3 +314,19 @@ def test_the_guard_survives_its_own_console_callback_failing(tmp_path, monkeypat
     sup.say = say
     _tick(sup, fos, LIMIT + 4)
     assert sup.state == S.FAILED and sup.store.get_run(sup.run_id).state_reason.startswith("internal error in engine")
+
+
+def test_an_internal_error_never_swallows_the_jobs_crash_at_the_same_step(tmp_path, monkeypatch):
+    # Incidents are unique on (run, attempt, symptom, step): the daemon's bug has its own symptom, so the job's
+    # crash right after it (no step in between) is still its own incident with its own diagnosis.
+    fos, sup = _running(tmp_path)
+    _inject("publish", sup, fos, monkeypatch, times=1)
+    sup.tick()
+    with open(fos.jobs[sup.job.pid]["log"], "a") as fh:
+        fh.write("Traceback (most recent call last):\nRuntimeError: boom\n")
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    sup.tick()
+    incs = [i for i in sup.store.list_incidents(sup.run_id) if i.attempt == 1]
+    assert sorted(i.symptom.value for i in incs) == ["crash", "internal_error"], [i.summary for i in incs]
+    assert len({i.step for i in incs}) == 1  # the same step: only the symptom keeps them apart
+    assert sup.attempt == 2
