@@ -201,7 +201,8 @@ def _send_retrying_busy(send_request, path: Path, payload: dict) -> dict:
         stop=tenacity.stop_after_delay(BUSY_RETRY_S),
         wait=tenacity.wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05),
         retry=tenacity.retry_if_result(lambda resp: isinstance(resp, dict) and resp.get("code") == "busy"),
-        retry_error_callback=lambda state: state.outcome.result(),
+        # tenacity sets `outcome` before it calls back; the check only narrows the Optional for mypy.
+        retry_error_callback=lambda state: state.outcome.result() if state.outcome is not None else None,
     )
     return retrying(send_request, path, payload, timeout_s=10.0, with_deadline=True)
 

@@ -183,7 +183,8 @@ def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bo
     seen = [False]
     last_check = [time.monotonic()]
     with contextlib.ExitStack() as stack:
-        files = [(stack.enter_context(open(p, "rb")), bytearray(), [None]) for p in paths]
+        no_piece: list[bool | None] = [None]
+        files = [(stack.enter_context(open(p, "rb")), bytearray(), list(no_piece)) for p in paths]
         for fh, _, _ in files:
             if lines is not None:
                 _seek_last_lines(fh, lines)
