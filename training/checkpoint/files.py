@@ -175,7 +175,8 @@ def write_manifest(tag_dir: str | Path, step: int, loss: float | None, samples_s
                    known: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Hash every file of the tag and write `manifest.json` atomically (tmp, fsync, rename, fsync dir).
 
-    Each file gets its size, whole-file sha256 and the sha256 of each DIGEST_CHUNK_BYTES chunk. `known`
+    Each file gets its size, whole-file sha256 and (when it is larger than one chunk) the sha256 of each
+    DIGEST_CHUNK_BYTES chunk. `known`
     ({relative path: {"size", "sha256"[, "chunk_bytes", "chunk_sha256"]}}) holds digests taken while the files
     were written (the async writer's): a file whose size still matches is not read again (an entry without
     usable chunk digests is recorded without them and verified whole at load). Call it LAST, after every rank's
@@ -197,7 +198,8 @@ def write_manifest(tag_dir: str | Path, step: int, loss: float | None, samples_s
     for r in rels:
         entry = known.get(r) or digests[r]
         files[r] = {"size": sizes[r], "sha256": entry["sha256"]}
-        if _valid_chunks(entry, sizes[r]):
+        # A file of one chunk or less: its one chunk digest would be the whole-file sha256 again.
+        if sizes[r] > DIGEST_CHUNK_BYTES and _valid_chunks(entry, sizes[r]):
             files[r] |= {"chunk_bytes": entry["chunk_bytes"], "chunk_sha256": list(entry["chunk_sha256"])}
     manifest = {
         "v": MANIFEST_VERSION,
