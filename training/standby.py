@@ -7,7 +7,7 @@ every rank, what does not depend on the attempt's config:
 - imports torch, DeepSpeed and the model code (most of a cold start-up on a big node);
 - creates the CUDA context on its device (when a GPU is present);
 - optionally reads the latest valid checkpoint's files that this rank will load (its own ZeRO shards) into
-  host memory (one memfd per file), hashing each 64 MiB chunk as it lands (checked against the tag's
+  host memory (one memfd per file), hashing each 8 MiB chunk as it lands (checked against the tag's
   manifest sha256: one pass, never again at load time), and re-reads them when `latest` moves on; it looks
   at the gate between chunks, so an opened gate stops it within one chunk (the files completed by then are
   kept, the rest is loaded from disk): a restart never waits for a preload;
@@ -115,8 +115,9 @@ def read_gate(path: Path) -> Gate | None:
 
 # ------------------------------------------------------------------------------------------------ preload
 #: The preload reads a shard in chunks of this size, hashing each chunk as it lands, and looks at the gate
-#: between chunks: an opened gate is noticed within one chunk's read (64 MiB: ~30-60 ms at 1-2 GB/s).
-PRELOAD_CHUNK_BYTES = 64 << 20
+#: between chunks: an opened gate is noticed within one chunk's read (8 MiB: a few ms at 1-2 GB/s; the
+#: gate check is one stat, and the buffer is reused, so smaller chunks cost nothing measurable).
+PRELOAD_CHUNK_BYTES = 8 << 20
 #: Test knob: seconds slept after each chunk (a slow disk, to show a gate opened mid-preload is noticed).
 CHUNK_DELAY_ENV = "ULYSSESD_STANDBY_PRELOAD_CHUNK_DELAY_S"
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip format: the only one torch.load can mmap
@@ -149,33 +150,32 @@ def _ident(path: Path) -> tuple[int, int, int]:
 
 def _read_checked(path: Path, size: int, sha256: str, keep: bool, stop: Callable[[], bool],
                   delay_s: float) -> int | None:
-    """Read `path` once in PRELOAD_CHUNK_BYTES chunks, hashing each chunk as it lands (one pass: verification
-    is done here, never again at load time). keep=True: into a memfd, returned (its fd) when the bytes match
-    `size` and `sha256`; keep=False: only checked, returns -1. None: they do not match. _Stopped: `stop()`
-    said so between two chunks (nothing of this file is kept)."""
-    fd, mm = -1, None
+    """Read `path` once in PRELOAD_CHUNK_BYTES chunks through one reused buffer, hashing each chunk as it lands
+    (one pass: verification is done here, never again at load time). keep=True: the bytes are written on into
+    a memfd, returned (its fd) when they match `size` and `sha256`; keep=False: only checked, returns -1.
+    None: they do not match. _Stopped: `stop()` said so between two chunks (nothing of this file is kept)."""
+    fd = os.memfd_create("ulyssesd-standby-preload", os.MFD_CLOEXEC) if keep else -1
     h = hashlib.sha256()
+    buf = memoryview(bytearray(PRELOAD_CHUNK_BYTES))
+    zip_format = False
     try:
-        if keep:
-            fd = os.memfd_create("ulyssesd-standby-preload", os.MFD_CLOEXEC)
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size) if size else None
-        scratch = None if keep else memoryview(bytearray(min(PRELOAD_CHUNK_BYTES, max(size, 1))))
         with open(path, "rb", buffering=0) as fh:
             off = 0
             while off < size:
                 if stop():
                     raise _Stopped
-                want = min(PRELOAD_CHUNK_BYTES, size - off)
-                assert mm is not None or scratch is not None
-                view = memoryview(mm)[off:off + want] if mm is not None else scratch[:want]
-                try:
-                    got = fh.readinto(view)
-                    if not got:
-                        return None  # shorter than its manifest says
-                    h.update(view[:got])
-                finally:
-                    view.release()
+                got = fh.readinto(buf[:min(PRELOAD_CHUNK_BYTES, size - off)])
+                if not got:
+                    return None  # shorter than its manifest says
+                h.update(buf[:got])
+                if off == 0:
+                    zip_format = bytes(buf[:4]) == _ZIP_MAGIC
+                if keep:
+                    # os.write fills the memfd's pages inside the kernel: no user page fault per 4 KiB as
+                    # readinto an mmap of it takes
+                    done = 0
+                    while done < got:
+                        done += os.write(fd, buf[done:got])
                 off += got
                 if delay_s:
                     time.sleep(delay_s)
@@ -183,13 +183,12 @@ def _read_checked(path: Path, size: int, sha256: str, keep: bool, stop: Callable
                 return None  # longer than its manifest says
         if h.hexdigest() != sha256:
             return None
-        if keep and (mm is None or mm[:4] != _ZIP_MAGIC):
-            return -1  # checked, but not a zip torch.save (it cannot be mmapped): loaded from disk
+        if not keep or not zip_format:
+            return -1  # checked; not kept, or not a zip torch.save (it cannot be mmapped): loaded from disk
         out, fd = fd, -1
         return out
     finally:
-        if mm is not None:
-            mm.close()  # the memfd keeps the pages
+        buf.release()
         if fd >= 0:
             os.close(fd)
 
