@@ -117,12 +117,12 @@ class TrainerCheckpoints:
             # they waited: sizes suffice then (training/standby.py verified_newest); any doubt, full check.
             verify = cs.verify_checksums and not (self.preload is not None and self.preload.verified_newest(
                 root, self.run_dir, self.attempt, self.world) is not None)
-            tag = ckpt.latest_valid_tag(root, verify, on_invalid=invalid)
+            tag = ckpt.latest_valid_tag(root, verify, on_invalid=invalid, threads=cs.verify_threads)
             if tag is None and had_tags:
                 return None, f"no valid checkpoint left in {root} (all tags failed validation)"
         else:
             tag = cs.load
-            ok, reason = ckpt.validate_tag(root / tag, cs.verify_checksums)
+            ok, reason = ckpt.validate_tag(root / tag, cs.verify_checksums, threads=cs.verify_threads)
             if not ok:
                 if (root / tag).is_dir():
                     invalid(tag, reason)

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..durable import atomic_write_text, fsync_dir
 from .files import (
+    DIGEST_CHUNK_BYTES,
     MANIFEST_NAME,
     point_latest_to,
     write_manifest,
@@ -282,12 +283,14 @@ class AsyncCheckpointWriter:
                 if self.write_hook is not None:
                     self.write_hook(path)
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-                size, sha = (write_shard_direct(obj, path) if self.direct_io
+                chunks: list[str] = []   # the O_DIRECT writer's per-chunk digests (the buffered one has none)
+                size, sha = (write_shard_direct(obj, path, chunk_digests=chunks) if self.direct_io
                              else write_shard(obj, path, flush_behind=self.flush_behind))
                 del obj
                 total += size
                 try:
-                    digests[Path(path).relative_to(tag_dir).as_posix()] = {"size": size, "sha256": sha}
+                    digests[Path(path).relative_to(tag_dir).as_posix()] = {"size": size, "sha256": sha} | (
+                        {"chunk_bytes": DIGEST_CHUNK_BYTES, "chunk_sha256": chunks} if self.direct_io else {})
                 except ValueError:   # a shard outside the tag directory: the manifest does not list it
                     pass
             pending.clear()   # drop the snapshots (pool buffers are kept by the pool, the rest freed)
