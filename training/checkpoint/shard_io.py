@@ -10,7 +10,7 @@ import errno
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 from ..durable import atomic_write
 from .files import DIGEST_CHUNK_BYTES
@@ -266,7 +266,7 @@ def write_shard_direct(obj: Any, path: str | Path, chunk_digests: list[str] | No
                 crc = torch.serialization.get_crc32_options()
                 torch.serialization.set_crc32_options(False)
                 try:
-                    torch.save(obj, f)
+                    torch.save(obj, cast(IO[bytes], f))  # a write()/flush() file-like is all torch.save uses
                 finally:
                     torch.serialization.set_crc32_options(crc)
         finally:
@@ -300,7 +300,7 @@ def write_shard(obj: Any, path: str | Path, *, flush_behind: bool = True) -> tup
                 crc = torch.serialization.get_crc32_options()
                 torch.serialization.set_crc32_options(False)
                 try:
-                    torch.save(obj, hashing)
+                    torch.save(obj, cast(IO[bytes], hashing))
                 finally:
                     torch.serialization.set_crc32_options(crc)
             hashing.flush()
