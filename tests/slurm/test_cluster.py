@@ -196,11 +196,13 @@ def test_set_down_ends_the_job_node_fail_and_keeps_the_reason(slurm_cluster_clea
     job = _sbatch(c, "-N1", "-w", "n3", "--wrap", "srun sleep 300")
     _wait_job(c, job, {"RUNNING"}, 30)
     c.set_down("n3", "gpu fell off the bus")
-    # Read the node right away: with ReturnToService=2 a DOWN node whose slurmd re-registers goes back to IDLE
-    # (and its reason is cleared) soon after its job is gone, sooner than a loaded box runs the next line.
-    info = c.node_info("n3")
-    assert "DOWN" in info["State"] and info["Reason"].startswith("gpu fell off the bus")
     assert _wait_job(c, job, {"NODE_FAIL"}, 30)["JobState"] == "NODE_FAIL"
+    # The node's own state cannot be read reliably afterwards: with ReturnToService=2 slurmctld returns a DOWN
+    # node whose slurmd still answers to service within milliseconds (seen: "state set to DOWN" at .344,
+    # "node n3 returned to service" at .350), clearing the reason. slurmctld's log keeps both facts.
+    log = (c.dir / "log" / "slurmctld.log").read_text(errors="replace")
+    assert "update_node: node n3 reason set to: gpu fell off the bus" in log
+    assert "update_node: node n3 state set to DOWN" in log
     c.restore_node("n3")
     c.wait_idle(30)
 
