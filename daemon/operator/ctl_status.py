@@ -253,26 +253,17 @@ def render_status(d: dict[str, Any]) -> Table:
 
 
 def status(json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
-           watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C: a live table on a terminal, "
-                                      "one line per refresh in a pipe, JSON lines with --json"),
+           watch: bool = typer.Option(False, "--watch", help="refresh until the run ends (COMPLETED, FAILED, "
+                                      "STOPPED) or Ctrl-C: a live table on a terminal, one line per refresh in "
+                                      "a pipe, JSON lines with --json"),
            interval: float = typer.Option(2.0, "--interval", min=0.05, max=86400.0, metavar="SECONDS", help="--watch refresh period")) -> None:
     """Where the run is. State, progress, ETA, last step, loss, tokens/s, MFU, memory, checkpoints, restarts,
     open incidents."""
     store = open_ro_store(json_out)
     if watch and (json_out or not sys.stdout.isatty()):
-        _watch_lines(store, json_out, interval)
-        return
+        raise typer.Exit(_watch_lines(store, json_out, interval))
     if watch:
-        from rich.live import Live
-
-        with Live(console=console, refresh_per_second=4) as live:
-            try:
-                while True:
-                    live.update(render_status(status_data(store, current_run(store, json_out))))
-                    time.sleep(interval)
-            except KeyboardInterrupt:
-                pass
-        return
+        raise typer.Exit(_watch_live(store, interval))
     d = status_data(store, current_run(store, json_out))
     if json_out:
         out(d, True)
@@ -280,7 +271,37 @@ def status(json_out: bool = typer.Option(False, "--json", help="machine-readable
         console.print(render_status(d))
     if d["daemon"] == DAEMON_NOT_RESPONDING:
         raise typer.Exit(EXIT_NOT_RESPONDING)
-    raise typer.Exit(EXIT_RUN_FAILED if d["state"] == "FAILED" else EXIT_OK)
+    raise typer.Exit(final_exit_code(d))
+
+
+def final_exit_code(d: dict[str, Any]) -> int:
+    """`status`'s exit code for a run in this state: EXIT_RUN_FAILED for a FAILED run, else EXIT_OK."""
+    return EXIT_RUN_FAILED if d["state"] == "FAILED" else EXIT_OK
+
+
+def run_ended(d: dict[str, Any]) -> bool:
+    """Whether the run is in a state it never leaves (COMPLETED, FAILED, STOPPED): a watch of it is over."""
+    from ulyssesd.daemon.store.enums import TERMINAL_RUN_STATES
+
+    return d["state"] in {s.value for s in TERMINAL_RUN_STATES}
+
+
+def _watch_live(store, interval: float) -> int:
+    """`status --watch` on a terminal: a live table, refreshed until the run ends (the final table stays on
+    screen; exit code as `status`'s) or Ctrl-C (exit 0)."""
+    from rich.live import Live
+
+    with Live(console=console, refresh_per_second=4) as live:
+        try:
+            while True:
+                d = status_data(store, current_run(store, False))
+                live.update(render_status(d), refresh=True)
+                if run_ended(d):
+                    return final_exit_code(d)
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
+    return EXIT_OK
 
 
 def status_line(d: dict[str, Any]) -> str:
@@ -299,19 +320,23 @@ def status_line(d: dict[str, Any]) -> str:
             f"open-incidents {d['open_incidents']} daemon {d['daemon']}")
 
 
-def _watch_lines(store, json_out: bool, interval: float) -> None:
+def _watch_lines(store, json_out: bool, interval: float) -> int:
     """`status --watch` when stdout is a pipe or --json: one line (or one JSON object) per refresh, flushed,
-    so `| head -3` or a log collector sees each at once. A reader that goes away ends the watch quietly."""
+    so `| head -3` or a log collector sees each at once. The run's end prints its final line and ends the
+    watch (exit code as `status`'s); a reader that goes away or Ctrl-C ends it quietly (exit 0)."""
     try:
         while True:
             d = status_data(store, current_run(store, json_out))
             sys.stdout.write((json_text(d) if json_out else status_line(d)) + "\n")
             sys.stdout.flush()
+            if run_ended(d):
+                return final_exit_code(d)
             time.sleep(interval)
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:  # the reader closed the pipe (`| head -3`)
         reader_gone()
+    return EXIT_OK
 
 
 # ------------------------------------------------------------------------------------------------ runs
