@@ -97,6 +97,14 @@ def test_incident_dedup_is_insert_or_ignore(store, run_id):
     assert store.add_incident_if_new(run_id, attempt=1, symptom="loss_spike", step=500) == (first, False)
     new_id, created = store.add_incident_if_new(run_id, attempt=1, symptom="loss_spike", step=900)
     assert created and new_id not in ids | {first}
+    # One parameter list for both: record_incident takes exactly add_incident_if_new's, and a wrong keyword is
+    # refused by name before anything is written.
+    with pytest.raises(TypeError, match="'steps'"):
+        store.record_incident(run_id, attempt=1, symptom="loss_spike", steps=901)
+    with pytest.raises(TypeError, match="'step'"):
+        store.record_incident(run_id, attempt=1, symptom="loss_spike")
+    assert len(store.list_incidents()) == 5
+    assert store.record_incident(run_id, attempt=1, symptom="loss_spike", step=900, severity="critical") == new_id
 
 
 def test_incident_lifecycle_ack_and_filters(store, run_id):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, ParamSpec
 
 from sqlalchemy import select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -21,6 +24,8 @@ from ..errors import InvalidValueError, NotFoundError
 from ..models import Action, Incident
 from ..records import ActionRecord, IncidentRecord
 from .base import StoreBase, Timestamp, parse_enum, to_utc
+
+_P = ParamSpec("_P")
 
 # Incident status moves the store accepts; everything else is a bug in the caller.
 _INCIDENT_MOVES: dict[IncidentStatus, frozenset[IncidentStatus]] = {
@@ -46,32 +51,24 @@ def flat_diff(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -
     return out
 
 
+def _id_only(add: Callable[_P, tuple[int, bool]], name: str) -> Callable[_P, int]:
+    """`add` with the same parameters, answering only the id of its (id, created): one parameter list for
+    the callers that do not care whether the incident was new."""
+
+    @functools.wraps(add)
+    def record(*args: _P.args, **kwargs: _P.kwargs) -> int:
+        return add(*args, **kwargs)[0]
+
+    record.__name__, record.__qualname__ = name, add.__qualname__.rsplit(".", 1)[0] + f".{name}"
+    record.__doc__ = "Insert-or-ignore like `add_incident_if_new`; returns the incident's id either way."
+    record.__signature__ = inspect.signature(add).replace(return_annotation="int")  # type: ignore[attr-defined]
+    return record
+
+
 class IncidentsRepository(StoreBase):
     """Queries of the incidents and actions tables."""
 
     # -- incidents ---------------------------------------------------------------------------------------
-    def record_incident(
-        self,
-        run_id: str,
-        *,
-        attempt: int,
-        symptom: Symptom | str,
-        step: int,
-        severity: Severity | str = Severity.warning,
-        summary: str = "",
-        evidence: dict[str, Any] | None = None,
-        status: IncidentStatus | str = IncidentStatus.open,
-        detected_at: Timestamp = None,
-    ) -> int:
-        """Insert-or-ignore on (run_id, attempt, symptom, step); returns the incident's id either way.
-
-        `step` is the step the symptom was seen at (the last telemetry step for crashes; 0 if none), so a
-        daemon re-reading telemetry after re-adoption finds the incident it already recorded.
-        """
-        return self.add_incident_if_new(
-            run_id, attempt=attempt, symptom=symptom, step=step, severity=severity, summary=summary,
-            evidence=evidence, status=status, detected_at=detected_at)[0]
-
     def add_incident_if_new(
         self,
         run_id: str,
@@ -85,8 +82,10 @@ class IncidentsRepository(StoreBase):
         status: IncidentStatus | str = IncidentStatus.open,
         detected_at: Timestamp = None,
     ) -> tuple[int, bool]:
-        """Like `record_incident`, returning (id, created): created=False means it was already recorded
-        (e.g. replayed telemetry after re-adoption) and must not trigger a second remediation."""
+        """Insert-or-ignore on (run_id, attempt, symptom, step): (id, created), where created=False means it
+        was already recorded (e.g. replayed telemetry after re-adoption) and must not trigger a second
+        remediation. `step` is the step the symptom was seen at (the last telemetry step for crashes; 0 if
+        none). `record_incident` is the same call answering only the id."""
         sym = parse_enum(Symptom, symptom)
         now = to_utc(detected_at)
         values = dict(run_id=run_id, attempt=int(attempt), step=int(step), symptom=sym,
@@ -103,6 +102,9 @@ class IncidentsRepository(StoreBase):
                 Incident.step == int(step)))
             assert inc_id is not None
             return inc_id, created
+
+    #: `add_incident_if_new`, answering only the id (new or already recorded): what most callers need.
+    record_incident = _id_only(add_incident_if_new, "record_incident")
 
     def find_incident(self, run_id: str, attempt: int, symptom: Symptom | str, step: int) -> IncidentRecord | None:
         symptom = parse_enum(Symptom, symptom)
