@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .startup import STARTUP
+
 log = logging.getLogger("ulyssesd.training")
 
 #: Exit code of a standby whose gate did not open in time or could not be read.
@@ -390,6 +392,7 @@ def wait_at_gate(gate_path: Path, run_dir: Path, attempt: int, *,
     timeout_s = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
     rank = int(os.environ.get("RANK", "0"))
     device = _warm_imports()
+    STARTUP.mark("imports")
     preload_on = os.environ.get(PRELOAD_ENV, "0") == "1" and bool(os.environ.get(CKPT_DIR_ENV))
     ckpt_dir = Path(os.environ.get(CKPT_DIR_ENV) or ".")
 
@@ -411,6 +414,7 @@ def wait_at_gate(gate_path: Path, run_dir: Path, attempt: int, *,
             "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})
 
     ready(preload)
+    STARTUP.mark("standby_warm")
     deadline = clock() + timeout_s
     next_latest = clock() + LATEST_POLL_S
     refused: str | None = None  # a tag whose preload did not check out: not hashed again every second
@@ -423,6 +427,7 @@ def wait_at_gate(gate_path: Path, run_dir: Path, attempt: int, *,
             if preload is not None and not preload.still_latest():
                 preload.release()
                 preload = None  # moved on at the last moment: the resume reads from disk
+            STARTUP.mark("standby_gate")
             log.info("standby gate open after %.1fs: attempt %d, config %s", clock() - t0, gate.attempt,
                      gate.config)
             return gate, preload

@@ -29,6 +29,7 @@ from .faults import FaultInjector
 from .model.gpt import GPT
 from .scalars import ScalarWriter, check_monitor_dependencies, drop_unwritable_monitors, mfu, step_scalars
 from .spec import JobSpec, SpecError
+from .startup import STARTUP
 from .telemetry import TelemetryWriter, gather_step_stats, memory_gib
 from .train_checkpoints import EXIT_SAVE_FAILED, CheckpointLoadError, CheckpointSaveError, TrainerCheckpoints
 
@@ -97,6 +98,7 @@ class Trainer(TrainerCheckpoints):
         import deepspeed
         import deepspeed.ops
 
+        STARTUP.mark("imports", first_only=True)  # a standby imported everything before its gate
         # Otherwise the CPU accelerator JIT-compiles deepspeed_shm_comm (~60 s), used only by inference.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
@@ -121,6 +123,7 @@ class Trainer(TrainerCheckpoints):
             parallel_state_sp.initialize_sequence_parallel(sp)
             self.mpu = parallel_state_sp
             self.sp_group = parallel_state_sp.get_sequence_parallel_group()
+        STARTUP.mark("process_group")
 
     def _build(self) -> None:
         import deepspeed
@@ -154,6 +157,7 @@ class Trainer(TrainerCheckpoints):
                         checkpoint_every=spec.train.activation_checkpoint_every,
                         checkpoint_layers=spec.train.activation_checkpoint_layers,
                         loss_chunk_tokens=spec.train.loss_chunk_tokens)
+        STARTUP.mark("model_built")  # under zero.Init: built and partitioned
         if spec.train.zero3_leaf_blocks:
             # Must precede deepspeed.initialize, which installs the ZeRO-3 module hooks.
             from deepspeed.utils import set_z3_leaf_modules
@@ -164,6 +168,7 @@ class Trainer(TrainerCheckpoints):
         self.engine, _, _, _ = deepspeed.initialize(model=model,
                                                     model_parameters=_param_groups(model, spec.train.weight_decay),
                                                     config=self.ds_config, mpu=self.mpu)
+        STARTUP.mark("deepspeed_initialized")
         self.scalars = ScalarWriter.for_engine(self.engine, self.rank)
         if spec.train.compile and self.device.type == "cuda":
             self.engine.compile()
@@ -239,14 +244,17 @@ class Trainer(TrainerCheckpoints):
                                     self.attempt, spec.train.seed, self.device, self._fault_event)
         self.faults.at_start()
         tag = self._agree_on_tag()
+        STARTUP.mark("tag_agreed")  # rank 0 chose and verified it; every rank knows it
         self._build()
         self.control = ControlPoller(self.run_dir / "control.json", self.rank, self.world)
         resumed_from, load_s = self._resume(tag)
         if resumed_from:
+            STARTUP.mark("checkpoint_loaded")
             self._event("checkpoint_loaded", tag=resumed_from, seconds=round(load_s, 3))
+        # `startup`: when each start-up phase ended, in seconds since this rank's process started (startup.py)
         self._event("started", world_size=self.world, sp=self.sp, dp=self.dp, config_version=self.config_version,
                     resumed_from=resumed_from, start_step=self.step, samples_seen=self.cursor.next_sample,
-                    device=str(self.device), dtype=spec.precision.dtype)
+                    device=str(self.device), dtype=spec.precision.dtype, startup=STARTUP.fields())
         tr = spec.train
         tokens_per_step = tr.micro_batch_size * tr.gradient_accumulation_steps * self.dp * tr.seq_len
         saved_at = self.step if resumed_from else -1
