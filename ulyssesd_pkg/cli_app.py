@@ -6,14 +6,22 @@ so both sides may use it: the job never imports the daemon package, operator hos
 Help is rendered by Typer's plain (click-style) formatter, not its rich one: rich reads `[checkpoint]` in a
 help text as markup and drops it, and the rich panels label every flag `<bool>`. Plain help keeps brackets,
 shows flags bare and `<int>`/`<path>` only where a value is expected. `-h` works like `--help`. A usage
-error (unknown flag, missing value) exits 2, as argparse did.
+error (unknown flag, missing value, bad value) exits 2, as argparse did; under `--json` (`run_cli(...,
+json_errors=True)`) it is one JSON object on stdout, `{"ok": false, "error": ..., "exit_code": 2, "usage": ...}`,
+the shape of ulyssesctl's other --json errors, so a script parsing stdout gets JSON whatever went wrong.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
 
 import typer
+
+#: The base class of Click's usage errors (unknown option, missing argument, bad value), found through Typer's
+#: public BadParameter: Typer ≥ 0.2x vendors Click (typer._click), older Typers raise click's own.
+CLICK_EXCEPTION: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 #: Context settings every command shares.
 CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -34,11 +42,39 @@ def exit_code_of(exc: SystemExit) -> int:
     return code if isinstance(code, int) else (0 if code is None else 2)
 
 
-def run_cli(app: typer.Typer, argv: list[str] | None, prog_name: str) -> int:
+def run_cli(app: typer.Typer, argv: list[str] | None, prog_name: str, *, json_errors: bool = False) -> int:
     """Run `app` on `argv` (None: sys.argv) and return its exit status instead of exiting: commands end with
-    `raise typer.Exit(code)`; help is 0, a usage error 2."""
+    `raise typer.Exit(code)`; help is 0, a usage error 2. With `json_errors` a usage error prints
+    `usage_error_json` on stdout instead of the usage text on stderr (same exit code)."""
     try:
-        app(args=argv, prog_name=prog_name)
+        if not json_errors:
+            app(args=argv, prog_name=prog_name)
+            return 0
+        # Not standalone: click hands the usage error back instead of printing it and exiting.
+        result = app(args=argv, prog_name=prog_name, standalone_mode=False)
     except SystemExit as exc:
         return exit_code_of(exc)
-    return 0
+    except CLICK_EXCEPTION as exc:
+        sys.stdout.write(usage_error_json(exc) + "\n")
+        return int(getattr(exc, "exit_code", 2))
+    except typer.Abort:  # what standalone mode prints for an aborted prompt (EOF on stdin)
+        sys.stderr.write("Aborted!\n")
+        return 1
+    return result if isinstance(result, int) else 0
+
+
+def usage_error_json(exc: Exception) -> str:
+    """A Click usage error as one JSON object: what is wrong (Click's own message, e.g. "No such option:
+    --bogus"), the exit code, and the usage line of the command it concerns (null when Click did not get
+    that far)."""
+    ctx = getattr(exc, "ctx", None)
+    usage = ctx.get_usage() if ctx is not None else None
+    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    return json.dumps({"ok": False, "error": message, "exit_code": int(getattr(exc, "exit_code", 2)),
+                       "usage": usage})
+
+
+def wants_json(argv: list[str] | None) -> bool:
+    """Whether this command line asks for --json output (None: sys.argv), before it is parsed: also a command
+    line that does not parse asks for its error as JSON."""
+    return "--json" in (argv if argv is not None else sys.argv[1:])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from ulyssesd.cli_app import cli_app, exit_code_of
+from ulyssesd.cli_app import cli_app, run_cli, wants_json
 from ulyssesd.daemon.operator.ctl_common import (  # noqa: F401 - the documented import path of these names
     CTX,
     DAEMON_NOT_RESPONDING,
@@ -97,10 +97,9 @@ _register_commands()
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_json = wants_json(argv)
     try:
-        app(args=argv, prog_name="ulyssesctl")
-    except SystemExit as exc:  # typer/click standalone mode exits with the command's code
-        return exit_code_of(exc)
+        return run_cli(app, argv, "ulyssesctl", json_errors=as_json)  # under --json a usage error is JSON too
     except Exception as exc:  # a store problem found mid-command (a damaged page, a lock): one line, its code
         from ulyssesd.daemon.store.errors import classify
 
@@ -108,13 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         code = store_exit_code(problem) if problem is not None else None
         if code is None:
             raise
-        as_json = "--json" in (argv if argv is not None else sys.argv[1:])
         if as_json:
             sys.stdout.write(json.dumps({"ok": False, "error": str(problem), "exit_code": code}) + "\n")
         else:
             err_line(str(problem))
         return code
-    return EXIT_OK
 
 
 if __name__ == "__main__":
