@@ -88,6 +88,7 @@ class ModelSpec(_Section):
                                                        "tokens (long sequences; one more MLP forward); 0 = untiled.")
     offload_checkpoints: bool = Field(False, description="Checkpointed block inputs go to (pinned) host memory in forward "
                                                          "and are prefetched back in backward; needs recompute on.")
+    compile_blocks: bool = Field(False, description="Each block's work around attention as torch.compile'd graphs.")
 
     def resolved(self) -> ResolvedModel:
         base = dict(PRESETS[self.preset]) if self.preset else {}
@@ -109,7 +110,7 @@ class ModelSpec(_Section):
                              norm_fp32_copy=self.norm_fp32_copy, rotary_fused=self.rotary_fused,
                              qkv_copy=self.qkv_copy, checkpoint_keep_attention=self.checkpoint_keep_attention,
                              mlp_chunk_tokens=self.mlp_chunk_tokens,
-                             offload_checkpoints=self.offload_checkpoints, **base)
+                             offload_checkpoints=self.offload_checkpoints, compile_blocks=self.compile_blocks, **base)
 
 
 class ResolvedModel(BaseModel):
@@ -132,6 +133,7 @@ class ResolvedModel(BaseModel):
     checkpoint_keep_attention: bool = False
     mlp_chunk_tokens: int = 0
     offload_checkpoints: bool = False
+    compile_blocks: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -260,6 +262,13 @@ class CheckpointSpec(_Section):
     async_save: bool = Field(False, description="Snapshot shards to host memory and write them in a background "
                              "thread while training goes on (one save in flight); the manifest is committed only "
                              "when every rank's shards are durable.")
+    snapshot_pool: bool = Field(True, description="With async_save on a GPU: after the first step of each attempt, "
+                                "build the snapshot memory in the background (pageable host memory registered with "
+                                "the driver chunk by chunk), so no save allocates pinned memory while training waits.")
+    snapshot_pool_chunk_mib: int = Field(256, ge=16, le=16384, strict=True, description="MiB per cudaHostRegister "
+                                         "call of the snapshot pool (each call stalls the GPU about as long as it runs).")
+    snapshot_pool_pause_ms: float = Field(50.0, ge=0, le=10_000, description="Pause between two registered chunks "
+                                          "of the snapshot pool, so their stalls spread over several steps.")
 
 
 # ------------------------------------------------------------------------------------ telemetry

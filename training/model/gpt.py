@@ -15,6 +15,7 @@
   attention as a strided view of the qkv output (SP=1), `checkpoint_keep_attention` makes checkpointed blocks
   keep the attention kernel's outputs so recompute skips the attention forward (torch selective checkpoint).
 - `mlp_chunk_tokens=N` (long sequences) runs each block's MLP over checkpointed chunks of N local tokens.
+- `compile_blocks` runs each block's work before and after attention as two inductor graphs (fused_block.py).
 - `offload_checkpoints` (long sequences) moves each checkpointed chunk input to (pinned) host memory in
   forward and prefetches it back in backward (offload.py).
 """
@@ -33,7 +34,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..spec import ResolvedModel
+from . import fused_block
 from .attention import UlyssesAttention
+from .fused_block import apply_rotary, rotate_qk  # noqa: F401  (apply_rotary: this module's API)
 from .offload import CheckpointInputOffloader, OffloadStats, first_forward_host_budget
 
 log = logging.getLogger(__name__)
@@ -101,19 +104,6 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> t
     return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of `[b, s, h, d]` in fp32 (GPT-NeoX layout)."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k (strided views of the qkv output are fine) rotated in fp32, as new contiguous tensors."""
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
 @functools.cache
 def _compiled_rotate_qk():
     # Eager, rotate_qk is ~8 kernels per tensor (fp32 upcast, chunk muls, cat, downcast) and as many in
@@ -158,6 +148,7 @@ class Block(nn.Module):
         self.rotary_fused, self.qkv_copy = cfg.rotary_fused, cfg.qkv_copy or attn.sp_size > 1
         # TiledMLP: the MLP over chunks of this many local tokens, each checkpointed (0 = whole sequence).
         self.mlp_chunk_tokens = cfg.mlp_chunk_tokens
+        self.compile_blocks = cfg.compile_blocks  # the work around attention through inductor (fused_block.py)
 
     def _lin(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         # Calling the module lets ZeRO-3's module hooks fetch (and prefetch) its weight; measured on
@@ -166,6 +157,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
+        tiled = self.mlp_chunk_tokens and torch.is_grad_enabled() and x.shape[0] * x.shape[1] > self.mlp_chunk_tokens
+        if self.compile_blocks and not self.fp32 and not tiled:
+            return self._compiled_forward(x, cos, sin)
         if self.fp32:
             x = x.float()
         b, s, _ = x.shape
@@ -177,12 +171,20 @@ class Block(nn.Module):
         a = self.attn(q, k, v.contiguous() if self.qkv_copy else v).reshape(b, s, -1)
         x = x + self._lin(a, self.proj)
         hn = self.ln2(x)
-        n = self.mlp_chunk_tokens
-        if n and torch.is_grad_enabled() and b * s > n:
-            x = x + self._tiled_mlp(hn, n)
-        else:
-            x = x + self._mlp(hn)
+        x = x + (self._tiled_mlp(hn, self.mlp_chunk_tokens) if tiled else self._mlp(hn))
         return x.to(in_dtype)
+
+    def _compiled_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # fp32 blocks and TiledMLP take the eager path (other dtypes / chunking: other graphs).
+        pre, post = fused_block.compiled()
+        ln1, ln2 = self.ln1, self.ln2
+        fused_block.check_gathered(ln1.weight, self.qkv.weight, self.fc_out.weight)
+        b, s, _ = x.shape
+        q, k, v = pre(x, ln1.weight, ln1.bias, self.qkv.weight, self.qkv.bias, cos, sin, self.n_heads,
+                      self.head_dim, ln1.eps, ln1.fp32_copy)
+        a = self.attn(q, k, v.contiguous() if self.qkv_copy else v).reshape(b, s, -1)
+        return post(x, a, self.proj.weight, self.proj.bias, ln2.weight, ln2.bias, self.fc_in.weight,
+                    self.fc_in.bias, self.fc_out.weight, self.fc_out.bias, ln2.eps, ln2.fp32_copy, self.swiglu)
 
     def _mlp(self, hn: torch.Tensor) -> torch.Tensor:
         u = self._lin(hn, self.fc_in)
