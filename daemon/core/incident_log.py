@@ -151,7 +151,10 @@ class IncidentLog:
                 self.remedied.pop(iid, None)
 
     def resolve_all(self, reason: str) -> None:
-        """The run completed: every applied fix worked."""
+        """The run completed: every applied fix worked, and nothing still open is left to act on (a finding
+        inside its grace window at the end, an internal error of a step that no longer runs or of a control
+        request nobody retried, an incident an earlier attempt or daemon left open): all are resolved, their
+        reason saying so. Escalated incidents stay as they are: they wait for a human."""
         for iid, fix in list(self.remedied.items()):
             try:
                 self.store.verify_action(fix.action_id, "effective", {"verified_by": reason})
@@ -159,6 +162,21 @@ class IncidentLog:
             except Exception as exc:  # noqa: BLE001 - bookkeeping only
                 log.warning("could not resolve incident", id=iid, error=repr(exc))
         self.remedied.clear()
+        self.unacted.clear()
+        run_id = self.position().run_id
+        for status in (IncidentStatus.open, IncidentStatus.remediating):
+            try:
+                left = self.store.list_incidents(run_id, status=status)
+            except Exception as exc:  # noqa: BLE001 - bookkeeping only: the run completes all the same
+                log.warning("could not list the incidents left open", status=status.value, error=repr(exc))
+                continue
+            for inc in left:
+                try:
+                    self.store.update_incident_status(
+                        inc.id, IncidentStatus.resolved,
+                        f"{reason}: nothing left to act on (still {status.value} when the run completed)")
+                except Exception as exc:  # noqa: BLE001 - bookkeeping only
+                    log.warning("could not resolve incident", id=inc.id, error=repr(exc))
 
     def fail_all(self, reason: str) -> None:
         """The run failed: the incidents still waiting for their fix to be verified failed with it."""

@@ -283,7 +283,7 @@ def test_a_control_request_that_keeps_raising_is_one_incident_and_never_ends_the
     assert sup.state == S.RUNNING
     assert len(_internal(sup, "control_request")) == 1
     assert len([e for e in logs if e["event"] == "tick step failed"]) == 1
-    assert sup.status_dict()["tick_step_errors"] == {"control_request": LIMIT * 3}
+    assert sup.status_dict()["tick_step_errors"] == {"control_request:ack": LIMIT * 3}
 
 
 def test_a_control_socket_poll_that_raises_still_sleeps_and_the_run_goes_on(tmp_path):
