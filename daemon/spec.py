@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.job import job_values
@@ -117,11 +117,11 @@ class SlurmSection(_Section):
 class RestartSection(_Section):
     """`[restart]`: how the next attempt starts (docs/DAEMON.md "Warm standby")."""
 
-    standby: bool = Field(False, description="Keep the next attempt's ranks warm (imported, CUDA context, checkpoint "
+    standby: StrictBool = Field(False, description="Keep the next attempt's ranks warm (imported, CUDA context, checkpoint "
                           "preloaded) once an attempt trains; a relaunch opens their gate instead of a cold start.")
     standby_timeout_s: float = Field(86400.0, gt=0, description="A standby whose gate stays closed this long exits "
                                      "(code 5) and is replaced by a fresh one.")
-    standby_preload: bool = Field(True, description="The standby reads its ranks' shards of the latest valid "
+    standby_preload: StrictBool = Field(True, description="The standby reads its ranks' shards of the latest valid "
                                   "checkpoint into host memory (checked against the manifest) while it waits.")
     standby_max_failures: int = Field(3, ge=0, le=100, description="Standbys that may die (not time out) in a run "
                                       "before the daemon stops starting them (every relaunch is then cold).")
@@ -141,7 +141,7 @@ class JobSection(_Section):
                                        "({checkpoint_dir}; default {run_dir}/checkpoints).")
     resume_requires: list[str] = Field(default_factory=list, description="kind=command: files a checkpoint "
                                        "directory without a manifest must hold to count as complete for {resume}.")
-    resume_first: bool = Field(False, description="kind=command: fill {resume} on the first attempt too "
+    resume_first: StrictBool = Field(False, description="kind=command: fill {resume} on the first attempt too "
                                "(continue a run whose checkpoints already exist).")
 
     @model_validator(mode="after")
@@ -165,7 +165,7 @@ class DaemonSection(_Section):
     tick_s: float = Field(1.0, gt=0, le=60, description="Main-loop tick.")
     stop_grace_s: float = Field(120.0, gt=0, description="SIGTERM -> SIGKILL grace for the job's process group.")
     launch_retries: int = Field(3, ge=0, le=20, description="Retries of a launch that fails to start (tenacity).")
-    preflight: bool = Field(True, description="Refuse a run the memory planner says cannot fit.")
+    preflight: StrictBool = Field(True, description="Refuse a run the memory planner says cannot fit.")
     prometheus_port: int | None = Field(None, ge=1024, le=65535, description="Serve Prometheus metrics on prometheus_address:PORT/metrics (off by default).")
     prometheus_address: str = Field("127.0.0.1", min_length=1, description="Address the metrics endpoint binds (loopback by default: it has no authentication).")
     webhook_url: str | None = Field(None, description="Webhook URL for alert events: JSON with a Slack-compatible text (off by default).")

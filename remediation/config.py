@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 
 class _Section(BaseModel):
@@ -51,7 +51,7 @@ class DetectorsConfig(_Section):
     straggler_persist_steps: int = Field(10, ge=1, description="...with the same slowest rank for this many consecutive steps.")
     throughput_drop_frac: float = Field(0.25, gt=0, lt=1, description="Throughput drop = tokens/s below (1 - frac) × baseline median.")
     throughput_persist_steps: int = Field(20, ge=1, description="...sustained for this many consecutive steps.")
-    drift_enabled: bool = Field(True, description="Run the step-time drift CUSUM (off for a shared CPU box, whose step time follows its neighbours).")
+    drift_enabled: StrictBool = Field(True, description="Run the step-time drift CUSUM (off for a shared CPU box, whose step time follows its neighbours).")
     drift_baseline_window: int = Field(500, ge=20, description="Records in the long robust (median) step-time baseline of the drift CUSUM.")
     drift_min_baseline: int = Field(200, ge=10, description="Records the drift baseline needs before (and after each alarm, again before) the CUSUM runs.")
     drift_allowance: float = Field(0.015, gt=0, description="CUSUM allowance k: relative slowdown per step that never accumulates (half the smallest drift to find).")
@@ -88,4 +88,4 @@ class RemediationConfig(_Section):
     max_live_parameters_floor: float = Field(1e7, gt=0, description="Halving stage3_max_live_parameters stops at this floor.")
     prefetch_bucket_floor: float = Field(1e6, gt=0, description="Halving stage3_prefetch_bucket_size stops at this floor.")
     reduce_bucket_ceiling: float = Field(1e8, gt=0, description="Comm-bound slow steps double reduce_bucket_size up to this ceiling (seed: 5e7 → 1e8).")
-    bf16_supported: bool = Field(True, description="The hardware runs bf16 (NaN ladder may switch fp16 → bf16).")
+    bf16_supported: StrictBool = Field(True, description="The hardware runs bf16 (NaN ladder may switch fp16 → bf16).")

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -71,24 +71,24 @@ class ModelSpec(_Section):
     max_seq_len: int | None = Field(None, gt=0, description="Longest sequence the run may use (rotary table size).")
     mlp: Literal["gelu", "swiglu"] | None = Field(None, description="MLP kind: GELU (4h) or SwiGLU.")
     ffn_hidden_size: int | None = Field(None, gt=0, description="MLP inner width; default 4h (GELU) or 8h/3 rounded (SwiGLU).")
-    tie_embeddings: bool | None = Field(None, description="Share the input embedding with the output head.")
-    bias: bool = Field(False, description="Linear layers carry a bias.")
+    tie_embeddings: StrictBool | None = Field(None, description="Share the input embedding with the output head.")
+    bias: StrictBool = Field(False, description="Linear layers carry a bias.")
     rope_theta: float = Field(10000.0, gt=0, description="Rotary base frequency.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
-    norm_fp32_copy: bool = Field(True, description="LayerNorm upcasts its input to an fp32 copy; false = the fused "
+    norm_fp32_copy: StrictBool = Field(True, description="LayerNorm upcasts its input to an fp32 copy; false = the fused "
                                                    "bf16 kernel (still accumulates in fp32, saves memory and time on GPU).")
-    rotary_fused: bool = Field(False, description="GPU: q/k rotary (fp32 math) as one torch.compile'd kernel instead of "
+    rotary_fused: StrictBool = Field(False, description="GPU: q/k rotary (fp32 math) as one torch.compile'd kernel instead of "
                                                   "eager fp32 ops and casts (same math; CPU runs the eager ops).")
-    qkv_copy: bool = Field(True, description="Copy v out of the fused qkv output before attention; false = pass the "
+    qkv_copy: StrictBool = Field(True, description="Copy v out of the fused qkv output before attention; false = pass the "
                                              "strided view (SP=1 only; saves one copy per block, same math).")
-    checkpoint_keep_attention: bool = Field(False, description="Checkpointed blocks keep the attention kernel's output "
+    checkpoint_keep_attention: StrictBool = Field(False, description="Checkpointed blocks keep the attention kernel's output "
                                                                "and logsumexp: no attention forward in recompute, "
                                                                "+(d·h + 4·heads) bytes per token per block.")
     mlp_chunk_tokens: int = Field(0, ge=0, description="TiledMLP: each block's MLP over checkpointed chunks of N local "
                                                        "tokens (long sequences; one more MLP forward); 0 = untiled.")
-    offload_checkpoints: bool = Field(False, description="Checkpointed block inputs go to (pinned) host memory in forward "
+    offload_checkpoints: StrictBool = Field(False, description="Checkpointed block inputs go to (pinned) host memory in forward "
                                                          "and are prefetched back in backward; needs recompute on.")
-    compile_blocks: bool = Field(False, description="Each block's work around attention as torch.compile'd graphs.")
+    compile_blocks: StrictBool = Field(False, description="Each block's work around attention as torch.compile'd graphs.")
 
     def resolved(self) -> ResolvedModel:
         base = dict(PRESETS[self.preset]) if self.preset else {}
@@ -200,10 +200,10 @@ class TrainSpec(_Section):
         0, ge=0, description="Tiled LM loss: head + fp32 cross-entropy over chunks of N local tokens, each recomputed "
                              "in backward, so the whole sequence's fp32 logits never exist at once; 0 = untiled.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="cuda when available unless cpu is forced.")
-    compile: bool = Field(False, description="torch.compile each block (GPU only).")
-    zero3_leaf_blocks: bool = Field(False, description="Mark each transformer block a ZeRO-3 leaf module: one "
+    compile: StrictBool = Field(False, description="torch.compile each block (GPU only).")
+    zero3_leaf_blocks: StrictBool = Field(False, description="Mark each transformer block a ZeRO-3 leaf module: one "
                                                        "fetch per block and no hooks on its sub-modules (less Python per step).")
-    fused_adam: bool = Field(False, description="GPU, optimizer on GPU: torch AdamW(fused=True), one kernel per step "
+    fused_adam: StrictBool = Field(False, description="GPU, optimizer on GPU: torch AdamW(fused=True), one kernel per step "
                                                 "instead of ~10 foreach passes over the fp32 partitions.")
     log_every: int = Field(1, ge=1, description="Write a telemetry step record every N steps.")
 
@@ -254,15 +254,15 @@ class CheckpointSpec(_Section):
     interval_steps: int = Field(50, ge=1, description="Save every N steps (and at the end / on SIGTERM).")
     keep_last: int = Field(3, ge=1, description="Retention keeps the last K valid tags plus known-good anchors.")
     load: str = Field("latest", description="'latest' (newest valid), 'none', or an explicit tag such as step-00000100.")
-    verify_checksums: bool = Field(True, description="Check manifest sha256 of every file on load.")
+    verify_checksums: StrictBool = Field(True, description="Check manifest sha256 of every file on load.")
     verify_threads: int | None = Field(None, ge=1, le=64, description="Threads hashing the checkpoint at load "
                                        "(chunk by chunk); default min(CPU cores, 8).")
-    save_at_end: bool = Field(True, description="Save when the last step completes (benchmarks turn it off: "
+    save_at_end: StrictBool = Field(True, description="Save when the last step completes (benchmarks turn it off: "
                                                 "a 7B ZeRO-3 checkpoint is ~96 GB of writes).")
-    async_save: bool = Field(False, description="Snapshot shards to host memory and write them in a background "
+    async_save: StrictBool = Field(False, description="Snapshot shards to host memory and write them in a background "
                              "thread while training goes on (one save in flight); the manifest is committed only "
                              "when every rank's shards are durable.")
-    snapshot_pool: bool = Field(True, description="With async_save on a GPU: after the first step of each attempt, "
+    snapshot_pool: StrictBool = Field(True, description="With async_save on a GPU: after the first step of each attempt, "
                                 "build the snapshot memory in the background (pageable host memory registered with "
                                 "the driver chunk by chunk), so no save allocates pinned memory while training waits.")
     snapshot_pool_chunk_mib: int = Field(256, ge=16, le=16384, strict=True, description="MiB per cudaHostRegister "
@@ -274,7 +274,7 @@ class CheckpointSpec(_Section):
 # ------------------------------------------------------------------------------------ telemetry
 class TelemetrySpec(_Section):
     path: str | None = Field(None, description="Telemetry JSONL; default {run_dir}/telemetry.jsonl.")
-    gather_per_rank: bool = Field(True, description="All-reduce per-rank step time and memory each step.")
+    gather_per_rank: StrictBool = Field(True, description="All-reduce per-rank step time and memory each step.")
     source: Literal["job", "stdout"] = Field("job", description="Where the daemon gets telemetry: the job's own "
                                             "telemetry file, or records parsed from the job's log (docs/CLIENT.md).")
 
@@ -288,9 +288,9 @@ MAX_PEAK_TFLOPS_PER_GPU = 100_000.0
 class ScalarsSpec(_Section):
     """Training scalars through DeepSpeed's monitor (training/scalars.py); everything off by default."""
 
-    tensorboard: bool = Field(False, description="Write TensorBoard event files to {scalars.dir}/tensorboard/ "
+    tensorboard: StrictBool = Field(False, description="Write TensorBoard event files to {scalars.dir}/tensorboard/ "
                                                  "(needs the tensorboard extra).")
-    csv: bool = Field(False, description="Write DeepSpeed csv_monitor files, one CSV per scalar, to "
+    csv: StrictBool = Field(False, description="Write DeepSpeed csv_monitor files, one CSV per scalar, to "
                                          "{scalars.dir}/csv/.")
     dir: str = Field("scalars", min_length=1, description="Output directory, relative to the run directory "
                                                           "unless absolute.")
@@ -405,6 +405,11 @@ def format_validation_error(exc: ValidationError) -> list[str]:
             problems.append(f"{loc}: unknown key (typo? see the field list of that section)")
         elif err["type"] == "missing":
             problems.append(f"{loc}: required key missing")
+        elif err["type"] == "bool_type":  # StrictBool: lax parsing took 1 or "yes" as true, "no" as false
+            value = err.get("input")
+            what = {int: "the integer", float: "the number", str: "the string"}.get(type(value), "a")
+            shown = type(value).__name__ if what == "a" else repr(value)
+            problems.append(f"{loc}={value!r}: must be true or false (a TOML boolean), not {what} {shown}")
         elif loc and "input" in err and not isinstance(err["input"], dict):
             problems.append(f"{loc}={err['input']!r}: {msg}")
         elif loc:
