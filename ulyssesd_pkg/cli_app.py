@@ -14,10 +14,12 @@ the shape of ulyssesctl's other --json errors, so a script parsing stdout gets J
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Any
 
 import typer
+from typer.core import TyperCommand
 
 #: The base class of Click's usage errors (unknown option, missing argument, bad value), found through Typer's
 #: public BadParameter: Typer ≥ 0.2x vendors Click (typer._click), older Typers raise click's own.
@@ -27,13 +29,34 @@ CLICK_EXCEPTION: type[Exception] = next(c for c in typer.BadParameter.__mro__ if
 CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+#: A usage-line piece in braces: how Typer ≥ 0.2x writes a required argument (`{ID}`, `{INPUT}...`).
+_BRACED_PIECE = re.compile(r"\{([^{}]+)\}((?:\.\.\.)?)")
+
+
+class PlainUsageCommand(TyperCommand):
+    """A command whose usage line writes a required argument as `ID`, the way click and argparse do: Typer
+    writes `{ID}`, which reads as a template placeholder left unfilled. Optional ones stay `[RUN]`."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [_BRACED_PIECE.sub(r"\1\2", piece) for piece in super().collect_usage_pieces(ctx)]
+
+
+class _App(typer.Typer):
+    """typer.Typer whose commands are PlainUsageCommand unless a command asks for another class."""
+
+    def command(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["cls"] = kwargs.get("cls") or PlainUsageCommand
+        return super().command(*args, **kwargs)
+
+
 def cli_app(help_text: str, **kwargs: Any) -> typer.Typer:
     """A Typer app (or sub-app) with the shared settings: plain help, no shell-completion options, no
     pretty tracebacks (an unexpected error prints Python's own), help when called without a command (a
-    single-command app whose flags are all optional passes `no_args_is_help=False`)."""
+    single-command app whose flags are all optional passes `no_args_is_help=False`), required arguments
+    written plainly on the usage line (PlainUsageCommand)."""
     settings: dict[str, Any] = {"add_completion": False, "no_args_is_help": True, "rich_markup_mode": None,
                                 "pretty_exceptions_enable": False, "context_settings": CONTEXT_SETTINGS}
-    return typer.Typer(help=help_text, **{**settings, **kwargs})
+    return _App(help=help_text, **{**settings, **kwargs})
 
 
 def exit_code_of(exc: SystemExit) -> int:

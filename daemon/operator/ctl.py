@@ -60,7 +60,7 @@ def _print_version(value: bool) -> None:
 def _global(
     state_dir: str = typer.Option(None, "--state-dir", envvar="ULYSSESD_STATE_DIR",
                                   help="daemon state directory (default: XDG state home)"),
-    db: str = typer.Option(None, "--db", help="SQLite file (default {state-dir}/ulyssesd.db)"),
+    db: str = typer.Option(None, "--db", help="SQLite file (default: ulyssesd.db in the state dir)"),
     socket: str = typer.Option(None, "--socket", envvar="ULYSSESD_SOCKET", help="control socket path"),
     run: str = typer.Option(None, "--run", help="run id (default: the newest run)"),
     _version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,

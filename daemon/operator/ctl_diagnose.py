@@ -83,7 +83,7 @@ def register_diagnose(app: typer.Typer) -> None:
 
     @app.command("diagnose")
     def diagnose_cmd(
-        logfile: Path = typer.Argument(..., help="Job log (stdout+stderr of the launcher); only its tail is read."),
+        logfile: Path = typer.Argument(..., metavar="LOGFILE", help="Job log (stdout+stderr of the launcher); only its tail is read."),
         exit_code: Optional[int] = typer.Option(
             None, "--exit-code", help="Launcher exit status: negative = killed by that signal (subprocess), 128+N = shell."),
         signal: Optional[int] = typer.Option(None, "--signal", help="Signal number that ended the job, when known."),

@@ -4,6 +4,7 @@ survive (the rich formatter ate them as markup), and every option and argument h
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,30 @@ def test_help_renders_with_every_flag_explained(exe, path, cmd, capsys):
         if not getattr(param, "is_flag", False) and param.param_type_name == "option":
             line = next(line for line in text.splitlines() if param.opts[-1] in line)
             assert "<bool>" not in line
+
+
+#: A template placeholder left in rendered help: `{state-dir}` in a text, Typer's `{ID}` for a required argument.
+PLACEHOLDER = re.compile(r"\{[^{}\s]*\}")
+
+
+@pytest.mark.parametrize(("exe", "path", "cmd"), CASES, ids=[" ".join((c[0], *c[1])) for c in CASES])
+def test_help_shows_no_brace_placeholder(exe, path, cmd, capsys):
+    """Help reads as written for a person: a required argument is `ID` on the usage line (as click and
+    argparse write it), not Typer's `{ID}`, and no help text shows a `{name}` template."""
+    capsys.readouterr()
+    assert EXECUTABLES[exe][1]([*path, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert not PLACEHOLDER.findall(text), f"{exe} {' '.join(path)} --help: {PLACEHOLDER.findall(text)}\n{text}"
+
+
+def test_required_arguments_read_plainly_on_the_usage_line(capsys):
+    capsys.readouterr()
+    assert ctl.main(["incident", "--help"]) == 0
+    assert "Usage: ulyssesctl incident [OPTIONS] ID\n" in capsys.readouterr().out
+    assert preprocess_cli.main(["--help"]) == 0
+    assert "Usage: ulysses-preprocess [OPTIONS] INPUT...\n" in capsys.readouterr().out
+    assert ctl.main(["diagnose", "--help"]) == 0
+    assert "Usage: ulyssesctl diagnose [OPTIONS] LOGFILE\n" in capsys.readouterr().out
 
 
 def test_bracketed_words_survive_in_help():

@@ -22,7 +22,7 @@ def _ctl(tmp_path, *argv: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(("argv", "message", "usage"), [
     (["status", "--json", "--bogus"], "No such option: --bogus", "Usage: ulyssesctl status [OPTIONS]"),
-    (["incident", "--json"], "Missing argument 'ID'", "Usage: ulyssesctl incident [OPTIONS]"),
+    (["incident", "--json"], "Missing argument 'ID'", "Usage: ulyssesctl incident [OPTIONS] ID"),
     (["status", "--json", "--interval", "abc"], "Invalid value for '--interval'", "Usage: ulyssesctl status"),
     (["status", "--json", "--interval"], "Option '--interval' requires an argument", None),
     (["incident", "seven", "--json"], "Invalid value for 'ID'", "Usage: ulyssesctl incident"),
