@@ -12,6 +12,8 @@ The built-in job's own log lines (`2026-12-01 23:37:01,835 [rank0] INFO ...`) ar
 kept whole. Unlabelled lines (a traceback printed by Python itself) belong to no rank and are left out.
 When the spec gives torchrun a `--log-dir` (e.g. with `--redirects 3`), `--rank R` reads torchrun's own
 files of local rank R instead (its stdout.log, then its stderr.log): the rank's whole output, unfiltered.
+With `--rank R`, `-n N` is rank R's last N lines, not the file's (those may all be another rank's, or a hung
+attempt's unlabelled stack dumps).
 
 `-f` prints what is there, then polls the file every `FOLLOW_POLL_S` until the attempt ends (its exit file
 appears, a newer attempt starts, or the run ends), then prints the rest and exits 0. Ctrl-C ends it quietly.
@@ -19,6 +21,7 @@ appears, a newer attempt starts, or the run ends), then prints the rest and exit
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import glob
 import os
@@ -86,19 +89,24 @@ def rank_filter(lines: Iterator[bytes], rank: int | None, seen: list[bool],
                 cont[0] = None
             continue
         keep = False
-        m = RANK_PREFIX.match(line)
-        if m is not None:
+        label = line_rank(line)
+        if label is not None:
             seen[0] = True
-            if int(next(g for g in m.groups() if g is not None)) == rank:
+            if label[0] == rank:
                 keep = True
-                yield line[m.end():]
-        elif (job := JOB_LOG_LINE.match(line)) is not None:
-            seen[0] = True
-            if int(job.group(1)) == rank:
-                keep = True
-                yield line
+                yield line[label[1]:]
         if not line.endswith(b"\n"):
             cont[0] = keep
+
+
+def line_rank(line: bytes) -> tuple[int, int] | None:
+    """(rank, where its text starts) of a line a launcher prefixed (the prefix is cut) or of the built-in job's
+    own log line (kept whole: its label is mid-line); None for an unlabelled line."""
+    m = RANK_PREFIX.match(line)
+    if m is not None:
+        return int(next(g for g in m.groups() if g is not None)), m.end()
+    job = JOB_LOG_LINE.match(line)
+    return (int(job.group(1)), 0) if job is not None else None
 
 
 def _lines(fh: BinaryIO, pending: bytearray, final: bool) -> Iterator[bytes]:
@@ -146,6 +154,28 @@ def _seek_last_lines(fh: BinaryIO, n: int) -> None:
     fh.seek(0)
 
 
+def _seek_last_rank_lines(fh: BinaryIO, n: int, rank: int) -> None:
+    """Position fh at the start of the last n lines of `rank` (the file's start when it holds fewer): with
+    --rank, -n counts that rank's lines. The file's own last lines may all be another rank's, or a stack dump
+    nobody labelled (a hung attempt ends so), which left nothing to show and a false "no rank-prefixed lines".
+    Looks back over a window of lines that grows 4x per pass, bounded by the file."""
+    window = n
+    while True:
+        _seek_last_lines(fh, window)
+        start = pos = fh.tell()
+        starts: collections.deque[int] = collections.deque(maxlen=n)
+        at_line_start = True
+        for piece in _lines(fh, bytearray(), final=True):
+            if at_line_start and (label := line_rank(piece)) is not None and label[0] == rank:
+                starts.append(pos)
+            pos += len(piece)
+            at_line_start = piece.endswith(b"\n")
+        if len(starts) == n or start == 0:
+            fh.seek(starts[0] if len(starts) == n else 0)
+            return
+        window *= 4
+
+
 def _attempt_over(run_dir: Path, attempt: int, run_id: str | None, last_check: list[float]) -> bool:
     if (run_dir / "attempts" / f"{attempt}.exit").exists():
         return True
@@ -186,7 +216,9 @@ def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bo
         no_piece: list[bool | None] = [None]
         files = [(stack.enter_context(open(p, "rb")), bytearray(), list(no_piece)) for p in paths]
         for fh, _, _ in files:
-            if lines is not None:
+            if lines is not None and rank is not None:
+                _seek_last_rank_lines(fh, lines, rank)
+            elif lines is not None:
                 _seek_last_lines(fh, lines)
         over = not follow or _attempt_over(run_dir, attempt, run_id, last_check)
         while True:

@@ -90,6 +90,25 @@ def test_logs_picks_the_attempt_and_the_rank(two_runs, capsys):
         "2026-12-01 23:37:01,901 [rank1] INFO ulyssesd.training: saved\n")
 
 
+def test_lines_with_rank_counts_that_ranks_lines(two_runs, capsys):
+    """`--rank R -n N` is rank R's last N lines. A hung attempt's log ends with the ranks' stack dumps, which
+    nobody labels: `-n` of the file's tail then found no labelled line and said, wrongly, that the log had none
+    (exit 2; seen on `make demo`'s hang attempt). Many lines of another rank after R's are looked past too."""
+    sd = ["--state-dir", str(two_runs)]
+    job = "".join(f"2026-12-02 02:34:{i:02d},000 [rank0] INFO ulyssesd.training: step {i} loss 4.5\n"
+                  for i in range(30))
+    dump = "Thread 0x00007f (most recent call first):\n  File \"train.py\", line 9 in step\n" * 40
+    log = "[rank1]:rank one early\n[rank1]:rank one late\n" + job + dump
+    (two_runs / "runs" / "older" / "logs" / "attempt-1.log").write_text(log)
+    assert _out(capsys, [*sd, "logs", "older", "--rank", "0", "-n", "2"]) == (
+        "2026-12-02 02:34:28,000 [rank0] INFO ulyssesd.training: step 28 loss 4.5\n"
+        "2026-12-02 02:34:29,000 [rank0] INFO ulyssesd.training: step 29 loss 4.5\n")
+    assert _out(capsys, [*sd, "logs", "older", "--rank", "1", "-n", "1"]) == "rank one late\n"
+    assert _out(capsys, [*sd, "logs", "older", "--rank", "1", "-n", "5"]) == "rank one early\nrank one late\n"
+    assert _out(capsys, [*sd, "logs", "older", "-n", "1"]) == "  File \"train.py\", line 9 in step\n"  # no --rank: the file's
+    assert _out(capsys, [*sd, "logs", "older", "--rank", "2", "-n", "3"]) == ""  # labelled log, no rank 2: empty, 0
+
+
 def test_logs_work_from_the_run_dir_when_the_database_is_gone(two_runs, tmp_path):
     state = tmp_path / "state"
     (state / "runs").mkdir(parents=True)
