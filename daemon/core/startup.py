@@ -9,6 +9,7 @@ verified, and a relaunch the dead daemon had decided but not carried out (a pend
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +23,12 @@ from ulyssesd.daemon.host.process import JobHandle
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job import slurm_supervise
 from ulyssesd.daemon.job.telemetry_reader import Cursor, TelemetryReader
+from ulyssesd.daemon.spec import engine_job_values
 from ulyssesd.daemon.store.enums import ApplyMode, RunState
 from ulyssesd.daemon.store.permissions import private_dir
 from ulyssesd.daemon.store.recovery import refuse_unknown_run_dirs
+from ulyssesd.remediation.playbook import DEFAULTS
+from ulyssesd.remediation.records import StepRecord
 
 if TYPE_CHECKING:
     from ulyssesd.daemon.supervisor import Supervisor
@@ -117,12 +121,12 @@ def adopt(sup: Supervisor, run: Any) -> None:
     latest = max(cv, key=lambda c: c.version)
     sup.config_version, sup.config = latest.version, dict(latest.config)
     sup.launch_env = dict((sup.config.pop("launcher", None) or {}).get("env") or {})
-    # The engine starts from v1 (its bounds are relative to the initial values) and the warm-up replay
-    # walks it through the same decisions again, so its values end where the stored config is.
+    # The engine starts from v1 (its bounds are relative to the initial values); the warm-up replay walks it
+    # through the telemetry's findings again (decisions dropped), and `seat_engine` then tells it the configs
+    # the replay cannot reach. Its memory re-planner is set only after the replay (`replanner` below).
     v1 = dict(min(cv, key=lambda c: c.version).config)
     v1.pop("launcher", None)
     sup.engine = sup.engine_factory(sup.spec, v1)
-    sup.engine.replanner = lambda: exits._memory_replanner(sup)   # memory spikes re-plan as OOMs do
     attempts = sup.store.list_attempts(run.id)
     now = sup.os.time()
     # The last hour's restart budget as the previous daemon spent it: operator relaunches were never in it.
@@ -136,11 +140,14 @@ def adopt(sup: Supervisor, run: Any) -> None:
             sup.latest_ckpt = (ck.tag, ck.step)
     sup.incidents.pick_up(run.id)
     if not attempts:
+        sup.engine.replanner = replanner(sup)
         sup.launch(reason="adopted a run that never launched")
         return
     a = attempts[-1]
     sup.attempt = a.number
-    warm_engine(sup, a.number)
+    reported = warm_engine(sup, a.number)
+    seat_engine(sup, cv, a.number, reported if reported is not None else a.config_version)
+    sup.engine.replanner = replanner(sup)
     if a.pid and a.proc_start_time and a.ended_at is None:
         sup.job = JobHandle(a.pid, a.proc_start_time)
         alive = sup.os.is_alive(sup.job)
@@ -186,15 +193,53 @@ def decided_relaunch(sup: Supervisor, attempt: int, reason: str, counts: bool) -
     return Relaunch(reason, last.incident_id, rollback, counts_against_budget=counts)
 
 
-def warm_engine(sup: Supervisor, attempt: int) -> None:
+def replanner(sup: Supervisor) -> Callable[[], Any]:
+    """The engine's memory re-planner: memory spikes re-plan the daemon's current config as OOMs do."""
+    return lambda: exits._memory_replanner(sup)
+
+
+def engine_values(stored: dict[str, Any]) -> dict[str, Any]:
+    """A stored config version (job config + `launcher.env`) as the engine holds it: the engine's defaults
+    under the config's dotted values, as `RemediationEngine.__init__` takes them, the launcher env included."""
+    cfg = dict(stored)
+    env = (cfg.pop("launcher", None) or {}).get("env") or {}
+    return {**DEFAULTS, **{k: v for k, v in engine_job_values(cfg, env).items() if v is not None}}
+
+
+def seat_engine(sup: Supervisor, versions: list[Any], attempt: int, running: int | None) -> None:
+    """What the replay cannot walk the engine to: a crash's fix comes from the exit handling, not from a
+    record, so after re-adoption the engine's `values` would still be v1's and its `launched` (lr_scale and
+    reverts are relative to it) would not be the config the live attempt runs. Tell it: `values` are the
+    newest config version (what the next attempt launches with), `launched` the version the attempt runs
+    (`running`: its telemetry's `config_version`, else the attempt's row; unknown: the newest)."""
+    by_version = {c.version: c for c in versions}
+    newest = max(by_version)
+    if running not in by_version:
+        if running is not None:
+            log.warning("the attempt reports a config version the store does not have; taking the newest",
+                        attempt=attempt, reported=running, newest=newest)
+        running = newest
+    try:
+        sup.engine.values = engine_values(by_version[newest].config)
+        sup.engine.launched = engine_values(by_version[running].config)
+    except Exception as exc:  # noqa: BLE001 - a stored config that no longer validates: keep the replay's view
+        log.warning("could not seat the engine on the stored configs; keeping the replay's values",
+                    error=repr(exc))
+        return
+    log.info("engine seated on the stored configs", attempt=attempt, runs_version=running, newest=newest)
+
+
+def warm_engine(sup: Supervisor, attempt: int) -> int | None:
     """Feed the current attempt's already-processed records to a fresh engine (baselines, hang clock)
-    and drop its decisions: they were acted upon by the previous daemon."""
+    and drop its decisions: they were acted upon by the previous daemon. Returns the config version the
+    attempt's own records say it runs (None when they say none)."""
     assert sup.reader is not None
     limit = sup.reader.cursor.offset
     if limit <= 0 or not sup.telemetry_path.exists():
-        return
+        return None
     warm = TelemetryReader(sup.telemetry_path)
     fed = 0
+    reported: int | None = None
     while warm.cursor.offset < limit:
         scanned = warm.scanned_to
         batch = warm.read()
@@ -204,6 +249,10 @@ def warm_engine(sup: Supervisor, attempt: int) -> None:
             if off > limit:
                 break
             decisions.track(sup, rec)
+            if rec.attempt == attempt:
+                version = rec.config_version if isinstance(rec, StepRecord) else rec.fields.get("config_version")
+                if type(version) is int:
+                    reported = version
             # Every attempt's records, at their own timestamps: restart history (budget), known-good
             # tags and baselines come back as they were; `started` events re-run the engine's restarts.
             try:
@@ -211,4 +260,6 @@ def warm_engine(sup: Supervisor, attempt: int) -> None:
             except Exception as exc:  # noqa: BLE001
                 log.warning("engine warm-up failed on a record", error=repr(exc))
             fed += 1
-    log.info("engine warmed from telemetry", records=fed, up_to_offset=limit, attempt=attempt)
+    log.info("engine warmed from telemetry", records=fed, up_to_offset=limit, attempt=attempt,
+             reported_config_version=reported)
+    return reported
