@@ -39,6 +39,10 @@ EXIT_SAVE_FAILED = 4
 ASYNC_COMMIT_TIMEOUT_S = 1800.0
 #: Test-only: seconds each background shard write sleeps first (a slow disk, so a test can kill mid-write).
 ASYNC_WRITE_DELAY_ENV = "ULYSSESD_TEST_ASYNC_WRITE_DELAY_S"
+#: A save that waited at least this long for the previous one's write says so in the log (back-pressure).
+BACKPRESSURE_LOG_S = 0.05
+#: Head-room of the snapshot pool over the state measured after the first step (tensors the walk missed).
+POOL_MARGIN_BYTES = 64 << 20
 
 
 class CheckpointSaveError(RuntimeError):
@@ -86,6 +90,9 @@ class TrainerCheckpoints:
     _writer: ckpt.AsyncCheckpointWriter | None = None
     _async_inflight: tuple[int, str, Path, float, float] | None = None
     _async_reported = False  # rank 0 has sent the save in flight's `checkpoint_saved` (exactly one per tag)
+    _async_waited_s = 0.0    # seconds the save in flight waited for the previous one's write (back-pressure)
+    _pool_prepared = False   # the writer's snapshot pool was planned (first poll of the attempt)
+    _pool_reported = False   # its `snapshot_pool_ready` event was sent
     preload: Any = None  # a warm standby's training.standby.Preload (set by __main__), used once by _resume
 
     def _event(self, name: str, **fields: Any) -> None:
@@ -191,10 +198,19 @@ class TrainerCheckpoints:
     def _save(self) -> None:
         tag = ckpt.tag_for_step(self.step)
         tag_dir = self.ckpt_dir / tag
+        due: dict[str, Any] = {}
         if self.spec.checkpoint.async_save:
-            # One save in flight: the previous one must be durable (or its failure agreed on) first.
+            # One save in flight: the previous one must be durable (or its failure agreed on) first. Training
+            # stands still meanwhile, so the wait is this save's blocked time too (back-pressure, reported).
+            t_due, previous = time.time(), self._async_inflight
             self.finish_saves()
-        self._event("checkpoint_saving", tag=tag)
+            waited = self._async_waited_s = time.time() - t_due
+            due["waited_for_previous_seconds"] = round(waited, 3)
+            if previous is not None and waited >= BACKPRESSURE_LOG_S:
+                log.warning("checkpoint %s was due while %s was still being written: training waited %.2f s for it "
+                            "(one save in flight; a longer interval or a faster disk avoids this)",
+                            tag, previous[1], waited)
+        self._event("checkpoint_saving", tag=tag, **due)
         t0 = time.time()
         # A failed write (full disk, read-only filesystem, quota, I/O error) is caught on the rank that saw
         # it and agreed on by all ranks at the next collective (which replaces a plain barrier), so every
@@ -300,7 +316,7 @@ class TrainerCheckpoints:
             commit = lambda: ckpt.commit_when_durable(tag_dir, self.world, step, loss, samples, version,  # noqa: E731
                                                       timeout_s=ASYNC_COMMIT_TIMEOUT_S)
             retention = self._prune if self._owns_retention() else None
-        self._async_inflight = (self.step, tag, tag_dir, t0, time.time() - t0)
+        self._async_inflight = (self.step, tag, tag_dir, t0, time.time() - t0 + self._async_waited_s)
         self._async_reported = False
         writer.start(commit=commit, after_commit=retention)
         self.dist.barrier()
@@ -311,10 +327,45 @@ class TrainerCheckpoints:
         interval behind. The event is written here, on the training thread, rather than from the writer thread:
         telemetry stays one writer between steps (a fault that kills right after an event, or a telemetry write
         that fails, stays the step loop's business and never becomes a failed save)."""
+        if not self._pool_prepared:
+            self._prepare_snapshot_pool()
         writer, inflight = self._writer, self._async_inflight
         if self.rank == 0 and writer is not None and inflight is not None and not self._async_reported \
                 and writer.committed:
             self._report_async_saved(writer, inflight)
+        pool = writer.snapshot_pool if writer is not None else None
+        if pool is not None and not self._pool_reported and pool.state != "filling":
+            self._pool_reported = True
+            if pool.ready:
+                log.info("snapshot pool ready: %.2f GB registered in %.1f s (%.1f s in cudaHostRegister)",
+                         pool.nbytes / 1e9, pool.build_s, pool.register_s)
+            else:
+                log.warning("snapshot pool %s; async saves use pinned buffers", pool.state)
+            self._event("snapshot_pool_ready", rank=self.rank, ready=pool.ready, state=pool.state,
+                        bytes=pool.nbytes, build_seconds=round(pool.build_s, 3),
+                        register_seconds=round(pool.register_s, 3))
+
+    def _prepare_snapshot_pool(self) -> None:
+        """Once per attempt, at the first poll (after its first step: the optimizer's states exist then, fresh
+        or resumed): the async writer starts building its snapshot pool, sized by the device tensors DeepSpeed's
+        save will hand it (the optimizer's and the module's state dicts), in the background."""
+        self._pool_prepared = True
+        cs, device = self.spec.checkpoint, getattr(self, "device", None)
+        if not (cs.async_save and cs.snapshot_pool) or device is None or torch.device(device).type != "cuda":
+            return   # off, or nothing to register off-GPU (CPU tensors are copied into plain memory)
+        try:
+            nbytes = ckpt.engine_snapshot_bytes(self.engine)
+        except Exception as exc:  # noqa: BLE001 - sizing is an optimisation: saves still work without the pool
+            log.warning("snapshot pool not built: sizing the state failed: %s: %s", type(exc).__name__, exc)
+            return
+        if nbytes == 0:
+            return
+        local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")
+        ranks_on_host = int(local) if local and local.isdigit() else max(1, min(self.world, torch.cuda.device_count()))
+        self._async_writer().prepare_pool(
+            nbytes + nbytes // 100 + POOL_MARGIN_BYTES, ckpt.CudaHostRegistrar(torch.device(device).index or 0),
+            chunk_bytes=cs.snapshot_pool_chunk_mib << 20, pause_s=cs.snapshot_pool_pause_ms / 1000.0,
+            ranks_on_host=ranks_on_host)
 
     def _report_async_saved(self, writer: ckpt.AsyncCheckpointWriter,
                             inflight: tuple[int, str, Path, float, float]) -> None:
@@ -327,7 +378,8 @@ class TrainerCheckpoints:
                         blocked_seconds=round(blocked_s, 3), write_seconds=round(writer.last_shards_s, 3),
                         commit_seconds=round(writer.last_write_s - writer.last_shards_s, 3),
                         write_bytes=writer.last_bytes, host_buffer_alloc_bytes=writer.last_alloc_bytes,
-                        device_staged_bytes=writer.last_staged_bytes, reported_at_step=self.step)
+                        device_staged_bytes=writer.last_staged_bytes, reported_at_step=self.step,
+                        waited_for_previous_seconds=round(self._async_waited_s, 3), **writer.pool_fields())
         self._async_reported = True
 
     def finish_saves(self) -> None:

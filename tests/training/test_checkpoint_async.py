@@ -139,7 +139,15 @@ SCRIPT = textwrap.dedent("""
     writer = ck.AsyncCheckpointWriter(0, write_hook=hook)
     writer.begin(f"{ckpt_dir}/{tag}")
     real = engine.checkpoint_engine.save
-    engine.checkpoint_engine.save = writer.collect
+    # The snapshot pool's sizing (every tensor here: on the CPU nothing is on a device) against what the save hands over.
+    result["sized_bytes"] = ck.engine_snapshot_bytes(engine, device_only=False)
+    result["handed_bytes"] = 0
+
+    def collect(state_dict, path):
+        result["handed_bytes"] += ck.snapshot_pool_bytes([state_dict], device_only=False)
+        writer.collect(state_dict, path)
+
+    engine.checkpoint_engine.save = collect
     t0 = time.monotonic()
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"step": 2}, save_latest=False)
     del engine.checkpoint_engine.save
@@ -186,6 +194,10 @@ def test_async_save_of_real_deepspeed_zero3_resumes_bit_exact(tmp_path):
     assert set(ck.read_manifest(tag2)["files"]) >= {"zero_pp_rank_0_mp_rank_00_model_states.pt",
                                                     "zero_pp_rank_0_mp_rank_00_optim_states.pt"}
     assert saved["step3"] != saved["step-00000002"]   # training changed the weights during the write
+    # The snapshot pool sized from the engine after a step holds every tensor the save hands over (ZeRO-3:
+    # fp32 partition + Adam moments, the module's placeholders), give or take its small non-state tensors.
+    assert saved["handed_bytes"] > 64 * 64 * 4 * 3
+    assert 0.98 * saved["handed_bytes"] <= saved["sized_bytes"] <= saved["handed_bytes"] * 1.02 + 4096, saved
     loaded = _run("load", ckpt_dir, tmp_path / "loaded.json", tmp_path)
     assert loaded["client"]["step"] == 2
     assert loaded["weights"] == saved["step-00000002"]   # the snapshot, not the weights of step 3

@@ -251,3 +251,36 @@ def test_a_failing_after_commit_is_logged_and_never_a_failed_save(tmp_path, capl
     assert ck.validate_tag(tag_dir) == (True, "ok")
     assert "after the commit of step-00000002" in caplog.text and "busy" in caplog.text
     writer.begin(tmp_path / "step-00000004")   # the next save starts: nothing to raise
+
+
+def test_a_save_due_while_the_previous_still_writes_waits_and_reports_the_wait_as_blocked(tmp_path, one_rank,
+                                                                                          monkeypatch, caplog):
+    monkeypatch.setenv(ASYNC_WRITE_DELAY_ENV, "0.8")   # a slow disk: each shard write takes 0.8 s
+    job = _Job(tmp_path / "run")
+    job.step = 2
+    job._save()
+    job.step = 4
+    with caplog.at_level("WARNING", logger="ulyssesd.training"):
+        job._save()   # due at once: the step-2 write still runs, so training waits for it (one save in flight)
+    job.finish_saves()
+    saving = {r["tag"]: r for r in job.records() if r.get("event") == "checkpoint_saving"}
+    saved = {r["tag"]: r for r in job.saved()}
+    waited = saving["step-00000004"]["waited_for_previous_seconds"]
+    assert waited >= 0.5 and saving["step-00000002"]["waited_for_previous_seconds"] < 0.05
+    assert saved["step-00000004"]["waited_for_previous_seconds"] == waited
+    assert saved["step-00000004"]["blocked_seconds"] >= waited   # the wait is training's blocked time too
+    assert saved["step-00000002"]["blocked_seconds"] < 0.5
+    assert "step-00000004 was due while step-00000002 was still being written: training waited" in caplog.text
+    assert ck.validate_tag(job.ckpt_dir / "step-00000004") == (True, "ok")
+    # Off the GPU there is no snapshot pool, and the event says so.
+    assert saved["step-00000004"]["snapshot_pool"] == "off" and saved["step-00000004"]["snapshot_fallback_bytes"] == 0
+    # A save due after the previous one is durable does not wait and logs nothing.
+    caplog.clear()
+    h.wait_for(lambda: job._writer is not None and not job._writer.in_flight, 30, "nothing in flight")
+    job.step = 6
+    with caplog.at_level("WARNING", logger="ulyssesd.training"):
+        job._save()
+    job.finish_saves()
+    six = [r for r in job.records() if r.get("event") == "checkpoint_saving" and r["tag"] == "step-00000006"][0]
+    assert six["waited_for_previous_seconds"] < 0.05 and "was due while" not in caplog.text
+    job.tele.close()

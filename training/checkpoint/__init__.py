@@ -14,7 +14,7 @@ DeepSpeed loads (or half-loads) a bad tag. All ranks' files must be complete bef
 
 Modules: `files` (tags, manifests, validation, quarantine, `latest`), `retention` (what to keep, pruning,
 disk guard, known-good anchors), `saving` (failed-write descriptions, the asynchronous writer), `snapshot`
-(its host-memory copies and pinned pool), `shard_io` (how it writes one shard: hash on the way, O_DIRECT). The package
+(its host-memory copies, pinned buffers and registered snapshot pool), `shard_io` (how it writes one shard: hash on the way, O_DIRECT). The package
 namespace is the public import path the daemon, `ulyssesctl` and `ulyssesd.client.manifest` use
 (`from ulyssesd.training import checkpoint as ck`), so it re-exports the modules' public names.
 """
@@ -72,11 +72,21 @@ from .saving import (
     save_failure,
 )
 from .shard_io import durable_torch_save, write_shard, write_shard_direct
-from .snapshot import PinnedPool, host_snapshot
+from .snapshot import (
+    CudaHostRegistrar,
+    HostRegistrar,
+    PinnedPool,
+    SnapshotPool,
+    engine_snapshot_bytes,
+    host_snapshot,
+    snapshot_pool_bytes,
+)
 
 __all__ = [
     "AsyncCheckpointWriter",
     "AsyncSaveError",
+    "CudaHostRegistrar",
+    "HostRegistrar",
     "COMMIT_POLL_S",
     "DEFAULT_VERIFY_THREADS",
     "DELETING_PREFIX",
@@ -89,6 +99,7 @@ __all__ = [
     "ManifestError",
     "NO_SPACE_ERRNOS",
     "PinnedPool",
+    "SnapshotPool",
     "QUARANTINE_RE",
     "TAG_RE",
     "bytes_free",
@@ -96,6 +107,7 @@ __all__ = [
     "digest_file",
     "disk_guard",
     "durable_torch_save",
+    "engine_snapshot_bytes",
     "errno_name",
     "filesystem_errno",
     "host_snapshot",
@@ -116,6 +128,7 @@ __all__ = [
     "retention_plan",
     "save_failure",
     "sha256_file",
+    "snapshot_pool_bytes",
     "step_of_tag",
     "tag_bytes",
     "tag_for_step",

@@ -25,7 +25,11 @@ from .retention import bytes_free, existing_ancestor
 from .shard_io import write_shard, write_shard_direct
 from .snapshot import (
     DEVICE_STAGING_MARGIN_BYTES,
+    POOL_CHUNK_BYTES,
+    POOL_PAUSE_S,
+    HostRegistrar,
     PinnedPool,
+    SnapshotPool,
     device_snapshot,
     device_tensor_bytes,
     host_snapshot,
@@ -94,6 +98,19 @@ def save_failure(exc: BaseException, path: str | Path, tag: str, rank: int) -> d
 DONE_PREFIX = ".done-rank"       # a rank's marker: all its shards of the tag are written and fsynced
 FAILED_PREFIX = ".failed-rank"   # a rank's marker: its background write failed (rank 0's commit stops waiting)
 COMMIT_POLL_S = 0.05             # how often rank 0's commit looks for the other ranks' markers
+#: Host memory the snapshot pools of a host must leave free: the larger of this and POOL_RESERVE_FRACTION of RAM.
+POOL_RESERVE_BYTES = 8 << 30
+POOL_RESERVE_FRACTION = 0.10
+
+
+def pool_refusal(nbytes: int, ranks_on_host: int, available_bytes: int, total_bytes: int) -> str | None:
+    """Why a snapshot pool of `nbytes` per rank does not fit this host (every local rank builds one), or None."""
+    reserve = max(POOL_RESERVE_BYTES, int(POOL_RESERVE_FRACTION * total_bytes))
+    need = nbytes * ranks_on_host
+    if need + reserve <= available_bytes:
+        return None
+    return (f"{ranks_on_host} x {nbytes / 1e9:.2f} GB of snapshot pools + {reserve / 1e9:.1f} GB reserve exceed the "
+            f"{available_bytes / 1e9:.1f} GB of host memory available")
 
 
 class AsyncSaveError(RuntimeError):
@@ -156,6 +173,10 @@ class AsyncCheckpointWriter:
         writer.start(commit=...)               # background: write + fsync each shard, marker, then commit()
         writer.committed                       # polled by the step loop: True once that commit returned
 
+    `prepare_pool(nbytes, registrar)` (once the snapshot's size is known) builds a SnapshotPool in the
+    background; collect() copies into it once it is ready and into pinned buffers (`pool`) until then, or for
+    what does not fit: such a save loses nothing, it blocks for the pinned allocation and says so (`pool_fields`).
+
     `commit` (rank 0: `commit_when_durable`) runs in the background thread after this rank's shards are durable.
     `after_commit` (rank 0 of a job without the daemon: retention) runs there after it, off the training thread;
     its failure is logged, never a failed save (the tag is already durable).
@@ -189,6 +210,12 @@ class AsyncCheckpointWriter:
         self.last_write_s = 0.0      # the same, + rank 0's commit (waiting for every rank, the manifest)
         self.last_alloc_bytes = 0    # host memory newly allocated by the last snapshot (0: all reused)
         self.last_after_commit_s = 0.0   # seconds the last save's after_commit (retention) took in this thread
+        #: registered snapshot memory built at attempt start (prepare_pool); None: pinned buffers only
+        self.snapshot_pool: SnapshotPool | None = None
+        self.snapshot_pool_note = "off"   # why there is no snapshot pool ("off", "refused: ...")
+        self.last_pool_bytes = 0          # bytes of the last save copied into the snapshot pool
+        self.last_fallback_bytes = 0      # bytes of its device tensors that went to pinned buffers instead
+        self.last_pool_state = "off"      # the pool's state when the last save was collected (describe())
         self._committed = threading.Event()   # set once the save in flight is durable (rank 0: committed)
 
     @property
@@ -230,7 +257,52 @@ class AsyncCheckpointWriter:
             self.pool.give_back(self._taken)   # the previous save is written: its buffers are free again
             self.pool.allocated_bytes = 0
         self._taken = []
+        if self.snapshot_pool is not None:
+            self.snapshot_pool.reset()   # the previous save is written: its views are free again
+        self.last_pool_bytes = self.last_fallback_bytes = 0
+        self.last_pool_state = self.snapshot_pool.describe() if self.snapshot_pool is not None \
+            else self.snapshot_pool_note
         return waited
+
+    def prepare_pool(self, nbytes: int, registrar: HostRegistrar, *, chunk_bytes: int = POOL_CHUNK_BYTES,
+                     pause_s: float = POOL_PAUSE_S, ranks_on_host: int = 1,
+                     memory: tuple[int, int] | None = None) -> str:
+        """Start building a SnapshotPool of `nbytes` in the background (once; later calls change nothing),
+        unless the host lacks the memory: then the saves keep using pinned buffers and the refusal is logged.
+        `memory` = (available, total) host bytes (default: psutil's). Returns the pool's state in words."""
+        if self.snapshot_pool is not None:
+            return self.snapshot_pool.describe()
+        if memory is None:
+            import psutil
+
+            vm = psutil.virtual_memory()
+            memory = (int(vm.available), int(vm.total))
+        refusal = pool_refusal(nbytes, ranks_on_host, *memory)
+        if refusal is not None:
+            self.snapshot_pool_note = f"refused: {refusal}"
+            log.warning("rank %d: no snapshot pool (%s); async saves use pinned buffers allocated at the first "
+                        "save (it blocks training ~0.55 s per GiB)", self.rank, refusal)
+            return self.snapshot_pool_note
+        self.snapshot_pool = SnapshotPool(nbytes, registrar, chunk_bytes=chunk_bytes, pause_s=pause_s,
+                                          name=f"snapshot-pool-rank{self.rank}").start()
+        log.info("rank %d: building a %.2f GB snapshot pool in the background (%d MiB chunks, %.0f ms apart)",
+                 self.rank, nbytes / 1e9, chunk_bytes >> 20, pause_s * 1e3)
+        return self.snapshot_pool.describe()
+
+    def pool_fields(self) -> dict[str, Any]:
+        """The last save's snapshot-pool fields of its `checkpoint_saved` event."""
+        return {"snapshot_pool": self.last_pool_state, "snapshot_pool_bytes": self.last_pool_bytes,
+                "snapshot_fallback_bytes": self.last_fallback_bytes}
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Wait for the save in flight, then give the snapshot pool back (unregistered, then freed). A write
+        still running after `timeout_s` keeps the pool (its snapshot lives there)."""
+        if not self.wait(timeout_s):
+            log.warning("rank %d: the save in flight is still writing after %g s: the snapshot pool is kept",
+                        self.rank, timeout_s)
+            return
+        if self.snapshot_pool is not None and self.snapshot_pool.release(timeout_s):
+            self.snapshot_pool = None
 
     def collect(self, state_dict: Any, path: str) -> None:
         """DeepSpeed's `checkpoint_engine.save(state_dict, path)`: snapshot now, write in start()'s thread."""
@@ -241,8 +313,19 @@ class AsyncCheckpointWriter:
             self._pending.append((snap, str(path), event))
             self.last_staged_bytes += device_tensor_bytes(state_dict)[0]
             return
-        self._pending.append((host_snapshot(state_dict, self.pin_memory, self.pool, self._taken), str(path), None))
+        arena = self.snapshot_pool
+        used_before = arena.used_bytes if arena is not None else 0
+        self._pending.append((host_snapshot(state_dict, self.pin_memory, self.pool, self._taken, arena),
+                              str(path), None))
         self.last_alloc_bytes = self.pool.allocated_bytes if self.pool is not None else 0
+        in_pool = (arena.used_bytes - used_before) if arena is not None else 0
+        fallback = device_tensor_bytes(state_dict)[0] - in_pool
+        if fallback and arena is not None and not self.last_fallback_bytes:   # one line per save
+            log.warning("rank %d: snapshot pool %s: %.2f GB of %s went to pinned buffers (allocated now unless "
+                        "kept from an earlier save)", self.rank,
+                        arena.describe() if not arena.ready else "too small", fallback / 1e9, Path(path).name)
+        self.last_pool_bytes += in_pool
+        self.last_fallback_bytes += fallback
 
     def _stage_on_device(self, state_dict: Any) -> bool:
         """Clone on the GPU instead of copying to host now: only when the pool would have to allocate pinned
@@ -250,6 +333,8 @@ class AsyncCheckpointWriter:
         already reserves for training (its steady-state peak is inside that reserve)."""
         if not (self.device_staging and self.pin_memory and self.pool is not None) or self.pool.covers(state_dict):
             return False
+        if self.snapshot_pool is not None and self.snapshot_pool.ready:
+            return False   # the registered pool takes it at copy speed
         nbytes, count = device_tensor_bytes(state_dict)
         if not count:
             return False
