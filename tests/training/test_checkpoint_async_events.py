@@ -19,7 +19,8 @@ import torch.distributed as dist
 import train_job_helpers as h
 
 from ulyssesd.training import checkpoint as ck
-from ulyssesd.training.checkpoint import retention
+from ulyssesd.training.checkpoint import retention, saving
+from ulyssesd.training.checkpoint.snapshot import aligned_bytes
 from ulyssesd.training.data.batches import DataCursor, SampleSource
 from ulyssesd.training.faults import FaultInjector
 from ulyssesd.training.telemetry import TelemetryWriter, validate_record
@@ -284,3 +285,53 @@ def test_a_save_due_while_the_previous_still_writes_waits_and_reports_the_wait_a
     six = [r for r in job.records() if r.get("event") == "checkpoint_saving" and r["tag"] == "step-00000006"][0]
     assert six["waited_for_previous_seconds"] < 0.05 and "was due while" not in caplog.text
     job.tele.close()
+
+
+def test_the_first_poll_of_an_attempt_builds_the_snapshot_pool_once_and_reports_when_ready(tmp_path, one_rank,
+                                                                                            monkeypatch):
+    """The wiring on a GPU job, with the driver and the sizing faked (this box has no GPU): sized once at the
+    first poll, the [checkpoint] knobs and LOCAL_WORLD_SIZE passed, `snapshot_pool_ready` sent once."""
+    calls = []
+
+    class Registrar:
+        def __init__(self, device):
+            calls.append(("device", device))
+
+        def register(self, ptr, nbytes):
+            calls.append(("register", nbytes))
+
+        def unregister(self, ptr):
+            calls.append(("unregister", ptr))
+
+    monkeypatch.setattr(ck, "CudaHostRegistrar", Registrar)
+    monkeypatch.setattr(ck, "engine_snapshot_bytes", lambda engine: 3 << 20)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    asked = []
+    monkeypatch.setattr(saving, "pool_refusal", lambda nbytes, ranks, *memory: asked.append((nbytes, ranks)))
+    job = _Job(tmp_path / "run")
+    job.spec = h.tiny_spec(checkpoint={"async_save": True, "snapshot_pool_chunk_mib": 16, "snapshot_pool_pause_ms": 0})
+    job.device = torch.device("cuda", 1)
+    job.train_step()
+    writer = job._writer
+    assert writer is not None and writer.snapshot_pool is not None
+    pool = writer.snapshot_pool
+    assert pool.nbytes == aligned_bytes((3 << 20) + (3 << 20) // 100 + (64 << 20)) and pool.chunk_bytes == 16 << 20
+    assert asked == [((3 << 20) + (3 << 20) // 100 + (64 << 20), 2)]   # the host-memory check counts both local ranks' pools
+    assert pool.wait_ready(10)
+    job.train_step()
+    job.train_step()
+    ready = [r for r in job.records() if r.get("event") == "snapshot_pool_ready"]
+    assert len(ready) == 1 and ready[0]["ready"] is True and ready[0]["bytes"] == pool.nbytes
+    assert calls[0] == ("device", 1) and [c for c in calls if c[0] == "register"] == [
+        ("register", 16 << 20)] * 4 + [("register", pool.nbytes - 4 * (16 << 20))]
+    assert writer.snapshot_pool is pool   # once per attempt
+    writer.close()
+    assert len([c for c in calls if c[0] == "unregister"]) == 5
+
+
+def test_a_cpu_job_builds_no_snapshot_pool(tmp_path, one_rank):
+    job = _Job(tmp_path / "run")
+    job.device = torch.device("cpu")
+    job.train_step()
+    assert job._writer is None or job._writer.snapshot_pool is None
+    assert not [r for r in job.records() if r.get("event") == "snapshot_pool_ready"]
