@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import typer
@@ -62,6 +63,59 @@ def incidents_table(rows, store=None) -> Table:
     return t
 
 
+#: How much of a long evidence text (stacks, log tail) `incident ID` prints; --json has all of it.
+EVIDENCE_SHOWN_CHARS = 4000
+#: The header the daemon puts before each rank's stack dump in a hang's `stacks` evidence.
+RANK_DUMP_HEADER = re.compile(r"^=== rank \d+ stack dump .*===$", re.MULTILINE)
+#: Where faulthandler starts a thread's stack; `Current thread` is the one that got the signal (the trainer).
+THREAD_START = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ ", re.MULTILINE)
+
+
+def evidence_excerpt(text: str, limit: int, incident_id: int) -> str:
+    """About `limit` characters of a long evidence text, for the terminal. A stack dump is cut per rank, under
+    its `=== rank N ===` header: each rank's `Current thread` (the training thread, innermost frames first),
+    its other threads dropped first; any other text keeps its last lines. Cuts are noted. The text's last
+    `limit` characters, shown before, hid rank 0's dump (the rank the others wait for, in the demo's hang)
+    and began mid-line."""
+    if len(text) <= limit:
+        return text
+    starts = [m.start() for m in RANK_DUMP_HEADER.finditer(text)]
+    starts = starts if starts and starts[0] == 0 else [0, *starts]
+    sections = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+    shown: dict[int, str] = {}
+    budget = limit
+    for i in sorted(range(len(sections)), key=lambda i: len(sections[i])):  # short ones whole, the rest share
+        share = budget // (len(sections) - len(shown))
+        shown[i] = sections[i] if len(sections[i]) <= share else _section_excerpt(sections[i], share)
+        budget -= len(shown[i])
+    return "".join(shown[i] for i in range(len(sections))) + f"\n[all of it: ulyssesctl incident {incident_id} --json]"
+
+
+def _section_excerpt(section: str, share: int) -> str:
+    header, body = ("", section)
+    if RANK_DUMP_HEADER.match(section):
+        first, _, body = section.partition("\n")
+        header = first + "\n"
+    threads = [m.start() for m in THREAD_START.finditer(body)]
+    current = next((a for a in threads if body.startswith("Current thread", a)), None)
+    if current is None:  # not a faulthandler dump: its last lines, from a line start
+        tail = body[-max(0, share - len(header)):]
+        tail = tail[tail.find("\n") + 1:] if "\n" in tail[:-1] else tail
+        return f"{header}[… {len(body) - len(tail)} characters before this not shown]\n{tail}"
+    end = next((b for b in threads if b > current), len(body))
+    others = len(threads) - 1
+    note = f"[{others} other thread(s) of this rank not shown]\n" if others else ""
+    lines = body[current:end].splitlines(keepends=True)
+    kept: list[str] = []
+    room = share - len(header) - len(note)
+    for line in lines:  # innermost frames first (faulthandler: most recent call first)
+        if kept and sum(map(len, kept)) + len(line) > room:
+            kept.append(f"  [… {len(lines) - len(kept)} more line(s)]\n")
+            break
+        kept.append(line)
+    return header + note + "".join(kept)
+
+
 def incident(incident_id: int = typer.Argument(..., metavar="ID", help="incident id"),
              json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
     """One incident. Evidence, actions with their config diffs, outcome."""
@@ -87,7 +141,7 @@ def incident(incident_id: int = typer.Argument(..., metavar="ID", help="incident
     console.print_json(json.dumps({k: v for k, v in ev.items() if k not in long_keys}, default=str))
     for k in long_keys:
         console.rule(k)
-        console.print(str(ev[k])[-4000:], markup=False, highlight=False)
+        console.print(evidence_excerpt(str(ev[k]), EVIDENCE_SHOWN_CHARS, inc.id), markup=False, highlight=False)
     t = Table(title="actions")
     for col in ("id", "kind", "mode", "config", "diff", "outcome", "parameters"):
         t.add_column(col, overflow="fold")
