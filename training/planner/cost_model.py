@@ -296,11 +296,17 @@ def _chunk_inputs_item(m: ResolvedModel, name: str, count: int, each: int, formu
                 f"min({OFFLOAD_IN_FLIGHT}, {count})·b·s/sp·d·h (offload_checkpoints)", FWD_BWD)
 
 
-def _host_items(c: _Ctx, host_mem_gib: float, offloaded: tuple[int, int] = (0, 0)) -> list[Item]:
+def _host_items(c: _Ctx, host_mem_gib: float, offloaded: tuple[int, int] = (0, 0),
+                async_snapshot: bool = False) -> list[Item]:
     """Per-node host RAM and NVMe items; `offloaded` = (count, bytes) of the checkpointed inputs one rank
-    offloads (model.offload_checkpoints)."""
+    offloads (model.offload_checkpoints); `async_snapshot`: checkpoint.async_save keeps a host snapshot."""
     z, shard, gpn, d, g = c.zero, c.shard, c.gpn, c.d, c.g
     items: list[Item] = []
+    if async_snapshot and z.offload_optimizer == "none":
+        # An async save copies each rank's optimizer partition to host memory and keeps that memory between
+        # saves (the registered snapshot pool or pinned buffers: docs/TRAINING.md "Snapshot memory").
+        items.append(Item("async-save snapshot (registered/pinned)", 12 * shard * gpn, "host",
+                          "12·P/N·gpus_per_node (fp32 master + Adam m, v of each rank, held between saves)"))
     count, each = offloaded
     if count:
         items.append(Item("offloaded checkpointed inputs (pinned)", count * _pinned_block(each) * gpn, "host",
@@ -374,7 +380,7 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
     required = int(peak * (1 + allocator_headroom) + cuda_context_gib * GiB)
     offloaded = (checkpointed_inputs(c.tokens, m, c.d, k, job.train.activation_checkpoint_layers)
                  if m.offload_checkpoints else (0, 0))
-    host = _host_items(c, cluster.host_mem_gib, offloaded)
+    host = _host_items(c, cluster.host_mem_gib, offloaded, async_snapshot=job.checkpoint.async_save)
     host_required = sum(it.bytes for it in host if it.where == "host")
     nvme_required = sum(it.bytes for it in host if it.where == "nvme")
     items += host
