@@ -175,7 +175,7 @@ class DaemonSection(_Section):
     socket_group: str | None = Field(None, description="Group allowed on the control socket besides root (default: ulyssesd if it exists).")
     hang_grace_s: float = Field(10.0, gt=0, description="SIGTERM -> SIGKILL grace for a hung job (it cannot save; shorter than stop_grace_s).")
     stack_dump_wait_s: float = Field(3.0, ge=0, description="Seconds to let ranks write their faulthandler stack dumps.")
-    rank_exit_grace_s: float = Field(3.0, gt=0, le=60, description="A rank gone this long while its launcher still runs ends the attempt (its peers are stuck in a collective; torchrun would wait 30 s).")
+    rank_exit_grace_s: float = Field(1.0, gt=0, le=60, description="A rank gone this long while other ranks of its attempt still run ends the attempt (they are stuck in a collective; torchrun would wait 30 s); a normal or agreed exit ends every rank within milliseconds.")
     rank_watch_every_s: float = Field(1.0, gt=0, le=60, description="How often the daemon scans for lost ranks (one process-table scan).")
     backoff_base_s: float = Field(2.0, ge=0, description="First crash-restart backoff; doubles per consecutive early death.")
     backoff_max_s: float = Field(60.0, ge=0, description="Upper bound of the crash-restart backoff.")

@@ -293,8 +293,11 @@ class Supervisor:
                 break
             # The socket's poll is the sleep; if it raises, the loop still sleeps (never a busy spin), and the
             # training goes on: a broken socket is an incident, not a reason to end a run.
-            if poll is None or not self.guard.run("control_socket", lambda: poll(self.dcfg.tick_s), bounded=False):
-                self.os.sleep(self.dcfg.tick_s)
+            # A lost rank's grace or a kill in progress ticks fast (termination.tick_sleep_s): MTTR, not load.
+            sleep_s = termination.tick_sleep_s(self.dcfg.tick_s, self.term,
+                                               self.rank_watch if self.job is not None else None)
+            if poll is None or not self.guard.run("control_socket", lambda s=sleep_s: poll(s), bounded=False):
+                self.os.sleep(sleep_s)
         self.standby.stop(self, "the daemon is leaving" if self.detach else f"the run is {self.state.value}")
         if self.scheduler is not None:
             self.scheduler.shutdown()

@@ -10,9 +10,20 @@ The rank watch (`RankWatch`) notices a training rank that is gone while its laun
 rank dies (SIGKILL, segfault, a Python exception), its peers block in their next collective and
 the launcher does not notice them: torchrun SIGTERMs the survivors and waits 30 s before it SIGKILLs them
 (its `_close(timeout=30)`), and a rank blocked inside NCCL cannot run its SIGTERM handler. Measured on
-2×H200 (bench/RESULTS.md) that wait was 32 s of a 79 s MTTR. The daemon sees the lost rank itself, gives the
-attempt `grace_s` to end on its own (a normal exit: all ranks leave within milliseconds of each other after
-the final barrier), and otherwise ends the attempt at once.
+2×H200 (bench/RESULTS.md) that wait was 32 s of a 79 s MTTR. The daemon sees the lost rank itself and
+tells two cases apart:
+
+- **some ranks still run**: they may be stuck in a collective with the dead one. A normal exit (all ranks
+  leave within milliseconds of each other after the final collective; the job's `exiting` event, which stops
+  the watch, comes right before) and an agreed refusal (exit 2/3/4, decided together) end every rank at once,
+  so the attempt gets `grace_s` (default 1 s) for its other ranks to follow, then it is ended;
+- **every rank is gone**: nothing can be stuck; the launcher is about to exit with the job's code (torchrun's
+  failure report in the log, the refusal's exit 2 or 3), which is what decides what happens next. It gets
+  LAUNCHER_EXIT_WAIT_S before the daemon ends it (a launcher that lingers without ranks).
+
+While a loss is pending, and while an attempt is being killed, the loop ticks every URGENT_TICK_S instead of
+`tick_s` (`tick_sleep_s`): the grace, the SIGKILL and the exit are seen within 0.1 s, not one tick each
+(a 1 s tick made a lost rank cost 3-5 s to detect: scan, 3 s grace, SIGTERM tick, SIGKILL tick, exit tick).
 """
 
 from __future__ import annotations
@@ -31,6 +42,12 @@ from ulyssesd.daemon.host.process import JobHandle, OSInterface
 log = get_logger("ulyssesd.supervisor")
 
 STACKS_MAX_BYTES = 64 * 1024
+#: Every rank of the attempt gone while its launcher still runs: how long the launcher may take to exit on its
+#: own (torchrun notices within 0.1 s; its teardown and failure report take well under a second) before the
+#: daemon ends it.
+LAUNCHER_EXIT_WAIT_S = 10.0
+#: The loop's sleep while a lost rank waits out its grace or an attempt is being killed (the tick is 1 s).
+URGENT_TICK_S = 0.1
 
 
 class Then(Enum):
@@ -157,18 +174,39 @@ class RankWatch:
     lost_since: dict[int, float] = field(default_factory=dict)
     next_check: float = 0.0
 
+    @property
+    def pending(self) -> bool:
+        """A rank is gone and its grace is running: scan every tick, and tick fast (`tick_sleep_s`)."""
+        return bool(self.lost_since)
+
     def due(self, now: float) -> bool:
-        if now < self.next_check:
+        if now < self.next_check and not self.pending:
             return False
         self.next_check = now + self.every_s
         return True
 
     def observe(self, now: float, live: list[int]) -> list[int] | None:
-        """Feed the live rank pids; returns the lost pids once the first has been gone for `grace_s`."""
+        """Feed the live rank pids; returns the lost pids once the first has been gone for `grace_s` while
+        other ranks still run, or for LAUNCHER_EXIT_WAIT_S when none is left (see the module docstring)."""
         alive = set(live)
         for pid in self.seen - alive:
             self.lost_since.setdefault(pid, now)
+        for pid in alive & self.lost_since.keys():
+            del self.lost_since[pid]  # seen again: a scan that missed it (its /proc entry unreadable), not a loss
         self.seen |= alive
-        if self.lost_since and now - min(self.lost_since.values()) >= self.grace_s:
+        if not self.lost_since:
+            return None
+        wait = self.grace_s if alive else max(self.grace_s, LAUNCHER_EXIT_WAIT_S)
+        if now - min(self.lost_since.values()) >= wait:
             return sorted(self.lost_since)
         return None
+
+
+def tick_sleep_s(tick_s: float, term: Termination | None, watch: RankWatch | None) -> float:
+    """The loop's sleep: URGENT_TICK_S while a lost rank's grace runs, or while an attempt is being killed (a
+    no-grace termination, or past its SIGKILL) so that its exit is handled at once; `tick_s` otherwise (a
+    stop's long grace, the stack-dump wait and normal training tick at the normal pace)."""
+    killing = term is not None and (term.grace_s == 0.0 or term.killed_at is not None)
+    if killing or (term is None and watch is not None and watch.pending):
+        return min(tick_s, URGENT_TICK_S)
+    return tick_s
