@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from ulyssesd.remediation.records import Record
+from ulyssesd.remediation.records import EventRecord, Record
 
 if TYPE_CHECKING:
     from ulyssesd.remediation.config import DetectorsConfig
@@ -50,6 +50,9 @@ class EpisodeDetector:
     symptom: str
     # Consecutive normal steps that end an episode; None = `cfg.clear_steps`.
     episode_clear_steps: int | None = None
+    # Events after which the next step record is not judged (a checkpoint save or a hot change stalls the
+    # step that follows); an entry ending in "_" is a prefix ("checkpoint_": every checkpoint event).
+    skip_after_events: tuple[str, ...] = ()
 
     def __init__(self, cfg: DetectorsConfig):
         self.cfg = cfg
@@ -66,6 +69,20 @@ class EpisodeDetector:
         self._ep.reset()
         self._clock.reset()
         self._run = 0   # consecutive anomalous training steps (not records) of the current run
+        self._skip_next = False   # the next step record follows a `skip_after_events` event
+
+    def _note_event(self, rec: EventRecord) -> None:
+        """An event record: mark the next step record to be passed over when it is one of `skip_after_events`."""
+        ev = rec.event
+        if any(ev.startswith(e) if e.endswith("_") else ev == e for e in self.skip_after_events):
+            self._skip_next = True
+
+    def _skipped(self) -> bool:
+        """True, once, for the step record right after a `skip_after_events` event."""
+        if self._skip_next:
+            self._skip_next = False
+            return True
+        return False
 
     def _normal_step(self, step: int) -> None:
         """A normal record: the run of anomalous steps starts over, and an open episode may end."""
@@ -137,6 +154,19 @@ class RollingMedian:
         self._stale = 0
         self._trigger = 1 if 1 < self.size else self.refresh
         self.med = None
+
+
+class MedianWindowDetector(EpisodeDetector):
+    """An episode detector judging each value against the rolling median (`_win`, `cfg.window` values) of the
+    normal ones it has seen; subclasses add a value to `_win` only when it was normal."""
+
+    def __init__(self, cfg: DetectorsConfig):
+        self._win = RollingMedian(cfg.window)
+        super().__init__(cfg)
+
+    def reset(self) -> None:
+        self._win.clear()
+        super().reset()
 
 
 class StepSpan:

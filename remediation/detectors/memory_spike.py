@@ -5,21 +5,12 @@ that holds the peak. The engine chooses the change from these numbers (remediati
 
 from __future__ import annotations
 
-from ulyssesd.remediation.config import DetectorsConfig
-from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, RollingMedian, fmt
+from ulyssesd.remediation.detectors.base import Finding, MedianWindowDetector, fmt
 from ulyssesd.remediation.records import Record, StepRecord
 
 
-class MemorySpikeDetector(EpisodeDetector):
+class MemorySpikeDetector(MedianWindowDetector):
     symptom = "memory_spike"
-
-    def __init__(self, cfg: DetectorsConfig):
-        self._win = RollingMedian(cfg.window)
-        super().__init__(cfg)
-
-    def reset(self) -> None:
-        self._win.clear()
-        super().reset()
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if not isinstance(rec, StepRecord):

@@ -4,8 +4,7 @@ not counted."""
 
 from __future__ import annotations
 
-from ulyssesd.remediation.config import DetectorsConfig
-from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, RollingMedian, fmt
+from ulyssesd.remediation.detectors.base import Finding, MedianWindowDetector, fmt
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
 
@@ -14,22 +13,13 @@ def step_time(rec: StepRecord) -> float | None:
     return t if t is not None and t == t and t > 0 else None
 
 
-class SlowStepDetector(EpisodeDetector):
+class SlowStepDetector(MedianWindowDetector):
     symptom = "slow_step"
-
-    def __init__(self, cfg: DetectorsConfig):
-        self._win = RollingMedian(cfg.window)
-        super().__init__(cfg)
-
-    def reset(self) -> None:
-        self._win.clear()
-        super().reset()
-        self._skip_next = False
+    skip_after_events = ("checkpoint_", "control_applied")
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if isinstance(rec, EventRecord):
-            if rec.event.startswith("checkpoint_") or rec.event == "control_applied":
-                self._skip_next = True
+            self._note_event(rec)
             return []
         t = rec.step_time_max_s  # step_time(), inlined: this runs for every step record
         if t is None:
@@ -37,8 +27,7 @@ class SlowStepDetector(EpisodeDetector):
         if t is None or not t > 0:  # NaN is not > 0
             return []
         span = self._clock.advance(rec.step)
-        if self._skip_next:
-            self._skip_next = False
+        if self._skipped():
             return []
         cfg = self.cfg
         win = self._win

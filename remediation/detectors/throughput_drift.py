@@ -28,6 +28,7 @@ _MAD_TO_SIGMA = 1.4826
 
 class ThroughputDriftDetector(EpisodeDetector):
     symptom = "throughput_drop"
+    skip_after_events = ("checkpoint_", "control_applied", "eval")
     symptoms = ("throughput_drop", "straggler")   # what its findings may be called (engine: `active` for both)
 
     def __init__(self, cfg: DetectorsConfig):
@@ -46,7 +47,6 @@ class ThroughputDriftDetector(EpisodeDetector):
         # Step times of the current excursion (S > 0): they join the baseline when it ends without an alarm,
         # so the baseline is not biased towards the fast steps, and never when it ends in one (a real drift).
         self._held: list[tuple[float, float | None]] = []
-        self._skip_next = False
         self._rebase_from: int | None = None   # alarm step: the baseline is being rebuilt since then
         self._h = self.cfg.drift_threshold
         self._since_h = 50   # recompute h on the first CUSUM step
@@ -71,15 +71,13 @@ class ThroughputDriftDetector(EpisodeDetector):
         if not self.cfg.drift_enabled:
             return []
         if isinstance(rec, EventRecord):
-            if rec.event.startswith("checkpoint_") or rec.event in ("control_applied", "eval"):
-                self._skip_next = True
+            self._note_event(rec)
             return []
         t = rec.step_time_max_s if rec.step_time_max_s is not None else rec.step_time_s
         if t is None or not t > 0:
             return []
         span = self._clock.advance(rec.step)
-        if self._skip_next:
-            self._skip_next = False
+        if self._skipped():
             return []
         cfg = self.cfg
         spread = (rec.step_time_max_s / rec.step_time_s

@@ -3,8 +3,7 @@ Low steps stay out of the baseline, so a lasting drop keeps being measured again
 
 from __future__ import annotations
 
-from ulyssesd.remediation.config import DetectorsConfig
-from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, RollingMedian, fmt
+from ulyssesd.remediation.detectors.base import Finding, MedianWindowDetector, fmt
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
 
@@ -18,25 +17,16 @@ def tokens_per_s(rec: StepRecord) -> float | None:
     return v if v == v and v > 0 else None
 
 
-class ThroughputDropDetector(EpisodeDetector):
+class ThroughputDropDetector(MedianWindowDetector):
     symptom = "throughput_drop"
-
-    def __init__(self, cfg: DetectorsConfig):
-        self._win = RollingMedian(cfg.window)
-        super().__init__(cfg)
+    skip_after_events = ("checkpoint_",)
 
     def baseline(self) -> float | None:
         return self._win.med
 
-    def reset(self) -> None:
-        self._win.clear()
-        super().reset()
-        self._skip_next = False
-
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if isinstance(rec, EventRecord):
-            if rec.event.startswith("checkpoint_"):
-                self._skip_next = True
+            self._note_event(rec)
             return []
         v = rec.tokens_per_s
         if v is None:
@@ -46,8 +36,7 @@ class ThroughputDropDetector(EpisodeDetector):
         elif not v > 0:  # tokens_per_s(): NaN and non-positive rates are no measurement
             return []
         span = self._clock.advance(rec.step)
-        if self._skip_next:
-            self._skip_next = False
+        if self._skipped():
             return []
         cfg = self.cfg
         win = self._win
