@@ -72,11 +72,11 @@ def attempt_logs(run_dir: Path) -> dict[int, Path]:
 
 
 def rank_filter(lines: Iterator[bytes], rank: int | None, seen: list[bool],
-                cont: list[bool | None] | None = None) -> Iterator[bytes]:
+                cont: list[bool | None] | None = None, ranks: set[int] | None = None) -> Iterator[bytes]:
     """The lines of `rank` without their prefix (all lines when rank is None); seen[0] is set once any line
     carried a rank prefix at all. An item without a final newline is a piece of an overlong line (`_lines`):
     its rest follows in the next items and goes where its first piece went; cont[0] carries that decision
-    across calls (None: the next item starts a line)."""
+    across calls (None: the next item starts a line). `ranks` collects every rank a line was labelled with."""
     cont = cont if cont is not None else [None]
     for line in lines:
         if rank is None:
@@ -92,6 +92,8 @@ def rank_filter(lines: Iterator[bytes], rank: int | None, seen: list[bool],
         label = line_rank(line)
         if label is not None:
             seen[0] = True
+            if ranks is not None:
+                ranks.add(label[0])
             if label[0] == rank:
                 keep = True
                 yield line[label[1]:]
@@ -199,11 +201,15 @@ def _run_ended(run_id: str) -> bool:
         return False
 
 
-def _write(lines: Iterator[bytes]) -> None:
+def _write(lines: Iterator[bytes]) -> int:
+    """Write the lines to stdout; how many there were."""
     out = sys.stdout.buffer
+    count = 0
     for line in lines:
         out.write(line)
+        count += 1
     out.flush()
+    return count
 
 
 def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bool, run_dir: Path,
@@ -211,6 +217,8 @@ def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bo
     """The command's body (callable from tests): the files one after the other, then (with follow) each
     one's new lines per poll until the attempt is over. Returns the exit code."""
     seen = [False]
+    ranks: set[int] = set()
+    shown = 0
     last_check = [time.monotonic()]
     with contextlib.ExitStack() as stack:
         no_piece: list[bool | None] = [None]
@@ -227,7 +235,7 @@ def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bo
                     fh.seek(0)
                     pending.clear()
                     cont[0] = None
-                _write(rank_filter(_lines(fh, pending, final=over), rank, seen, cont))
+                shown += _write(rank_filter(_lines(fh, pending, final=over), rank, seen, cont, ranks))
             if over:
                 break
             time.sleep(FOLLOW_POLL_S)
@@ -236,6 +244,9 @@ def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bo
         print(f"error: {paths[0]} has no rank-prefixed lines; --rank needs a launcher that labels its output "
               f"(torchrun --tee 3, srun -l, ...) or torchrun's own per-rank files (--log-dir)", file=sys.stderr)
         return EXIT_USAGE
+    if rank is not None and not shown:  # say why the output is empty: rank R printed nothing of its own
+        print(f"note: {paths[0].name} has no line of rank {rank}; its labelled lines are of rank(s) "
+              f"{', '.join(map(str, sorted(ranks)))}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -106,7 +106,10 @@ def test_lines_with_rank_counts_that_ranks_lines(two_runs, capsys):
     assert _out(capsys, [*sd, "logs", "older", "--rank", "1", "-n", "1"]) == "rank one late\n"
     assert _out(capsys, [*sd, "logs", "older", "--rank", "1", "-n", "5"]) == "rank one early\nrank one late\n"
     assert _out(capsys, [*sd, "logs", "older", "-n", "1"]) == "  File \"train.py\", line 9 in step\n"  # no --rank: the file's
-    assert _out(capsys, [*sd, "logs", "older", "--rank", "2", "-n", "3"]) == ""  # labelled log, no rank 2: empty, 0
+    capsys.readouterr()
+    assert main([*sd, "logs", "older", "--rank", "2", "-n", "3"]) == 0  # labelled log, no rank 2: empty, 0,
+    got = capsys.readouterr()  # and it says so (a silent empty output read as broken)
+    assert got.out == "" and "attempt-1.log has no line of rank 2; its labelled lines are of rank(s) 0, 1" in got.err
 
 
 def test_logs_work_from_the_run_dir_when_the_database_is_gone(two_runs, tmp_path):
