@@ -6,18 +6,25 @@ may recompute cheap pointwise ops in backward instead of saving them. Attention 
 kernel, and what `checkpoint_keep_attention` keeps); matmuls stay cuBLAS calls inside the graphs.
 
 The functions take the weights as arguments (not the modules), so one compiled graph serves every block of
-the same shape (no per-block recompiles) and no module hooks run inside it. Under ZeRO-3 that needs
-`train.zero3_leaf_blocks`: the block's leaf hook has gathered all its parameters before the block runs; with
-per-submodule hooks the weights are still released (0 elements) when read here, which is refused.
+the same shape (no per-block recompiles) and no module hooks run inside it. Under ZeRO-3 use it with
+`train.zero3_leaf_blocks`: the block's leaf hook has gathered all its parameters before the block runs; a
+weight still partitioned (0 elements) when read here is refused, naming that setting.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# ZeRO-3's zero.Init replaces torch.nn.functional.linear for good with its memory-efficient autograd.Function
+# (`memory_efficient_linear`, it saves weight ids, not tensors); inside these graphs the plain aten op is
+# what inductor should see (same matmul), and the block's weights are gathered for the whole block anyway.
+_aten_linear = torch._C._nn.linear
+log = logging.getLogger(__name__)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -45,7 +52,7 @@ def pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, cos, sin, n_heads: int, head_dim:
     """ln1 -> qkv projection -> rotary of q and k; returns q, k (contiguous) and v (a view of qkv)."""
     b, s, _ = x.shape
     hn = _layer_norm(x, ln_w, ln_b, eps, fp32_copy)
-    q, k, v = F.linear(hn, qkv_w, qkv_b).view(b, s, 3, n_heads, head_dim).unbind(2)
+    q, k, v = _aten_linear(hn, qkv_w, qkv_b).view(b, s, 3, n_heads, head_dim).unbind(2)
     q, k = rotate_qk(q, k, cos, sin)
     return q, k, v
 
@@ -53,20 +60,21 @@ def pre_attention(x, ln_w, ln_b, qkv_w, qkv_b, cos, sin, n_heads: int, head_dim:
 def post_attention(x, a, proj_w, proj_b, ln_w, ln_b, fc_in_w, fc_in_b, fc_out_w, fc_out_b, eps: float,
                    fp32_copy: bool, swiglu: bool):
     """Residual + output projection, ln2, MLP (GELU tanh or SwiGLU), residual."""
-    x = x + F.linear(a, proj_w, proj_b)
+    x = x + _aten_linear(a, proj_w, proj_b)
     hn = _layer_norm(x, ln_w, ln_b, eps, fp32_copy)
-    u = F.linear(hn, fc_in_w, fc_in_b)
+    u = _aten_linear(hn, fc_in_w, fc_in_b)
     if swiglu:
         gate, up = u.chunk(2, dim=-1)
         u = F.silu(gate) * up
     else:
         u = F.gelu(u, approximate="tanh")
-    return x + F.linear(u, fc_out_w, fc_out_b)
+    return x + _aten_linear(u, fc_out_w, fc_out_b)
 
 
 @functools.cache
 def compiled() -> tuple:
     """(pre_attention, post_attention) through inductor, compiled once per process and shape."""
+    log.info("compile_blocks: compiling each block's work around attention (inductor; first step pays it)")
     return (torch.compile(pre_attention, fullgraph=True, dynamic=False),
             torch.compile(post_attention, fullgraph=True, dynamic=False))
 
