@@ -255,3 +255,17 @@ def test_slow_step_ignores_the_step_after_a_checkpoint():
     assert run_detector(det, stream) == []
     det.reset()
     assert [f.step for f in run_detector(det, recs)] == [201]  # without the event it is flagged
+
+
+@pytest.mark.parametrize(("event", "passed_over"), [
+    ("checkpoint_loaded", True),  # "checkpoint_" is a prefix: every checkpoint event
+    ("control_applied", True),  # an exact name
+    ("eval", False),  # the drift detector's, not the slow-step detector's
+    ("control_applied_late", False),  # exact names are not prefixes
+])
+def test_slow_step_passes_over_the_step_after_exactly_its_skip_events(event, passed_over):
+    det = SlowStepDetector(DetectorsConfig(slow_step_min_consecutive=1))
+    recs = healthy(300, seed=4)
+    recs[200].step_time_max_s *= 5
+    found = run_detector(det, recs[:200] + [EventRecord(event, step=200)] + recs[200:])
+    assert [f.step for f in found] == ([] if passed_over else [201])
