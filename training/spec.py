@@ -400,16 +400,12 @@ def format_validation_error(exc: ValidationError) -> list[str]:
     problems = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
+        msg = ("must be true or false (a TOML boolean)" if err["type"] == "bool_type"  # StrictBool: not 1, "yes"
+               else err["msg"].removeprefix("Value error, "))
         if err["type"] == "extra_forbidden":
             problems.append(f"{loc}: unknown key (typo? see the field list of that section)")
         elif err["type"] == "missing":
             problems.append(f"{loc}: required key missing")
-        elif err["type"] == "bool_type":  # StrictBool: lax parsing took 1 or "yes" as true, "no" as false
-            value = err.get("input")
-            what = {int: "the integer", float: "the number", str: "the string"}.get(type(value), "a")
-            shown = type(value).__name__ if what == "a" else repr(value)
-            problems.append(f"{loc}={value!r}: must be true or false (a TOML boolean), not {what} {shown}")
         elif loc and "input" in err and not isinstance(err["input"], dict):
             problems.append(f"{loc}={err['input']!r}: {msg}")
         elif loc:

@@ -80,8 +80,8 @@ def test_a_toml_file_with_an_integer_flag_is_refused_by_both_readers(tmp_path):
         with pytest.raises(SpecError) as exc:
             load(spec)
         assert exc.value.problems == [
-            "scalars.tensorboard=1: must be true or false (a TOML boolean), not the integer 1",
-            "scalars.csv='yes': must be true or false (a TOML boolean), not the string 'yes'",
+            "scalars.tensorboard=1: must be true or false (a TOML boolean)",
+            "scalars.csv='yes': must be true or false (a TOML boolean)",
         ], exc.value.problems
 
 
