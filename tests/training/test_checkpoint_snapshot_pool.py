@@ -103,6 +103,21 @@ def test_views_of_any_dtype_and_shape_are_carved_without_overlap_and_reused_afte
     assert again.data_ptr() == views[0].data_ptr() and pool.used_bytes == 60
 
 
+def test_a_saved_view_writes_its_own_bytes_not_the_whole_arena(tmp_path):
+    # A slice of one big tensor would make torch.save write the arena's whole storage with every shard.
+    pool, _ = _ready_pool(16 << 20, chunk=4 << 20)
+    a = pool.take(torch.zeros(1000))
+    b = pool.take(torch.zeros(10, dtype=torch.bfloat16))
+    a.copy_(torch.arange(1000.0))
+    b.fill_(1.5)
+    ck.durable_torch_save({"a": a, "b": b}, tmp_path / "shard.pt")
+    assert (tmp_path / "shard.pt").stat().st_size < 16 * KIB   # 4 KB of tensors, not 16 MiB
+    back = torch.load(tmp_path / "shard.pt")
+    assert torch.equal(back["a"], torch.arange(1000.0)) and bool((back["b"] == 1.5).all())
+    size, _ = ck.write_shard_direct({"a": a}, str(tmp_path / "direct.pt"))
+    assert size < 16 * KIB
+
+
 def test_a_tensor_that_does_not_fit_gets_none_and_smaller_ones_still_fit():
     pool, _ = _ready_pool(4 * KIB, chunk=4 * KIB)
     assert pool.take(torch.zeros(2 * KIB // 4)) is not None   # 2 KiB of 4

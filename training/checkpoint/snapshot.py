@@ -6,6 +6,7 @@ pageable memory built in the background at attempt start, which the copy uses fi
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from collections.abc import Callable
@@ -301,8 +302,9 @@ class SnapshotPool:
         self.registered_bytes = 0     # bytes registered so far (== nbytes once ready)
         self.build_s = 0.0            # seconds the builder took (fill + register + pauses)
         self.register_s = 0.0         # of which inside cudaHostRegister
-        self._buffer: Any = None      # the uint8 arena tensor (None once released)
-        self._base = 0                # its address
+        self._arena: Any = None       # the anonymous mmap holding the memory (None once released)
+        self._buffer: Any = None      # a uint8 tensor over all of it (the builder fills through it)
+        self._base = 0                # its address (page-aligned)
         self._registered: list[int] = []   # chunk addresses, in registration order
         self._offset = 0              # carving position of the save being collected
         self.used_bytes = 0           # bytes of tensors carved since reset() (without the alignment padding)
@@ -334,7 +336,11 @@ class SnapshotPool:
 
         t0 = time.monotonic()
         try:
-            buffer = torch.empty(self.nbytes, dtype=torch.uint8)   # pageable: nothing touched yet
+            # Anonymous pageable memory, nothing touched yet. An mmap rather than one torch tensor: each view is
+            # then a tensor over its own bytes (torch.frombuffer), so torch.save writes that tensor's bytes,
+            # where a slice of one big tensor would write the whole arena's storage with every shard.
+            self._arena = mmap.mmap(-1, self.nbytes)
+            buffer = torch.frombuffer(self._arena, dtype=torch.uint8)
             self._buffer, self._base = buffer, buffer.data_ptr()
             for start in range(0, self.nbytes, self.chunk_bytes):
                 if self._stop.is_set():
@@ -364,13 +370,17 @@ class SnapshotPool:
         """A view of the pool shaped and typed like `like`, or None (not ready, or no room left)."""
         if not self.ready:
             return None
+        import torch
+
         nbytes = like.numel() * like.element_size()
         if self._offset + nbytes > self.nbytes:
             return None
         start = self._offset
         self._offset += aligned_bytes(nbytes)
         self.used_bytes += nbytes
-        return self._buffer[start:start + nbytes].view(like.dtype).view(like.shape)
+        if nbytes == 0:
+            return torch.empty(like.shape, dtype=like.dtype)   # holds no bytes: nothing to carve
+        return torch.frombuffer(self._arena, dtype=like.dtype, count=like.numel(), offset=start).view(like.shape)
 
     def copy_into(self, out: Any, src: Any) -> None:
         """out.copy_(src) from the device, split where the pool's registrations meet (each piece lies inside
@@ -404,4 +414,5 @@ class SnapshotPool:
         while self._registered:
             self.registrar.unregister(self._registered.pop())
         self.registered_bytes = 0
-        self._buffer = None
+        # The mmap is unmapped once the last tensor over it is gone (views still being written keep it).
+        self._buffer = self._arena = None
