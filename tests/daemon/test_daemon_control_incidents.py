@@ -9,6 +9,12 @@ is resolved, saying so; an escalated incident stays, waiting for its human.
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 from test_daemon_step_guard import _internal, _raiser, _running, _tick
 from test_daemon_unit_fakeos import _emit
 
@@ -16,6 +22,7 @@ from ulyssesd.daemon.host.process import ExitStatus
 from ulyssesd.daemon.store.enums import IncidentStatus, RunState
 
 S = RunState
+CTL = Path(sys.executable).parent / "ulyssesctl"
 
 
 def test_refused_requests_are_answers_not_incidents(tmp_path):
@@ -65,9 +72,20 @@ def test_what_is_still_open_when_the_run_completes_is_resolved_and_escalated_sta
     # waits for a human.
     store, run_id = sup.store, sup.run_id
     earlier = store.record_incident(run_id, attempt=1, symptom="slow_step", step=2, summary="slow")
-    asked = store.record_incident(run_id, attempt=1, symptom="crash", step=3, summary="final save failed")
+    asked = store.record_incident(run_id, attempt=1, symptom="disk_full", step=1, summary="final save failed")
     store.update_incident_status(asked, IncidentStatus.escalated, "final save failed; nothing to retry now")
+    # Attempt 1 crashes (its crash incident waits for its fix to be verified); attempt 2 trains to the end.
+    monkeypatch.undo()
+    fos.die(sup.job.pid, ExitStatus(None, signal.SIGSEGV, "wait"))
+    for _ in range(10):
+        fos.advance(1.0)
+        sup.tick()
+        if sup.attempt == 2 and sup.job is not None:
+            break
+    assert sup.attempt == 2
+    _emit(sup, kind="event", event="started", step=3)
     _tick(sup, fos, 2)
+    assert len(store.list_incidents(run_id, status="open") + store.list_incidents(run_id, status="remediating")) == 3
     _emit(sup, kind="event", event="exiting", reason="completed", step=sup.last_step)
     fos.die(sup.job.pid, ExitStatus(0, None, "file"))
     sup.tick()
@@ -76,8 +94,14 @@ def test_what_is_still_open_when_the_run_completes_is_resolved_and_escalated_sta
         inc = store.get_incident(iid)
         assert inc.status == IncidentStatus.resolved, inc
         assert inc.status_reason == "run completed: nothing left to act on (still open when the run completed)"
+    [crash] = store.list_incidents(run_id, symptom="crash")
+    assert crash.status == IncidentStatus.resolved and crash.status_reason == "run completed"
     assert store.get_incident(asked).status == IncidentStatus.escalated
-    assert [i.id for i in store.list_incidents(run_id) if i.status == IncidentStatus.open] == []
+    # What `ulyssesctl status` shows of the finished run: nothing open.
+    res = subprocess.run([str(CTL), "--state-dir", str(sup.dcfg.state_dir), "status", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    shown = json.loads(res.stdout)
+    assert shown["state"] == "COMPLETED" and shown["open_incidents"] == 0 and shown["open_incident_list"] == []
 
 
 def test_a_run_that_does_not_complete_leaves_its_open_incidents_open(tmp_path):
