@@ -120,11 +120,9 @@ class TrainerCheckpoints:
 
         if cs.load == "latest":
             had_tags = bool(ckpt.list_tags(root))
-            # A warm standby's ranks already checked every file of the newest tag against its sha256 while
-            # they waited: sizes suffice then (training/standby.py verified_newest); any doubt, full check.
-            verify = cs.verify_checksums and not (self.preload is not None and self.preload.verified_newest(
-                root, self.run_dir, self.attempt, self.world) is not None)
-            tag = ckpt.latest_valid_tag(root, verify, on_invalid=invalid, threads=cs.verify_threads)
+            tag = self._newest_checked_in_standby(root, invalid) if cs.verify_checksums else None
+            if tag is None:  # no standby, or its newest tag failed (quarantined): the rest is checked in full
+                tag = ckpt.latest_valid_tag(root, cs.verify_checksums, on_invalid=invalid, threads=cs.verify_threads)
             if tag is None and had_tags:
                 return None, f"no valid checkpoint left in {root} (all tags failed validation)"
         else:
@@ -138,6 +136,30 @@ class TrainerCheckpoints:
             # Upstream #8499: ZeRO-3 may load what `latest` names rather than the tag asked for.
             ckpt.point_latest_to(root, tag)
         return tag, None
+
+    def _newest_checked_in_standby(self, root: Path, invalid: Any) -> str | None:
+        """The newest tag, validated with what a warm standby's ranks already checked while they waited
+        (training/standby.py verified_files): every file's size, and the sha256 of only the files they had
+        not (all of them after a preload the gate cut short at once, none after a finished one). None: no
+        standby coverage (the caller validates as on a cold start), or the tag failed (quarantined)."""
+        got = None if self.preload is None else self.preload.verified_files(root, self.run_dir, self.attempt,
+                                                                             self.world)
+        if got is None or not got[1]:
+            return None
+        tag, covered, _ = got
+        ok, reason = ckpt.validate_tag(root / tag, verify_checksums=False)
+        if ok:
+            files = ckpt.read_manifest(root / tag)["files"]
+            rest = {rel: meta for rel, meta in files.items() if rel not in covered}
+            self.preload.hashed_after_gate = len(rest)
+            failed = ckpt.verify_checksums_parallel(root / tag, rest, self.spec.checkpoint.verify_threads)
+            if failed is None:
+                log.info("checkpoint %s: %d of %d files hashed by the standby, %d now", tag, len(covered),
+                         len(files), len(rest))
+                return tag
+            reason = failed
+        invalid(tag, reason)
+        return None
 
     def _agree_on_tag(self) -> str | None:
         """Collective, before the model is built: a run that cannot resume fails fast (exit 3)."""
@@ -347,8 +369,8 @@ class TrainerCheckpoints:
 
     def _prepare_snapshot_pool(self) -> None:
         """Once per attempt, at the first poll (after its first step: the optimizer's states exist then, fresh
-        or resumed): the async writer starts building its snapshot pool, sized by the device tensors DeepSpeed's
-        save will hand it (the optimizer's and the module's state dicts), in the background."""
+        or resumed): the async writer starts building its snapshot pool in the background, sized by the device
+        tensors DeepSpeed's save will hand it (ckpt.engine_snapshot_bytes) plus a margin."""
         self._pool_prepared = True
         cs, device = self.spec.checkpoint, getattr(self, "device", None)
         if not (cs.async_save and cs.snapshot_pool) or device is None or torch.device(device).type != "cuda":
