@@ -3,7 +3,8 @@
 # Levers: every layer recomputed, tiled loss 8K, TiledMLP 16K, checkpointed block inputs offloaded to pinned
 # host memory (model.offload_checkpoints), bf16 LayerNorm input; rotary_fused off (not yet run together
 # with the offload's saved-tensor hooks) and qkv_copy on (the view costs 8 GiB at 1M).
-# A 1M step takes longer than one device command (10 min), so the job runs in the background and later
+# LS_KEEP_ATTENTION=1 adds model.checkpoint_keep_attention (no attention forward in recompute; the kept outputs
+# stay on the GPU); LS_VERIFY=0 skips the warm tag's sha256 check at resume (~12 s for 17 GB). A 1M step takes longer than one device command (10 min), so the job runs in the background and later
 # commands collect its telemetry:
 #   0. tests/training/test_offload_checkpoints_cuda.py (the offload's stream path on this GPU), then
 #   1. warm:  the same model at LS_WARM_SEQ (8K) for 1 step, saved at the end: Adam's m and v exist from then on.
@@ -35,6 +36,8 @@ seq, warm = int(env("LS_SEQ", "1048576")), int(env("LS_WARM_SEQ", "8192"))
 common = {
     "model.preset": env("LS_PRESET", "gpt-1b"), "model.max_seq_len": seq, "model.offload_checkpoints": True,
     "model.mlp_chunk_tokens": int(env("LS_MLP_CHUNK", "16384")), "model.rotary_fused": False, "model.qkv_copy": True,
+    "model.checkpoint_keep_attention": env("LS_KEEP_ATTENTION", "0") == "1",
+    "checkpoint.verify_checksums": env("LS_VERIFY", "1") == "1",
     "parallel.sequence_parallel_size": 1, "precision.dtype": env("LS_DTYPE", "bf16"),
     "train.activation_checkpoint_every": 1, "train.activation_checkpoint_layers": None,
     "train.loss_chunk_tokens": int(env("LS_LOSS_CHUNK", "8192")), "train.micro_batch_size": 1,

@@ -2,7 +2,8 @@
 
 A ~60-line model of the same shape as the product's preset: pre-LN, GELU 4h MLP, no bias, NO positional
 encoding, torch AdamW, ZeRO-3 bf16 with DeepSpeed's usual knobs (parameter persistence threshold 1e6,
-overlap_comm, reduce bucket 1e8, prefetch bucket 5e8), no leaf modules, untiled fp32 loss, SDPA (cuDNN on
+overlap_comm, reduce bucket 1e8, prefetch bucket 5e8; env REFERENCE_PERSISTENCE_THRESHOLD overrides the
+threshold), no leaf modules, untiled fp32 loss, SDPA (cuDNN on
 Hopper). It reads the same spec.toml the product case would get (model shape, seq_len, steps, recompute,
 optimizer hyper-parameters) and writes the product's telemetry fields (`kind: step`, `step_time_s`, `tokens`,
 `mem_max_allocated_gib`, ...) so gpu_bench.py times both with one code path: per step, wall time from the
@@ -57,6 +58,10 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+# The reference's one knob for an equal-settings check of the product's persistence lever (1e6 otherwise).
+PERSISTENCE_THRESHOLD = int(float(os.environ.get("REFERENCE_PERSISTENCE_THRESHOLD", "1e6")))
+
+
 def ds_config(train: dict) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
             "gradient_clipping": train["gradient_clipping"], "bf16": {"enabled": True},
@@ -64,7 +69,7 @@ def ds_config(train: dict) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": train["lr"], "betas": list(train["betas"]),
                                                       "eps": 1e-8, "weight_decay": train["weight_decay"],
                                                       "torch_adam": True}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": int(1e6),
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
                                   "overlap_comm": True, "contiguous_gradients": True,
                                   "reduce_bucket_size": int(1e8), "stage3_prefetch_bucket_size": int(5e8)}}
 
