@@ -221,6 +221,7 @@ class Preload:
     misses: int = 0
     verified_in_standby: str | None = None  # the tag rank 0 validated by sizes only (the standby hashed it)
     complete: bool = True  # False: the gate opened mid-preload; only the files read by then are held
+    hashed_after_gate: int | None = None  # files of the tag rank 0 still hashed (the standby had not)
 
     @property
     def nbytes(self) -> int:
@@ -282,11 +283,13 @@ class Preload:
         out.seconds = time.monotonic() - t0
         return out
 
-    def verified_newest(self, ckpt_dir: Path, run_dir: Path, attempt: int, world: int) -> str | None:
-        """`verified_newest` (below), for the Trainer that holds a preload (it does not import this module);
-        remembered for the `standby_preload_used` event."""
-        self.verified_in_standby = verified_newest(ckpt_dir, run_dir, attempt, world)
-        return self.verified_in_standby
+    def verified_files(self, ckpt_dir: Path, run_dir: Path, attempt: int,
+                       world: int) -> tuple[str, frozenset[str], frozenset[str]] | None:
+        """`verified_files` (below), for the Trainer that holds a preload (it does not import this module);
+        whether it covered the whole tag is remembered for the `standby_preload_used` event."""
+        got = verified_files(ckpt_dir, run_dir, attempt, world)
+        self.verified_in_standby = got[0] if got is not None and got[1] == got[2] else None
+        return got
 
     def still_latest(self) -> bool:
         from . import checkpoint as ckpt
@@ -339,7 +342,8 @@ class Preload:
             del ce.load  # the class's own load again
             event("standby_preload_used", tag=tag, from_memory=self.hits, from_disk=self.misses,
                   preloaded_bytes=self.nbytes, preload_seconds=round(self.seconds, 3),
-                  preload_complete=self.complete, checksums_verified_in_standby=self.verified_in_standby == tag)
+                  preload_complete=self.complete, checksums_verified_in_standby=self.verified_in_standby == tag,
+                  files_hashed_after_gate=self.hashed_after_gate)
             self.release()  # the memfds go; the loaded tensors keep only the pages they map
 
 
@@ -455,31 +459,40 @@ def wait_at_gate(gate_path: Path, run_dir: Path, attempt: int, *,
         sleep(GATE_POLL_S)
 
 
-def verified_newest(ckpt_dir: Path, run_dir: Path, attempt: int, world: int) -> str | None:
-    """The newest tag of `ckpt_dir` if this attempt's standby ranks together checked every file of it
-    against its manifest's sha256 while they waited (their ready files) and no file changed since; else None.
-    Rank 0 then validates that tag by sizes only instead of hashing the whole checkpoint a second time on
-    the restart's critical path. Any doubt (a rank missing, a file replaced, a newer tag) means None."""
+def verified_files(ckpt_dir: Path, run_dir: Path, attempt: int,
+                   world: int) -> tuple[str, frozenset[str], frozenset[str]] | None:
+    """(newest tag of `ckpt_dir`, the files of it that this attempt's standby ranks checked against its
+    manifest's sha256 while they waited (their ready files) and that did not change since (inode, size,
+    mtime), all the files its manifest lists); None without a tag or a readable manifest. Rank 0 hashes the
+    files not in the set (a rank's missing or stale ready file, a preload the gate cut short, a rewritten
+    file): a check is moved before the failure, never skipped."""
     from . import checkpoint as ckpt
 
     tags = ckpt.list_tags(ckpt_dir)
     if not tags:
         return None
-    tag, covered = tags[-1], {}
+    tag, claimed = tags[-1], {}
     for r in range(world):
         try:
-            data = json.loads((run_dir / "standby" / f"attempt-{attempt}-rank-{r}.ready").read_text()[:1 << 20])
-            got = data["verified"]
-            if not isinstance(got, dict) or got.get("tag") != tag or not isinstance(got.get("files"), dict):
-                return None
-            covered.update(got["files"])
+            got = json.loads((run_dir / "standby" / f"attempt-{attempt}-rank-{r}.ready").read_text()[:1 << 20])
+            got = got["verified"]
+            if isinstance(got, dict) and got.get("tag") == tag and isinstance(got.get("files"), dict):
+                claimed.update(got["files"])
         except (OSError, ValueError, KeyError, TypeError, RecursionError):
-            return None
+            continue
     try:
-        manifest = ckpt.read_manifest(ckpt_dir / tag)
-        for rel in manifest["files"]:
-            if rel not in covered or list(_ident(ckpt_dir / tag / rel)) != list(covered[rel]):
-                return None
-    except (ckpt.ManifestError, OSError):
+        rels = frozenset(ckpt.read_manifest(ckpt_dir / tag)["files"])
+    except ckpt.ManifestError:
         return None
-    return tag
+    covered = set()
+    for rel in rels & claimed.keys():
+        with contextlib.suppress(OSError, TypeError):
+            if list(_ident(ckpt_dir / tag / rel)) == list(claimed[rel]):
+                covered.add(rel)
+    return tag, frozenset(covered), rels
+
+
+def verified_newest(ckpt_dir: Path, run_dir: Path, attempt: int, world: int) -> str | None:
+    """The newest tag when the standby ranks together checked every one of its files (`verified_files`)."""
+    got = verified_files(ckpt_dir, run_dir, attempt, world)
+    return got[0] if got is not None and got[1] == got[2] else None

@@ -42,10 +42,11 @@ class LaunchError(RuntimeError):
 
 def choose_checkpoint(ckpt_dir: Path, rollback_to_step: int | None, *, verify: bool, verify_max_gib: float,
                       store: Any, run_id: str, clock: Callable[[], float],
-                      say: Callable[[str], None]) -> tuple[str, list[str]]:
+                      say: Callable[[str], None], threads: int | None = None) -> tuple[str, list[str]]:
     """Validate tags newest -> oldest, quarantine bad ones; return (tag or "none", notes).
 
-    `verify`: checksum verification (checkpoint.verify_checksums), skipped for tags over `verify_max_gib`;
+    `verify`: checksum verification (checkpoint.verify_checksums), skipped for tags over `verify_max_gib`,
+    hashed by `threads` workers (checkpoint.verify_threads; None: the job's default, min(CPU cores, 8));
     invalid and set-aside tags are recorded in `store` for `run_id`."""
     from ulyssesd.training import checkpoint as ck
 
@@ -69,7 +70,7 @@ def choose_checkpoint(ckpt_dir: Path, rollback_to_step: int | None, *, verify: b
     def first_valid(candidates: list[str]) -> str | None:
         for tag in candidates:
             gib_ok = tag_gib(ckpt_dir, tag) <= verify_max_gib
-            ok, reason = ck.validate_tag(ckpt_dir / tag, verify and gib_ok)
+            ok, reason = ck.validate_tag(ckpt_dir / tag, verify and gib_ok, threads=threads)
             if ok:
                 return tag
             bad(tag, reason)
@@ -119,11 +120,13 @@ def tag_gib(ckpt_dir: Path, tag: str) -> float:
 
 
 def checkpoint_for(sup: Supervisor, rollback_to_step: int | None) -> tuple[str, list[str]]:
-    """Validate tags newest -> oldest, quarantine bad ones; return (tag or "none", notes)."""
+    """Validate tags newest -> oldest, quarantine bad ones; return (tag or "none", notes). The hashing uses the
+    job's own `[checkpoint] verify_threads`: this check is on the restart's critical path too."""
+    threads = jc.get_dotted(sup.config, "checkpoint.verify_threads")
     return choose_checkpoint(
         sup.ckpt_dir, rollback_to_step, verify=bool(jc.get_dotted(sup.config, "checkpoint.verify_checksums", True)),
         verify_max_gib=sup.dcfg.verify_max_gib, store=sup.store, run_id=sup.run_id, clock=sup.os.time,
-        say=sup.say)
+        say=sup.say, threads=threads if type(threads) is int and threads >= 1 else None)
 
 
 def launch(sup: Supervisor, reason: str, rollback_to_step: int | None = None, incident_id: int | None = None) -> bool:

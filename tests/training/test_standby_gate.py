@@ -128,7 +128,8 @@ def test_checksums_checked_by_every_standby_rank_spare_the_second_hash_only_whil
     assert "zero_to_fp32.py" in pre0.verified and all("zero_pp_rank_0_" in Path(p).name for p in pre0.files)
     assert standby.verified_newest(root, run_dir, 2, world=2) is None  # rank 1 has not said so yet
     ready(1)
-    assert pre0.verified_newest(root, run_dir, 2, world=2) == d.name == pre0.verified_in_standby
+    got = pre0.verified_files(root, run_dir, 2, world=2)
+    assert got is not None and got[0] == d.name == pre0.verified_in_standby and got[1] == got[2]
     assert standby.verified_newest(root, run_dir, 3, world=2) is None  # another attempt's standby
     f = d / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     f.write_bytes(f.read_bytes())  # rewritten after the check (same bytes, new mtime): hash again
