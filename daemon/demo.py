@@ -222,7 +222,7 @@ def run_demo(work_dir: str | None = None) -> int:
     con.print(f"goodput: {good['productive_s']:.1f} s productive training / {wall:.1f} s wall = "
               f"[bold]{good['goodput']:.0%}[/bold]  ({good['unique_steps']} unique steps, "
               f"{good['steps_run']} steps run, {good['steps_run'] - good['unique_steps']} redone after rollbacks)")
-    con.print(f"inspect: ulyssesctl --state-dir {state} status | incidents | incident ID | config")
+    con.print(f"inspect: {ulyssesctl_command()} --state-dir {state} status | incidents | incident ID | config")
     report_path, report_error = write_demo_report(store, sup.run_id, work)
     if report_error is None:
         con.print(f"report:  {escape(str(report_path))}")
@@ -266,7 +266,21 @@ def watch_command(state: Path) -> str:
     """The exact command that follows the demo's run live."""
     import shlex
 
-    return f"ulyssesctl --state-dir {shlex.quote(str(state))} status --watch"
+    return f"{ulyssesctl_command()} --state-dir {shlex.quote(str(state))} status --watch"
+
+
+def ulyssesctl_command() -> str:
+    """How a shell calls this installation's ulyssesctl: its bare name when PATH finds it, else its full path
+    (`make demo` runs .venv/bin/ulyssesd without activating the venv: a bare `ulyssesctl` is not found)."""
+    import shlex
+    import shutil
+    import sys
+
+    mine = Path(sys.executable).parent / "ulyssesctl"  # not resolved: a venv's python is a symlink
+    found = shutil.which("ulyssesctl")
+    if not mine.exists() or (found is not None and Path(found).resolve() == mine.resolve()):
+        return "ulyssesctl"
+    return shlex.quote(str(mine))
 
 
 #: Demo exit codes: the run completed and its report was written · the run did not complete ·

@@ -55,11 +55,14 @@ def test_the_printed_watch_command_follows_the_demo_live(tmp_path):
     demo = subprocess.Popen([sys.executable, "-c", DEMO, str(spec), str(work)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        command = _read_until(demo, r"watch live \(another terminal\): (ulyssesctl .*status --watch)\s*$", 60)[1]
+        command = _read_until(demo, r"watch live \(another terminal\): (\S*ulyssesctl .*status --watch)\s*$", 60)[1]
         argv = shlex.split(command)
-        assert argv[:2] == ["ulyssesctl", "--state-dir"] and Path(argv[2]) == work / "state", argv
-        watch = subprocess.Popen([str(BIN / "ulyssesctl"), *argv[1:]], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env)
+        assert argv[1] == "--state-dir" and Path(argv[2]) == work / "state", argv
+        # As printed, through this PATH: the bare name only if PATH finds this installation's ulyssesctl, else
+        # its full path (`make demo` does not activate the venv, so a bare name was "command not found").
+        found = shutil.which(argv[0], path=env.get("PATH"))
+        assert found and Path(found).resolve() == (BIN / "ulyssesctl").resolve(), (argv[0], env.get("PATH"))
+        watch = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:
             lines = [watch.stdout.readline() for _ in range(3)]  # what `| head -3` sees
         finally:
@@ -82,3 +85,12 @@ def test_the_printed_watch_command_follows_the_demo_live(tmp_path):
                          capture_output=True, text=True, timeout=60, env=env)
     shutil.rmtree(work, ignore_errors=True)
     assert res.returncode == 0 and '"daemon": "not running"' in res.stdout and '"COMPLETED"' in res.stdout, res
+
+
+def test_the_printed_command_is_the_bare_name_only_when_path_finds_it(monkeypatch):
+    from ulyssesd.daemon.demo import ulyssesctl_command
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # `make demo`: the venv is not activated
+    assert ulyssesctl_command() == str(BIN / "ulyssesctl")
+    monkeypatch.setenv("PATH", f"{BIN}:/usr/bin:/bin")  # an activated venv, or a pip install on PATH
+    assert ulyssesctl_command() == "ulyssesctl"
