@@ -262,13 +262,9 @@ class CheckpointSpec(_Section):
     async_save: StrictBool = Field(False, description="Snapshot shards to host memory and write them in a background "
                              "thread while training goes on (one save in flight); the manifest is committed only "
                              "when every rank's shards are durable.")
-    snapshot_pool: StrictBool = Field(True, description="With async_save on a GPU: after the first step of each attempt, "
-                                "build the snapshot memory in the background (pageable host memory registered with "
-                                "the driver chunk by chunk), so no save allocates pinned memory while training waits.")
-    snapshot_pool_chunk_mib: int = Field(256, ge=16, le=16384, strict=True, description="MiB per cudaHostRegister "
-                                         "call of the snapshot pool (each call stalls the GPU about as long as it runs).")
-    snapshot_pool_pause_ms: float = Field(50.0, ge=0, le=10_000, description="Pause between two registered chunks "
-                                          "of the snapshot pool, so their stalls spread over several steps.")
+    snapshot_pool: StrictBool = Field(True, description="Async saves on a GPU: registered snapshot memory, built early.")
+    snapshot_pool_chunk_mib: int = Field(256, ge=16, le=16384, strict=True, description="MiB per cudaHostRegister.")
+    snapshot_pool_pause_ms: float = Field(50.0, ge=0, le=10_000, description="Rest between registered chunks.")
 
 
 # ------------------------------------------------------------------------------------ telemetry
