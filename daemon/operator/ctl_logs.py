@@ -317,6 +317,9 @@ def logs(run_id: str = typer.Argument(None, metavar="RUN", help="run id (default
         die(f"no log of attempt {number} in {run_dir / 'logs'} (attempts with logs: "
             f"{', '.join(map(str, sorted(logs_by_attempt)))})", EXIT_NOT_FOUND, False)
     paths = [logs_by_attempt[number]]
+    if attempt is None and not follow and number - 1 in logs_by_attempt and _is_empty(paths[0]):
+        # Right after a relaunch the newest log has nothing yet; an empty answer read as a broken command.
+        print(f"note: attempt {number}'s log is empty so far; the one before: --attempt {number - 1}", file=sys.stderr)
     if rank is not None and known_id is not None:  # torchrun's own per-rank files beat filtering by prefix
         paths = torchrun_rank_files(spec, run_dir, known_id, number, rank) or paths
     try:
@@ -328,6 +331,13 @@ def logs(run_id: str = typer.Argument(None, metavar="RUN", help="run id (default
         reader_gone()
         code = EXIT_OK
     raise typer.Exit(code)
+
+
+def _is_empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size == 0
+    except OSError:
+        return False
 
 
 def register_logs(app: typer.Typer) -> None:

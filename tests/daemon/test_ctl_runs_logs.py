@@ -112,6 +112,21 @@ def test_lines_with_rank_counts_that_ranks_lines(two_runs, capsys):
     assert got.out == "" and "attempt-1.log has no line of rank 2; its labelled lines are of rank(s) 0, 1" in got.err
 
 
+def test_an_empty_newest_log_points_at_the_attempt_before(two_runs, capsys):
+    """Right after a relaunch the newest attempt's log is still empty: say so, and where the last output is."""
+    sd = ["--state-dir", str(two_runs)]
+    logs = two_runs / "runs" / "newer" / "logs"
+    (logs / "attempt-1.log").write_bytes(b"[rank0]:the crash\n")
+    (logs / "attempt-2.log").write_bytes(b"")
+    capsys.readouterr()
+    assert main([*sd, "logs", "newer"]) == 0
+    got = capsys.readouterr()
+    assert got.out == "" and "attempt 2's log is empty so far; the one before: --attempt 1" in got.err
+    assert main([*sd, "logs", "newer", "--attempt", "2"]) == 0 and capsys.readouterr().err == ""  # asked for it
+    (logs / "attempt-2.log").write_bytes(b"started\n")
+    assert _out(capsys, [*sd, "logs", "newer"]) == "started\n"
+
+
 def test_logs_work_from_the_run_dir_when_the_database_is_gone(two_runs, tmp_path):
     state = tmp_path / "state"
     (state / "runs").mkdir(parents=True)
