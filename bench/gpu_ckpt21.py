@@ -189,7 +189,11 @@ def phase_faults(a, work: Path, out: Path, timeout: float, name: str = "faults",
         while time.time() - t0 < timeout and proc.poll() is None:
             time.sleep(0.1)
             rd = run_dir_of(state)
-            if rd is None or "sigkill_time" in ev:
+            if rd is None:
+                continue
+            if "sigkill_time" in ev:
+                if a.stop_at and stop_reached(a.stop_at, rd, ev):
+                    break   # enough measured: the finally below ends the daemon and its ranks (no final save)
                 continue
             recs = records(rd / "telemetry.jsonl")
             saving = [r for r in recs if r.get("event") == "checkpoint_saving" and r.get("attempt") == 1
@@ -200,6 +204,8 @@ def phase_faults(a, work: Path, out: Path, timeout: float, name: str = "faults",
             after = [r for r in recs if r.get("kind") == "step" and r.get("attempt") == 1 and r["step"] > s]
             if not after:
                 continue   # the snapshot is still being taken: training has not resumed yet
+            if a.kill_when == "committed" and not kill_ready_committed(a, rd, recs, saving[0], ev, standby):
+                continue   # wait for the manifest (and a standby's preload of it): no write in flight at the kill
             if "snapshot_done_seen" not in ev:
                 ev["snapshot_done_seen"] = time.time()
             if time.time() - ev["snapshot_done_seen"] < a.kill_delay:
@@ -214,7 +220,7 @@ def phase_faults(a, work: Path, out: Path, timeout: float, name: str = "faults",
                           manifest_at_kill=(tag_dir / "manifest.json").exists())
     finally:
         if proc.poll() is None:
-            ev["daemon_timeout"] = True
+            ev["daemon_timeout" if "stopped_at" not in ev else "daemon_stopped_by_bench"] = True
             proc.send_signal(signal.SIGTERM)
             time.sleep(2)
             kill_group(proc)
@@ -241,6 +247,41 @@ def phase_faults(a, work: Path, out: Path, timeout: float, name: str = "faults",
     (out / f"{name}_events.json").write_text(json.dumps(ev, indent=1))
     shutil.rmtree(state, ignore_errors=True)
     return ev
+
+
+def stop_reached(stop_at: str, rd: Path, ev: dict) -> bool:
+    """`--stop-at A:N`: attempt A has N step records (the run is then ended by the bench, not completed)."""
+    att, n = (int(x) for x in stop_at.split(":"))
+    got = sum(1 for r in records(rd / "telemetry.jsonl") if r.get("kind") == "step" and r.get("attempt") == att)
+    if got >= n:
+        ev["stopped_at"] = {"attempt": att, "steps": got, "time": time.time()}
+        return True
+    return False
+
+
+def kill_ready_committed(a, rd: Path, recs: list[dict], saving: dict, ev: dict, standby: bool) -> bool:
+    """`--kill-when committed`: the tag of that save is durable (its checkpoint_saved event) and, with a warm
+    standby, the standby's ready file shows it preloaded (bounded by --preload-wait; past it, kill anyway)."""
+    if not any(r.get("event") == "checkpoint_saved" and r.get("attempt") == 1 and r.get("tag") == saving["tag"]
+               for r in recs):
+        return False
+    ev.setdefault("tag_committed_seen", time.time())
+    if not standby:
+        return True
+    ready = rd / "standby" / "attempt-2-rank-0.ready"
+    try:
+        data = json.loads(ready.read_text())
+    except (OSError, ValueError):
+        data = {}
+    ev["standby_ready_at_kill"] = {k: data.get(k) for k in ("time", "warm_s", "preloaded", "preloaded_bytes",
+                                                           "max_rss_kib")}
+    if data.get("preloaded") == saving["tag"]:
+        ev.setdefault("standby_preloaded_seen", time.time())
+        return True
+    if time.time() - ev["tag_committed_seen"] > a.preload_wait:
+        ev["standby_preload_wait_expired"] = True
+        return True
+    return False
 
 
 def training_rank_pids(run_dir: Path) -> list[tuple[int, int]]:
@@ -354,7 +395,8 @@ def _analyze_faults(out: Path, name: str, recs: list[dict], ev: dict, store: dic
             wb, ws = r.get("write_bytes") or r.get("bytes"), r.get("write_seconds")
             row.update(blocked_seconds_job=r.get("blocked_seconds"), write_seconds=ws,
                        commit_seconds=r.get("commit_seconds"), GB=round((r.get("bytes") or 0) / 1e9, 2),
-                       host_alloc_GB=round((r.get("host_buffer_alloc_bytes") or 0) / 1e9, 2))
+                       host_alloc_GB=round((r.get("host_buffer_alloc_bytes") or 0) / 1e9, 2),
+                       saved_event={k: v for k, v in r.items() if k not in ("v", "kind", "event", "tag")})
             if ws:
                 row["write_GBps"] = round(wb / 1e9 / ws, 3)
                 row["write_vs_dd_direct"] = round(wb / 1e9 / ws / dd, 3) if dd else None
@@ -380,7 +422,8 @@ def _analyze_faults(out: Path, name: str, recs: list[dict], ev: dict, store: dic
     kill = ev.get("sigkill_time")
     if kill and 2 in atts:
         a1, a2 = atts.get(1, {}), atts[2]
-        inc = next((i for i in incs if i["attempt"] == 1), None)
+        # The incident of the kill (not an earlier one of the same attempt, e.g. a slow step).
+        inc = next((i for i in incs if i["attempt"] == 1 and (_ts(i["detected_at"]) or 0) >= kill - 0.5), None)
         t_det = _ts(inc["detected_at"]) if inc else None
         t_end1, t_launch2 = _ts(a1.get("ended_at")), _ts(a2.get("started_at"))
         m = {"killed_during_save_of": ev.get("killed_during_save_of"), "killed_after_step": ev.get("sigkill_after_step"),
@@ -403,6 +446,17 @@ def _analyze_faults(out: Path, name: str, recs: list[dict], ev: dict, store: dic
             m["mttr_s"] = round(fs2["time"] - kill, 2)
             m["resumed_at_step"] = fs2["step"]
         m["incident"] = None if inc is None else {"symptom": inc["symptom"], "summary": inc["summary"][:300]}
+        su = (st2 or {}).get("startup") or {}
+        if su.get("process_started_at"):   # the job's own start-up marks, as seconds after the kill
+            m["startup_after_kill_s"] = {k: round(su["process_started_at"] + v - kill, 2) for k, v in su.items()
+                                         if k != "process_started_at" and isinstance(v, (int, float))}
+            m["startup"] = su
+        for k in ("standby_ready_at_kill", "standby_preload_wait_expired", "tag_committed_seen"):
+            if k in ev:
+                m[k] = ev[k]
+        m["attempt2_launched_after_kill_s"] = None if t_launch2 is None else round(t_launch2 - kill, 2)
+        preload_used = [r for r in recs if r.get("attempt") == 2 and str(r.get("event", "")).startswith("standby")]
+        m["standby_events_attempt2"] = [{k: v for k, v in r.items() if k not in ("v", "kind")} for r in preload_used][:5]
         res["mttr_sigkill"] = m
     hang = [i for i in incs if i["symptom"] == "hang"]
     if hang:
@@ -447,6 +501,13 @@ def main() -> int:
     ap.add_argument("--interval", type=int, default=40)
     ap.add_argument("--kill-at", type=int, default=80, help="SIGKILL while the save at this step is written")
     ap.add_argument("--kill-delay", type=float, default=2.0, help="seconds after training resumed from that save")
+    ap.add_argument("--kill-when", choices=("mid-write", "committed"), default="mid-write",
+                    help="mid-write: during that save's background write; committed: once its manifest is durable "
+                         "(and a warm standby preloaded it)")
+    ap.add_argument("--stop-at", default="", metavar="A:N", help="end the supervised run once attempt A has N "
+                                                                  "step records (default: let it finish)")
+    ap.add_argument("--preload-wait", type=float, default=60.0, help="committed: at most this long for the "
+                                                                     "standby's preload before the kill")
     ap.add_argument("--hang-at", type=int, default=60, help="attempt 2 hangs before this step (0: no hang)")
     ap.add_argument("--hang-floor", type=float, default=20.0)
     ap.add_argument("--deadline", type=float, default=None, help="epoch seconds: the faults run ends 15 s before")
