@@ -4,8 +4,9 @@ directory's telemetry (so both work with the daemon down), plus the live daemon'
 - progress: step/total with a bar, elapsed, ETA from the recent step rate of the newest attempt;
 - last-step age, flagged once it passes the run's hang timeout (the hang detector's own rule, fed the same
   recent step records, with the run's `[detectors]` settings);
-- tokens/s and MFU only while a job trains: a PAUSED/STOPPED/BACKOFF/FAILED run has no throughput, so its
-  last value would be a stale number that looks live (EMPTY instead);
+- tokens/s and MFU only while a job trains (RUNNING or REMEDIATING, and the newest step record is the current
+  attempt's): a paused, restarting, starting, stopped or finished run has no throughput, so the last value
+  would be a stale number that looks live (EMPTY instead);
 - restarts (relaunches by the daemon: crashes, hangs, remediations) apart from operator relaunches
   (`pause`+`resume`, `restart`), which are not failures and not in the restart budget.
 """
@@ -48,11 +49,10 @@ from ulyssesd.daemon.operator.ctl_common import (
 #: How many of the newest step records the ETA's step rate and the hang timeout are measured over (same
 #: attempt only for the rate: a restart's resume time is not training speed).
 RATE_WINDOW_STEPS = 20
-#: States in which no job is training: their last tokens/s and MFU are history, not a current figure.
-NO_THROUGHPUT_STATES = frozenset({"PAUSED", "STOPPED", "BACKOFF", "FAILED"})
 #: States with no ETA: the run waits for an operator (PAUSED) or is on its way there or to its end (STOPPING).
 NO_ETA_STATES = frozenset({"PAUSED", "STOPPING"})
-#: States in which a silent job is a hang candidate (elsewhere the last-step age is expected to grow).
+#: States in which a job trains: the only ones with a current tokens/s and MFU, and in which a silent job is a
+#: hang candidate (elsewhere the last-step age is expected to grow, and the last throughput is history).
 TRAINING_STATES = frozenset({"RUNNING", "REMEDIATING"})
 #: Width of the progress bar, in characters.
 BAR_WIDTH = 24
@@ -144,7 +144,8 @@ def status_data(store, run) -> dict[str, Any]:
     relaunches = store.relaunch_counts(run.id)  # the store owns the rule (pause/resume, restart: not restarts)
     daemon, _live = _live_daemon(run.id)
     state = run.state.value
-    training = state not in NO_THROUGHPUT_STATES
+    attempt = attempts[-1].number if attempts else None
+    training = state in TRAINING_STATES and step.get("attempt") in (None, attempt)  # not the previous attempt's
     progress = progress_fields(recent, total if isinstance(total, int) else None, aware(run.created_at),
                                aware(run.ended_at) if run.ended_at else None, datetime.now(timezone.utc))
     if state in NO_ETA_STATES:

@@ -61,6 +61,25 @@ def test_paused_run_shows_no_throughput_and_operator_relaunches_are_not_restarts
     assert _status(capsys, sd)["tokens_per_s"] is None
 
 
+def test_a_restarting_or_finished_run_shows_no_stale_throughput(tmp_path, make_sup, capsys):
+    """Between a crash and the new attempt's first step (RESTARTING, BACKOFF, STARTING) and once the run is
+    COMPLETED no job trains: the last attempt's tokens/s would read as a live figure (it did on make demo)."""
+    sup = make_sup(fake_spec(tmp_path, steps=30, interval=5, faults=[{"kind": "sigkill", "at_step": 8}]))
+    sup.start()
+    sd = ["--state-dir", str(tmp_path / "state")]
+    run_until(sup, lambda s: s.state == RunState.RUNNING and (s.last_step or 0) >= 4, timeout=60)
+    assert _status(capsys, sd)["tokens_per_s"] > 0  # training: its current figure
+    run_until(sup, lambda s: s.attempt == 2 and s.state == RunState.STARTING, timeout=60)  # ticks stop: frozen
+    st = _status(capsys, sd)
+    assert st["state"] == "STARTING" and st["tokens_per_s"] is None and st["mfu"] is None and st["loss"] is not None
+    assert EMPTY in _row(_table(capsys, sd), "tokens/s")
+    run_until(sup, lambda s: s.state == RunState.RUNNING and (s.last_step or 0) >= 12, timeout=60)
+    assert _status(capsys, sd)["tokens_per_s"] > 0  # attempt 2 trains: a figure again
+    run_until(sup, lambda s: s.state == RunState.COMPLETED, timeout=60)
+    st = _status(capsys, sd)
+    assert st["tokens_per_s"] is None and st["step"] == 30 and st["loss"] is not None
+
+
 def test_open_incidents_are_listed_and_closed_ones_are_not(tmp_path, make_sup, capsys):
     sup = make_sup(fake_spec(tmp_path, steps=10, interval=5))
     sup.start()
