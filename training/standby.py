@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import json
 import logging
 import mmap
@@ -61,14 +60,6 @@ MAX_GATE_BYTES = 64 << 10
 #: How often the wait looks at the gate, and how often at `latest` (a moved tag is preloaded again).
 GATE_POLL_S = 0.05
 LATEST_POLL_S = 1.0
-
-
-#: Modules DeepSpeed and torch import lazily inside deepspeed.initialize (its optimizer sanity check imports
-#: the Muon optimizer, which pulls in torch._inductor; torch.optim imports torch._dynamo): 9 s of a 12 s
-#: model build of the tiny CPU job under cProfile on the loaded 2-core box (2026-12-01). Imported while the
-#: standby waits, they cost the restart nothing.
-LAZY_MODULES = ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.stage3",
-                "deepspeed.runtime.engine", "torch.distributed.fsdp", "deepspeed.sequence.layer")
 
 
 class StandbyError(RuntimeError):
@@ -349,31 +340,11 @@ class Preload:
 
 # -------------------------------------------------------------------------------------------- the wait
 def _warm_imports() -> str:
-    """Import what every attempt imports, and create the CUDA context; returns the device's name."""
-    want = os.environ.get(DEVICE_ENV, "auto")
-    import torch
+    """Everything config-free that a start-up does (startup.py `warm_up`: imports, the CUDA context, the
+    device's libraries, the process group); returns the device's name."""
+    from .startup import warm_up
 
-    cuda = want != "cpu" and torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported, as main() does
-    import deepspeed  # noqa: F401
-    import deepspeed.ops  # noqa: F401
-
-    from . import train  # noqa: F401 - the model, data and checkpoint code
-    from .model import attention  # noqa: F401
-
-    for name in LAZY_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:  # another DeepSpeed/torch version: imported when needed, as before
-            log.info("standby warm-up: %s not imported (%s)", name, exc)
-
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        torch.empty(1, device=f"cuda:{local}")  # the context and the allocator, before they are needed
-        return f"cuda:{local}"
-    return "cpu"
+    return warm_up(os.environ.get(DEVICE_ENV, "auto"))
 
 
 def _write_ready(run_dir: Path, attempt: int, rank: int, fields: dict[str, Any]) -> None:
@@ -396,7 +367,6 @@ def wait_at_gate(gate_path: Path, run_dir: Path, attempt: int, *,
     timeout_s = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
     rank = int(os.environ.get("RANK", "0"))
     device = _warm_imports()
-    STARTUP.mark("imports")
     preload_on = os.environ.get(PRELOAD_ENV, "0") == "1" and bool(os.environ.get(CKPT_DIR_ENV))
     ckpt_dir = Path(os.environ.get(CKPT_DIR_ENV) or ".")
 

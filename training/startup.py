@@ -13,13 +13,21 @@ difference with the one before). The process's start comes from the kernel (`/pr
 clock ticks since boot, against CLOCK_BOOTTIME), so the interpreter's own start-up and the first imports,
 before any of this code runs, are counted too; where that is not readable, from this module's import.
 The first step's record (its `time`) then tells the first step.
+
+`warm_up` is what a warm standby (training/standby.py) does before its gate: everything of a start-up that does
+not depend on the attempt's config, so that a restart does not pay it.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
+import socket
 import time
 from typing import Any
+
+log = logging.getLogger("ulyssesd.training")
 
 #: Order of the phases in the event (a warm standby's two marks only on a standby's attempt).
 PHASES = ("imports", "standby_warm", "standby_gate", "process_group", "tag_agreed", "model_built",
@@ -70,3 +78,99 @@ class StartupClock:
 
 #: The rank's one clock, created when the job's entry point first imports this module.
 STARTUP = StartupClock()
+
+
+# --------------------------------------------------------------------------------------------- warm-up
+#: Modules DeepSpeed and torch import lazily inside deepspeed.initialize (its optimizer sanity check imports
+#: the Muon optimizer, which pulls in torch._inductor; torch.optim imports torch._dynamo): 9 s of a 12 s
+#: model build of the tiny CPU job under cProfile on the loaded 2-core box (2026-12-01). Imported while the
+#: standby waits, they cost the restart nothing.
+LAZY_MODULES = ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.stage3",
+                "deepspeed.runtime.engine", "torch.distributed.fsdp", "deepspeed.sequence.layer")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_process_group(cuda: bool) -> None:
+    """DeepSpeed's process group, as every rank of the job makes it: a plain `python -m ulyssesd.training` is a
+    world of one on a free port, no shm-comm JIT build, NCCL on a GPU and gloo on the CPU. It depends on the
+    launcher's environment only (rendezvous, rank, world size), not on the config, so a standby makes it
+    before its gate; a second call is a no-op (DeepSpeed's init_distributed returns when it already ran).
+    NCCL's communicators (GPU memory) are still created lazily, at the first collective after the gate."""
+    if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())  # no launcher: a fixed port would collide
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)  # plain `python -m ulyssesd.training` = one rank
+    import deepspeed
+    import deepspeed.ops
+
+    STARTUP.mark("imports", first_only=True)  # a standby imported everything before its gate
+    # Otherwise the CPU accelerator JIT-compiles deepspeed_shm_comm (~60 s), used only by inference.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+
+
+def warm_device(index: int) -> None:
+    """What a first training step creates on the GPU besides memory: the cuBLAS/cuBLASLt handles of this thread
+    and of autograd's backward thread, and the matmul and attention (SDPA) kernels' libraries and modules,
+    in bf16 and fp32, with tensors of a few hundred KiB; the allocator's cache is emptied after, so a waiting
+    standby holds its CUDA context and those handles' workspaces, never memory the running attempt needs."""
+    import torch
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda", index)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(256, 256, device=dev, dtype=dtype, requires_grad=True)
+        (x @ x).float().sum().backward()
+        q = torch.randn(1, 4, 256, 64, device=dev, dtype=dtype, requires_grad=True)
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).float().sum().backward()
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+
+
+def warm_up(device_setting: str = "auto") -> str:
+    """A standby's config-free start-up (`train.device` = `device_setting`: cpu / cuda / auto): the imports of
+    every attempt (torch, DeepSpeed, the model, data and checkpoint code, and what deepspeed.initialize would
+    import lazily), the CUDA context, cuBLAS and the attention kernels on its device, and, under a launcher
+    (WORLD_SIZE set: torchrun's rendezvous is the standby's own), the process group.
+    Returns the device's name. A warm-up step that fails is logged and left to the attempt (it would then
+    pay it itself), except the imports, which the attempt needs too."""
+    import torch
+
+    cuda = device_setting != "cpu" and torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported, as main() does
+    import deepspeed  # noqa: F401
+    import deepspeed.ops  # noqa: F401
+
+    from . import train  # noqa: F401 - the model, data and checkpoint code
+    from .model import attention  # noqa: F401
+
+    for name in LAZY_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:  # another DeepSpeed/torch version: imported when needed, as before
+            log.info("standby warm-up: %s not imported (%s)", name, exc)
+    STARTUP.mark("imports")
+    device = "cpu"
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        torch.empty(1, device=f"cuda:{local}")  # the context and the allocator, before they are needed
+        device = f"cuda:{local}"
+        try:
+            warm_device(local)
+        except Exception as exc:  # noqa: BLE001 - an optimisation: the attempt creates them itself
+            log.warning("standby warm-up: cuBLAS/attention warm-up on %s failed (%s); left to the attempt",
+                        device, exc)
+    if "WORLD_SIZE" in os.environ:  # under a launcher; a launcher-less world of one has nothing to meet
+        try:
+            init_process_group(cuda)
+            STARTUP.mark("process_group")
+        except Exception as exc:  # noqa: BLE001 - the attempt's own init_distributed tries again, and reports
+            log.warning("standby warm-up: process group not created before the gate (%s); the attempt will", exc)
+    return device

@@ -13,7 +13,6 @@ import math
 import os
 import random
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from .faults import FaultInjector
 from .model.gpt import GPT
 from .scalars import ScalarWriter, check_monitor_dependencies, drop_unwritable_monitors, mfu, step_scalars
 from .spec import JobSpec, SpecError
-from .startup import STARTUP
+from .startup import STARTUP, init_process_group
 from .telemetry import TelemetryWriter, gather_step_stats, memory_gib
 from .train_checkpoints import EXIT_SAVE_FAILED, CheckpointLoadError, CheckpointSaveError, TrainerCheckpoints
 
@@ -62,12 +61,6 @@ def pick_device(spec: JobSpec) -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     # No decay on norms, biases and embeddings (standard GPT practice).
     decay: list[torch.nn.Parameter] = []
@@ -91,17 +84,7 @@ class Trainer(TrainerCheckpoints):
 
     # ---------------------------------------------------------------------------- setup
     def _init_distributed(self) -> None:
-        if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())  # no launcher: a fixed port would collide
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-            os.environ.setdefault(key, value)  # plain `python -m ulyssesd.training` = one rank
-        import deepspeed
-        import deepspeed.ops
-
-        STARTUP.mark("imports", first_only=True)  # a standby imported everything before its gate
-        # Otherwise the CPU accelerator JIT-compiles deepspeed_shm_comm (~60 s), used only by inference.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
+        init_process_group(self.device.type == "cuda")  # a standby's was made before its gate: a no-op then
         import torch.distributed as dist
 
         self.dist = dist

@@ -3,6 +3,7 @@ phase's end in seconds since then, in order; a real one-rank DeepSpeed job that 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -85,3 +86,44 @@ def test_the_started_event_of_a_resumed_job_carries_every_phase_in_order(tmp_pat
     assert values[-1] <= started["time"] - phases["process_started_at"] + 0.05
     first_step = min((r for r in second.records(2) if r["kind"] == "step"), key=lambda r: r["step"])
     assert first_step["time"] >= started["time"]
+
+
+WARM_UP_CHILD = r"""
+import os, sys, time
+os.environ["DS_ACCELERATOR"] = "cpu"
+from ulyssesd.training.startup import STARTUP, init_process_group, warm_up
+import torch.distributed as dist
+assert not dist.is_initialized()
+device = warm_up("cpu")
+made = dist.is_initialized()
+init_process_group(False)  # the Trainer's call after the gate: a no-op, the same group
+import torch
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+with open(os.path.join(sys.argv[1], f"result-{dist.get_rank()}"), "w") as fh:  # one stdout would interleave
+    print("RESULT", device, made, dist.get_world_size(), float(t), sorted(STARTUP.marks), file=fh)
+"""
+
+
+@pytest.mark.slow
+def test_a_standby_makes_its_process_group_before_the_gate_and_the_attempt_reuses_it(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(WARM_UP_CHILD)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = [(tmp_path / f"result-{r}").read_text().strip() for r in (0, 1)]
+    for line in lines:
+        assert line.split(" ", 5)[1:5] == ["cpu", "True", "2", "3.0"], line  # made before, world 2, it works
+        assert "'imports'" in line and "'process_group'" in line
+
+
+def test_without_a_launcher_the_warm_up_leaves_the_process_group_to_the_attempt(tmp_path):
+    code = ("import os; os.environ['DS_ACCELERATOR'] = 'cpu'; from ulyssesd.training.startup import warm_up; "
+            "import torch.distributed as dist; print(warm_up('cpu'), dist.is_initialized(), "
+            "'MASTER_PORT' in os.environ)")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_PORT", "MASTER_ADDR")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["cpu", "False", "False"]
