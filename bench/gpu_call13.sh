@@ -3,15 +3,17 @@
 # async saves every INTERVAL steps (17 GB tags), bytecode caches built first (production-like; call 11 found
 # ~12 s of every start-up compiling .py files, the lent image has no .pyc). In order of value, each with a
 # deadline guard:
-#  (a+b) warm standby with preload: first save (registered snapshot pool) and steady saves blocked, background
-#        write vs `dd oflag=direct` of this call; SIGKILL of the rank once the step-KILL_AT tag is durable AND the
-#        standby's ready file shows it preloaded; MTTR with each start-up phase (the job's `startup` marks);
-#  (b+c) cold relaunch, killed at the same point; its attempt 2 hangs (detection after the last step);
+#  (a+b) warm standby with preload: the first save (registered snapshot pool) blocked, its background write vs
+#        `dd oflag=direct` of this call; SIGKILL of the rank once the step-KILL_AT tag is durable AND the standby's
+#        ready file shows it preloaded (the next save, pool reused, may be in flight then: the previous tag must be
+#        what attempt 2 loads); MTTR with each start-up phase (the job's `startup` marks), 4 steps, then ended;
+#  (b+c) cold relaunch, killed at the same point; its attempt 2 hangs (detection after the last step), ended
+#        once the hang incident is recorded;
 #  (d)   the real memory spike of call 10 (70 GiB more from step 3, shipped 32K config): COMPLETED, restarts;
 #  (e)   tests/training/test_checkpoint_async_cuda.py on the H200;
 #  (f)   steady-state saves of the bare job, if time is left.
 #   run(kind="nvidia-h200", carry=[".whl"], timeout_s=590, command="CALL_BUDGET_S=560 bash bench/gpu_call13.sh")
-# CPU dry run: BENCH_CPU=1 DPRESET=tiny DEVICE=cpu SEQ=64 DTYPE=fp32 STEPS=40 INTERVAL=10 KILL_AT=20 HANG_AT=24 \
+# CPU dry run: BENCH_CPU=1 DPRESET=tiny DEVICE=cpu SEQ=64 DTYPE=fp32 STEPS=600 INTERVAL=100 KILL_AT=100 COLD_KILL_AT=100 HANG_AT=110 \
 #   OOM_BASE=configs/tiny-cpu.toml OOM_SEQ=64 bash bench/gpu_call13.sh
 cd "$(dirname "$0")/.." && source bench/gpu_common.sh
 export PYTHONPYCACHEPREFIX=/tmp/ulysses-pycache; unset PYTHONDONTWRITEBYTECODE
@@ -22,13 +24,13 @@ if [ -z "${BENCH_CPU:-}" ]; then
   echo "compileall rc $? in $(( $(date +%s) - t )) s ($SITE, /tmp/site)" | tee -a "$OUT/pyenv.txt"
 fi
 CK="--preset ${DPRESET:-gpt-1b} --seq ${SEQ:-16384} --device ${DEVICE:-cuda} --dtype ${DTYPE:-bf16}"
-RUNS="--steps ${STEPS:-100} --interval ${INTERVAL:-20} --kill-at ${KILL_AT:-40} --kill-when committed --preload-wait 45"
+RUNS="--steps ${STEPS:-100} --interval ${INTERVAL:-20} --kill-at ${KILL_AT:-20} --kill-when committed --preload-wait 45"
 left() { echo $(( DEADLINE - $(date +%s) )); }
 $PY bench/gpu_ckpt21.py --out "$OUT/ckpt" $CK --phases disk,standby --dd-gib 4 --probe-gib 0 $RUNS --hang-at 0 \
     --stop-at "2:${STOP_STEPS:-4}" --faults-timeout 200 --deadline "$DEADLINE" > "$OUT/ckpt.log" 2>&1
 grep -v '^ ' "$OUT/ckpt.log" | grep -v '^[]}{]' | cut -c1-2500
 $PY bench/gpu_ckpt21.py --out "$OUT/ckpt" $CK --phases cold --kill-at ${COLD_KILL_AT:-20} --steps ${STEPS:-100} \
-    --interval ${INTERVAL:-20} --kill-when committed --hang-at ${HANG_AT:-26} --stop-at "3:1" --faults-timeout 230 \
+    --interval ${INTERVAL:-20} --kill-when committed --hang-at ${HANG_AT:-26} --stop-at "${COLD_STOP:-hang}" --faults-timeout 230 \
     --deadline $((DEADLINE - ${RESERVE_S:-100})) >> "$OUT/ckpt.log" 2>&1
 grep -v '^ ' "$OUT/ckpt.log" | grep '^{"cold' | cut -c1-2500
 if [ "$(left)" -gt 75 ]; then
@@ -38,8 +40,8 @@ if [ "$(left)" -gt 75 ]; then
   tail -c 2500 "$OUT/spike.log"
 else echo "spike skipped ($(left) s left)"; fi
 if [ -z "${BENCH_CPU:-}" ] && [ "$(left)" -gt 40 ]; then
-  timeout $(( $(left) - 10 )) $PY -m pytest -q -x -p no:cacheprovider tests/training/test_checkpoint_async_cuda.py \
-      > "$OUT/cuda_test.txt" 2>&1; tail -3 "$OUT/cuda_test.txt"
+  DS_ACCELERATOR=cuda timeout $(( $(left) - 10 )) $PY -m pytest -q -s -x -p no:cacheprovider tests/training/test_checkpoint_async_cuda.py \
+      > "$OUT/cuda_test.txt" 2>&1; tail -c 1500 "$OUT/cuda_test.txt"
 else echo "cuda test skipped ($(left) s left)"; fi
 if [ "$(left)" -gt 90 ]; then
   $PY bench/gpu_ckpt21.py --out "$OUT/ckpt" $CK --phases bare_async --async-steps ${BARE_STEPS:-70} \

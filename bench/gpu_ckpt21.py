@@ -192,7 +192,7 @@ def phase_faults(a, work: Path, out: Path, timeout: float, name: str = "faults",
             if rd is None:
                 continue
             if "sigkill_time" in ev:
-                if a.stop_at and stop_reached(a.stop_at, rd, ev):
+                if a.stop_at and stop_reached(a.stop_at, rd, ev, state / "ulyssesd.db"):
                     break   # enough measured: the finally below ends the daemon and its ranks (no final save)
                 continue
             recs = records(rd / "telemetry.jsonl")
@@ -249,8 +249,18 @@ def phase_faults(a, work: Path, out: Path, timeout: float, name: str = "faults",
     return ev
 
 
-def stop_reached(stop_at: str, rd: Path, ev: dict) -> bool:
-    """`--stop-at A:N`: attempt A has N step records (the run is then ended by the bench, not completed)."""
+def stop_reached(stop_at: str, rd: Path, ev: dict, db: Path) -> bool:
+    """`--stop-at A:N`: attempt A has N step records; `--stop-at hang`: the store holds a hang incident (the
+    run is then ended by the bench, not completed)."""
+    if stop_at == "hang":
+        try:
+            incs = dump_store(db).get("incidents")
+        except Exception:  # noqa: BLE001 - the store is being written: look again at the next poll
+            return False
+        if isinstance(incs, list) and any(isinstance(i, dict) and i.get("symptom") == "hang" for i in incs):
+            ev["stopped_at"] = {"hang_incident": True, "time": time.time()}
+            return True
+        return False
     att, n = (int(x) for x in stop_at.split(":"))
     got = sum(1 for r in records(rd / "telemetry.jsonl") if r.get("kind") == "step" and r.get("attempt") == att)
     if got >= n:
@@ -370,8 +380,11 @@ def analyze_disk_sync(out: Path, res: dict) -> None:
                          "write_GBps": round(wb / 1e9 / ws, 3) if ws else None,
                          "write_vs_dd_direct": round(wb / 1e9 / ws / dd, 3) if ws and dd else None,
                          "host_alloc_GB": round((r.get("host_buffer_alloc_bytes") or 0) / 1e9, 2),
-                         "device_staged_GB": round((r.get("device_staged_bytes") or 0) / 1e9, 2)})
+                         "device_staged_GB": round((r.get("device_staged_bytes") or 0) / 1e9, 2),
+                         "saved_event": {k: v for k, v in r.items() if k not in ("v", "kind", "event", "tag")}})
         res["bare_async"] = rows
+        res["bare_async_snapshot_pool_ready"] = [{k: v for k, v in r.items() if k not in ("v", "kind")}
+                                                 for r in bare if r.get("event") == "snapshot_pool_ready"]
     sync = records(out / "sync_telemetry.jsonl")
     if sync:
         saves = [r for r in sync if r.get("event") == "checkpoint_saved"]
@@ -406,6 +419,8 @@ def _analyze_faults(out: Path, name: str, recs: list[dict], ev: dict, store: dic
             row["note"] = "no checkpoint_saved (killed mid-write, or the run ended first)"
         rows.append(row)
     res["async_saves"] = rows
+    res["snapshot_pool_ready"] = [{k: v for k, v in r.items() if k not in ("v", "kind")} for r in recs
+                                  if r.get("event") == "snapshot_pool_ready"]
     # Step time while a background write runs vs. outside (attempt 1, the saves' windows from the job's events).
     st = _steps(recs, 1)
     if st:
@@ -505,7 +520,8 @@ def main() -> int:
                     help="mid-write: during that save's background write; committed: once its manifest is durable "
                          "(and a warm standby preloaded it)")
     ap.add_argument("--stop-at", default="", metavar="A:N", help="end the supervised run once attempt A has N "
-                                                                  "step records (default: let it finish)")
+                                                                  "step records, or ('hang') once a hang incident "
+                                                                  "is recorded (default: let it finish)")
     ap.add_argument("--preload-wait", type=float, default=60.0, help="committed: at most this long for the "
                                                                      "standby's preload before the kill")
     ap.add_argument("--hang-at", type=int, default=60, help="attempt 2 hangs before this step (0: no hang)")
