@@ -255,6 +255,11 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
 
 
+def clip(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, ending in "…" when cut (a table cell that stops mid-word looks broken)."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def or_empty(value: Any) -> str:
     return EMPTY if value is None else str(value)
 

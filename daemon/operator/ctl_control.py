@@ -101,7 +101,7 @@ def ack(incident_id: int = typer.Argument(..., metavar="ID", help="incident id")
     if json_out:
         out({"ok": True, "id": incident_id, "by": who, "via": via}, True)
     else:
-        console.print(f"incident {incident_id} acknowledged by {who} via {via}")
+        console.print(f"incident {incident_id} acknowledged by {who} via {via}", markup=False)
 
 
 def register_control(app: typer.Typer) -> None:

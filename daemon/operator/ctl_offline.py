@@ -135,6 +135,7 @@ def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,
 
 def _print_table(items: Iterator[ReplayItem], out: Any) -> None:
     from rich.console import Console
+    from rich.markup import escape  # messages quote logs and patches: `[patch: …]` was eaten as a style tag
     from rich.table import Table
 
     table = Table(title="replay: findings and decisions", show_lines=False)
@@ -145,11 +146,11 @@ def _print_table(items: Iterator[ReplayItem], out: Any) -> None:
         n += 1
         o = it.item
         if isinstance(o, Finding):
-            table.add_row(str(it.step), "finding", o.symptom, "", o.severity, o.message)
+            table.add_row(str(it.step), "finding", o.symptom, "", o.severity, escape(o.message))
         else:
             apply = o.apply if o.would_apply is None else f"none (would: {o.would_apply})"
             detail = o.reason + (f" [patch: {o.diff()}]" if o.config_patch else "")
-            table.add_row(str(it.step), "decision", o.symptom, o.action_kind, apply, detail)
+            table.add_row(str(it.step), "decision", o.symptom, o.action_kind, apply, escape(detail))
     console = Console(file=out, width=200 if not getattr(out, "isatty", lambda: False)() else None)
     if n:
         console.print(table)

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ulyssesd.daemon.operator.ctl_common import (
@@ -15,6 +16,7 @@ from ulyssesd.daemon.operator.ctl_common import (
     EXIT_DB_DAMAGED,
     EXIT_NOT_FOUND,
     EXIT_USAGE,
+    clip,
     console,
     current_run,
     db_path,
@@ -59,7 +61,7 @@ def incidents_table(rows, store=None) -> Table:
                         if a.to_config_version and a.to_config_version != a.from_config_version) or "-"
         color = {"resolved": "green", "failed": "red", "escalated": "yellow"}.get(r.status.value, "cyan")
         t.add_row(str(r.id), r.detected_at.strftime("%H:%M:%S"), str(r.attempt), str(r.step), r.symptom.value,
-                  f"[{color}]{r.status.value}[/{color}]", act, cfg, (r.summary or "")[:90])
+                  f"[{color}]{r.status.value}[/{color}]", act, cfg, escape(clip(r.summary or "", 90)))
     return t
 
 
@@ -129,13 +131,15 @@ def incident(incident_id: int = typer.Argument(..., metavar="ID", help="incident
     if json_out:
         out(inc.to_dict(), True)
         return
-    console.print(f"[bold]incident {inc.id}[/bold]  {inc.symptom.value} ({inc.severity.value})  run {inc.run_id}  "
+    # Store text is printed escaped: rich read `[rank1]` in a summary as a style and dropped it, and a path in
+    # brackets (`[/ckpt/x]`) as a closing tag, which raised MarkupError: a traceback instead of the incident.
+    console.print(f"[bold]incident {inc.id}[/bold]  {inc.symptom.value} ({inc.severity.value})  run {escape(inc.run_id)}  "
                   f"attempt {inc.attempt}  step {inc.step}")
     console.print(f"detected {fmt_time(inc.detected_at)}  status [bold]{inc.status.value}[/bold]"
-                  f"{' — ' + inc.status_reason if inc.status_reason else ''}")
+                  f"{' — ' + escape(inc.status_reason) if inc.status_reason else ''}")
     if inc.acknowledged_by:
-        console.print(f"acknowledged by {inc.acknowledged_by} at {fmt_time(inc.acknowledged_at)}")
-    console.print(f"summary: {inc.summary}")
+        console.print(f"acknowledged by {escape(inc.acknowledged_by)} at {fmt_time(inc.acknowledged_at)}")
+    console.print(f"summary: {escape(inc.summary or '')}")
     ev = dict(inc.evidence or {})
     long_keys = [k for k in ("stacks", "log_tail") if k in ev]
     console.print_json(json.dumps({k: v for k, v in ev.items() if k not in long_keys}, default=str))
@@ -149,8 +153,8 @@ def incident(incident_id: int = typer.Argument(..., metavar="ID", help="incident
         diff = ", ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in (a.config_diff or {}).items()) or "-"
         cfg = f"v{a.from_config_version}->v{a.to_config_version}" if a.to_config_version != a.from_config_version else (
             f"v{a.from_config_version}" if a.from_config_version else "-")
-        t.add_row(str(a.id), a.kind.value + (" (observe-only)" if a.observe_only else ""), a.mode.value, cfg, diff,
-                  a.outcome.value, json.dumps(a.parameters, default=str)[:200])
+        t.add_row(str(a.id), a.kind.value + (" (observe-only)" if a.observe_only else ""), a.mode.value, cfg,
+                  escape(diff), a.outcome.value, escape(clip(json.dumps(a.parameters, default=str), 200)))
     console.print(t)
 
 
@@ -176,14 +180,15 @@ def config(version: int = typer.Option(None, "--version", help="config version (
     if json_out:
         out(d, True)
         return
-    console.print(f"[bold]config v{cv.version}[/bold] of run {run.id} (versions {d['versions']}): {cv.reason}")
+    console.print(f"[bold]config v{cv.version}[/bold] of run {escape(run.id)} (versions {d['versions']}): "
+                  f"{escape(cv.reason or '')}")
     for title, diff in (("diff from parent", d["diff_from_parent"]), ("diff from v1", d["diff_from_v1"])):
         t = Table(title=title)
         t.add_column("key")
         t.add_column("before")
         t.add_column("after")
         for k, (b, a) in diff.items():
-            t.add_row(k, repr(b), repr(a))
+            t.add_row(escape(k), escape(repr(b)), escape(repr(a)))
         console.print(t)
     console.print_json(json.dumps(cv.config))
 

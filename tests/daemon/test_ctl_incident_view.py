@@ -1,7 +1,9 @@
 """`ulyssesctl incident ID` on a hang whose stack dumps are longer than the terminal view: every rank's dump
 keeps its header and the top of its `Current thread` (the training thread, innermost frame first); the
 whole text's last 4000 characters hid rank 0, the rank the other waited for, and began mid-line. A long log
-tail keeps its last lines from a line start. The store is a real SQLite store; ulyssesctl runs in-process."""
+tail keeps its last lines from a line start. Text from the store that looks like rich markup (`[rank1]`, a
+path in brackets) prints as written in `incidents`, `incident`, `config` and `replay`: it was eaten as a style
+or raised MarkupError (a traceback). The store is a real SQLite store; ulyssesctl runs in-process."""
 
 from __future__ import annotations
 
@@ -67,3 +69,47 @@ def test_json_keeps_the_whole_evidence(state_dir, capsys):
 def test_a_short_text_is_shown_as_it_is():
     assert evidence_excerpt(STACKS, len(STACKS), 1) == STACKS
     assert len(evidence_excerpt(STACKS, 4000, 1)) < 4200  # the budget holds, give or take the notes
+
+
+MARKUP_LIKE = "[rank1]: RuntimeError: cannot open [/ckpt/step-00000040] ([bold] is not a style here)"
+
+
+def test_store_text_that_looks_like_markup_prints_as_written(tmp_path, capsys):
+    sd = tmp_path / "state"
+    with open_store(sd / "ulyssesd.db") as store:
+        store.create_run("r", run_dir=sd / "runs" / "r", state="RUNNING")
+        store.add_attempt("r", command=["train"])
+        inc = store.record_incident("r", attempt=1, symptom="crash", step=40, summary=MARKUP_LIKE)
+        store.record_action("r", "set_config", incident_id=inc, parameters={"why": "[/ckpt] [red]"},
+                            config_diff={"launcher.extra_args": [[], ["[/x]"]]})
+        store.update_incident_status(inc, "failed", "gave up: [/ckpt/step-00000040] unreadable")
+        store.add_config_version("r", {"launcher": {"extra_args": []}}, reason="first")
+        store.add_config_version("r", {"launcher": {"extra_args": ["[/x]"]}}, reason="[bold]patched[/bold] by [/x]")
+    argv = ["--state-dir", str(sd)]
+    for command in (["incidents"], ["incident", str(inc)], ["config"]):
+        capsys.readouterr()
+        assert main([*argv, *command]) == 0, command
+        got = capsys.readouterr()
+        text = " ".join(got.out.split())
+        assert "Traceback" not in got.err and "MarkupError" not in got.err, got.err
+        if command[0] == "config":
+            assert "[bold]patched[/bold] by [/x]" in text and "['[/x]']" in text, text
+        else:
+            assert "[rank1]: RuntimeError: cannot open [/ckpt/step-00000040]" in text.replace("│ │", ""), text
+    capsys.readouterr()
+    main([*argv, "incident", str(inc)])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "gave up: [/ckpt/step-00000040] unreadable" in shown and '"why": "[/ckpt] [red]"' in shown, shown
+
+
+def test_replay_shows_a_decisions_patch(tmp_path, capsys):
+    """The table's `[patch: …]` after a decision's reason was read as a style tag and vanished."""
+    from ulyssesd.remediation.synthetic import Injection, TraceSpec, trace
+
+    tel = tmp_path / "telemetry.jsonl"
+    spec = TraceSpec(steps=3000, seed=11, injections=[Injection("nan", 2500)])
+    tel.write_text("".join(json.dumps(d) + "\n" for d in trace(spec)))
+    capsys.readouterr()
+    assert main(["replay", str(tel)]) == 0
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "rollback_skip" in text and "[patch: data.skip_ranges" in text, text
