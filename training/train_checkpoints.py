@@ -23,6 +23,7 @@ from .control import set_engine_clip
 from .data.batches import DataCursor, SampleSource
 from .faults import FaultInjector
 from .spec import JobSpec
+from .startup import mapped_loads
 
 log = logging.getLogger("ulyssesd.training")
 
@@ -176,9 +177,11 @@ class TrainerCheckpoints:
         preload, self.preload = self.preload, None
         if tag is None:
             return None, 0.0
+        self._prepare_snapshot_pool(tag)   # built while the tag loads: no training step waits on the driver
         try:
-            with (preload.serve(self.engine, self.ckpt_dir, tag, self._event) if preload is not None
-                  else contextlib.nullcontext()):
+            # The files are mapped, not copied (startup.py mapped_loads); a standby's preload answers first.
+            with mapped_loads(self.engine), (preload.serve(self.engine, self.ckpt_dir, tag, self._event)
+                                             if preload is not None else contextlib.nullcontext()):
                 path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag, load_optimizer_states=True,
                                                            load_lr_scheduler_states=False)
         except Exception as exc:  # a shard the manifest vouched for still failed to load
@@ -367,19 +370,25 @@ class TrainerCheckpoints:
                         bytes=pool.nbytes, build_seconds=round(pool.build_s, 3),
                         register_seconds=round(pool.register_s, 3))
 
-    def _prepare_snapshot_pool(self) -> None:
-        """Once per attempt, at the first poll (after its first step: the optimizer's states exist then, fresh
-        or resumed): the async writer starts building its snapshot pool in the background, sized by the device
-        tensors DeepSpeed's save will hand it (ckpt.engine_snapshot_bytes) plus a margin."""
-        self._pool_prepared = True
+    def _prepare_snapshot_pool(self, tag: str | None = None) -> None:
+        """Once per attempt, the async writer starts building its snapshot pool in the background: on resume
+        before the tag loads, sized from its manifest (ckpt.tag_snapshot_bytes), so the build overlaps the load;
+        otherwise (or when that tag was written by another number of ranks) at the first poll, after the first
+        step (the optimizer's states exist then), sized by what DeepSpeed's save will hand over
+        (ckpt.engine_snapshot_bytes). Plus a margin."""
         cs, device = self.spec.checkpoint, getattr(self, "device", None)
         if not (cs.async_save and cs.snapshot_pool) or device is None or torch.device(device).type != "cuda":
+            self._pool_prepared = True
             return   # off, or nothing to register off-GPU (CPU tensors are copied into plain memory)
         try:
-            nbytes = ckpt.engine_snapshot_bytes(self.engine)
+            nbytes = ckpt.tag_snapshot_bytes(ckpt.read_manifest(self.ckpt_dir / tag)["files"], self.world) \
+                if tag is not None else ckpt.engine_snapshot_bytes(self.engine)
         except Exception as exc:  # noqa: BLE001 - sizing is an optimisation: saves still work without the pool
-            log.warning("snapshot pool not built: sizing the state failed: %s: %s", type(exc).__name__, exc)
-            return
+            log.warning("snapshot pool not sized%s: %s: %s", f" from {tag}" if tag else "", type(exc).__name__, exc)
+            nbytes = 0
+        if tag is not None and nbytes == 0:
+            return   # the first poll sizes it from the engine
+        self._pool_prepared = True
         if nbytes == 0:
             return
         local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")

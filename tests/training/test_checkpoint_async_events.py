@@ -329,6 +329,39 @@ def test_the_first_poll_of_an_attempt_builds_the_snapshot_pool_once_and_reports_
     assert len([c for c in calls if c[0] == "unregister"]) == 5
 
 
+def test_on_resume_the_pool_is_sized_from_the_tags_manifest_before_the_load(tmp_path, one_rank, monkeypatch):
+    """Resumed, the pool's build starts before the tag loads (it overlaps the load), sized from this run's
+    tag: its largest optimizer-states file + largest model-states file. A tag written by another number of
+    ranks is not this run's partitioning: then the first poll sizes it from the engine."""
+    monkeypatch.setattr(ck, "CudaHostRegistrar", lambda device: _NullRegistrar())
+    monkeypatch.setattr(ck, "engine_snapshot_bytes", lambda engine: 5 << 20)
+    job = _Job(tmp_path / "run")
+    job.device = torch.device("cuda", 0)
+    for tag, ranks in (("step-00000004", 1), ("step-00000008", 2)):
+        tag_dir = job.ckpt_dir / tag
+        tag_dir.mkdir(parents=True)
+        for r in range(ranks):
+            (tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"o" * (3000 + r))
+            (tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt").write_bytes(b"m" * 200)
+        ck.write_manifest(tag_dir, ck.step_of_tag(tag), 1.0, 8, 1)
+    job._prepare_snapshot_pool("step-00000008")   # two ranks wrote it, this run has one: not sized from it
+    assert job._writer is None and not job._pool_prepared
+    job._prepare_snapshot_pool("step-00000004")
+    pool = job._writer.snapshot_pool
+    assert pool.nbytes == aligned_bytes(3200 + 3200 // 100 + (64 << 20)) and job._pool_prepared
+    job.train_step()   # the first poll does not size it again
+    assert job._writer.snapshot_pool is pool
+    job._writer.close()
+
+
+class _NullRegistrar:
+    def register(self, ptr, nbytes):
+        pass
+
+    def unregister(self, ptr):
+        pass
+
+
 def test_a_cpu_job_builds_no_snapshot_pool(tmp_path, one_rank):
     job = _Job(tmp_path / "run")
     job.device = torch.device("cpu")

@@ -80,6 +80,7 @@ from .snapshot import (
     engine_snapshot_bytes,
     host_snapshot,
     snapshot_pool_bytes,
+    tag_snapshot_bytes,
 )
 
 __all__ = [
@@ -132,6 +133,7 @@ __all__ = [
     "step_of_tag",
     "tag_bytes",
     "tag_for_step",
+    "tag_snapshot_bytes",
     "validate_tag",
     "verify_checksums_parallel",
     "write_manifest",

@@ -275,6 +275,17 @@ def engine_snapshot_bytes(engine: Any, device_only: bool = True) -> int:
     return snapshot_pool_bytes(objs, device_only)
 
 
+def tag_snapshot_bytes(files: dict[str, dict[str, Any]], world: int) -> int:
+    """One rank's snapshot bytes estimated from a ZeRO tag's manifest `files` (before anything is loaded):
+    the largest optimizer-states file plus the largest model-states file (a file holds its tensors' bytes and a
+    little pickle). 0 when the tag was not written by `world` ranks (its partitions are not this run's)."""
+    optim = [int(m["size"]) for name, m in files.items() if name.endswith("optim_states.pt")]
+    model = [int(m["size"]) for name, m in files.items() if name.endswith("model_states.pt")]
+    if len(optim) != world:
+        return 0
+    return max(optim) + max(model, default=0)
+
+
 class SnapshotPool:
     """One rank's snapshot memory: one arena of pageable host memory, touched and registered with the driver
     chunk by chunk in a background thread, then carved into views of any dtype and shape at each save.
