@@ -195,7 +195,8 @@ def host_snapshot(obj: Any, pin_memory: bool = True, pool: PinnedPool | None = N
 #: Alignment of each view carved from the snapshot pool (any dtype's element size divides it).
 POOL_ALIGN_BYTES = 256
 #: Bytes registered per cudaHostRegister call by default: the call stalls the training stream about as long
-#: as it runs (bench/RESULTS.md, call 10: 0.53 s of stall for 4 GiB on the H200 host), so 256 MiB ~ 35 ms.
+#: as it runs; on the H200 host (bench/results/gpu_call11_probe.log, 17 GiB) 256 MiB chunks stalled a GPU loop
+#: <= 93 ms each, ~1.5 s in all, where 4 GiB chunks stalled it 0.71 s each.
 POOL_CHUNK_BYTES = 256 << 20
 #: Seconds the pool's builder rests between chunks by default, so the stalls are spread over many steps.
 POOL_PAUSE_S = 0.05
@@ -350,7 +351,7 @@ class SnapshotPool:
             # Anonymous pageable memory, nothing touched yet. An mmap rather than one torch tensor: each view is
             # then a tensor over its own bytes (torch.frombuffer), so torch.save writes that tensor's bytes,
             # where a slice of one big tensor would write the whole arena's storage with every shard.
-            self._arena = mmap.mmap(-1, self.nbytes)
+            self._arena = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE)   # like malloc's large blocks
             buffer = torch.frombuffer(self._arena, dtype=torch.uint8)
             self._buffer, self._base = buffer, buffer.data_ptr()
             for start in range(0, self.nbytes, self.chunk_bytes):
