@@ -9,7 +9,9 @@ tag with its manifest, then times, best of `--rounds` each, interleaved:
 - preload now: `training.standby.Preload.read` (64 MiB chunks hashed as they land, into a memfd);
 - load + copy into buffers held already (what DeepSpeed does with a loaded partition): from disk (the file is
   in the page cache: the hardest case for a preload), from the old preload (`torch.load(io.BytesIO(data))`),
-  from the new one (what `Preload.serve` does: `torch.load` of the memfd with `mmap=True`, MAP_SHARED).
+  from the new one (what `Preload.serve` does: `torch.load` of the memfd with `mmap=True`, MAP_SHARED), and
+  from disk mapped (what every resume now does for a file no preload holds: `training.startup.mapped_loads`,
+  `torch.load(mmap=True)` of the file, MAP_PRIVATE).
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ def _best(fn: Callable[[], object], rounds: int) -> float:
         fn()
         out.append(time.perf_counter() - t0)
     return min(out)
+
+
+def _mapped_load(path: Path) -> dict:
+    with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):  # as training.startup.mapped_loads
+        return torch.load(str(path), map_location="cpu", weights_only=False, mmap=True)
 
 
 def main() -> None:
@@ -76,6 +83,7 @@ def main() -> None:
                                                                 weights_only=False)),
             "new preload (memfd mmap)": lambda: consume(torch.load(f"/proc/self/fd/{fd}", map_location="cpu",
                                                                    weights_only=False, mmap=True)),
+            "disk, mapped (mapped_loads)": lambda: consume(_mapped_load(shard)),
         }
         best = {k: float("inf") for k in ways}
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):

@@ -14,17 +14,22 @@ clock ticks since boot, against CLOCK_BOOTTIME), so the interpreter's own start-
 before any of this code runs, are counted too; where that is not readable, from this module's import.
 The first step's record (its `time`) then tells the first step.
 
+`mapped_loads` makes the resume's `torch.load`s map the checkpoint files instead of copying them (below).
+
 `warm_up` is what a warm standby (training/standby.py) does before its gate: everything of a start-up that does
 not depend on the attempt's config, so that a restart does not pay it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+import mmap
 import os
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger("ulyssesd.training")
@@ -174,3 +179,38 @@ def warm_up(device_setting: str = "auto") -> str:
         except Exception as exc:  # noqa: BLE001 - the attempt's own init_distributed tries again, and reports
             log.warning("standby warm-up: process group not created before the gate (%s); the attempt will", exc)
     return device
+
+
+# ------------------------------------------------------------------------------------------- the load
+@contextlib.contextmanager
+def mapped_loads(engine: Any) -> Iterator[None]:
+    """While DeepSpeed loads the resume tag, its checkpoint engine's `torch.load` maps each file (`mmap=True`,
+    MAP_PRIVATE: writes to a tensor stay private, the file is never written) instead of copying every byte
+    out of the page cache into fresh memory: on the H200 that copy was 12.2 s of a 15.7 s load of a 17 GB
+    tag that rank 0's sha256 check had just read into the page cache (one thread, 1.4 GB/s; bench/RESULTS.md).
+    DeepSpeed then copies the mapped tensors into its own partitions as before: the same bytes, bit for bit.
+    A file torch cannot map (not torch.save's zip format) is loaded as before. Checkpoint files are never
+    rewritten in place (temp file + rename; retention unlinks, which keeps a mapped inode), so a mapping
+    cannot lose its bytes. A standby's `Preload.serve`, entered inside this, answers from its own memory first."""
+    import torch
+
+    ce = engine.checkpoint_engine
+    before = vars(ce).get("load")  # an instance override already there is restored on the way out
+    plain = ce.load
+
+    def load(path: str, map_location: Any = None) -> Any:
+        try:
+            with torch.serialization.set_default_mmap_options(mmap.MAP_PRIVATE):
+                return torch.load(path, map_location=map_location, weights_only=False, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            return plain(path, map_location=map_location)  # the legacy format cannot be mapped
+
+    ce.load = load
+    try:
+        yield
+    finally:
+        vars(ce).pop("load", None)
+        if before is not None:
+            ce.load = before
