@@ -89,8 +89,10 @@ STARTUP = StartupClock()
 #: Modules DeepSpeed and torch import lazily inside deepspeed.initialize (its optimizer sanity check imports
 #: the Muon optimizer, which pulls in torch._inductor; torch.optim imports torch._dynamo): 9 s of a 12 s
 #: model build of the tiny CPU job under cProfile on the loaded 2-core box (2026-12-01). Imported while the
-#: standby waits, they cost the restart nothing.
-LAZY_MODULES = ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.stage3",
+#: standby waits, they cost the restart nothing. On the H200 (gpt-1b, 2026-12-02) deepspeed.initialize's lazy
+#: imports were torch._dynamo, torch._inductor, torch.distributed.fsdp, sympy and triton_kernel_wrap.
+LAZY_MODULES = ("torch._dynamo", "torch._inductor", "sympy", "torch._higher_order_ops.triton_kernel_wrap",
+                "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.stage3",
                 "deepspeed.runtime.engine", "torch.distributed.fsdp", "deepspeed.sequence.layer")
 
 
