@@ -13,7 +13,7 @@
 #  (e)   tests/training/test_checkpoint_async_cuda.py on the H200;
 #  (f)   steady-state saves of the bare job, if time is left.
 #   run(kind="nvidia-h200", carry=[".whl"], timeout_s=590, command="CALL_BUDGET_S=560 bash bench/gpu_call13.sh")
-# CPU dry run: BENCH_CPU=1 DPRESET=tiny DEVICE=cpu SEQ=64 DTYPE=fp32 STEPS=600 INTERVAL=100 KILL_AT=100 COLD_KILL_AT=100 HANG_AT=110 \
+# CPU dry run: BENCH_CPU=1 DPRESET=tiny DEVICE=cpu SEQ=64 DTYPE=fp32 STEPS=3000 INTERVAL=1000 KILL_AT=1000 COLD_INTERVAL=100 COLD_KILL_AT=100 HANG_AT=110 \
 #   OOM_BASE=configs/tiny-cpu.toml OOM_SEQ=64 bash bench/gpu_call13.sh
 cd "$(dirname "$0")/.." && source bench/gpu_common.sh
 export PYTHONPYCACHEPREFIX=/tmp/ulysses-pycache; unset PYTHONDONTWRITEBYTECODE
@@ -24,13 +24,15 @@ if [ -z "${BENCH_CPU:-}" ]; then
   echo "compileall rc $? in $(( $(date +%s) - t )) s ($SITE, /tmp/site)" | tee -a "$OUT/pyenv.txt"
 fi
 CK="--preset ${DPRESET:-gpt-1b} --seq ${SEQ:-16384} --device ${DEVICE:-cuda} --dtype ${DTYPE:-bf16}"
-RUNS="--steps ${STEPS:-100} --interval ${INTERVAL:-20} --kill-at ${KILL_AT:-20} --kill-when committed --preload-wait 45"
+# Saves every 50 steps (34 s) in the standby run: its preload of a 17 GB tag (read + sha256, ~25 s) must finish
+# before the next tag commits, or it chases `latest` (a real limit: tags faster than a preload reads them).
+RUNS="--steps ${STEPS:-200} --interval ${INTERVAL:-50} --kill-at ${KILL_AT:-50} --kill-when committed --preload-wait 60"
 left() { echo $(( DEADLINE - $(date +%s) )); }
 $PY bench/gpu_ckpt21.py --out "$OUT/ckpt" $CK --phases disk,standby --dd-gib 4 --probe-gib 0 $RUNS --hang-at 0 \
     --stop-at "2:${STOP_STEPS:-4}" --faults-timeout 200 --deadline "$DEADLINE" > "$OUT/ckpt.log" 2>&1
 grep -v '^ ' "$OUT/ckpt.log" | grep -v '^[]}{]' | cut -c1-2500
-$PY bench/gpu_ckpt21.py --out "$OUT/ckpt" $CK --phases cold --kill-at ${COLD_KILL_AT:-20} --steps ${STEPS:-100} \
-    --interval ${INTERVAL:-20} --kill-when committed --hang-at ${HANG_AT:-26} --stop-at "${COLD_STOP:-hang}" --faults-timeout 230 \
+$PY bench/gpu_ckpt21.py --out "$OUT/ckpt" $CK --phases cold --kill-at ${COLD_KILL_AT:-20} --steps ${STEPS:-200} \
+    --interval ${COLD_INTERVAL:-20} --kill-when committed --hang-at ${HANG_AT:-26} --stop-at "${COLD_STOP:-hang}" --faults-timeout 230 \
     --deadline $((DEADLINE - ${RESERVE_S:-100})) >> "$OUT/ckpt.log" 2>&1
 grep -v '^ ' "$OUT/ckpt.log" | grep '^{"cold' | cut -c1-2500
 if [ "$(left)" -gt 75 ]; then

@@ -270,12 +270,17 @@ def stop_reached(stop_at: str, rd: Path, ev: dict, db: Path) -> bool:
 
 
 def kill_ready_committed(a, rd: Path, recs: list[dict], saving: dict, ev: dict, standby: bool) -> bool:
-    """`--kill-when committed`: the tag of that save is durable (its checkpoint_saved event) and, with a warm
-    standby, the standby's ready file shows it preloaded (bounded by --preload-wait; past it, kill anyway)."""
-    if not any(r.get("event") == "checkpoint_saved" and r.get("attempt") == 1 and r.get("tag") == saving["tag"]
-               for r in recs):
+    """`--kill-when committed`: `latest` names a durable tag at or after that save's step (a later save may be in
+    flight) and, with a warm standby, the standby's ready file shows exactly that tag preloaded, so the restart
+    loads what the standby holds (bounded by --preload-wait after the first commit seen; past it, kill anyway)."""
+    try:
+        latest = (rd / "checkpoints" / "latest").read_text().strip()
+    except OSError:
+        return False
+    if not latest.startswith("step-") or int(latest[5:]) < saving["step"]:
         return False
     ev.setdefault("tag_committed_seen", time.time())
+    ev["latest_at_kill"] = latest
     if not standby:
         return True
     ready = rd / "standby" / "attempt-2-rank-0.ready"
@@ -285,7 +290,7 @@ def kill_ready_committed(a, rd: Path, recs: list[dict], saving: dict, ev: dict, 
         data = {}
     ev["standby_ready_at_kill"] = {k: data.get(k) for k in ("time", "warm_s", "preloaded", "preloaded_bytes",
                                                            "max_rss_kib")}
-    if data.get("preloaded") == saving["tag"]:
+    if data.get("preloaded") == latest:
         ev.setdefault("standby_preloaded_seen", time.time())
         return True
     if time.time() - ev["tag_committed_seen"] > a.preload_wait:
