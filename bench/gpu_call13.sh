@@ -10,7 +10,7 @@
 #  (b+c) cold relaunch, killed at the same point; its attempt 2 hangs (detection after the last step), ended
 #        once the hang incident is recorded;
 #  (d)   the real memory spike of call 10 (70 GiB more from step 3, shipped 32K config): COMPLETED, restarts;
-#  (e)   tests/training/test_checkpoint_async_cuda.py on the H200;
+#  (e)   tests/training/test_checkpoint_async_cuda.py and test_startup_cuda.py on the H200;
 #  (f)   steady-state saves of the bare job, if time is left.
 #   run(kind="nvidia-h200", carry=[".whl"], timeout_s=590, command="CALL_BUDGET_S=560 bash bench/gpu_call13.sh")
 # CPU dry run: BENCH_CPU=1 DPRESET=tiny DEVICE=cpu SEQ=64 DTYPE=fp32 STEPS=3000 INTERVAL=1000 KILL_AT=1000 COLD_INTERVAL=100 COLD_KILL_AT=100 HANG_AT=110 \
@@ -42,7 +42,7 @@ if [ "$(left)" -gt 75 ]; then
   tail -c 2500 "$OUT/spike.log"
 else echo "spike skipped ($(left) s left)"; fi
 if [ -z "${BENCH_CPU:-}" ] && [ "$(left)" -gt 40 ]; then
-  DS_ACCELERATOR=cuda timeout $(( $(left) - 10 )) $PY -m pytest -q -s -x -p no:cacheprovider tests/training/test_checkpoint_async_cuda.py \
+  DS_ACCELERATOR=cuda timeout $(( $(left) - 10 )) $PY -m pytest -q -s -x -p no:cacheprovider tests/training/test_checkpoint_async_cuda.py tests/training/test_startup_cuda.py \
       > "$OUT/cuda_test.txt" 2>&1; tail -c 1500 "$OUT/cuda_test.txt"
 else echo "cuda test skipped ($(left) s left)"; fi
 if [ "$(left)" -gt 90 ]; then
