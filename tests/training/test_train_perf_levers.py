@@ -202,6 +202,23 @@ def test_shipped_1xh200_config_loads_and_the_planner_is_within_10_percent_of_its
     assert abs(predicted - 78.25) / 78.25 < 0.10, predicted
 
 
+def test_planner_is_within_10_percent_of_the_measured_512k_steady_state_peak():
+    # bench/gpu_long_seq.sh at 512K on one H200 (bench/RESULTS.md, device call 12): TiledMLP 16K, offloaded
+    # block inputs, keep-attention, tiled loss 8K, every layer recomputed; step 2 (Adam moments loaded) 98.44 GiB.
+    import tomllib
+
+    from ulyssesd.training.planner import Cluster, predict_peak_gib
+
+    spec = tomllib.loads((Path(__file__).parents[2] / "configs" / "gpt-1b-1xh200.toml").read_text())
+    spec["model"].update(rotary_fused=False, qkv_copy=True, max_seq_len=524288, offload_checkpoints=True,
+                         mlp_chunk_tokens=16384, checkpoint_keep_attention=True, compile_blocks=False)
+    spec["train"].update(seq_len=524288, activation_checkpoint_every=1, loss_chunk_tokens=8192)
+    job = job_spec_from_dict(spec)
+    ds, _ = build_ds_config(job, 1)
+    predicted = predict_peak_gib(job, Cluster.preset("h200-141g", gpus_per_node=1, nodes=1, host_mem_gib=128.0), ds)
+    assert abs(predicted - 98.44) / 98.44 < 0.10, predicted
+
+
 # ----------------------------------------------------------------- TiledMLP (model.mlp_chunk_tokens)
 @pytest.mark.parametrize("chunk", [7, 16, 64])
 @pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
