@@ -21,8 +21,8 @@ export BASE=configs/gpt-1b-1xh200.toml NPROC=1
 
 # (1) 512K steady state.
 if [ -n "${LS_CPU:-}" ]; then
-  # The GPU base has leaf blocks; tiny-cpu.toml has not (keep-attention + TiledMLP + per-module ZeRO-3 hooks on
-  # a world of 1 fail in recompute: docs/TRAINING.md).
+  # The GPU base has leaf blocks; tiny-cpu.toml has not (keep-attention + TiledMLP + offload with per-module
+  # ZeRO-3 hooks on one rank fail in recompute: docs/DEEPSPEED_NOTES.md).
   sed '/^\[train\]/a zero3_leaf_blocks = true' configs/tiny-cpu.toml > "$OUT/tiny-leaf.toml"
   export LS_BASE=$OUT/tiny-leaf.toml LS_PRESET=tiny LS_SEQ=256 LS_WARM_SEQ=64 LS_MLP_CHUNK=32 LS_LOSS_CHUNK=32 \
     LS_DEVICE=cpu LS_DTYPE=fp32
