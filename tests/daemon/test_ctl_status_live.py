@@ -52,7 +52,10 @@ def test_paused_run_shows_no_throughput_and_operator_relaunches_are_not_restarts
     assert sup.handle_command({"cmd": "resume"})["ok"]
     run_until(sup, lambda s: s.attempt == 3 and s.state == RunState.RUNNING, timeout=30)
     assert sup.handle_command({"cmd": "restart"})["ok"]
-    run_until(sup, lambda s: s.attempt == 4 and s.state == RunState.RUNNING, timeout=30)
+    # RUNNING comes with the job's first progress report; its throughput with its first step record (until
+    # then the figure would be attempt 3's).
+    run_until(sup, lambda s: s.attempt == 4 and s.state == RunState.RUNNING
+              and _status(capsys, sd)["tokens_per_s"] is not None, timeout=30)
     st = _status(capsys, sd)
     assert st["tokens_per_s"] > 0 and (st["restarts"], st["operator_relaunches"]) == (1, 2)
     assert "1 / 2" in _row(_table(capsys, sd), "restarts / operator relaunches")

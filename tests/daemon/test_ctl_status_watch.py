@@ -119,7 +119,11 @@ def test_watch_ends_when_the_watched_run_finishes(tmp_path, make_sup):
     run_until(sup, lambda s: s.state == RunState.RUNNING and (s.last_step or 0) >= 2, timeout=60)
     proc = subprocess.Popen([str(CTL), "--state-dir", str(tmp_path / "state"), "status", "--watch", "--interval",
                              "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # No tick until the watch printed its first line: the store's state stays RUNNING meanwhile, so a slow
+    # start of ulyssesctl on a loaded box cannot miss the run's live part.
+    first = proc.stdout.readline()
     out, err = _tick_while(sup, proc, timeout=90)
+    out = first + out
     lines = out.splitlines()
     assert proc.returncode == 0 and sup.state == RunState.COMPLETED, (proc.returncode, out[-2000:], err)
     assert "RUNNING" in lines[0] and "COMPLETED" in lines[-1] and "step 40/40" in lines[-1], out
@@ -127,7 +131,7 @@ def test_watch_ends_when_the_watched_run_finishes(tmp_path, make_sup):
 
 
 def test_watch_in_a_pipe_prints_one_line_per_refresh_until_head_closes_it(tmp_path, make_sup):
-    sup = make_sup(fake_spec(tmp_path, steps=400, interval=100, step_s=0.05))
+    sup = make_sup(fake_spec(tmp_path, steps=4000, interval=1000, step_s=0.05))  # stopped at the end
     sup.start()
     run_until(sup, lambda s: s.state == RunState.RUNNING and (s.last_step or 0) >= 2, timeout=60)
     state_dir = tmp_path / "state"
@@ -138,7 +142,7 @@ def test_watch_in_a_pipe_prints_one_line_per_refresh_until_head_closes_it(tmp_pa
         assert len(lines) == 4 and lines[-1] == "ctl_rc=0", (out, err)
         if extra:
             docs = [json.loads(line) for line in lines[:3]]  # each line is one whole JSON object
-            assert all(d["run_id"] == sup.run_id and d["state"] == "RUNNING" and d["total_steps"] == 400
+            assert all(d["run_id"] == sup.run_id and d["state"] == "RUNNING" and d["total_steps"] == 4000
                        for d in docs), docs
         else:
             assert all(sup.run_id in line and "RUNNING" in line and "None" not in line for line in lines[:3])
