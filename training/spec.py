@@ -106,11 +106,8 @@ class ModelSpec(_Section):
         if "ffn_hidden_size" not in base or (self.mlp is not None and self.ffn_hidden_size is None):
             h = base["hidden_size"]
             base["ffn_hidden_size"] = 4 * h if base["mlp"] == "gelu" else 256 * ((8 * h // 3 + 255) // 256)
-        return ResolvedModel(bias=self.bias, rope_theta=self.rope_theta, init_std=self.init_std,
-                             norm_fp32_copy=self.norm_fp32_copy, rotary_fused=self.rotary_fused,
-                             qkv_copy=self.qkv_copy, checkpoint_keep_attention=self.checkpoint_keep_attention,
-                             mlp_chunk_tokens=self.mlp_chunk_tokens,
-                             offload_checkpoints=self.offload_checkpoints, compile_blocks=self.compile_blocks, **base)
+        own = set(ResolvedModel.model_fields) - set(base)  # bias, rope, init and the speed/long-sequence levers
+        return ResolvedModel(**self.model_dump(include=own), **base)
 
 
 class ResolvedModel(BaseModel):
