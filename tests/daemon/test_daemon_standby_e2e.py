@@ -113,12 +113,14 @@ def _phases(log: Path, run_dir: Path, killed_at: float, first_step_at: float) ->
         ev, ts = d.get("event"), d.get("timestamp")
         if ts and ((ev == "attempt ended" and d.get("attempt") == 1) or (ev == "launched" and d.get("attempt") == 2)):
             at.setdefault(ev, datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp())
-    started = next(r["time"] for r in _records(run_dir) if r.get("event") == "started" and r.get("attempt") == 2)
+    ev = next(r for r in _records(run_dir) if r.get("event") == "started" and r.get("attempt") == 2)
+    started, startup = ev["time"], ev.get("startup") or {}
     loaded = next((r.get("seconds") for r in _records(run_dir)
                    if r.get("event") == "checkpoint_loaded" and r.get("attempt") == 2), None)
     return (f"exit handled {at['attempt ended'] - killed_at:.1f} s, relaunch {at['launched'] - at['attempt ended']:.1f} s, "
             f"launch -> started {started - at['launched']:.1f} s (checkpoint load {loaded} s), "
-            f"first step {first_step_at - started:.1f} s")
+            f"first step {first_step_at - started:.1f} s; the job's start-up phases (s since its process "
+            f"started): {', '.join(f'{k} {v}' for k, v in startup.items() if k != 'process_started_at')}")
 
 
 @pytest.mark.slow
