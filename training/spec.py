@@ -393,8 +393,7 @@ def format_validation_error(exc: ValidationError) -> list[str]:
     problems = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
-        msg = ("must be true or false (a TOML boolean)" if err["type"] == "bool_type"  # StrictBool: not 1, "yes"
-               else err["msg"].removeprefix("Value error, "))
+        msg = "must be true or false (a TOML boolean)" if err["type"] == "bool_type" else err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             problems.append(f"{loc}: unknown key (typo? see the field list of that section)")
         elif err["type"] == "missing":
