@@ -5,11 +5,13 @@ step; the start-up part had no timestamps between the launch and the resume. `ST
 phase with one `time.monotonic()` call and the `started` event carries them (`startup`, docs/TRAINING.md):
 
     {"process_started_at": <unix time the rank's process was created>,
-     "imports": s, ["standby_warm": s, "standby_gate": s,] "process_group": s, "tag_agreed": s,
-     "model_built": s, "deepspeed_initialized": s, "checkpoint_loaded": s}
+     "imports": s, ["standby_warm": s, "standby_gate": s,] "process_group": s, "model_built": s,
+     "deepspeed_initialized": s, "tag_verified": s, "tag_agreed": s, "checkpoint_loaded": s}
 
-every value but the first is seconds since the process started (cumulative, so a phase's own duration is the
-difference with the one before). The process's start comes from the kernel (`/proc/self/stat` field 22,
+every value but the first is seconds since the process started, listed in the order they happened (cumulative,
+so a phase's own duration is the difference with the one before). `tag_verified` is when rank 0's choice and
+check of the resume tag ended: it runs in a thread beside the model build (train_checkpoints.py), so it may
+come before `model_built`; `tag_agreed` is when every rank knew the tag, after the build. The process's start comes from the kernel (`/proc/self/stat` field 22,
 clock ticks since boot, against CLOCK_BOOTTIME), so the interpreter's own start-up and the first imports,
 before any of this code runs, are counted too; where that is not readable, from this module's import.
 The first step's record (its `time`) then tells the first step.
@@ -35,8 +37,8 @@ from typing import Any
 log = logging.getLogger("ulyssesd.training")
 
 #: Order of the phases in the event (a warm standby's two marks only on a standby's attempt).
-PHASES = ("imports", "standby_warm", "standby_gate", "process_group", "tag_agreed", "model_built",
-          "deepspeed_initialized", "checkpoint_loaded")
+PHASES = ("imports", "standby_warm", "standby_gate", "process_group", "model_built", "deepspeed_initialized",
+          "tag_verified", "tag_agreed", "checkpoint_loaded")
 
 
 def process_age_s(stat_path: str = "/proc/self/stat") -> float | None:
@@ -73,11 +75,12 @@ class StartupClock:
             self.marks[phase] = round(time.monotonic() - self.origin, 3)
 
     def fields(self) -> dict[str, Any]:
-        """The `started` event's `startup` value: the process's start, then each phase reached, in order."""
+        """The `started` event's `startup` value: the process's start, then each phase reached, by time."""
         out: dict[str, Any] = {"process_started_at": round(self.process_started_at, 3)}
         if not self.from_kernel:
             out["process_start_from"] = "module import"
-        out.update((p, self.marks[p]) for p in PHASES if p in self.marks)
+        marks = dict(self.marks)  # a snapshot: the tag-choosing thread may mark meanwhile
+        out.update(sorted(marks.items(), key=lambda kv: (kv[1], PHASES.index(kv[0]))))
         return out
 
 

@@ -226,9 +226,10 @@ class Trainer(TrainerCheckpoints):
         self.faults = FaultInjector(spec.faults, self.rank, int(os.environ.get("LOCAL_RANK", "0")),
                                     self.attempt, spec.train.seed, self.device, self._fault_event)
         self.faults.at_start()
-        tag = self._agree_on_tag()
-        STARTUP.mark("tag_agreed")  # rank 0 chose and verified it; every rank knows it
+        chosen = self._start_choosing_tag()  # rank 0 hashes the resume tag in a thread while the model is built
         self._build()
+        tag = self._agree_on_tag(chosen)
+        STARTUP.mark("tag_agreed")  # rank 0 chose and verified it; every rank knows it
         self.control = ControlPoller(self.run_dir / "control.json", self.rank, self.world)
         resumed_from, load_s = self._resume(tag)
         if resumed_from:

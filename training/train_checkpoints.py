@@ -11,7 +11,9 @@ import contextlib
 import logging
 import os
 import random
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from .control import set_engine_clip
 from .data.batches import DataCursor, SampleSource
 from .faults import FaultInjector
 from .spec import JobSpec
-from .startup import mapped_loads
+from .startup import STARTUP, mapped_loads
 
 log = logging.getLogger("ulyssesd.training")
 
@@ -162,9 +164,37 @@ class TrainerCheckpoints:
         invalid(tag, reason)
         return None
 
-    def _agree_on_tag(self) -> str | None:
-        """Collective, before the model is built: a run that cannot resume fails fast (exit 3)."""
-        box: list[Any] = [self._choose_tag() if self.rank == 0 else None]
+    def _start_choosing_tag(self) -> Callable[[], tuple[str | None, str | None]]:
+        """Rank 0 chooses and validates the resume tag (`_choose_tag`: the sha256 of the whole checkpoint, 11.7 s
+        of disk reads for 17 GB on the H200) in a thread, so that it overlaps the model build; returns what
+        `_agree_on_tag` calls for the answer (it joins the thread; an exception there is raised on rank 0 as
+        when it ran inline). The thread does no collective and is the only telemetry writer meanwhile."""
+        if self.rank != 0:
+            return lambda: (None, None)
+        out: dict[str, Any] = {}
+
+        def choose() -> None:
+            try:
+                out["chosen"] = self._choose_tag()
+                STARTUP.mark("tag_verified")
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread by the join below
+                out["error"] = exc
+
+        worker = threading.Thread(target=choose, name="ckpt-choose-tag", daemon=True)
+        worker.start()
+
+        def join() -> tuple[str | None, str | None]:
+            worker.join()
+            if "error" in out:
+                raise out["error"]
+            return out["chosen"]
+
+        return join
+
+    def _agree_on_tag(self, chosen: Callable[[], tuple[str | None, str | None]] | None = None) -> str | None:
+        """Collective: rank 0's choice (`chosen`, from `_start_choosing_tag`, or `_choose_tag` now) reaches every
+        rank; a run that cannot resume exits 3 on every rank (after the model build when it overlapped it)."""
+        box: list[Any] = [(chosen or self._choose_tag)() if self.rank == 0 else None]
         self.dist.broadcast_object_list(box, src=0)
         tag, error = box[0]
         if error:

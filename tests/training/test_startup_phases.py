@@ -55,9 +55,11 @@ def test_marks_are_ordered_unknown_phases_refused_and_first_only_keeps_the_stand
     first = clock.marks["imports"]
     assert 2.0 <= first < 3.0
     clock.mark("checkpoint_loaded")
+    time.sleep(0.01)
     clock.mark("process_group")
     fields = clock.fields()
-    assert list(fields) == ["process_started_at", "imports", "process_group", "checkpoint_loaded"]
+    # listed in the order they happened (marked so here), not in PHASES order
+    assert list(fields) == ["process_started_at", "imports", "checkpoint_loaded", "process_group"]
     assert fields["imports"] == first and abs(fields["process_started_at"] - (time.time() - 2.0)) < 1.0
     with pytest.raises(ValueError, match="unknown start-up phase 'model'"):
         clock.mark("model")
@@ -79,9 +81,13 @@ def test_the_started_event_of_a_resumed_job_carries_every_phase_in_order(tmp_pat
     # The process started after this test launched it, and before the event was written.
     assert t_launch - 0.05 <= phases["process_started_at"] <= started["time"]
     want = [p for p in PHASES if not p.startswith("standby")]
-    assert [p for p in phases if p in PHASES] == want
-    values = [phases[p] for p in want]
-    assert values == sorted(values) and values[0] > 0.0  # cumulative; the imports take time
+    assert sorted(p for p in phases if p in PHASES) == sorted(want)
+    values = [phases[p] for p in phases if p in PHASES]
+    assert values == sorted(values) and values[0] > 0.0  # in the order they happened; the imports take time
+    pipeline = ["imports", "process_group", "model_built", "deepspeed_initialized", "tag_agreed", "checkpoint_loaded"]
+    assert [p for p in phases if p in pipeline] == pipeline
+    # rank 0 checked the tag in a thread beside the build: done by the time every rank agreed on it
+    assert phases["process_group"] <= phases["tag_verified"] <= phases["tag_agreed"]
     # The last phase ends no later than the event's own time since the process's start.
     assert values[-1] <= started["time"] - phases["process_started_at"] + 0.05
     first_step = min((r for r in second.records(2) if r["kind"] == "step"), key=lambda r: r["step"])
@@ -127,3 +133,49 @@ def test_without_a_launcher_the_warm_up_leaves_the_process_group_to_the_attempt(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["cpu", "False", "False"]
+
+
+def _rank0_trainer(tmp_path):
+    from types import SimpleNamespace
+
+    from ulyssesd.training.spec import job_spec_from_dict
+    from ulyssesd.training.telemetry import TelemetryWriter
+    from ulyssesd.training.train import Trainer
+
+    t = Trainer(job_spec_from_dict({}), tmp_path, attempt=2, config_version=1)
+    t.rank, t.world = 0, 1
+    t.tele = TelemetryWriter(tmp_path / "telemetry.jsonl", 2, 1)
+    t.dist = SimpleNamespace(broadcast_object_list=lambda box, src: None)  # a world of one
+    return t
+
+
+def test_rank_0_checks_the_resume_tag_while_the_model_is_built(tmp_path, monkeypatch):
+    t = _rank0_trainer(tmp_path)
+
+    def slow_choice():
+        time.sleep(0.6)  # a disk-bound sha256 of the tag
+        return "step-00000004", None
+
+    monkeypatch.setattr(t, "_choose_tag", slow_choice)
+    t0 = time.monotonic()
+    chosen = t._start_choosing_tag()
+    time.sleep(0.6)  # the model build meanwhile
+    assert t._agree_on_tag(chosen) == "step-00000004"
+    assert time.monotonic() - t0 < 1.0  # overlapped: 0.6 s, not 1.2 s
+
+
+def test_a_failed_choice_in_the_thread_is_raised_on_rank_0_and_a_refusal_still_exits_3(tmp_path, monkeypatch):
+    from ulyssesd.training.train_checkpoints import CheckpointLoadError
+
+    t = _rank0_trainer(tmp_path)
+
+    def broken():
+        raise OSError(30, "Read-only file system", "checkpoints/latest")
+
+    monkeypatch.setattr(t, "_choose_tag", broken)
+    chosen = t._start_choosing_tag()
+    with pytest.raises(OSError, match="Read-only file system"):
+        t._agree_on_tag(chosen)
+    monkeypatch.setattr(t, "_choose_tag", lambda: (None, "no valid checkpoint left in checkpoints"))
+    with pytest.raises(CheckpointLoadError, match="no valid checkpoint left"):
+        t._agree_on_tag(t._start_choosing_tag())
