@@ -3,6 +3,7 @@
     python bench/diagnosis_eval.py                      # held-out part: accuracy + confusion matrix
     python bench/diagnosis_eval.py --split train --misses
     python bench/diagnosis_eval.py --module /tmp/diagnosis_before.py   # the same with another diagnosis.py
+    python bench/diagnosis_eval.py --file corpus_22.txt --split all --misses   # one batch only (a fresh round)
 
 The corpus is split once, by a hash of each case id, *before* rules are written: rules are tuned on the
 `train` part only and `heldout` (~40 %) measures them. The format of a case is in the corpus README.
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", choices=("heldout", "train", "all"), default="heldout")
     ap.add_argument("--module", type=Path, help="a diagnosis.py file to evaluate instead of the installed one")
     ap.add_argument("--misses", action="store_true", help="list every miss with the diagnosis' reason")
+    ap.add_argument("--file", action="append", default=[], metavar="NAME",
+                    help="score only the cases of this corpus file (e.g. corpus_22.txt; repeatable)")
     args = ap.parse_args(argv)
     diagnose, labels = _load_diagnose(args.module)
     from ulyssesd.remediation.diagnosis import LABELS as CURRENT
@@ -176,9 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'label':<22} {'train':>5} {'heldout':>7}")
     for lb in CURRENT:
         print(f"{lb:<22} {per[('train', lb)]:>5} {per[('heldout', lb)]:>7}")
-    chosen = [c for c in cases if args.split == "all" or split_of(c.id) == args.split]
+    unknown = sorted(set(args.file) - {c.file for c in cases})
+    if unknown:
+        ap.error(f"no such corpus file in {CORPUS.relative_to(REPO)}: {', '.join(unknown)}")
+    chosen = [c for c in cases if (args.split == "all" or split_of(c.id) == args.split)
+              and (not args.file or c.file in args.file)]
     res = evaluate(chosen, diagnose)
-    print(f"\n{args.split}: {res.correct}/{res.total} correct = {100 * res.accuracy:.1f} %; "
+    scope = f"{args.split} of {', '.join(args.file)}" if args.file else args.split
+    print(f"\n{scope}: {res.correct}/{res.total} correct = {100 * res.accuracy:.1f} %; "
           f"healthy cases flagged: {len(res.healthy_flagged)}")
     print("\nconfusion (rows = expected, columns = diagnosed; labels cut to 6 characters)")
     print(confusion_table(res, tuple(dict.fromkeys((*CURRENT, *labels)))))

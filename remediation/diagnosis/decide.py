@@ -28,6 +28,7 @@ How it decides (root cause beats consequence):
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from ulyssesd.remediation.diagnosis.model import Diagnosis, DiagnosisConfig
@@ -69,6 +70,7 @@ def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = N
         return Diagnosis("healthy", [], "low", f"Not a training log: {not_log}; there is nothing to diagnose.")
     scan = Scan(normalise(text, cfg), cfg)
     hits = dict(scan.hits)
+    _drop_removal_races(scan, hits)
 
     storm, n_over, n_early = scan.overflow_storm()
     if storm:
@@ -175,6 +177,26 @@ def _not_a_training_log(text: str, cfg: DiagnosisConfig) -> str | None:
     if bad > cfg.binary_fraction * len(head):
         return f"the text looks binary ({100 * bad // len(head)} % control or undecodable characters)"
     return None
+
+
+# A FileNotFoundError raised by a delete: the job itself made the file and something (another rank) removed it first.
+_FILE_NOT_FOUND = re.compile(r"\bFileNotFoundError\b")
+_REMOVAL_CALL = re.compile(r"\b(?:os\.(?:rmdir|remove|removedirs|unlink)|shutil\.rmtree|\.unlink|\.rmdir)\(")
+
+
+def _drop_removal_races(scan: Scan, hits: dict[str, list[int]]) -> None:
+    """A FileNotFoundError whose last frame deletes the file is a race in the job's own clean-up (ranks removing the
+    same old checkpoint), not a missing script or input of the launch: it is no launcher evidence (the exception
+    then stands as the job's own, `python_exception`)."""
+    idx = hits.get("launcher_error")
+    if not idx:
+        return
+    keep = [i for i in idx if not (_FILE_NOT_FOUND.search(scan.lines[i])
+                                   and any(_REMOVAL_CALL.search(ln) for ln in scan.lines[max(0, i - 2):i]))]
+    if keep:
+        hits["launcher_error"] = keep
+    else:
+        del hits["launcher_error"]
 
 
 def _pick(seen: list[str], hits: dict[str, list[int]]) -> str | None:

@@ -73,8 +73,10 @@ RULES: tuple[Rule, ...] = (
         r"validation errors? for DeepSpeed\w*Config",
         r"extra fields not permitted|Extra inputs are not permitted",
         r"Please correct the following DeepSpeed config values that mismatch",
+        # PyTorch Lightning refuses a Trainer/strategy configuration before training starts.
+        r"MisconfigurationException",
     ), ("check batch related parameters", "validation error", "extra fields not permitted",
-        "extra inputs are not permitted", "please correct the following deepspeed config"),
+        "extra inputs are not permitted", "please correct the following deepspeed config", "misconfigurationexception"),
         what="the job refused its configuration before training"),
     Rule("cuda_oom", (
         r"OutOfMemoryError",
@@ -140,13 +142,16 @@ RULES: tuple[Rule, ...] = (
         r"NET/OFI [^\n]*completed with error",
         r"unhandled (?:system|cuda) error",
         r"NCCL WARN Net : (?:Call to|Connection)",
+        # NCCL's own sockets (bootstrap, proxy, NET/Socket): a connect/bind/accept that NCCL gave up on.
+        r"NCCL WARN (?:\w+: )?(?:Connect to|Call to \w+)\b[^\n]*\bfailed\b",
         r"NCCL WARN Cuda failure (?!'?out of memory)",
         r"Proxy Service \d+\] Failed",
         r"gloo[^\n]*(?:Connection closed by peer|Connection reset by peer|Broken pipe)",
         r"(?:Connection closed by peer|Connection reset by peer)[^\n]*gloo",
     ), ("nccl error in:", "ncclinternalerror", "ncclsystemerror", "ncclremoteerror", "ncclunhandledcudaerror",
         "ncclinvalidusage", "ncclinvalidargument", "remote process exited", "net/ib", "net/ofi",
-        "unhandled system error", "unhandled cuda error", "nccl warn net", "nccl warn cuda failure",
+        "unhandled system error", "unhandled cuda error", "nccl warn net", "nccl warn cuda failure", "nccl warn call to",
+        "nccl warn socket",
         "proxy service", "connection closed by peer", "connection reset by peer", "broken pipe"),
         exclude=r"NCCL INFO|collective operation timeout|Timed out waiting|gloo[^\n]*Timed out",
         what="a collective communication call failed (NCCL/gloo error)"),
@@ -156,7 +161,9 @@ RULES: tuple[Rule, ...] = (
         r"Timed out waiting \d+ms for (?:recv|send) operation",
         r"gloo[^\n]*Timed out",
         r"watchdog got stuck",
-    ), ("collective operation timeout", "timed out waiting", "timed out", "watchdog got stuck"),
+        # The watchdog's C++ stack when it raises the timeout (the message line may be cut from the tail).
+        r"WorkNCCL::checkTimeout\b",
+    ), ("collective operation timeout", "timed out waiting", "timed out", "watchdog got stuck", "worknccl::checktimeout"),
         what="a collective timed out (a rank hung or fell behind)"),
     Rule("killed", (
         r"CANCELLED AT \S+ DUE TO (?:TIME LIMIT|PREEMPTION|NODE FAIL\w*)",
@@ -189,7 +196,7 @@ RULES: tuple[Rule, ...] = (
         "no module named", "command not found", "specerror", "invalid run spec", "srun: error", "ssh: connect",
         "pdsh@", "exit status 255", "reachable via ssh", "hostfile contains", "store based barrier",
         "filenotfounderror"),
-        what="the launcher or the job setup failed"),
+        exclude=r"NCCL WARN", what="the launcher or the job setup failed"),
 )
 
 # Root cause first. Hardware, disk and corrupt inputs cause everything downstream; a configuration the job
