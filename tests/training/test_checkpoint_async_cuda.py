@@ -64,7 +64,8 @@ def _save(writer, tag_dir, state):
     t0 = time.monotonic()
     writer.collect(state, str(tag_dir / "optim.pt"))
     blocked = time.monotonic() - t0
-    writer.start(commit=lambda: ck.commit_when_durable(tag_dir, 1, 1, 1.0, 8, 1, timeout_s=120))
+    step = ck.step_of_tag(tag_dir.name)   # the manifest's step must match the tag's name
+    writer.start(commit=lambda: ck.commit_when_durable(tag_dir, 1, step, 1.0, 8, 1, timeout_s=120))
     return blocked
 
 
