@@ -230,3 +230,18 @@ def test_the_writer_builds_its_pool_once_and_releases_it_on_close(tmp_path):
     assert writer.snapshot_pool is None and not reg.live
     assert [k for k, _, _ in reg.calls] == ["register", "register", "unregister", "unregister"]
     assert ck.validate_tag(tag_dir) == (True, "ok")
+
+
+def test_the_gpu_tests_save_helpers_work_on_the_cpu(tmp_path):
+    """The CUDA tests' save/check helpers, run here on CPU tensors for two saves in a row: the lent GPU
+    machine is scarce, so their own mistakes should show up on this box first."""
+    from test_checkpoint_async_cuda import _check_written, _save
+
+    writer = ck.AsyncCheckpointWriter(0)
+    state = {"optimizer_state_dict": {"state": {0: {"exp_avg_sq": torch.arange(10.0)}}},
+             "fp32_flat_groups": [torch.ones(4, dtype=torch.bfloat16)]}
+    for step in (1, 2):
+        tag_dir = tmp_path / ck.tag_for_step(step)
+        assert _save(writer, tag_dir, state) >= 0
+        _check_written(writer, tag_dir, state)
+        assert ck.read_manifest(tag_dir)["step"] == step
