@@ -282,6 +282,32 @@ class Preload:
         self.verified_in_standby = got[0] if got is not None and got[1] == got[2] else None
         return got
 
+    def validate_newest(self, root: Path, run_dir: Path, attempt: int, world: int, threads: int | None,
+                        invalid: Callable[[str, str], None]) -> str | None:
+        """Rank 0 after the gate: the newest tag, validated with what this attempt's standby ranks already
+        checked (`verified_files`): every file's size, the sha256 of only the files they had not (all after a
+        preload the gate cut short at once, none after finished ones). None: no coverage (the caller validates
+        as on a cold start), or the tag failed (`invalid` quarantines it; older tags are checked in full)."""
+        from . import checkpoint as ckpt
+
+        got = self.verified_files(root, run_dir, attempt, world)
+        if got is None or not got[1]:
+            return None
+        tag, covered, _ = got
+        ok, reason = ckpt.validate_tag(root / tag, verify_checksums=False)
+        if ok:
+            files = ckpt.read_manifest(root / tag)["files"]
+            rest = {rel: meta for rel, meta in files.items() if rel not in covered}
+            self.hashed_after_gate = len(rest)
+            failed = ckpt.verify_checksums_parallel(root / tag, rest, threads)
+            if failed is None:
+                log.info("checkpoint %s: %d of %d files hashed by the standby, %d now", tag, len(covered),
+                         len(files), len(rest))
+                return tag
+            reason = failed
+        invalid(tag, reason)
+        return None
+
     def still_latest(self) -> bool:
         from . import checkpoint as ckpt
 
@@ -344,7 +370,11 @@ def _warm_imports() -> str:
     device's libraries, the process group); returns the device's name."""
     from .startup import warm_up
 
-    return warm_up(os.environ.get(DEVICE_ENV, "auto"))
+    def job_code() -> None:  # after DS_ACCELERATOR is settled (warm_up), before the lazy modules
+        from . import train  # noqa: F401 - the model, data and checkpoint code
+        from .model import attention  # noqa: F401
+
+    return warm_up(os.environ.get(DEVICE_ENV, "auto"), job_code)
 
 
 def _write_ready(run_dir: Path, attempt: int, rank: int, fields: dict[str, Any]) -> None:

@@ -30,9 +30,12 @@ import logging
 import mmap
 import os
 import socket
+import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger("ulyssesd.training")
 
@@ -86,6 +89,30 @@ class StartupClock:
 
 #: The rank's one clock, created when the job's entry point first imports this module.
 STARTUP = StartupClock()
+
+
+def in_background(fn: Callable[[], T], name: str) -> Callable[[], T]:
+    """Start `fn` in a daemon thread now; the returned join waits for it and returns its value or raises its
+    exception on the caller's thread (a start-up phase overlapped with another, e.g. the tag check with the
+    model build)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by join() on the caller's thread
+            out["error"] = exc
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker.start()
+
+    def join() -> T:
+        worker.join()
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+    return join
 
 
 # --------------------------------------------------------------------------------------------- warm-up
@@ -142,13 +169,14 @@ def warm_device(index: int) -> None:
     torch.cuda.empty_cache()
 
 
-def warm_up(device_setting: str = "auto") -> str:
+def warm_up(device_setting: str = "auto", import_job_code: Callable[[], None] = lambda: None) -> str:
     """A standby's config-free start-up (`train.device` = `device_setting`: cpu / cuda / auto): the imports of
     every attempt (torch, DeepSpeed, the model, data and checkpoint code, and what deepspeed.initialize would
     import lazily), the CUDA context, cuBLAS and the attention kernels on its device, and, under a launcher
     (WORLD_SIZE set: torchrun's rendezvous is the standby's own), the process group.
-    Returns the device's name. A warm-up step that fails is logged and left to the attempt (it would then
-    pay it itself), except the imports, which the attempt needs too."""
+    `import_job_code` imports the job's own modules (the caller's: this module is imported by them). Returns
+    the device's name. A warm-up step that fails is logged and left to the attempt (it would then pay it
+    itself), except the imports, which the attempt needs too."""
     import torch
 
     cuda = device_setting != "cpu" and torch.cuda.is_available()
@@ -157,9 +185,7 @@ def warm_up(device_setting: str = "auto") -> str:
     import deepspeed  # noqa: F401
     import deepspeed.ops  # noqa: F401
 
-    from . import train  # noqa: F401 - the model, data and checkpoint code
-    from .model import attention  # noqa: F401
-
+    import_job_code()
     for name in LAZY_MODULES:
         try:
             importlib.import_module(name)

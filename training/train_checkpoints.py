@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import random
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ from .control import set_engine_clip
 from .data.batches import DataCursor, SampleSource
 from .faults import FaultInjector
 from .spec import JobSpec
-from .startup import STARTUP, mapped_loads
+from .startup import STARTUP, in_background, mapped_loads
 
 log = logging.getLogger("ulyssesd.training")
 
@@ -141,55 +140,24 @@ class TrainerCheckpoints:
         return tag, None
 
     def _newest_checked_in_standby(self, root: Path, invalid: Any) -> str | None:
-        """The newest tag, validated with what a warm standby's ranks already checked while they waited
-        (training/standby.py verified_files): every file's size, and the sha256 of only the files they had
-        not (all of them after a preload the gate cut short at once, none after a finished one). None: no
-        standby coverage (the caller validates as on a cold start), or the tag failed (quarantined)."""
-        got = None if self.preload is None else self.preload.verified_files(root, self.run_dir, self.attempt,
-                                                                             self.world)
-        if got is None or not got[1]:
-            return None
-        tag, covered, _ = got
-        ok, reason = ckpt.validate_tag(root / tag, verify_checksums=False)
-        if ok:
-            files = ckpt.read_manifest(root / tag)["files"]
-            rest = {rel: meta for rel, meta in files.items() if rel not in covered}
-            self.preload.hashed_after_gate = len(rest)
-            failed = ckpt.verify_checksums_parallel(root / tag, rest, self.spec.checkpoint.verify_threads)
-            if failed is None:
-                log.info("checkpoint %s: %d of %d files hashed by the standby, %d now", tag, len(covered),
-                         len(files), len(rest))
-                return tag
-            reason = failed
-        invalid(tag, reason)
-        return None
+        """The newest tag validated with what a warm standby already hashed (training/standby.py
+        `Preload.validate_newest`); None without a standby's coverage or when it failed (quarantined)."""
+        return None if self.preload is None else self.preload.validate_newest(
+            root, self.run_dir, self.attempt, self.world, self.spec.checkpoint.verify_threads, invalid)
 
     def _start_choosing_tag(self) -> Callable[[], tuple[str | None, str | None]]:
-        """Rank 0 chooses and validates the resume tag (`_choose_tag`: the sha256 of the whole checkpoint, 11.7 s
-        of disk reads for 17 GB on the H200) in a thread, so that it overlaps the model build; returns what
-        `_agree_on_tag` calls for the answer (it joins the thread; an exception there is raised on rank 0 as
-        when it ran inline). The thread does no collective and is the only telemetry writer meanwhile."""
+        """Rank 0 chooses and checks the resume tag (the sha256 of the checkpoint: 11.7 s of disk reads for 17 GB
+        on the H200) in a thread beside the model build; `_agree_on_tag` joins it (its exception is raised on
+        rank 0, as inline). The thread does no collective and is the only telemetry writer meanwhile."""
         if self.rank != 0:
             return lambda: (None, None)
-        out: dict[str, Any] = {}
 
-        def choose() -> None:
-            try:
-                out["chosen"] = self._choose_tag()
-                STARTUP.mark("tag_verified")
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread by the join below
-                out["error"] = exc
+        def choose() -> tuple[str | None, str | None]:
+            chosen = self._choose_tag()
+            STARTUP.mark("tag_verified")
+            return chosen
 
-        worker = threading.Thread(target=choose, name="ckpt-choose-tag", daemon=True)
-        worker.start()
-
-        def join() -> tuple[str | None, str | None]:
-            worker.join()
-            if "error" in out:
-                raise out["error"]
-            return out["chosen"]
-
-        return join
+        return in_background(choose, "ckpt-choose-tag")
 
     def _agree_on_tag(self, chosen: Callable[[], tuple[str | None, str | None]] | None = None) -> str | None:
         """Collective: rank 0's choice (`chosen`, from `_start_choosing_tag`, or `_choose_tag` now) reaches every
