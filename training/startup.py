@@ -213,6 +213,17 @@ def warm_up(device_setting: str = "auto", import_job_code: Callable[[], None] = 
 
 
 # ------------------------------------------------------------------------------------------- the load
+def offloads_to_host(engine: Any) -> bool:
+    """The engine keeps optimizer states or parameters off the GPU (ZeRO offload to cpu or nvme)."""
+    for name in ("zero_offload_optimizer", "zero_offload_param"):
+        get = getattr(engine, name, None)
+        cfg = get() if callable(get) else None
+        device = getattr(cfg, "device", None)
+        if cfg is not None and str(getattr(device, "value", device)) != "none":
+            return True
+    return False
+
+
 @contextlib.contextmanager
 def mapped_loads(engine: Any) -> Iterator[None]:
     """While DeepSpeed loads the resume tag, its checkpoint engine's `torch.load` maps each file (`mmap=True`,
@@ -222,9 +233,15 @@ def mapped_loads(engine: Any) -> Iterator[None]:
     DeepSpeed then copies the mapped tensors into its own partitions as before: the same bytes, bit for bit.
     A file torch cannot map (not torch.save's zip format) is loaded as before. Checkpoint files are never
     rewritten in place (temp file + rename; retention unlinks, which keeps a mapped inode), so a mapping
-    cannot lose its bytes. A standby's `Preload.serve`, entered inside this, answers from its own memory first."""
+    cannot lose its bytes. A standby's `Preload.serve`, entered inside this, answers from its own memory first.
+    Not with ZeRO offload to the host (`offload_optimizer` / `offload_param`): its states would stay tensors
+    on the host, i.e. mappings of the file, holding a tag that retention deletes on disk for the whole
+    attempt; those loads copy as before."""
     import torch
 
+    if offloads_to_host(engine):
+        yield
+        return
     ce = engine.checkpoint_engine
     before = vars(ce).get("load")  # an instance override already there is restored on the way out
     plain = ce.load

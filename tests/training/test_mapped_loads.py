@@ -39,6 +39,23 @@ def test_a_load_maps_the_file_bit_for_bit_and_the_engine_is_restored_after(tmp_p
     assert _same(torch.load(f, weights_only=False), sd)
 
 
+def test_with_zero_offload_to_the_host_the_loads_copy_as_before(tmp_path):
+    """Offloaded states stay host tensors: mapped, they would pin a tag retention deletes for the attempt."""
+    from types import SimpleNamespace
+
+    f = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"w": torch.randn(4096)}, f)
+    for optimizer, param, mapped in ((SimpleNamespace(device="cpu"), None, False),
+                                     (None, SimpleNamespace(device=SimpleNamespace(value="nvme")), False),
+                                     (SimpleNamespace(device=SimpleNamespace(value="none")), None, True)):
+        eng = _Engine()
+        eng.zero_offload_optimizer, eng.zero_offload_param = (lambda o=optimizer: o), (lambda p=param: p)
+        with mapped_loads(eng):
+            got = eng.checkpoint_engine.load(str(f), map_location="cpu")
+            assert _mapped(f) == mapped, (optimizer, param)
+        del got
+
+
 def test_a_legacy_format_file_is_loaded_as_before(tmp_path):
     f = tmp_path / "old.pt"
     sd = {"w": torch.randn(128)}
