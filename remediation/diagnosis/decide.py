@@ -74,7 +74,7 @@ def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = N
 
     storm, n_over, n_early = scan.overflow_storm()
     if storm:
-        hits["loss_scale_overflow"] = storm
+        hits["loss_scale_overflow"] = sorted(set(hits.get("loss_scale_overflow", []) + storm))
     megatron_nan = scan.megatron_nan()
     if megatron_nan:
         hits["nan_loss"] = sorted(set(hits.get("nan_loss", []) + megatron_nan))

@@ -163,8 +163,15 @@ RULES: tuple[Rule, ...] = (
         r"watchdog got stuck",
         # The watchdog's C++ stack when it raises the timeout (the message line may be cut from the tail).
         r"WorkNCCL::checkTimeout\b",
+        # Older ProcessGroupNCCL: a work item that timed out in wait() (also quoted as an aborted communicator's reason).
+        r"WorkNCCL\([^\n]*\) timed out in call to wait",
     ), ("collective operation timeout", "timed out waiting", "timed out", "watchdog got stuck", "worknccl::checktimeout"),
         what="a collective timed out (a rank hung or fell behind)"),
+    # The overflow storm is found by counting OVERFLOW lines (scanner.overflow_storm); this rule is a trainer's own
+    # verdict on one: GPT-NeoX's overflow monitor ends the run after N skipped iterations in a row.
+    Rule("loss_scale_overflow", (
+        r"\bSkipped \d+ (?:iterations|steps) in a row due to overflow",
+    ), ("in a row due to overflow",), what="fp16 overflows skipped every step until the trainer gave up"),
     Rule("killed", (
         r"CANCELLED AT \S+ DUE TO (?:TIME LIMIT|PREEMPTION|NODE FAIL\w*)",
         r"\*\*\* (?:JOB|STEP) \S+ ON \S+ CANCELLED AT",

@@ -1,5 +1,6 @@
-"""Log diagnosis: the rules added after the 2026-12-02 fresh round (corpus_22.txt, train part), each shown on the
-failure it must name AND on the look-alike it must leave alone. Plain strings shaped like the real excerpts."""
+"""Log diagnosis: the rules added after the 2026-12-02 fresh rounds (corpus_22.txt and corpus_23.txt, train parts),
+each shown on the failure it must name AND on the look-alike it must leave alone. Plain strings shaped like the real
+excerpts."""
 
 from __future__ import annotations
 
@@ -56,6 +57,19 @@ LIGHTNING_REFUSED = """Traceback (most recent call last):
 lightning.fabric.utilities.exceptions.MisconfigurationException: Do not set `gradient_accumulation_steps` in the DeepSpeed config as this will be set with the `accumulate_grad_batches` argument passed via the Lightning Trainer.
 """
 
+OVERFLOW_MONITOR = """  File "~/gpt-neox/megatron/utils.py", line 353, in check
+    raise Exception(
+Exception: Skipped 50 iterations in a row due to Overflow - Exiting training.
+"""
+
+MEGATRON_ROWS_NO_SKIPS = "\n".join(
+    f" iteration {i:>8}/  100000 | consumed samples: {i * 8:>10} | elapsed time per iteration (ms): 4247.9 | "
+    f"lm loss: 2.1{i % 10}E+00 | loss scale: 65536.0 | number of skipped iterations:   0 | number of nan iterations:   0 |"
+    for i in range(5426, 5431))
+
+ABORTED_AFTER_WAIT_TIMEOUT = ("NCCL communicator was aborted on rank 1. Original reason for failure was: Work: "
+                              "WorkNCCL(OpType=ALLREDUCE, TensorShape=[1], Timeout(ms)=2000) timed out in call to wait().\n")
+
 
 @pytest.mark.parametrize("text, label, evidence", [
     (REMOVAL_RACE, "python_exception", "FileNotFoundError"),
@@ -65,15 +79,18 @@ lightning.fabric.utilities.exceptions.MisconfigurationException: Do not set `gra
     (NCCL_CONNECT, "nccl_error", "socketStartConnect"),
     (WATCHDOG_FRAMES, "nccl_timeout", "WorkNCCL::checkTimeout"),
     (LIGHTNING_REFUSED, "config_rejected", "MisconfigurationException"),
+    (OVERFLOW_MONITOR, "loss_scale_overflow", "in a row due to Overflow"),
+    (ABORTED_AFTER_WAIT_TIMEOUT, "nccl_timeout", "timed out in call to wait"),
 ], ids=["removal-race", "missing-input", "nccl-bind", "c10d-store-port", "nccl-connect", "watchdog-frames",
-        "lightning-refused"])
+        "lightning-refused", "overflow-monitor", "aborted-after-wait-timeout"])
 def test_fresh_round_rule_names_the_failure(text, label, evidence):
     d = diagnose(text, exit_code=1)
     assert d.label == label, d.reason
     assert any(evidence in e for e in d.evidence), d.evidence
 
 
-@pytest.mark.parametrize("text", [NCCL_RETRY_INFO, WATCHDOG_HEALTHY], ids=["nccl-retry-info", "watchdog-options"])
+@pytest.mark.parametrize("text", [NCCL_RETRY_INFO, WATCHDOG_HEALTHY, MEGATRON_ROWS_NO_SKIPS],
+                         ids=["nccl-retry-info", "watchdog-options", "megatron-rows-no-skips"])
 def test_fresh_round_look_alikes_stay_healthy(text):
     d = diagnose(text)
     assert d.label == "healthy", d.reason
