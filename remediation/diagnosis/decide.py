@@ -337,7 +337,7 @@ def _launcher_traceback(scan: Scan, header: int) -> bool:
 
 def _reason(label: str, ev: list[str], sig: int | None, exit_code: int | None) -> str:
     what = RULE_BY_LABEL[label].what if label in RULE_BY_LABEL else ""
-    if label == "loss_scale_overflow":
+    if label == "loss_scale_overflow" and not any(COMPILED["loss_scale_overflow"].search(e) for e in ev):
         what = ("fp16 overflows kept skipping steps long after loss-scale warm-up, or the loss scale collapsed "
                 "(an overflow storm)")
     if label == "host_oom_killed" and not any(COMPILED["host_oom_killed"].search(e) for e in ev):
