@@ -140,6 +140,7 @@ class RemediationEngine:
         self.last_step: int | None = None
         self.failed = False
         self.memory_evidence: dict[str, Any] | None = None   # of the last decision (memory_evidence.choose)
+        self.footprint = memory_evidence.Footprint()   # the attempt's measured memory: a transient OOM is no config's
         self.replanner: Callable[[], Replan | None] | None = None   # for spikes; lazy: it may probe the GPUs
 
     def _active(self, symptom: str) -> bool:
@@ -151,11 +152,11 @@ class RemediationEngine:
         """Feed one telemetry record; returns the findings it raised and the decisions they led to."""
         out: list[Finding | Decision] = []
         self.hang.observe(record, now)
+        self.footprint.observe(record)
         if isinstance(record, EventRecord):
-            ev = record.event
-            if ev == "started":
+            if record.event == "started":
                 self.on_restart(now, attempt=record.attempt)
-            elif ev == "checkpoint_saved" and record.step is not None:
+            elif record.event == "checkpoint_saved" and record.step is not None:
                 self.checkpoint_saved(str(record.fields.get("tag") or f"step-{record.step:08d}"), record.step)
             for det in self.detectors:
                 det.observe(record, now)
@@ -213,17 +214,15 @@ class RemediationEngine:
         For a CUDA OOM, `replan` (the daemon's planner over the current config, remediation/memory_evidence.py)
         lets the memory ladder jump to the change predicted to fit."""
         ladder, symptom = ladder_for_crash(label)
-        if isinstance(evidence, dict):
-            first = next(iter(evidence.values()), "")
-        else:
-            first = (evidence or [""])[0]
+        first = next(iter(evidence.values()), "") if isinstance(evidence, dict) else (evidence or [""])[0]
         ev = f" ({str(first).strip()[:160]!r})" if first else ""
         st = self.ladders.get(ladder)
         if st is not None and st.verify_left <= 0 and st.position < len(LADDERS[ladder]) \
                 and LADDERS[ladder][st.position].max_uses(self.policy) > 1:
             st.uses = 0  # a crash long after the last one starts the restart count afresh
-        choice = memory_evidence.choose(evidence, Context(self.values, self.initial, self.launched, self.policy),
-                                        replan) if ladder == "memory" and not (st and st.exhausted) else None
+        ctx = Context(self.values, self.initial, self.launched, self.policy)
+        choice = memory_evidence.choose(evidence, ctx, replan, self.footprint) if ladder == "memory" and not (
+            st and st.exhausted) else None
         return self._decide(ladder, symptom, None, self.last_step, now, f"the job crashed with {label}{ev}",
                             memory=choice)
 
@@ -235,6 +234,7 @@ class RemediationEngine:
         first = (self.attempt is None and self.last_step is None and not self.restart_times
                  and (attempt is None or attempt <= 1))
         self.attempt = attempt if attempt is not None else (self.attempt or 0) + 1
+        self.footprint.restart(self.attempt)
         self.launched = dict(self.values)
         for det in self.detectors:
             det.reset()

@@ -4,18 +4,11 @@ change predicted to fit instead of walking the ladder blind (issue 21).
 Pure: the planner's view of a configuration comes in as plain data (`PlanView`) from a `Replan` callable the
 daemon passes (daemon/operator/ctl_plan.py `memory_replanner`); nothing here imports the daemon or the training job.
 
-Causes, from the evidence:
-- fragmentation: the allocator holds at least the requested size reserved-but-unallocated (torch's own hint)
-  and expandable segments are off -> `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`;
-- activations: the planner's breakdown of the failing config has more activation bytes than model-state bytes
-  -> smaller micro-batch with more accumulation (global batch kept), then recompute every layer;
-- model states: the opposite -> fewer live parameters, then offload the optimizer state.
-
-With a planner, the changes of the cause (then the others) are applied cumulatively, each re-planned, until
-the patched config is predicted to fit; the prediction is calibrated by the OOM itself (what PyTorch had
-allocated plus the request is a lower bound on the failing config's peak: when the planner predicted less,
-the shortfall is added to every candidate). When nothing is predicted to fit, the choice is to stop, with the
-planner's explanation.
+Causes (`classify`, `CAUSE_RUNGS`): fragmentation, activations, model states. With a planner, the changes of
+the cause (then the others) are applied cumulatively, each re-planned, until the patched config is predicted to
+fit, calibrated by the OOM (allocated + requested bounds the failing config's peak from below). Nothing
+predicted to fit: stop, with the planner's explanation. An OOM far above the attempt's own measured steady peak
+is a transient spike, not the config (`Footprint`, `_transient`): relaunch unchanged first.
 
 A memory spike in telemetry (no crash yet, `choose_spike`) goes the same way from the step's numbers: reserved
 memory the allocator cannot reuse is fragmentation; the measured max_allocated calibrates the planner; a change
@@ -27,9 +20,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from ulyssesd.remediation import playbook as pb
+from ulyssesd.remediation.detectors.memory_spike import Footprint
 from ulyssesd.remediation.playbook import K_ALLOC, LADDERS, STOP, Action, Context, Proposal
 
 _UNITS = {"b": 1 / 2**30, "bytes": 1 / 2**30, "kib": 1 / 2**20, "mib": 1 / 2**10, "gib": 1.0, "tib": 2**10}
@@ -58,8 +53,6 @@ CAUSE_RUNGS: dict[str, tuple[str, ...]] = {
 }
 CAUSE_ORDER = ("fragmentation", "activations", "model_states")
 MAX_CHANGES = 12   # cumulative changes tried per choice (micro-batch halvings included): bounded re-planning
-
-
 MAX_GIB = float(1 << 20)   # a size above 1 PiB in an OOM message is garbage, not evidence
 
 
@@ -92,9 +85,7 @@ class OomReport:
                 f"of {f(self.total_gib)} GiB")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"requested_gib": self.requested_gib, "total_gib": self.total_gib, "free_gib": self.free_gib,
-                "allocated_gib": self.allocated_gib, "reserved_unallocated_gib": self.reserved_unallocated_gib,
-                "in_use_gib": self.in_use_gib}
+        return {k: v for k, v in asdict(self).items() if k != "line"}
 
 
 def parse_oom(lines: Iterable[str] | str) -> OomReport | None:
@@ -128,6 +119,9 @@ class PlanView:
     model_states_gib: float    # parameter/gradient/optimizer shards, gathered params, buckets at the peak
     activations_gib: float     # saved activations, transients, logits at the peak
     problems: tuple[str, ...] = ()
+
+    def sizes(self) -> dict[str, float]:
+        return {k: v for k, v in asdict(self).items() if k.endswith("_gib")}
 
 
 # Plan the current config with these dotted changes applied (the daemon's planner); raises ValueError when the
@@ -212,10 +206,11 @@ class _Found:
                 + ")")
 
 
-def _first_fit(ctx: Context, replan: Replan, base: PlanView, order: list[str], under: float,
+def _first_fit(ctx: Context, replan: Replan, base: PlanView, cause: str, under: float,
                limit: float | None, problems: list[str]) -> _Found:
-    """Apply the rungs of `order` cumulatively, each re-planned, until the patched config is predicted to fit
+    """Apply the rungs of `cause`, then the others', cumulatively, each re-planned, until the patched config is predicted to fit
     (calibrated by `under`, the peak below `limit` when given); then leave out the changes it does not need."""
+    order = [*CAUSE_RUNGS.get(cause, ()), *(k for c in CAUSE_ORDER if c != cause for k in CAUSE_RUNGS[c])]
     values = dict(ctx.values)
     patch: dict[str, Any] = {}
     changes: list[str] = []
@@ -246,10 +241,10 @@ def _first_fit(ctx: Context, replan: Replan, base: PlanView, order: list[str], u
 
 
 def choose(lines: Iterable[str] | str | dict[str, Any] | None, ctx: Context,
-           replan: Replan | None = None) -> MemoryChoice | None:
+           replan: Replan | None = None, footprint: Footprint | None = None) -> MemoryChoice | None:
     """The evidence-driven memory decision for a CUDA OOM (`lines`: the crash diagnosis' evidence lines, or its
     dict of them), or None when there is no evidence to go on (no parsable OOM and no planner): the plain ladder
-    applies then."""
+    applies then. `footprint`: the failing attempt's own measured memory (a transient spike is no config change)."""
     if not isinstance(lines, str):
         lines = [str(x) for x in (lines.values() if isinstance(lines, dict) else lines or [])]
     oom = parse_oom(lines)
@@ -260,15 +255,16 @@ def choose(lines: Iterable[str] | str | dict[str, Any] | None, ctx: Context,
             base = replan({})
         except Exception as exc:  # noqa: BLE001 - a planner that fails leaves the message alone to go on
             problems.append(f"planner: {exc}")
+    steady = _transient(oom, base, footprint, ctx) if footprint is not None and oom is not None else None
+    if isinstance(steady, MemoryChoice):
+        return steady
     cause, why = classify(oom, base, ctx.values)
     evidence: dict[str, Any] = {"cause": cause, "why": why, "oom": oom.to_dict() if oom else None}
     if base is not None:
-        evidence["plan"] = {"required_gib": base.required_gib, "capacity_gib": base.capacity_gib,
-                            "model_states_gib": base.model_states_gib, "activations_gib": base.activations_gib}
+        evidence["plan"] = base.sizes()
     if oom is None and base is None:
         return None
     said = (oom.describe() if oom else "CUDA OOM (no sizes in the message)") + f"; cause: {cause} ({why})"
-    order = [*CAUSE_RUNGS.get(cause, ()), *(k for c in CAUSE_ORDER if c != cause for k in CAUSE_RUNGS[c])]
     if base is None:
         # No planner: the cause's first applicable rung, from the message alone (fragmentation only).
         if cause == "unknown":
@@ -281,11 +277,16 @@ def choose(lines: Iterable[str] | str | dict[str, Any] | None, ctx: Context,
     assert replan is not None  # `base` came from it
     # The OOM is a lower bound on the failing config's peak: a planner that predicted less is short by that much.
     under = 0.0
-    if oom is not None and oom.allocated_gib is not None:
+    if steady is not None:   # a recurring spike: its total is not the config's; the measured steady peak is
+        under = max(0.0, steady - base.peak_allocated_gib)
+        said += (f"; it recurred after relaunching unchanged: calibrated by the measured steady peak "
+                 f"{steady:.1f} GiB, not the OOM's total")
+        evidence["steady_peak_gib"] = steady
+    elif oom is not None and oom.allocated_gib is not None:
         under = max(0.0, oom.allocated_gib + oom.requested_gib - base.peak_allocated_gib)
     evidence["planner_shortfall_gib"] = under
     trusted = not _calibrated_fit(base, under)   # the planner explains the OOM (with the OOM's own correction)
-    found = _first_fit(ctx, replan, base, order, under, None, problems)
+    found = _first_fit(ctx, replan, base, cause, under, None, problems)
     view, changes = found.view, found.changes
     if found.action is not None:
         what = found.what(said, under)
@@ -301,6 +302,63 @@ def choose(lines: Iterable[str] | str | dict[str, Any] | None, ctx: Context,
     tried = ", ".join(changes) or "nothing applicable"
     return MemoryChoice(cause, STOP, Proposal(what=f"stop: no memory change is predicted to fit ({said}; tried "
                                                    f"{tried}; planner: {expl})"), False, evidence)
+
+
+# ------------------------------------------------------------------------------------------ transient OOMs
+# An OOM whose allocated bytes exceed the attempt's measured steady peak by more than this share of the GPU (or
+# the planner's allocator headroom, when larger) is a spike outside the config's own footprint.
+TRANSIENT_FRAC = 0.15
+SAME_STEP_TOLERANCE = 1   # steps: "the same step" of a recurrence
+RELAUNCH = Action("relaunch_unchanged", "restart_latest", lambda c: Proposal(what="relaunch unchanged"))
+
+
+def _transient(oom: OomReport, base: PlanView | None, fp: Footprint, ctx: Context) -> MemoryChoice | float | None:
+    """The transient reading of an OOM: a choice (relaunch unchanged; the batches of a recurrence at the same
+    step skipped), the measured steady peak to calibrate the ladder by (a recurrence elsewhere or after the
+    skip), or None (no steady peak or no wide margin: the OOM is the config's, today's path)."""
+    step, ep = fp.oom_step(), fp.episode
+    evidence: dict[str, Any] = {"oom": oom.to_dict(), "steady": {k: getattr(fp, k) for k in (
+        "peak_gib", "steps", "first_step", "last_step", "config_version")}}
+    if ep is not None and fp.restarts == ep["restarts"] + 1 and (
+            step is None or step <= ep["oom_step"] + ctx.policy.verify_steps):
+        # The attempt right after a transient decision ran out of memory again before it got past the window.
+        fp.episode = None
+        peak = max(p for p in (ep["peak_gib"], fp.steady_peak()) if p is not None)
+        if step is None or abs(step - ep["oom_step"]) > SAME_STEP_TOLERANCE or ep["skipped"] or fp.samples_at is None:
+            return peak   # elsewhere, or again after the skip: not that batch
+        fp.episode = {**ep, "restarts": fp.restarts, "skipped": True}
+        lo, hi = min(step, ep["oom_step"]), max(step, ep["oom_step"]) + 1   # the steps that ran out of memory
+        at, (a, b) = fp.samples_at
+        skip = (a + (lo - at) * (b - a), a + (hi - at) * (b - a))   # their samples, from the last step's range
+        tag, to_step = fp.checkpoint or (None, 0)
+        plan = pb.RollbackPlan(to_step, tag, [skip], (lo, hi), lo != at + 1)
+        why = (f"the OOM recurred in step {step} after relaunching unchanged (the first in step {ep['oom_step']}; "
+               f"steady peak {peak:.1f} GiB): step- or data-driven; the weights are sound, so from the latest "
+               f"checkpoint ({tag or 'none: from the start'})")
+        evidence.update(cause="step_driven", why=why, first_oom_step=ep["oom_step"], steady_peak_gib=peak)
+        patch = {pb.K_SKIP: pb.merge_ranges([(int(x), int(y)) for x, y in (ctx.get(pb.K_SKIP) or [])] + [skip])}
+        return MemoryChoice("step_driven", pb.ROLLBACK, Proposal(patch, what=(
+            f"skip the batches of steps {lo}-{hi - 1} (samples {[skip]}) ({why})"), apply="rollback_skip",
+            rollback=plan), None, evidence)
+    steady = fp.steady_peak()
+    capacity = oom.total_gib if oom.total_gib is not None else (base.capacity_gib if base else None)
+    if steady is None or oom.allocated_gib is None or capacity is None:
+        return None
+    headroom = base.required_gib - base.peak_allocated_gib if base is not None else 0.0
+    margin, excess = max(TRANSIENT_FRAC * capacity, headroom), oom.allocated_gib - steady
+    if excess <= margin:
+        return None
+    fp.episode = {"restarts": fp.restarts, "oom_step": step, "peak_gib": steady, "skipped": False}
+    why = (f"steps {fp.first_step}-{fp.last_step} peaked at {steady:.1f} GiB under this config"
+           + (f" v{fp.config_version}" if fp.config_version is not None else "")
+           + (f" (planner {base.peak_allocated_gib:.1f})" if base is not None else "") + "; "
+           f"the OOM had {oom.allocated_gib:.1f} GiB allocated, +{excess:.1f} GiB beyond it (margin {margin:.1f} "
+           f"GiB: {TRANSIENT_FRAC:.0%} of {capacity:.1f} GiB or the planner's headroom): transient; "
+           "relaunching unchanged")
+    evidence.update(cause="transient", why=why, excess_gib=excess, margin_gib=margin, oom_step=step,
+                    plan=base.sizes() if base is not None else None)
+    return MemoryChoice("transient", RELAUNCH, Proposal(what=f"relaunch unchanged from the latest checkpoint "
+                                                              f"({why})"), None, evidence)
 
 
 # ------------------------------------------------------------------------------------------ memory spikes
@@ -368,9 +426,7 @@ def choose_spike(ev: dict[str, Any], ctx: Context, replanner: Callable[[], Repla
         return MemoryChoice(cause, _rung("expandable_segments"), replace(built, what=f"{built.what} ({said})"),
                             None, evidence)
     assert replan is not None and capacity is not None  # `base` came from it (and carries a capacity)
-    evidence["plan"] = {"required_gib": base.required_gib, "capacity_gib": base.capacity_gib,
-                        "peak_allocated_gib": base.peak_allocated_gib, "model_states_gib": base.model_states_gib,
-                        "activations_gib": base.activations_gib}
+    evidence["plan"] = base.sizes()
     # max_allocated is a measured lower bound on the running config's peak (as an OOM's numbers are).
     under = max(0.0, peak - base.peak_allocated_gib)
     limit = capacity_frac * capacity
@@ -380,8 +436,7 @@ def choose_spike(ev: dict[str, Any], ctx: Context, replanner: Callable[[], Repla
             f"no memory change: the running config is predicted to stay below {limit:.1f} GiB ({said}; planner: "
             f"{base.required_gib + under:.1f} GiB needed of {base.capacity_gib:.1f} GiB with the measured peak)")),
             None, evidence)
-    order = [*CAUSE_RUNGS.get(cause, ()), *(k for c in CAUSE_ORDER if c != cause for k in CAUSE_RUNGS[c])]
-    found = _first_fit(ctx, replan, base, order, under, limit, problems)
+    found = _first_fit(ctx, replan, base, cause, under, limit, problems)
     if found.action is not None:
         evidence["predicted_required_gib"] = found.view.required_gib
         return MemoryChoice(cause, found.action, Proposal(found.patch, what=found.what(said, under)), True, evidence)

@@ -146,7 +146,8 @@ class Job:
                 raise RuntimeError(f"injected fault at step {step}")
             if self.fault("cuda_oom", step):
                 self.emit(kind="event", event="fault_injected", step=step, fault="cuda_oom")
-                print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 25.96 GiB. GPU 0 has a total "
+                print(os.environ.get("FAKEJOB_OOM_MESSAGE") or  # a test may bring torch's whole message
+                      "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 25.96 GiB. GPU 0 has a total "
                       "capacity of 79.18 GiB of which 23.04 GiB is free.", file=sys.stderr, flush=True)
                 return 1
             slow = self.fault("slow_rank", step)

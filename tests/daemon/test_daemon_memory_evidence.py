@@ -61,3 +61,40 @@ def test_memory_spike_decision_uses_the_planner_and_never_stops_a_healthy_run(tm
     assert params["rung"] == "alert" and params["apply"] == "none" and not act.config_diff, params
     assert "no blind change" in params["reason"] and "peak 134.00 GiB" in params["reason"]
     assert params["evidence"]["spike"]["max_allocated_gib"] == 134.0 and "plan" in params["evidence"]
+
+
+# torch's message of the H200 spike (bench/results/gpu_call13_raw.tgz): 138.14 GiB allocated, far above the
+# fake job's steady 1 GiB per step.
+SPIKE_OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity of "
+             "139.80 GiB of which 339.06 MiB is free. Including non-PyTorch memory, this process has 139.46 GiB memory "
+             "in use. Of the allocated memory 138.14 GiB is allocated by PyTorch, and 38.71 MiB is reserved by PyTorch "
+             "but unallocated.")
+
+
+def test_transient_oom_relaunches_unchanged_then_skips_a_recurrence_at_the_same_step(tmp_path, make_sup, monkeypatch):
+    """A spike OOM in step 7 after six steady steps, on attempts 1 and 2: attempt 2 is the same config (no new
+    version, no change), the recurrence in the same step skips that step's batch from the latest checkpoint
+    (step 5), attempt 3 completes: 2 restarts, each action naming its evidence in the store."""
+    monkeypatch.setattr(ctl_plan, "detect_local_cluster",
+                        lambda nnodes, nproc: Cluster.preset("h200-141g", gpus_per_node=nproc, nodes=nnodes))
+    spec = fake_spec(tmp_path, steps=12, interval=5,
+                     faults=[{"kind": "cuda_oom", "at_step": 7, "attempts": [1, 2]}])
+    spec.write_text(spec.read_text().replace('"FAKEJOB_STEP_S"', f'"FAKEJOB_OOM_MESSAGE" = "{SPIKE_OOM}", "FAKEJOB_STEP_S"'))
+    ev: list[str] = []
+    sup = make_sup(spec, ev)
+    sup.start()
+    run_until(sup, lambda s: s.state in DONE, timeout=90)
+    assert sup.state == RunState.COMPLETED, ev
+    attempts = sup.store.list_attempts(sup.run_id)
+    assert len(attempts) == 3 and attempts[0].config_version == attempts[1].config_version, attempts
+    incidents = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "cuda_oom"]
+    acts = [a for i in incidents for a in sup.store.list_actions(incident_id=i.id)
+            if (a.parameters or {}).get("ladder") == "memory"]
+    assert [a.parameters["rung"] for a in acts] == ["relaunch_unchanged", "rollback_skip"], [a.parameters for a in acts]
+    first, second = acts
+    assert first.kind.value == "restart" and not first.config_diff
+    assert "peaked at 1.0 GiB" in first.parameters["reason"] and "transient; relaunching unchanged" in first.parameters["reason"]
+    assert first.parameters["evidence"]["cause"] == "transient" and first.parameters["evidence"]["oom"]["allocated_gib"] == 138.14
+    assert second.kind.value == "rollback_skip" and second.parameters["rollback_to_step"] == 5
+    assert second.config_diff == {"data.skip_ranges": [[], [[6, 7]]]}, second.config_diff   # step 7's sample
+    assert second.parameters["evidence"]["cause"] == "step_driven"
