@@ -324,11 +324,13 @@ def _transient(oom: OomReport, base: PlanView | None, fp: Footprint, ctx: Contex
         # The attempt right after a transient decision ran out of memory again before it got past the window.
         fp.episode = None
         peak = max(p for p in (ep["peak_gib"], fp.steady_peak()) if p is not None)
-        if step is None or abs(step - ep["oom_step"]) > SAME_STEP_TOLERANCE or ep["skipped"] or fp.samples_at is None:
-            return peak   # elsewhere, or again after the skip: not that batch
+        last = fp.last_record
+        if step is None or abs(step - ep["oom_step"]) > SAME_STEP_TOLERANCE or ep["skipped"] or last is None \
+                or last.samples is None:
+            return peak   # elsewhere, or again after the skip: not that batch (or no sample range to skip)
         fp.episode = {**ep, "restarts": fp.restarts, "skipped": True}
         lo, hi = min(step, ep["oom_step"]), max(step, ep["oom_step"]) + 1   # the steps that ran out of memory
-        at, (a, b) = fp.samples_at
+        at, (a, b) = last.step, last.samples
         skip = (a + (lo - at) * (b - a), a + (hi - at) * (b - a))   # their samples, from the last step's range
         tag, to_step = fp.checkpoint or (None, 0)
         plan = pb.RollbackPlan(to_step, tag, [skip], (lo, hi), lo != at + 1)

@@ -77,7 +77,7 @@ class Footprint:
     last_step: int | None = None       # the attempt's last completed step (an OOM comes in the next one)
     started: tuple[int | None, int] | None = None   # (attempt, start step) of the last `started` event
     checkpoint: tuple[str, int] | None = None       # the newest saved tag (an OOM leaves the weights sound)
-    samples_at: tuple[int, tuple[int, int]] | None = None   # the last step with its sample range
+    last_record: StepRecord | None = None   # the newest step record of any attempt (its sample range)
     episode: dict[str, Any] | None = None   # the last transient OOM: restarts, oom_step, peak_gib, skipped
 
     def restart(self, attempt: int | None) -> None:
@@ -92,16 +92,16 @@ class Footprint:
             elif rec.event == "checkpoint_saved" and rec.step is not None:
                 self.checkpoint = (str(rec.fields.get("tag") or f"step-{rec.step:08d}"), rec.step)
             return
-        if rec.samples is not None:
-            self.samples_at = (rec.step, rec.samples)
         if rec.config_version != self.config_version:   # a new config version has its own footprint
             self.config_version, self.steps, self.peak_gib, self.first_step = rec.config_version, 0, None, None
-        self.last_step = rec.step
+        self.last_step, self.last_record = rec.step, rec
         peak = rec.mem_max_allocated_gib
-        if peak is not None and math.isfinite(peak):
+        if peak is not None and math.isfinite(peak):   # the quiet path: a few attribute writes per record
             self.steps += 1
-            self.peak_gib = peak if self.peak_gib is None else max(self.peak_gib, peak)
-            self.first_step = rec.step if self.first_step is None else self.first_step
+            if self.peak_gib is None or peak > self.peak_gib:
+                self.peak_gib = peak
+            if self.first_step is None:
+                self.first_step = rec.step
 
     def oom_step(self) -> int | None:
         at = self.last_step
