@@ -165,3 +165,17 @@ def test_footprint_counts_only_the_running_config_version_and_attempt():
     assert fp.steady_peak() is None and fp.oom_step() is None
     fp.observe(EventRecord("started", attempt=2, fields={"start_step": 40}))
     assert fp.oom_step() == 41
+
+
+def test_without_a_planner_the_measured_footprint_still_decides():
+    """A CPU host or a command job: no planner, the margin is 15 % of the message's capacity; the call-13 OOM is
+    still transient, and an overshoot within the margin walks the plain ladder as today."""
+    engine, _ = shipped()
+    attempt(engine, 1, CALL13_PEAKS)
+    [d] = engine.on_crash("cuda_oom", [CALL13_OOM], 100.0, replan=None)
+    assert d.action_kind == "relaunch_unchanged" and "(planner" not in d.reason and "margin 21.0 GiB" in d.reason
+    engine, _ = shipped()
+    attempt(engine, 1, (130.0, 131.0))
+    [d] = engine.on_crash("cuda_oom", [CALL13_OOM], 100.0, replan=None)
+    # The plain ladder from its position (the first two rungs do not apply to the shipped spec).
+    assert d.action_kind == "halve_live_parameters" and engine.memory_evidence is None, d.reason
