@@ -27,6 +27,7 @@ the control-socket requests and signals, `core/housekeeping.py` the periodic job
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -296,7 +297,7 @@ class Supervisor:
             # A lost rank's grace or a kill in progress ticks fast (termination.tick_sleep_s): MTTR, not load.
             sleep_s = termination.tick_sleep_s(self.dcfg.tick_s, self.term,
                                                self.rank_watch if self.job is not None else None)
-            if poll is None or not self.guard.run("control_socket", lambda s=sleep_s: poll(s), bounded=False):
+            if poll is None or not self.guard.run("control_socket", functools.partial(poll, sleep_s), bounded=False):
                 self.os.sleep(sleep_s)
         self.standby.stop(self, "the daemon is leaving" if self.detach else f"the run is {self.state.value}")
         if self.scheduler is not None:

@@ -18,7 +18,6 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 # ZeRO-3's zero.Init replaces torch.nn.functional.linear for good with its memory-efficient autograd.Function
 # (`memory_efficient_linear`, it saves weight ids, not tensors); inside these graphs the plain aten op is
@@ -79,7 +78,7 @@ def compiled() -> tuple:
             torch.compile(post_attention, fullgraph=True, dynamic=False))
 
 
-def check_gathered(*params: nn.Parameter) -> None:
+def check_gathered(*params: torch.Tensor) -> None:
     for p in params:
         if p.numel() == 0:  # a ZeRO-3 partitioned weight that no hook gathered
             raise RuntimeError("model.compile_blocks reads each block's weights directly: under ZeRO-3 it needs "
