@@ -66,7 +66,7 @@ def main() -> None:
         data = json.loads((tag / ck.MANIFEST_NAME).read_text())
         data["step"], data["tag"], data["v"] = 2, v1.name, 1
         for meta in data["files"].values():
-            meta.pop("chunk_bytes", None), meta.pop("chunk_sha256", None)
+            meta.pop("chunk_bytes", None), meta.pop("chunk_sha256", None), meta.pop("chunk_list_sha256", None)
         (v1 / ck.MANIFEST_NAME).write_text(json.dumps(data))
         cases = {"v1 manifest, whole-file sha256": (v1, args.threads)} | {
             f"chunked, {n} thread(s)": (tag, n) for n in range(1, args.threads + 1)}

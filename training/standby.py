@@ -29,7 +29,6 @@ be read; the message says which. The daemon replaces a standby that timed out.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import mmap
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .checkpoint.digests import StreamCheck
 from .startup import STARTUP
 
 log = logging.getLogger("ulyssesd.training")
@@ -141,14 +141,14 @@ def _ident(path: Path) -> tuple[int, int, int]:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _read_checked(path: Path, size: int, sha256: str, keep: bool, stop: Callable[[], bool],
+def _read_checked(path: Path, size: int, expected: dict[str, Any], keep: bool, stop: Callable[[], bool],
                   delay_s: float) -> int | None:
     """Read `path` once in PRELOAD_CHUNK_BYTES chunks through one reused buffer, hashing each chunk as it lands
     (one pass: verification is done here, never again at load time). keep=True: the bytes are written on into
-    a memfd, returned (its fd) when they match `size` and `sha256`; keep=False: only checked, returns -1.
-    None: they do not match. _Stopped: `stop()` said so between two chunks (nothing of this file is kept)."""
+    a memfd, returned (its fd) when they match `size` and `expected` (the manifest entry); keep=False: only
+    checked, returns -1. None: they do not match. _Stopped: `stop()` said so between two chunks (none kept)."""
     fd = os.memfd_create("ulyssesd-standby-preload", os.MFD_CLOEXEC) if keep else -1
-    h = hashlib.sha256()
+    h = StreamCheck(expected)
     buf = memoryview(bytearray(PRELOAD_CHUNK_BYTES))
     zip_format = False
     try:
@@ -161,6 +161,8 @@ def _read_checked(path: Path, size: int, sha256: str, keep: bool, stop: Callable
                 if not got:
                     return None  # shorter than its manifest says
                 h.update(buf[:got])
+                if h.failed:
+                    return None  # a chunk does not match: no need to read the rest
                 if off == 0:
                     zip_format = bytes(buf[:4]) == _ZIP_MAGIC
                 if keep:
@@ -174,7 +176,7 @@ def _read_checked(path: Path, size: int, sha256: str, keep: bool, stop: Callable
                     time.sleep(delay_s)
             if fh.read(1):
                 return None  # longer than its manifest says
-        if h.hexdigest() != sha256:
+        if not h.matches():
             return None
         if not keep or not zip_format:
             return -1  # checked; not kept, or not a zip torch.save (it cannot be mmapped): loaded from disk
@@ -254,7 +256,7 @@ class Preload:
             meta = manifest["files"][rel]
             try:
                 ident = _ident(path)
-                fd = _read_checked(path, int(meta["size"]), str(meta["sha256"]), rel in mine, stop, delay_s)
+                fd = _read_checked(path, int(meta["size"]), meta, rel in mine, stop, delay_s)
             except _Stopped:
                 out.complete = False
                 log.info("standby preload of %s stopped by the gate after %d of %d files (%.2fs)", tag,

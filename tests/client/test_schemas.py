@@ -5,6 +5,7 @@ Every record the client's Reporter writes is valid under the telemetry schema an
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import jsonschema
@@ -100,6 +101,7 @@ def test_control_schema_matches_the_jobs_parser(doc, ok):
 
 
 _FILES = {"mp_rank_00_model_states.pt": {"size": 10, "sha256": "ab"}}
+_CHUNK_LIST = hashlib.sha256(bytes.fromhex("a" * 64 + "b" * 64)).hexdigest()
 MANIFEST = [
     ({"step": 5, "files": _FILES}, True),
     ({"v": 1, "tag": "checkpoint-5", "step": 5, "loss": "nan", "samples_seen": 40, "config_version": None,
@@ -113,6 +115,9 @@ MANIFEST = [
     ({"step": 5, "files": []}, False),
     ({"step": 5, "files": {"x": {"size": "10", "sha256": "ab"}}}, False),
     ({"step": 5, "files": {"x": {"size": 10}}}, False),
+    ({"v": 3, "step": 5, "files": {"x": {"size": 8192, "chunk_bytes": 4096, "chunk_sha256": ["a" * 64, "b" * 64],
+                                         "chunk_list_sha256": _CHUNK_LIST}}}, True),   # v3: chunk digests only
+    ({"v": 3, "step": 5, "files": {"x": {"size": 8192, "chunk_list_sha256": _CHUNK_LIST}}}, False),
     ({"step": 5, "files": {"/etc/passwd": {"size": 1, "sha256": "x"}}}, False),
     ({"step": 5, "files": {"../up": {"size": 1, "sha256": "x"}}}, False),
     ({"step": 5, "files": {"a/../../up": {"size": 1, "sha256": "x"}}}, False),

@@ -381,7 +381,7 @@ def test_direct_write_pipeline_equals_the_buffered_one_across_buffer_edges(tmp_p
     monkeypatch.setattr(saving, "DIRECT_BUFFER_BYTES", 1 << 16)   # many full buffers plus a partial tail block
     monkeypatch.setattr(saving, "DIRECT_BUFFERS", 2)
     state = {"a": torch.randn(100_003), "b": torch.arange(7, dtype=torch.int16), "meta": [1, "x"]}
-    size, sha = saving.write_shard_direct(state, tmp_path / "direct.pt")
+    size, sha = saving.write_shard_direct(state, tmp_path / "direct.pt", mode="whole")   # + the file's sha256
     assert size == (tmp_path / "direct.pt").stat().st_size and sha == ck.sha256_file(tmp_path / "direct.pt")
     back = torch.load(tmp_path / "direct.pt")
     assert torch.equal(back["a"], state["a"]) and torch.equal(back["b"], state["b"]) and back["meta"] == [1, "x"]

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from ulyssesd.training import checkpoint as ck
-from ulyssesd.training.checkpoint import files
+from ulyssesd.training.checkpoint import digests, files
 
 CHUNK = 64 << 10   # 64 KiB chunks in these tests (the product uses 64 MiB)
 
@@ -54,7 +54,9 @@ def test_manifest_lists_each_chunks_sha256_beside_the_whole_file_digest(tmp_path
     assert entry["chunk_bytes"] == CHUNK and len(entry["chunk_sha256"]) == 6   # 5 whole chunks + 123 bytes
     assert entry["chunk_sha256"] == [hashlib.sha256(data[o:o + CHUNK]).hexdigest()
                                      for o in range(0, len(data), CHUNK)]
-    assert ck.read_manifest(tag)["v"] == 2
+    assert ck.read_manifest(tag)["v"] == 3
+    assert entry["chunk_list_sha256"] == hashlib.sha256(
+        b"".join(hashlib.sha256(data[o:o + CHUNK]).digest() for o in range(0, len(data), CHUNK))).hexdigest()
     assert ck.validate_tag(tag) == (True, "ok")
 
 
@@ -103,7 +105,7 @@ def test_an_old_manifest_without_chunks_is_read_and_verified_whole(tmp_path, sma
     old = json.loads(man.read_text())
     old["v"] = 1
     for meta in old["files"].values():
-        meta.pop("chunk_bytes", None), meta.pop("chunk_sha256", None)
+        meta.pop("chunk_bytes", None), meta.pop("chunk_sha256", None), meta.pop("chunk_list_sha256", None)
     man.write_text(json.dumps(old))
     assert ck.validate_tag(tag) == (True, "ok")
     flip(tag / BIG, 3 * CHUNK)
@@ -162,8 +164,10 @@ def test_digest_file_matches_a_plain_hash_at_chunk_boundaries(tmp_path):
         assert d["chunk_sha256"] == [hashlib.sha256(data[o:o + CHUNK]).hexdigest() for o in range(0, size, CHUNK)]
 
 
-def test_the_direct_writer_takes_the_chunk_digests_and_the_commit_uses_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["chunks", "whole"])
+def test_the_direct_writer_takes_the_chunk_digests_and_the_commit_uses_them(tmp_path, monkeypatch, mode):
     torch = pytest.importorskip("torch")
+    monkeypatch.setenv("ULYSSESD_CKPT_DIGEST", mode)
     from ulyssesd.training.checkpoint import shard_io
 
     # 64 KiB buffers = 64 KiB chunks: a 1 MB shard spans 16 buffers, the last one partial.
@@ -187,7 +191,12 @@ def test_the_direct_writer_takes_the_chunk_digests_and_the_commit_uses_them(tmp_
     manifest = ck.commit_when_durable(tag_dir, 1, 2, 1.0, 8, 1, timeout_s=5)
     assert hashed == []   # the shard was not read again
     assert manifest["files"]["a.pt"]["chunk_sha256"] == want
-    assert manifest["files"]["a.pt"]["sha256"] == hashlib.sha256(data).hexdigest()
+    if mode == "whole":   # the v2 writer's second, serial hash of every byte
+        assert manifest["files"]["a.pt"]["sha256"] == hashlib.sha256(data).hexdigest()
+    else:                 # each byte hashed once: the file digest is derived from the chunk digests
+        assert "sha256" not in manifest["files"]["a.pt"] and "sha256" not in marker["a.pt"]
+        assert manifest["files"]["a.pt"]["chunk_list_sha256"] == digests.chunk_list_sha256(want)
+    assert ck.validate_tag(tag_dir, threads=4) == (True, "ok")
     flip(tag_dir / "a.pt", 7 * CHUNK + 3)
     ok, reason = ck.validate_tag(tag_dir, threads=4)
     assert not ok and f"a.pt: sha256 of chunk 7 (bytes {7 * CHUNK}.." in reason

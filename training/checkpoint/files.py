@@ -20,12 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from ..durable import atomic_write_text, fsync_dir
+from .digests import chunk_list_sha256
 
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"  # DeepSpeed's pointer file
 #: v2: a file entry may also carry `chunk_bytes` and `chunk_sha256` (the digest of each fixed-size chunk, in
-#: order). v1 manifests (whole-file sha256 only) are read and verified as before.
-MANIFEST_VERSION = 2
+#: order). v3: an entry with chunk digests carries `chunk_list_sha256` (sha256 over the chunks' raw 32-byte
+#: digests, in order: NOT the `sha256sum` of the file) and may lack the whole-file `sha256`, which the writer
+#: no longer takes for files written in chunks (each byte is hashed once). v1/v2 manifests verify as before.
+MANIFEST_VERSION = 3
 HASH_CHUNK = 8 << 20  # 8 MiB reads: few syscalls, bounded memory on multi-GB shards
 #: Size of the chunks a manifest digests separately, so that verification at load hashes one file on several
 #: cores. Equal to the O_DIRECT writer's buffer (shard_io), which takes each chunk's digest as it writes it.
@@ -157,6 +160,21 @@ def _valid_chunks(entry: dict[str, Any], size: int) -> bool:
             and all(isinstance(c, str) and _SHA256_HEX.match(c) for c in chunks))
 
 
+def _known_entry(entry: dict[str, Any], size: int | None) -> dict[str, Any] | None:
+    """A writer's digest entry the manifest can use as is, or None (the file is hashed again): its size still
+    matches and it has a whole-file sha256 or usable chunk digests. Chunk digests alone of a file of one
+    chunk or less give its sha256 (the one chunk is the whole file)."""
+    if size is None or entry.get("size") != size:
+        return None
+    if isinstance(entry.get("sha256"), str):
+        return entry
+    if not _valid_chunks(entry, size):
+        return None
+    if size <= DIGEST_CHUNK_BYTES:
+        return entry | {"sha256": entry["chunk_sha256"][0] if entry["chunk_sha256"] else _sha256_hex(b"")}
+    return entry
+
+
 def _json_float(x: float | None) -> float | str | None:
     # Same convention as telemetry: non-finite floats as strings, so the file stays strict JSON.
     if x is None:
@@ -192,15 +210,18 @@ def write_manifest(tag_dir: str | Path, step: int, loss: float | None, samples_s
     if not rels:
         raise ValueError(f"checkpoint tag directory {tag_dir} holds no files to record")
     sizes = {r: (tag_dir / r).stat().st_size for r in rels}
-    known = {r: k for r, k in (known or {}).items() if r in sizes and k.get("size") == sizes[r]}
+    known = {r: k for r, k in ((r, _known_entry(k, sizes.get(r))) for r, k in (known or {}).items())
+             if k is not None}
     digests = _digest_many(tag_dir, [r for r in rels if r not in known])
     files: dict[str, dict[str, Any]] = {}
     for r in rels:
         entry = known.get(r) or digests[r]
-        files[r] = {"size": sizes[r], "sha256": entry["sha256"]}
+        files[r] = {"size": sizes[r]} | ({"sha256": entry["sha256"]} if isinstance(entry.get("sha256"), str) else {})
         # A file of one chunk or less: its one chunk digest would be the whole-file sha256 again.
         if sizes[r] > DIGEST_CHUNK_BYTES and _valid_chunks(entry, sizes[r]):
-            files[r] |= {"chunk_bytes": entry["chunk_bytes"], "chunk_sha256": list(entry["chunk_sha256"])}
+            chunks = list(entry["chunk_sha256"])
+            files[r] |= {"chunk_bytes": entry["chunk_bytes"], "chunk_sha256": chunks,
+                         "chunk_list_sha256": chunk_list_sha256(chunks)}
     manifest = {
         "v": MANIFEST_VERSION,
         "tag": tag_dir.name,
@@ -243,11 +264,12 @@ def read_manifest(tag_dir: str | Path) -> dict[str, Any]:
         raise ManifestError(f"{path}: manifest 'files' must be a non-empty object")
     for rel, meta in files.items():
         if (not isinstance(meta, dict) or not isinstance(meta.get("size"), int)
-                or not isinstance(meta.get("sha256"), str)):
-            raise ManifestError(f"{path}: manifest entry for {rel!r} needs integer 'size' and string 'sha256'")
+                or not (isinstance(meta.get("sha256"), str) or "chunk_list_sha256" in meta)):
+            raise ManifestError(f"{path}: manifest entry for {rel!r} needs integer 'size' and string 'sha256' "
+                                "(or, v3, chunk digests with their 'chunk_list_sha256')")
         if rel.startswith("/") or ".." in Path(rel).parts:
             raise ManifestError(f"{path}: manifest entry {rel!r} points outside the tag directory")
-        if "chunk_bytes" in meta or "chunk_sha256" in meta:
+        if "chunk_bytes" in meta or "chunk_sha256" in meta or "chunk_list_sha256" in meta:
             _check_chunk_entry(path, rel, meta)
     return data
 
@@ -265,6 +287,11 @@ def _check_chunk_entry(path: Path, rel: str, meta: dict[str, Any]) -> None:
     if not all(isinstance(c, str) and _SHA256_HEX.match(c) for c in chunks):
         raise ManifestError(f"{path}: manifest entry for {rel!r}: 'chunk_sha256' holds a value that is not a "
                             "64-digit lowercase hex sha256")
+    if "chunk_list_sha256" in meta and meta["chunk_list_sha256"] != chunk_list_sha256(chunks):
+        raise ManifestError(f"{path}: manifest entry for {rel!r}: 'chunk_list_sha256' does not match its "
+                            "'chunk_sha256' list (the manifest was edited or damaged)")
+    if "sha256" not in meta and "chunk_list_sha256" not in meta:
+        raise ManifestError(f"{path}: manifest entry for {rel!r} has neither 'sha256' nor 'chunk_list_sha256'")
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> int:

@@ -160,7 +160,8 @@ def _read_marker(path: Path) -> dict[str, dict[str, Any]]:
         data = json.loads(path.read_text() or "{}")
     except (OSError, ValueError):
         return {}
-    return {k: v for k, v in data.items() if isinstance(v, dict) and isinstance(v.get("sha256"), str)} \
+    return {k: v for k, v in data.items()   # v3: chunk digests alone, the writer's digest mode "chunks"
+            if isinstance(v, dict) and (isinstance(v.get("sha256"), str) or isinstance(v.get("chunk_sha256"), list))} \
         if isinstance(data, dict) else {}
 
 
@@ -374,7 +375,8 @@ class AsyncCheckpointWriter:
                 del obj
                 total += size
                 try:
-                    digests[Path(path).relative_to(tag_dir).as_posix()] = {"size": size, "sha256": sha} | (
+                    digests[Path(path).relative_to(tag_dir).as_posix()] = {"size": size} | (
+                        {"sha256": sha} if sha is not None else {}) | (
                         {"chunk_bytes": DIGEST_CHUNK_BYTES, "chunk_sha256": chunks} if self.direct_io else {})
                 except ValueError:   # a shard outside the tag directory: the manifest does not list it
                     pass

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import threading
 from pathlib import Path
 from typing import IO, Any, cast
 
 from ..durable import atomic_write
+from .digests import DIGEST_MODES, digest_mode
 from .files import DIGEST_CHUNK_BYTES
 
 
@@ -82,31 +84,35 @@ class _FlushBehind:
 
 #: O_DIRECT writes bypass the page cache: on the H200 host the buffered path (page cache, then writeback) wrote
 #: 0.91 GB/s where `dd oflag=direct` wrote 1.49 GB/s (bench/RESULTS.md, device call 8). Writes are staged in
-#: aligned buffers; hashing and writing run in two threads, one buffer behind the other.
+#: aligned buffers; each buffer's chunk digest is taken by a pool while the write thread writes it.
 DIRECT_ALIGN = 4096
 #: One buffer is one manifest chunk: the chunk digests are taken per buffer, at offsets that are multiples of it.
 DIRECT_BUFFER_BYTES = DIGEST_CHUNK_BYTES
-#: Threads taking the chunk digests beside the whole-file sha256 (one hash runs at ~1.24 GB/s on the H200 host's
-#: cores, two keep up with its 1.49 GB/s disk).
-CHUNK_HASH_THREADS = 2
-DIRECT_BUFFERS = 4
+#: Threads taking the chunk digests (one sha256 stream runs at ~1.24 GB/s on the H200 host's cores, below its
+#: 1.49 GB/s disk: no single stream may be on the write's path; 4 leave room for a GIL-busy training thread).
+CHUNK_HASH_THREADS = 4
+#: Buffers of DIRECT_BUFFER_BYTES per writer: one being filled, the rest being hashed and written.
+DIRECT_BUFFERS = 6
 _QUEUE_POLL_S = 1.0
 
 
 class _DirectPipelineFile:
     """A write-only file object for torch.save: bytes are copied into page-aligned buffers; a hash thread
-    takes each full buffer in order (sha256), hands it to a small pool for its own chunk digest, then a write
-    thread writes it with O_DIRECT (pwrite at its offset) and returns it once its chunk digest is taken. The
+    takes each full buffer in order, hands it to a pool for its own chunk digest (and, digest mode "whole"
+    only, feeds the whole-file sha256, one serial stream), then a write thread writes it with O_DIRECT (pwrite
+    at its offset) while its digest is taken and returns it once both are done. The
     last, partial block is written without O_DIRECT. Falls back to buffered
     writes where the filesystem refuses O_DIRECT (tmpfs). `close()` joins both threads, fsyncs, and
     raises the first error either thread met."""
 
-    def __init__(self, path: Path, direct: bool = True):
+    def __init__(self, path: Path, direct: bool = True, mode: str = "chunks"):
         import hashlib
         import mmap
         import queue
         from concurrent.futures import ThreadPoolExecutor
 
+        if mode not in DIGEST_MODES:
+            raise ValueError(f"checkpoint digest mode {mode!r}: expected one of {', '.join(DIGEST_MODES)}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.direct = direct and hasattr(os, "O_DIRECT")
         try:
@@ -116,7 +122,8 @@ class _DirectPipelineFile:
                 raise
             self.direct = False
             self.fd = os.open(path, flags, 0o644)
-        self.sha = hashlib.sha256()
+        #: the whole-file sha256 (mode "whole" only; None in mode "chunks": each byte is hashed once, per chunk)
+        self.sha = hashlib.sha256() if mode == "whole" else None
         self.size = 0
         #: sha256 of each DIRECT_BUFFER_BYTES chunk of the file, in order (the manifest's `chunk_sha256`)
         self.chunk_sha256: list[str] = []
@@ -160,8 +167,9 @@ class _DirectPipelineFile:
             if self._error is None:
                 try:
                     chunk = self._chunk_pool.submit(_chunk_digest, buf, n)
-                    with memoryview(buf) as view:
-                        self.sha.update(view[:n])
+                    if self.sha is not None:
+                        with memoryview(buf) as view:
+                            self.sha.update(view[:n])
                 except BaseException as exc:  # noqa: BLE001 - handed to the producer
                     self._error = exc
             self._to_write.put((buf, n, off, chunk))
@@ -175,8 +183,6 @@ class _DirectPipelineFile:
                 return
             buf, n, off, chunk = item
             try:
-                if chunk is not None:   # in order: the write loop takes the buffers as the hash loop sent them
-                    self.chunk_sha256.append(chunk.result())
                 if self._error is None:
                     with memoryview(buf) as view:
                         whole = n - n % DIRECT_ALIGN if self.direct else n
@@ -189,6 +195,11 @@ class _DirectPipelineFile:
                                 done += os.pwrite(self.fd, view[done:n], off + done)
             except BaseException as exc:  # noqa: BLE001 - handed to the producer
                 self._error = exc
+            try:
+                if chunk is not None:   # in order: the write loop takes the buffers as the hash loop sent them
+                    self.chunk_sha256.append(chunk.result())
+            except BaseException as exc:  # noqa: BLE001 - handed to the producer
+                self._error = self._error or exc
             self._free.put(buf)
 
     def _submit(self) -> None:
@@ -249,10 +260,13 @@ def _chunk_digest(buf: Any, n: int) -> str:
         return hashlib.sha256(view[:n]).hexdigest()
 
 
-def write_shard_direct(obj: Any, path: str | Path, chunk_digests: list[str] | None = None) -> tuple[int, str]:
-    """write_shard through _DirectPipelineFile: temp file written with O_DIRECT (hash in a parallel thread),
-    fsync, rename, fsync of the directory. Returns (size, sha256 hex); `chunk_digests`, when given, is filled
-    with the sha256 of each DIGEST_CHUNK_BYTES chunk (the manifest's `chunk_sha256`)."""
+def write_shard_direct(obj: Any, path: str | Path, chunk_digests: list[str] | None = None,
+                       mode: str | None = None) -> tuple[int, str | None]:
+    """write_shard through _DirectPipelineFile: temp file written with O_DIRECT (chunk digests taken in a
+    pool meanwhile), fsync, rename, fsync of the directory. `mode`: the digest mode (None: digest_mode(), the
+    env switch). Returns (size, whole-file sha256 hex: mode "whole", or a file of one chunk; else None);
+    `chunk_digests`, when given, is filled with the sha256 of each DIGEST_CHUNK_BYTES chunk (the manifest's
+    `chunk_sha256`)."""
     import torch
 
     from ..durable import durable_replace, temp_path_for
@@ -260,7 +274,7 @@ def write_shard_direct(obj: Any, path: str | Path, chunk_digests: list[str] | No
     path = Path(path)
     tmp = temp_path_for(path)
     try:
-        f = _DirectPipelineFile(tmp)
+        f = _DirectPipelineFile(tmp, mode=digest_mode() if mode is None else mode)
         try:
             with _CRC_LOCK:
                 crc = torch.serialization.get_crc32_options()
@@ -277,7 +291,11 @@ def write_shard_direct(obj: Any, path: str | Path, chunk_digests: list[str] | No
         raise
     if chunk_digests is not None:
         chunk_digests[:] = f.chunk_sha256
-    return f.size, f.sha.hexdigest()
+    if f.sha is not None:
+        return f.size, f.sha.hexdigest()
+    # a file of one chunk (or none): its chunk digest is its whole-file sha256, which small files keep
+    return f.size, (f.chunk_sha256[0] if f.chunk_sha256 else hashlib.sha256(b"").hexdigest()) \
+        if len(f.chunk_sha256) <= 1 else None
 
 
 _CRC_LOCK = threading.Lock()   # torch's crc32 switch is process-wide
