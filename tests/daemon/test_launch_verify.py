@@ -62,3 +62,26 @@ def test_a_corrupt_file_is_still_found_with_many_threads(tmp_path):
     tag, notes = checkpoint_for(sup, rollback_to_step=None)
     assert tag == "step-00000005"
     assert "part-4.bin" in notes[0] and "sha256" in notes[0] and "quarantined" in notes[0]
+
+
+def test_a_v3_tag_with_chunk_digests_only_is_verified_per_chunk_at_launch(tmp_path, monkeypatch):
+    """A tag the writer left in digest mode "chunks" (no whole-file sha256): a flipped byte in a middle chunk
+    makes the launch check quarantine it and fall back; the intact older tag passes."""
+    monkeypatch.setattr(ck_files, "DIGEST_CHUNK_BYTES", 4096)
+    sup = _sup(tmp_path, FakeOS())
+    sup.start()
+    for step in (5, 10):
+        d = sup.ckpt_dir / ck.tag_for_step(step)
+        d.mkdir(parents=True)
+        (d / "part-0.bin").write_bytes(bytes(range(256)) * 90)   # 23040 bytes: 6 chunks of 4096
+        dig = ck_files.digest_file(d / "part-0.bin", 4096)
+        ck.write_manifest(d, step, 1.0, step, 1, known={"part-0.bin": {k: dig[k] for k in (
+            "size", "chunk_bytes", "chunk_sha256")}})
+        assert "sha256" not in ck.read_manifest(d)["files"]["part-0.bin"]
+    with open(sup.ckpt_dir / "step-00000010" / "part-0.bin", "r+b") as fh:
+        fh.seek(3 * 4096 + 5)
+        fh.write(b"\x00")
+    sup.config.setdefault("checkpoint", {})["verify_threads"] = 3
+    tag, notes = checkpoint_for(sup, rollback_to_step=None)
+    assert tag == "step-00000005"
+    assert "part-0.bin" in notes[0] and "chunk 3" in notes[0] and "quarantined" in notes[0]
