@@ -2,10 +2,11 @@
 # Device call 14 (nvidia-h200, one GPU; issue 21), the session's last: ~380 s of command. In order of value,
 # each with a deadline guard so the call always returns its files:
 #  (a) the bare job, gpt-1b at 16K, one rank, async saves every BARE_INTERVAL steps (17 GB tags, the registered
-#      snapshot pool), 3 saves, with the writer of this tree (DIGEST_ENV names its digest mode); `dd
+#      snapshot pool), 3 saves, with the writer of this tree (ULYSSESD_CKPT_DIGEST, default chunks); `dd
 #      oflag=direct` of the same call first; blocked time and background write GB/s per save
 #      (`gpu_ckpt21.py --analyze`);
-#  (b) bench/ckpt_writer_bench.py (old vs new digest mode x source memory), when the tree has it;
+#  (b) bench/ckpt_writer_bench.py (digest mode whole = old / chunks = new x source memory x a GIL-busy thread),
+#      when the tree has it;
 #  (c) call 13's memory spike case unchanged (shipped 32K config, 70 GiB more from step 3 on attempt 1):
 #      COMPLETED? restarts? the action's rung and evidence (`ulyssesctl incidents --json`), attempt 2's step/peak;
 #  (d) tests/training/test_checkpoint_async_cuda.py and test_startup_cuda.py on the H200 (no -x).
@@ -14,7 +15,7 @@
 #   run(carry=[".whl", ".devtree"], timeout_s=380,
 #       command="ln -sfn ../.whl .devtree/.whl && CALL_BUDGET_S=350 bash .devtree/bench/gpu_call14.sh")
 # CPU dry run: BENCH_CPU=1 DPRESET=tiny DEVICE=cpu SEQ=64 DTYPE=fp32 BARE_STEPS=40 BARE_INTERVAL=12 \
-#   WRITER_ARGS="--gib 1" OOM_BASE=configs/tiny-cpu.toml OOM_SEQ=64 CALL_BUDGET_S=900 bash bench/gpu_call14.sh
+#   WRITER_ARGS="--gib 0.25 --sources plain" OOM_BASE=configs/tiny-cpu.toml OOM_SEQ=64 CALL_BUDGET_S=900 bash bench/gpu_call14.sh
 cd "$(dirname "$0")/.." && source bench/gpu_common.sh
 export PYTHONPYCACHEPREFIX=/tmp/ulysses-pycache; unset PYTHONDONTWRITEBYTECODE
 RAW="$OUT/raw"; mkdir -p "$RAW"
@@ -26,8 +27,9 @@ if [ -z "${BENCH_CPU:-}" ]; then
 fi
 left() { echo $(( DEADLINE - $(date +%s) )); }
 cap() { local l; l=$(( $(left) - $2 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }   # cap MAX RESERVE
-# The digest mode of this tree's writer (W21), exported so the job's torchrun and the record both carry it.
-[ -n "${DIGEST_ENV:-}" ] && export "${DIGEST_ENV?}" && echo "writer digest mode: $DIGEST_ENV" | tee -a "$RAW/pyenv.txt"
+# The writer's digest mode for (a) (chunks: each byte hashed once, the default; whole: the old serial sha256 too),
+# exported so the job's torchrun inherits it and the record names it.
+export ULYSSESD_CKPT_DIGEST=${ULYSSESD_CKPT_DIGEST:-chunks}; echo "ULYSSESD_CKPT_DIGEST=$ULYSSESD_CKPT_DIGEST" >> "$RAW/pyenv.txt"
 CK="--preset ${DPRESET:-gpt-1b} --seq ${SEQ:-16384} --device ${DEVICE:-cuda} --dtype ${DTYPE:-bf16}"
 
 # (a) 3 saves at 25, 50, 75 (17 s of steps apart: call 13 wrote a tag in 15-16 s, so no back-pressure expected);
@@ -42,7 +44,11 @@ grep -v '^ ' "$OUT/ckpt.log" | grep -v '^[]}{]' | cut -c1-3000
 WB=bench/ckpt_writer_bench.py
 if [ -f "$WB" ] && [ "$(cap 90 110)" -ge 30 ]; then
   echo "(b) writer bench at $(( $(date +%s) - T0 )) s, $(left) s left"
-  timeout "$(cap 90 110)" $PY $WB ${WRITER_ARGS:-} > "$OUT/writer_bench.txt" 2>&1; echo "rc $?" >> "$OUT/writer_bench.txt"
+  # 4 GiB per variant (12 writes, ~60 s at the disk's speed); the registered pool first (what the job writes from),
+  # so a cut keeps it. Same filesystem as the job's checkpoints (/tmp).
+  timeout "$(cap 90 110)" $PY $WB --dir /tmp/ulysses-wbench --out "$RAW/ckpt_writer.json" \
+      ${WRITER_ARGS:---gib 4 --sources registered,plain,pinned --modes whole,chunks --busy off,on} \
+      > "$OUT/writer_bench.txt" 2>&1; echo "rc $?" >> "$OUT/writer_bench.txt"; rm -rf /tmp/ulysses-wbench
   tail -c 3000 "$OUT/writer_bench.txt"
 else echo "(b) writer bench skipped ($( [ -f "$WB" ] || echo "no $WB, ")$(left) s left)" | tee "$OUT/writer_bench.txt"; fi
 
