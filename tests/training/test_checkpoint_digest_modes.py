@@ -10,6 +10,7 @@ import hashlib
 import json
 
 import pytest
+from test_checkpoint_chunks import flip
 
 from ulyssesd.training import checkpoint as ck
 from ulyssesd.training.checkpoint import digests, files
@@ -40,14 +41,6 @@ def save_tag(tmp_path, mode, monkeypatch, step=2):
     assert writer.wait(30) and writer.take_failure() is None
     ck.commit_when_durable(tag_dir, 1, step, 1.0, 8, 1, timeout_s=5)
     return tag_dir
-
-
-def flip(path, offset):
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        b = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([b[0] ^ 0x01]))
 
 
 def preload_check(tag_dir, rel):

@@ -14,7 +14,8 @@ DeepSpeed loads (or half-loads) a bad tag. All ranks' files must be complete bef
 
 Modules: `files` (tags, manifests, validation, quarantine, `latest`), `retention` (what to keep, pruning,
 disk guard, known-good anchors), `saving` (failed-write descriptions, the asynchronous writer), `snapshot`
-(its host-memory copies, pinned buffers and registered snapshot pool), `shard_io` (how it writes one shard: hash on the way, O_DIRECT). The package
+(its host-memory copies, pinned buffers and registered snapshot pool), `shard_io` (how it writes one shard: hash on the way, O_DIRECT), `digests` (the writer's digest mode, manifest v3's
+`chunk_list_sha256`, the streaming check of a file against its entry). The package
 namespace is the public import path the daemon, `ulyssesctl` and `ulyssesd.client.manifest` use
 (`from ulyssesd.training import checkpoint as ck`), so it re-exports the modules' public names.
 """
