@@ -172,14 +172,21 @@ def main(argv: list[str] | None = None) -> int:
                         res["variants"].setdefault(name, []).append(r)
                         print(f"{name:28s} {r['GBps']:6.3f} GB/s  ({r['vs_dd']} of dd)  {r['seconds']} s",
                               flush=True)
+                        save(a.out, res)   # after each variant: a run cut by a timeout keeps what it measured
         finally:
             del state
             if pool is not None:
                 pool.release()
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(res, indent=1) + "\n")
+    save(a.out, res)
     return 0
+
+
+def save(out: Path | None, res: dict[str, Any]) -> None:
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(res, indent=1) + "\n")
+        tmp.replace(out)
 
 
 if __name__ == "__main__":

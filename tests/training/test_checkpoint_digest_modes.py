@@ -130,3 +130,23 @@ def test_a_bad_digest_mode_is_named(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())   # nothing half-written left behind
     monkeypatch.delenv(digests.DIGEST_MODE_ENV)
     assert digests.digest_mode() == "chunks"
+
+
+def test_the_writer_bench_runs_every_variant_it_can_and_skips_the_rest(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "ckpt_writer_bench.py"
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(bench), "--dir", str(tmp_path / "w"), "--gib", "0.02",
+                           "--sources", "plain,pinned", "--out", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    names = {f"{m}/plain/{b}" for m in ("whole", "chunks") for b in ("idle", "busy")}
+    assert names <= set(res["variants"]) and all(r[0]["GBps"] > 0 for n, r in res["variants"].items() if n in names)
+    assert res["variants"]["whole/plain/busy"][0]["busy_loops"] > 0
+    if not torch.cuda.is_available():
+        assert res["variants"]["pinned"] == {"skipped": "needs CUDA"}
+    assert not list((tmp_path / "w").iterdir())   # every file it wrote is gone
