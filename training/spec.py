@@ -475,15 +475,14 @@ def job_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
         spec = JobSpec.model_validate(job_part)
     except ValidationError as exc:
         raise SpecError(source, format_validation_error(exc)) from None
-    if base_dir is not None and spec.deepspeed.config_path and not Path(spec.deepspeed.config_path).is_absolute():
-        spec.deepspeed.config_path = str((base_dir / spec.deepspeed.config_path).resolve())
-    if base_dir is not None and spec.data.path and not Path(spec.data.path).is_absolute():
-        spec.data.path = str((base_dir / spec.data.path).resolve())
-    if base_dir is not None and spec.data.tokenizer and not Path(spec.data.tokenizer).is_absolute():
-        spec.data.tokenizer = str((base_dir / spec.data.tokenizer).resolve())
-    for entry in spec.data.blend:
-        if base_dir is not None and not Path(entry.path).is_absolute():
-            entry.path = str((base_dir / entry.path).resolve())
+    paths = [("deepspeed.config_path", spec.deepspeed, "config_path"), ("data.path", spec.data, "path"),
+             ("data.tokenizer", spec.data, "tokenizer"), *(("data.blend.path", e, "path") for e in spec.data.blend)]
+    for key, owner, attr in paths:  # relative paths are the spec file's; a NUL byte no OS call accepts
+        value = getattr(owner, attr)
+        if value and "\x00" in value:
+            raise SpecError(source, [f"{key}: a path may not contain a NUL byte"])
+        if value and base_dir is not None and not Path(value).is_absolute():
+            setattr(owner, attr, str((base_dir / value).resolve()))
     return spec
 
 

@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 from fuzz_helpers import MIN_CASES, fuzz_settings, variants
 from fuzz_strategies import VALUES
 from hypothesis import given
@@ -78,3 +79,11 @@ def test_spec_loader_returns_a_spec_or_spec_error(fuzz_dir):
 
     run()
     assert cases[0] >= MIN_CASES
+
+
+def test_a_nul_byte_in_a_path_is_a_spec_error_naming_the_key(tmp_path):
+    # Found by the fuzz above: os.path.realpath raised ValueError("embedded null byte") out of the loader.
+    (tmp_path / "run.toml").write_text('[data]\npath = "corpus\\u0000.bin"\n')
+    with pytest.raises(SpecError) as err:
+        load_run_spec(tmp_path / "run.toml")
+    assert err.value.problems == ["data.path: a path may not contain a NUL byte"]
