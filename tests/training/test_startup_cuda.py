@@ -1,5 +1,5 @@
 """The standby's device warm-up on a real GPU (training/startup.py `warm_device`): the cuBLAS handles and the
-attention kernels are made, and no GPU memory is held after it. Skipped without CUDA (run on the H200)."""
+attention kernels are made, and no GPU memory beyond the cuBLAS workspaces is held after it. Skipped without CUDA (run on the H200)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ def test_warm_device_leaves_no_memory_held_and_the_first_matmul_and_attention_fa
     t0 = time.perf_counter()
     warm_device(0)
     warm_s = time.perf_counter() - t0
-    assert torch.cuda.memory_allocated(0) == 0 and torch.cuda.memory_reserved(0) == 0
+    # What stays are the cuBLAS workspaces of the two handles (this thread's and autograd's backward thread's:
+    # 32 MiB each on Hopper; the H200 showed 64 MiB allocated in device call 14): nothing a running attempt needs.
+    held = max(torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0))
+    assert held <= 128 << 20, f"{held / 2**20:.0f} MiB held after the warm-up"
     x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     q = torch.randn(1, 8, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     torch.cuda.synchronize()
