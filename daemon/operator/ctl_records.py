@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.markup import escape
@@ -42,7 +43,12 @@ def incidents(json_out: bool = typer.Option(False, "--json", help="machine-reada
     except ValueError as exc:
         die(str(exc), EXIT_USAGE, json_out)
     if json_out:
-        out([r.to_dict() for r in rows], True)
+        # The listing reads incidents without their actions; --json carries them (one query per run listed).
+        by_incident: dict[int, list[Any]] = {}
+        for rid in sorted({r.run_id for r in rows}):
+            for a in store.list_actions(run_id=rid):
+                by_incident.setdefault(a.incident_id, []).append(a)
+        out([r.replace(actions=tuple(by_incident.get(r.id, ()))).to_dict() for r in rows], True)
         return
     console.print(incidents_table(rows, store))
 

@@ -32,6 +32,8 @@ def test_ctl_reads_the_story_of_a_run_with_the_daemon_down(tmp_path, make_sup, c
     assert [i["symptom"] for i in incs] == ["crash", "nan_loss"]
     only = _json(capsys, [*sd, "incidents", "--json", "--kind", "nan_loss"])
     assert len(only) == 1
+    # The listing carries each incident's actions (it printed "actions": [] for every incident before).
+    assert [a["kind"] for a in only[0]["actions"]] == ["rollback_skip"]
     inc = _json(capsys, [*sd, "incident", str(only[0]["id"]), "--json"])
     assert inc["actions"][0]["kind"] == "rollback_skip" and "data.skip_ranges" in inc["actions"][0]["config_diff"]
     cfg = _json(capsys, [*sd, "config", "--json"])
