@@ -261,7 +261,7 @@ class CheckpointSpec(_Section):
                              "when every rank's shards are durable.")
     snapshot_pool: StrictBool = Field(True, description="Async saves on a GPU: registered snapshot memory, built early.")
     snapshot_pool_chunk_mib: int = Field(256, ge=16, le=16384, strict=True, description="MiB per cudaHostRegister.")
-    snapshot_pool_pause_ms: float = Field(50.0, ge=0, le=10_000, description="Rest between registered chunks.")
+    snapshot_pool_pause_ms: float = Field(50.0, ge=0, le=10_000, strict=True, description="Rest between registered chunks.")
 
 
 # ------------------------------------------------------------------------------------ telemetry

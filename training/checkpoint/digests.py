@@ -39,6 +39,8 @@ class StreamCheck:
         chunks = meta.get("chunk_sha256")
         self._chunks: list[str] | None = list(chunks) if isinstance(chunks, list) else None
         self._chunk_bytes = int(meta["chunk_bytes"]) if self._chunks is not None else 0
+        if self._chunks is not None and self._chunk_bytes < 1:  # a chunk always full: update() would spin
+            raise ValueError(f"manifest entry's chunk_bytes must be >= 1, got {meta['chunk_bytes']!r}")
         self._sha256 = meta.get("sha256")
         self._h = hashlib.sha256()
         self._filled = self._done = 0

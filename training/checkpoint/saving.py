@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..durable import atomic_write_text, fsync_dir
+from .digests import digest_mode
 from .files import (
     DIGEST_CHUNK_BYTES,
     MANIFEST_NAME,
@@ -195,6 +196,8 @@ class AsyncCheckpointWriter:
         self.flush_behind = flush_behind
         #: shards written with O_DIRECT (write_shard_direct; buffered write_shard where False)
         self.direct_io = direct_io
+        if direct_io:  # a bogus ULYSSESD_CKPT_DIGEST refuses the writer now, not every save of the run
+            digest_mode()
         #: a save whose host buffers do not exist yet is cloned on the GPU when it has room (device_snapshot).
         #: Off by default: measured on the H200 (device call 9), the pinned allocation in the background thread
         #: stalls the training stream as long as it would have blocked the save (cudaHostAlloc), so it moves
