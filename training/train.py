@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checkpoint.digests import DIGEST_MODE_ENV, digest_mode
 from .control import ControlPoller, engine_clip, set_engine_clip
 from .data.batches import DataCursor, SampleSource, slice_for_sp
 from .data.loader import PrefetchLoader
@@ -124,6 +125,11 @@ class Trainer(TrainerCheckpoints):
             backend = resolve_backend(spec.attention.backend, self.device)
         except ValueError as exc:
             raise SpecError("attention.backend", [str(exc)]) from None
+        if spec.checkpoint.async_save:  # the async writer's digest switch: refused here, not at the first save
+            try:
+                digest_mode()
+            except ValueError as exc:
+                raise SpecError(DIGEST_MODE_ENV, [str(exc)]) from None
         if spec.precision.dtype == "fp16" and self.device.type == "cpu":
             from deepspeed.accelerator import get_accelerator
 

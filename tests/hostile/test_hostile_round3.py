@@ -313,3 +313,18 @@ def test_incidents_json_over_thousands_of_actions_is_bounded_and_complete(tmp_pa
     assert len(doc) == n_incidents and all(len(i["actions"]) == per for i in doc)
     assert took < 60, f"incidents --json over {n_incidents * per} actions took {took:.1f} s"
     print(f"incidents --json: {n_incidents} incidents, {n_incidents * per} actions, {took:.2f} s")
+
+
+def test_a_bogus_digest_mode_is_a_config_refusal_of_the_job_before_its_build(tmp_path):
+    """The real job (one process): exit 2 with the variable named and a config_rejected event, before the model
+    is built; not a traceback at its first async save, which a daemon would relaunch into the same crash."""
+    sys.path.insert(0, str(REPO / "tests" / "training"))
+    from train_job_helpers import launch, tiny_spec
+
+    spec = tiny_spec(parallel={"sequence_parallel_size": 1}, checkpoint={"async_save": True})
+    run = launch(spec, tmp_path / "run", nproc=1, env={DIGEST_MODE_ENV: "sha512"}, timeout=180)
+    assert run.returncode == 2, run.output[-3000:]
+    assert f"{DIGEST_MODE_ENV}='sha512'" in run.output and "Traceback" not in run.output, run.output[-3000:]
+    (exiting,) = run.events("exiting")
+    assert exiting["reason"] == "config_rejected" and not run.steps()
+    assert not (tmp_path / "run" / "checkpoints").exists() or not ckfiles.list_tags(tmp_path / "run" / "checkpoints")
