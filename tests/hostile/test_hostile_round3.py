@@ -193,7 +193,8 @@ def test_a_long_chunk_list_of_a_real_size_verifies_in_bounded_time_and_memory(tm
 
 
 # ----------------------------------------------------------------------- the daemon's launch check
-def test_the_launch_check_quarantines_a_tampered_v3_tag_and_keeps_the_newest_valid_one(tmp_path):
+@pytest.mark.parametrize("verify", [True, False])   # False: checksums off, or a tag above verify_max_gib
+def test_the_launch_check_quarantines_a_tampered_v3_tag_and_keeps_the_newest_valid_one(tmp_path, verify):
     from ulyssesd.daemon.core.launch import choose_checkpoint, tag_gib
     from ulyssesd.daemon.store import open_store
 
@@ -203,7 +204,7 @@ def test_the_launch_check_quarantines_a_tampered_v3_tag_and_keeps_the_newest_val
     said: list[str] = []
     with open_store(tmp_path / "u.db") as store:
         store.create_run("r1", run_dir=tmp_path, spec={}, state="RUNNING")
-        chosen, _notes = choose_checkpoint(ckpt, None, verify=True, verify_max_gib=100.0, store=store, run_id="r1",
+        chosen, _notes = choose_checkpoint(ckpt, None, verify=verify, verify_max_gib=100.0, store=store, run_id="r1",
                                            clock=time.time, say=said.append, threads=2)
     assert chosen == good.name and ckfiles.validate_tag(good) == (True, "ok")
     assert not bad.exists() and ckfiles.list_quarantined(ckpt), list(ckpt.iterdir())   # set aside, not deleted
@@ -243,6 +244,29 @@ def test_the_standby_preload_stops_at_the_first_bad_chunk_of_a_v3_tag(tmp_path):
     assert _read_checked(tag / rel, meta["size"], meta, keep=False, stop=lambda: False, delay_s=0) is None
     (tag / rel).write_bytes((tag / rel).read_bytes()[:-1])  # one byte short
     assert _read_checked(tag / rel, meta["size"], meta, keep=True, stop=lambda: False, delay_s=0) is None
+
+
+@pytest.mark.parametrize("tamper", ["chunk_list_sha256", "data", "chunk_bytes"])
+def test_the_standby_drops_its_preload_of_a_tampered_v3_tag_and_leaves_the_tag_alone(tmp_path, tamper):
+    """What the warm standby reads while it waits: a tag `latest` names whose manifest or bytes were damaged
+    gives no preload (the attempt then validates the tag from disk, as a cold start does)."""
+    from ulyssesd.training.standby import Preload
+
+    ckpt = tmp_path / "ckpt"
+    tag = _v3_tag(ckpt, 4, sizes=(8 * CB + 3, 2 * CB))
+    ckfiles.point_latest_to(ckpt, tag.name)
+    good = Preload.read(ckpt, rank=0)
+    assert good is not None and len(good.verified) == 1
+    good.release()
+    rel = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    if tamper == "data":
+        _flip(tag / rel, 5 * CB)
+    else:
+        _edit(tag, (lambda m: m.update(chunk_list_sha256="f" * 64)) if tamper == "chunk_list_sha256"
+              else (lambda m: m.update(chunk_bytes=0)))
+    before = {p.name: p.stat().st_size for p in tag.iterdir()}
+    assert Preload.read(ckpt, rank=0) is None
+    assert {p.name: p.stat().st_size for p in tag.iterdir()} == before and ckfiles.read_latest(ckpt) == tag.name
 
 
 # --------------------------------------------------------------------------- started.startup garbage
