@@ -9,7 +9,6 @@ with bounded retries. The restart budget and backoff before it are `relaunch.py`
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from collections.abc import Callable
@@ -112,10 +111,11 @@ def choose_checkpoint(ckpt_dir: Path, rollback_to_step: int | None, *, verify: b
 
 def tag_gib(ckpt_dir: Path, tag: str) -> float:
     """The tag's size from its manifest (0 when unreadable), to skip checksums on huge tags."""
-    try:
-        files = json.loads((ckpt_dir / tag / "manifest.json").read_text()).get("files", {})
-        return sum(int(f.get("size", 0)) for f in files.values()) / (1 << 30)
-    except (OSError, ValueError, AttributeError, TypeError, RecursionError):  # a damaged manifest: size unknown
+    from ulyssesd.training import checkpoint as ck
+
+    try:  # read_manifest: bounded in size, every entry's size an integer
+        return ck.manifest_bytes(ck.read_manifest(ckpt_dir / tag)) / (1 << 30)
+    except ck.ManifestError:  # a damaged manifest: size unknown (validate_tag then refuses it)
         return 0.0
 
 

@@ -192,6 +192,22 @@ def test_a_long_chunk_list_of_a_real_size_verifies_in_bounded_time_and_memory(tm
     assert time.monotonic() - t0 < 30
 
 
+def test_a_manifest_of_hundreds_of_mib_is_refused_unread(tmp_path):
+    """A sparse 300 MiB manifest.json (a damaged disk, a runaway writer): refused by its size before a byte is
+    read, by the job's validation and the daemon's size probe alike (both read the whole file before)."""
+    from ulyssesd.daemon.core.launch import tag_gib
+
+    tag = _v3_tag(tmp_path, 2)
+    with open(tag / "manifest.json", "r+b") as fh:
+        fh.truncate(300 << 20)
+    t0 = time.monotonic()
+    with pytest.raises(ckfiles.ManifestError, match="exceeds"):
+        ckfiles.read_manifest(tag)
+    ok, reason = ckfiles.validate_tag(tag)
+    assert not ok and "manifest of 314572800 bytes" in reason and tag_gib(tmp_path, tag.name) == 0.0
+    assert time.monotonic() - t0 < 1.0
+
+
 # ----------------------------------------------------------------------- the daemon's launch check
 @pytest.mark.parametrize("verify", [True, False])   # False: checksums off, or a tag above verify_max_gib
 def test_the_launch_check_quarantines_a_tampered_v3_tag_and_keeps_the_newest_valid_one(tmp_path, verify):

@@ -35,6 +35,9 @@ HASH_CHUNK = 8 << 20  # 8 MiB reads: few syscalls, bounded memory on multi-GB sh
 DIGEST_CHUNK_BYTES = 64 << 20
 # Bounds on a manifest's `chunk_bytes`: a verification thread holds one chunk in memory.
 _MIN_CHUNK_BYTES, _MAX_CHUNK_BYTES = 4096, 1 << 30
+#: A manifest larger than this is refused unread (a damaged or hostile file must not fill the daemon's memory):
+#: ~70 bytes per 64 MiB chunk, so even 10 TB of shards need ~12 MB.
+MAX_MANIFEST_BYTES = 256 << 20
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 TAG_RE = re.compile(r"^step-(\d{8,})$")
 QUARANTINE_RE = re.compile(r"^(step-\d{8,})\.corrupt-\d+(?:-\d+)?$")
@@ -241,6 +244,8 @@ def read_manifest(tag_dir: str | Path) -> dict[str, Any]:
     """The parsed manifest of a tag; ManifestError names what is wrong."""
     path = Path(tag_dir) / MANIFEST_NAME
     try:
+        if (size := path.stat().st_size) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{path}: manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES} (damaged?); not read")
         raw = path.read_bytes()
     except FileNotFoundError:
         raise ManifestError(f"{path}: no manifest (partial or interrupted save?)") from None
