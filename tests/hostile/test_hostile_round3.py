@@ -368,3 +368,19 @@ def test_a_bogus_digest_mode_is_a_config_refusal_of_the_job_before_its_build(tmp
     (exiting,) = run.events("exiting")
     assert exiting["reason"] == "config_rejected" and not run.steps()
     assert not (tmp_path / "run" / "checkpoints").exists() or not ckfiles.list_tags(tmp_path / "run" / "checkpoints")
+
+
+
+def test_compile_blocks_meeting_a_partitioned_weight_is_a_config_refusal_not_a_crash():
+    """A RuntimeError there was exit 1, a crash a daemon relaunches into the same first step (restart budget
+    spent on model builds); as a SpecError the job says config_rejected and exits 2 on every rank. No refusal
+    at load: measured, the 2-rank CPU tiny job with stage3_param_persistence_threshold 0 and no leaf blocks
+    ran 2 steps (ZeRO-3 had gathered the weights), so the combination is not always wrong."""
+    import torch
+
+    from ulyssesd.training.model import fused_block
+
+    with pytest.raises(SpecError) as err:
+        fused_block.check_gathered(torch.ones(3), torch.empty(0))
+    assert isinstance(err.value, RuntimeError) and err.value.problems and "train.zero3_leaf_blocks = true" in str(err.value)
+    fused_block.check_gathered(torch.ones(3))

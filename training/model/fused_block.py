@@ -19,6 +19,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..spec import SpecError
+
 # ZeRO-3's zero.Init replaces torch.nn.functional.linear for good with its memory-efficient autograd.Function
 # (`memory_efficient_linear`, it saves weight ids, not tensors); inside these graphs the plain aten op is
 # what inductor should see (same matmul), and the block's weights are gathered for the whole block anyway.
@@ -78,8 +80,14 @@ def compiled() -> tuple:
             torch.compile(post_attention, fullgraph=True, dynamic=False))
 
 
+class NotGatheredError(SpecError, RuntimeError):
+    """compile_blocks met a partitioned weight: a config refusal (the job exits 2 on every rank, config_rejected),
+    so a daemon stops the run instead of relaunching it into the same first step."""
+
+
 def check_gathered(*params: torch.Tensor) -> None:
     for p in params:
         if p.numel() == 0:  # a ZeRO-3 partitioned weight that no hook gathered
-            raise RuntimeError("model.compile_blocks reads each block's weights directly: under ZeRO-3 it needs "
-                               "train.zero3_leaf_blocks = true (a weight was still partitioned, 0 elements)")
+            raise NotGatheredError("model.compile_blocks", [
+                "model.compile_blocks reads each block's weights directly: under ZeRO-3 it needs "
+                "train.zero3_leaf_blocks = true (a weight was still partitioned, 0 elements)"])
