@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -330,7 +331,8 @@ def test_ulyssesctl_answers_over_a_garbage_startup_field(startup_state, capsys, 
 
 
 # ------------------------------------------------------------------------ incidents over many actions
-def test_incidents_json_over_thousands_of_actions_is_bounded_and_complete(tmp_path):
+@pytest.mark.parametrize("as_json", [True, False])
+def test_incidents_over_thousands_of_actions_is_bounded_and_complete(tmp_path, as_json):
     from ulyssesd.daemon.store import open_store
 
     sd = tmp_path / "state"
@@ -345,14 +347,17 @@ def test_incidents_json_over_thousands_of_actions_is_bounded_and_complete(tmp_pa
             for _ in range(per):
                 store.record_action("r1", "set_config", incident_id=inc, config_diff={"train.lr": [1e-3, 9e-4]})
     t0 = time.monotonic()
-    out = subprocess.run([str(CTL), "--state-dir", str(sd), "incidents", "--json"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([str(CTL), "--state-dir", str(sd), "incidents", *(["--json"] if as_json else [])],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
     took = time.monotonic() - t0
     assert out.returncode == 0, out.stderr[-2000:]
-    doc = json.loads(out.stdout)
-    assert len(doc) == n_incidents and all(len(i["actions"]) == per for i in doc)
-    assert took < 60, f"incidents --json over {n_incidents * per} actions took {took:.1f} s"
-    print(f"incidents --json: {n_incidents} incidents, {n_incidents * per} actions, {took:.2f} s")
+    if as_json:
+        doc = json.loads(out.stdout)
+        assert len(doc) == n_incidents and all(len(i["actions"]) == per for i in doc)
+    else:
+        assert out.stdout.count("set_config, set_config, set_config") == n_incidents
+    assert took < 60, f"incidents over {n_incidents * per} actions took {took:.1f} s"
+    print(f"incidents json={as_json}: {n_incidents} incidents, {n_incidents * per} actions, {took:.2f} s")
 
 
 def test_a_bogus_digest_mode_is_a_config_refusal_of_the_job_before_its_build(tmp_path):
