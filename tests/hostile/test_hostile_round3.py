@@ -151,9 +151,11 @@ TAMPERS = {
     "chunk_bytes huge": (lambda m: m.update(chunk_bytes=1 << 40), "'chunk_bytes' must be an integer in"),
     "chunk_bytes not the writer's": (lambda m: m.update(chunk_bytes=2 * CB), "must list 2 digests"),
     "chunk_bytes missing": (lambda m: m.pop("chunk_bytes"), "'chunk_bytes' must be an integer in"),
-    "sha256 and chunk_list both missing": (lambda m: m.pop("chunk_list_sha256"), "needs integer 'size' and string"),
+    "sha256 and chunk_list both missing": (lambda m: m.pop("chunk_list_sha256"), "and string 'sha256'"),
     "chunk digests missing": (lambda m: m.pop("chunk_sha256"), "must list 4 digests"),
     "size a string": (lambda m: m.update(size="12388"), "needs integer 'size'"),
+    "size negative": (lambda m: m.update(size=-1), "needs integer 'size'"),   # a negative pool size next
+    "size true": (lambda m: m.update(size=True), "needs integer 'size'"),
 }
 
 
@@ -207,6 +209,23 @@ def test_a_manifest_of_hundreds_of_mib_is_refused_unread(tmp_path):
     ok, reason = ckfiles.validate_tag(tag)
     assert not ok and "manifest of 314572800 bytes" in reason and tag_gib(tmp_path, tag.name) == 0.0
     assert time.monotonic() - t0 < 1.0
+
+
+def test_a_manifest_lying_about_its_sizes_cannot_size_a_snapshot_pool_beyond_the_host(tmp_path, monkeypatch):
+    """On resume the pool is sized from the chosen tag's manifest before the tag is validated: a manifest that
+    claims 1 EiB of optimizer states gets a logged refusal (saves fall back to pinned buffers), not an attempt
+    to fill the host's memory."""
+    from ulyssesd.training.checkpoint.saving import AsyncCheckpointWriter
+    from ulyssesd.training.checkpoint.snapshot import tag_snapshot_bytes
+
+    tag = _v3_tag(tmp_path, 2)
+    _edit(tag, lambda m: m.update(size=1 << 60, chunk_sha256=[], chunk_bytes=1 << 30, chunk_list_sha256=None))
+    doc = json.loads((tag / "manifest.json").read_text())
+    nbytes = tag_snapshot_bytes(doc["files"], world=2)
+    assert nbytes >= 1 << 60
+    writer = AsyncCheckpointWriter(0, pin_memory=False)
+    note = writer.prepare_pool(nbytes, registrar=None, memory=(64 << 30, 128 << 30))  # type: ignore[arg-type]
+    assert note.startswith("refused:") and "exceed" in note and writer.snapshot_pool is None
 
 
 # ----------------------------------------------------------------------- the daemon's launch check

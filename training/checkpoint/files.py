@@ -268,7 +268,7 @@ def read_manifest(tag_dir: str | Path) -> dict[str, Any]:
     if not isinstance(files, dict) or not files:
         raise ManifestError(f"{path}: manifest 'files' must be a non-empty object")
     for rel, meta in files.items():
-        if (not isinstance(meta, dict) or not isinstance(meta.get("size"), int)
+        if (not isinstance(meta, dict) or type(meta.get("size")) is not int or meta["size"] < 0
                 or not (isinstance(meta.get("sha256"), str) or "chunk_list_sha256" in meta)):
             raise ManifestError(f"{path}: manifest entry for {rel!r} needs integer 'size' and string 'sha256' "
                                 "(or, v3, chunk digests with their 'chunk_list_sha256')")
