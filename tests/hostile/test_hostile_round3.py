@@ -324,7 +324,8 @@ def startup_state(tmp_path) -> Path:
         store.add_attempt("r1", command=["train"])
     lines = [{"kind": "event", "event": "started", "step": 0, "time": 1.0, "startup": s} for s in GARBAGE_STARTUP]
     lines.append({"kind": "step", "step": 3, "loss": 2.5, "step_time_s": 0.1, "time": 2.0})
-    (run_dir / "telemetry.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    nested = '{"kind": "event", "event": "started", "step": 0, "startup": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    (run_dir / "telemetry.jsonl").write_text(nested + "\n" + "".join(json.dumps(x) + "\n" for x in lines))
     (run_dir / "logs" / "attempt-1.log").write_text("[rank0]:step 3\n")
     return sd
 
