@@ -4,8 +4,8 @@
 
 The planner picks the configuration: the spec as written when it fits, else the planner's cheapest change
 that fits (its first suggestion), plus the 32-GPU suggestion the issue names when the planner lists it. For each,
-two save modes: blocking (measured on 1x H200, scaled by checkpoint bytes per node) and asynchronous (issue
-#21's targets, not measured). The model itself is `ulyssesd.remediation.goodput` (its docstring has the formula
+two save modes: blocking and asynchronous (both measured on 1x H200, scaled by checkpoint bytes per node; the
+async figures from device calls 13-14 of 2026-12-02). The model itself is `ulyssesd.remediation.goodput` (its docstring has the formula
 and the sources); every input printed here says where it comes from.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from ulyssesd.daemon.operator.ctl_plan import allocator_headroom, effective_ds_config
 from ulyssesd.daemon.spec import load_run_spec
 from ulyssesd.remediation.goodput import (
-    ASYNC_TARGET,
+    ASYNC_MEASURED,
     HOUR,
     LLAMA3_SOURCE,
     MEASURED,
@@ -70,7 +70,7 @@ def model(conf: dict[str, Any], async_save: bool) -> dict[str, Any]:
     x = scaled_inputs(conf["params"], conf["nodes"], conf["gpus"], async_save=async_save)
     best, best_ettr = optimal_interval(x)
     sims = [simulate(best, x, horizon_s=2000 * x.mtbf_s, seed=s) for s in range(SIM_SEEDS)]
-    return {"mode": "async (targets)" if async_save else "blocking (measured)",
+    return {"mode": "async (measured)" if async_save else "blocking (measured)",
             "block_s": x.block_s, "write_s": x.write_s, "restart_s": x.restart_s, "mtbf_h": x.mtbf_s / HOUR,
             "young_h": young_interval(x) / HOUR, "daly_h": daly_interval(x) / HOUR, "optimum_h": best / HOUR,
             "ettr_optimum": best_ettr, "ettr_simulated": sum(sims) / len(sims),
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rate = failure_rate_per_gpu_hour()
     print(f"failure rate: {rate:.3e} interruptions per GPU-hour  <- {LLAMA3_SOURCE}")
-    for group, inputs in (("measured", MEASURED), ("async target", ASYNC_TARGET)):
+    for group, inputs in (("measured", MEASURED), ("async, measured", ASYNC_MEASURED)):
         for k, v in inputs.items():
             print(f"  {group} {k} = {v.value:g}  <- {v.source}")
     rows = []

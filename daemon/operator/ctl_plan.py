@@ -106,19 +106,23 @@ def preflight(run_spec: Any, cluster: Cluster | None = None) -> tuple[bool, Plan
     return result.fits, result
 
 
-def checkpoint_interval_suggestion(result: Plan) -> dict[str, Any]:
+def checkpoint_interval_suggestion(result: Plan, async_save: bool = False) -> dict[str, Any]:
     """The checkpoint interval that maximises expected ETTR (remediation/goodput.py) for this plan's model and
-    cluster: blocking saves scaled from the 1x H200 measurements, the Llama 3 interruption rate."""
-    x = scaled_inputs(float(result.summary["params"]), result.cluster.nodes, result.cluster.world_size)
+    cluster: saves (blocking, or `[checkpoint] async_save`) and restarts scaled from the 1x H200 measurements,
+    the Llama 3 interruption rate."""
+    x = scaled_inputs(float(result.summary["params"]), result.cluster.nodes, result.cluster.world_size,
+                      async_save=async_save)
     best, best_ettr = optimal_interval(x)
-    return {"interval_h": best / HOUR, "ettr": best_ettr, "save_block_s": x.block_s, "restart_s": x.restart_s,
-            "mtbf_h": x.mtbf_s / HOUR}
+    return {"interval_h": best / HOUR, "ettr": best_ettr, "async_save": async_save, "save_block_s": x.block_s,
+            "save_write_s": x.write_s, "restart_s": x.restart_s, "mtbf_h": x.mtbf_s / HOUR}
 
 
 def _render_interval(sug: dict[str, Any]) -> str:
+    save = (f"an async save blocks ~{sug['save_block_s']:.1f} s and writes ~{sug['save_write_s']:.0f} s in the "
+            "background" if sug["async_save"] else f"a save blocks ~{sug['save_block_s']:.0f} s")
     return (f"Suggested checkpoint interval: every {sug['interval_h']:.2f} h of training -> expected ETTR "
             f"{sug['ettr']:.2%} (goodput model: Llama 3 failure rate, MTBF {sug['mtbf_h']:.0f} h for these GPUs; "
-            f"a save blocks ~{sug['save_block_s']:.0f} s and a restart takes ~{sug['restart_s']:.0f} s, scaled "
+            f"{save} and a restart takes ~{sug['restart_s']:.0f} s, scaled "
             f"from 1x H200 by checkpoint bytes per node; docs/REMEDIATION.md 'Goodput model')")
 
 
@@ -208,7 +212,7 @@ def register_plan(app: typer.Typer) -> None:
         except (PlanInputError, ValueError) as exc:
             typer.echo(f"cannot plan {spec}: {exc}", err=True)
             raise typer.Exit(EXIT_BAD_INPUT) from None
-        interval = checkpoint_interval_suggestion(result)
+        interval = checkpoint_interval_suggestion(result, run_spec.job.checkpoint.async_save)
         typer.echo(json.dumps({**result.to_dict(), "checkpoint_interval": interval}, indent=2) if as_json
                    else result.render() + "\n" + _render_interval(interval))
         raise typer.Exit(EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT)
