@@ -132,10 +132,9 @@ def run_case(base: dict[str, Any], overrides: list[str], nproc: int, steps: int,
     if rc != 0 or len(steps_rec) < 3:
         result["log_tail"] = (run_dir / "log.txt").read_text()[-3000:]
     if steps_rec:
-        from ulyssesd.training.spec import JobSpec
+        from ulyssesd.training.spec import DAEMON_SECTIONS, JobSpec
 
-        job = JobSpec.model_validate({k: v for k, v in spec.items()
-                                      if k not in ("run", "launcher", "detectors", "remediation", "daemon")})
+        job = JobSpec.model_validate({k: v for k, v in spec.items() if k not in DAEMON_SECTIONS})
         m = job.resolved_model().model_dump()
         # Step 1 pays lazy optimizer-state allocation and cuDNN/NCCL warm-up.
         warm = steps_rec[2:] if len(steps_rec) > 4 else (steps_rec[1:] or steps_rec)
