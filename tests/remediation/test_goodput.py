@@ -116,11 +116,9 @@ def test_bad_inputs_are_named(kw):
         ettr(0.0, BLOCKING)
 
 
-def test_ulyssesctl_plan_suggests_the_optimal_interval():
-    from pathlib import Path
-
+def _plan_app():
+    """`ulyssesctl plan` alone, as a Typer app for CliRunner."""
     import typer
-    from typer.testing import CliRunner
 
     from ulyssesd.daemon.operator.ctl_plan import register_plan
 
@@ -131,6 +129,15 @@ def test_ulyssesctl_plan_suggests_the_optimal_interval():
         pass
 
     register_plan(app)
+    return app
+
+
+def test_ulyssesctl_plan_suggests_the_optimal_interval():
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    app = _plan_app()
     spec = Path(__file__).resolve().parents[2] / "configs" / "gpt-176b-8xa100.toml"
     res = CliRunner().invoke(app, ["plan", "--spec", str(spec)])
     assert res.exit_code == 1, res.output
@@ -147,18 +154,9 @@ def test_ulyssesctl_plan_suggests_the_optimal_interval():
 def test_ulyssesctl_plan_suggests_from_async_saves_when_the_spec_has_them(tmp_path):
     from pathlib import Path
 
-    import typer
     from typer.testing import CliRunner
 
-    from ulyssesd.daemon.operator.ctl_plan import register_plan
-
-    app = typer.Typer()
-
-    @app.callback()
-    def main() -> None:
-        pass
-
-    register_plan(app)
+    app = _plan_app()
     configs = Path(__file__).resolve().parents[2] / "configs"
     text = (configs / "gpt-176b-8xa100.toml").read_text()
     (tmp_path / "ds_config_ulysses.json").write_text((configs / "ds_config_ulysses.json").read_text())
