@@ -190,6 +190,19 @@ class DaemonSection(_Section):
     sweep_every_s: float = Field(30.0, gt=0, description="Period of the stale-attempt sweep (attempts marked live whose process is gone).")
     step_error_limit: int = Field(5, ge=1, le=1000, description="A tick step (telemetry, engine, exit, relaunch, ...) raising this many ticks in a row ends the run FAILED (job stopped with the stop grace) instead of spinning.")
 
+    @model_validator(mode="after")
+    def _rank_watch_within_grace(self) -> DaemonSection:
+        # A loss is seen at the first scan after it and then waits out the grace: with scans rarer than the grace,
+        # the scan period, not the documented grace, would decide how long stuck peers hold the GPUs.
+        if self.rank_watch_every_s > self.rank_exit_grace_s:
+            raise ValueError(
+                f"daemon.rank_watch_every_s={self.rank_watch_every_s:g} is longer than daemon.rank_exit_grace_s="
+                f"{self.rank_exit_grace_s:g}: a dead rank would end its attempt up to "
+                f"{self.rank_watch_every_s + self.rank_exit_grace_s:g} s after it died (one scan period plus the "
+                f"grace). Set rank_watch_every_s <= rank_exit_grace_s (a scan is one process-table pass) or raise "
+                f"rank_exit_grace_s")
+        return self
+
     def resolved_db_path(self) -> Path:
         return Path(self.db_path) if self.db_path else Path(self.state_dir) / "ulyssesd.db"
 

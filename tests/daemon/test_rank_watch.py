@@ -9,15 +9,19 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+import tomllib
 from test_daemon_unit_fakeos import FakeOS, _emit, _steps, _sup
 from uls_daemon_helpers import fake_spec
 
 from ulyssesd.daemon.core.termination import LAUNCHER_EXIT_WAIT_S, URGENT_TICK_S, RankWatch, tick_sleep_s
 from ulyssesd.daemon.host.process import ExitStatus
+from ulyssesd.daemon.spec import run_spec_from_dict
 from ulyssesd.daemon.store.enums import RunState
+from ulyssesd.training.spec import SpecError
 
 S = RunState
 
@@ -109,6 +113,21 @@ def test_only_a_kill_or_a_pending_loss_ticks_fast(tmp_path):
     fos.advance(30.0)
     sup.tick()  # grace over: SIGKILL; from now on the exit is awaited in fast ticks
     assert sup.term is None or tick_sleep_s(1.0, sup.term, sup.rank_watch) == URGENT_TICK_S
+
+
+@pytest.mark.parametrize(("every", "grace", "refused"), [(1.0, 1.0, False), (0.5, 3.0, False), (5.0, 1.0, True),
+                                                          (1.5, 1.0, True)])
+def test_scans_rarer_than_the_grace_are_refused_with_the_latency_they_would_cause(every, grace, refused):
+    data = tomllib.loads(Path("configs/tiny-cpu.toml").read_text())
+    data.setdefault("daemon", {}).update(rank_watch_every_s=every, rank_exit_grace_s=grace)
+    if not refused:
+        assert run_spec_from_dict(data).daemon.rank_watch_every_s == every
+        return
+    with pytest.raises(SpecError) as err:
+        run_spec_from_dict(data)
+    text = str(err.value)
+    assert f"daemon.rank_watch_every_s={every:g} is longer than daemon.rank_exit_grace_s={grace:g}" in text, text
+    assert f"up to {every + grace:g} s after it died" in text and "Set rank_watch_every_s <= rank_exit_grace_s" in text
 
 
 # ------------------------------------------------------------------------------- real processes
