@@ -3,6 +3,8 @@
 # Levers: every layer recomputed, tiled loss 8K, TiledMLP 16K, checkpointed block inputs offloaded to pinned
 # host memory (model.offload_checkpoints), bf16 LayerNorm input; rotary_fused off (not yet run together
 # with the offload's saved-tensor hooks) and qkv_copy on (the view costs 8 GiB at 1M).
+# LS_KEEP_LAST=N keeps the last N checkpointed block inputs on the GPU (model.offload_keep_last: N·4 GiB less
+# pinned host RAM at 1M); async saves and compiled blocks are off (host RAM; the 512K-measured build).
 # LS_KEEP_ATTENTION=1 adds model.checkpoint_keep_attention (no attention forward in recompute; the kept outputs
 # stay on the GPU); LS_VERIFY=0 skips the warm tag's sha256 check at resume (~12 s for 17 GB). A 1M step takes longer than one device command (10 min), so the job runs in the background and later
 # commands collect its telemetry:
@@ -37,6 +39,8 @@ common = {
     "model.preset": env("LS_PRESET", "gpt-1b"), "model.max_seq_len": seq, "model.offload_checkpoints": True,
     "model.mlp_chunk_tokens": int(env("LS_MLP_CHUNK", "16384")), "model.rotary_fused": False, "model.qkv_copy": True,
     "model.checkpoint_keep_attention": env("LS_KEEP_ATTENTION", "0") == "1",
+    "model.offload_keep_last": int(env("LS_KEEP_LAST", "0")), "model.compile_blocks": False,
+    "checkpoint.async_save": False,
     "checkpoint.verify_checksums": env("LS_VERIFY", "1") == "1",
     "parallel.sequence_parallel_size": 1, "precision.dtype": env("LS_DTYPE", "bf16"),
     "train.activation_checkpoint_every": 1, "train.activation_checkpoint_layers": None,
@@ -73,8 +77,9 @@ collect() {  # what one command brings back: telemetry, the sampler's memory tra
   cp "$LS_DIR"/*.toml "$OUT/longseq/" 2>/dev/null
   [ -f "$RUN_DIR/telemetry.jsonl" ] && cp "$RUN_DIR/telemetry.jsonl" "$OUT/longseq/"
   [ -f "$LS_DIR/smi.csv" ] && cp "$LS_DIR/smi.csv" "$OUT/longseq/"
+  [ -f "$LS_DIR/host.csv" ] && cp "$LS_DIR/host.csv" "$OUT/longseq/"
   for f in warm long; do [ -f "$LS_DIR/$f.log" ] && tail -c 20000 "$LS_DIR/$f.log" > "$OUT/longseq/$f.log.tail"; done
-  $PY - "$RUN_DIR/telemetry.jsonl" "$LS_DIR/smi.csv" <<'PYEOF' | tee "$OUT/longseq/summary.txt"
+  $PY - "$RUN_DIR/telemetry.jsonl" "$LS_DIR/smi.csv" "$LS_DIR/host.csv" <<'PYEOF' | tee "$OUT/longseq/summary.txt"
 import json, sys
 recs = []
 try:
@@ -89,6 +94,11 @@ try:
     used = [float(x.split(",")[1]) for x in open(sys.argv[2]) if x.count(",") >= 1 and x.split(",")[1].strip()]
     print("nvidia-smi memory.used max MiB", max(used) if used else None, "samples", len(used))
 except (OSError, ValueError):
+    pass
+try:
+    avail = [int(x.split(",")[1]) for x in open(sys.argv[3]) if x.count(",") == 1 and x.split(",")[1].strip()]
+    print("host MemAvailable min GiB", round(min(avail) / 2**20, 2) if avail else None, "samples", len(avail))
+except (OSError, ValueError, IndexError):
     pass
 PYEOF
 }
@@ -118,7 +128,8 @@ PYEOF
     for _ in $(seq 50); do [ -s "$LS_DIR/pgid" ] && break; sleep 0.1; done
     if [ -z "${BENCH_CPU:-}" ]; then
       setsid bash -c "while kill -0 -$(cat "$LS_DIR/pgid") 2>/dev/null; do \
-        nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits >> $LS_DIR/smi.csv; sleep 5; done" \
+        nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits >> $LS_DIR/smi.csv; \
+        echo \$(date +%s),\$(awk '/MemAvailable/{print \$2}' /proc/meminfo) >> $LS_DIR/host.csv; sleep 5; done" \
         < /dev/null > /dev/null 2>&1 &
     fi
     ;&

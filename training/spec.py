@@ -75,10 +75,8 @@ class ModelSpec(_Section):
     bias: StrictBool = Field(False, description="Linear layers carry a bias.")
     rope_theta: float = Field(10000.0, gt=0, description="Rotary base frequency.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
-    norm_fp32_copy: StrictBool = Field(True, description="LayerNorm upcasts its input to an fp32 copy; false = the fused "
-                                                   "bf16 kernel (still accumulates in fp32, saves memory and time on GPU).")
-    rotary_fused: StrictBool = Field(False, description="GPU: q/k rotary (fp32 math) as one torch.compile'd kernel instead of "
-                                                  "eager fp32 ops and casts (same math; CPU runs the eager ops).")
+    norm_fp32_copy: StrictBool = Field(True, description="LayerNorm upcasts its input to an fp32 copy; false = the fused bf16 kernel (still accumulates in fp32, saves memory and time on GPU).")
+    rotary_fused: StrictBool = Field(False, description="GPU: q/k rotary (fp32 math) as one torch.compile'd kernel instead of eager fp32 ops and casts (same math; CPU runs the eager ops).")
     qkv_copy: StrictBool = Field(True, description="Copy v out of the fused qkv output before attention; false = pass the "
                                              "strided view (SP=1 only; saves one copy per block, same math).")
     checkpoint_keep_attention: StrictBool = Field(False, description="Checkpointed blocks keep the attention kernel's output "
@@ -86,8 +84,8 @@ class ModelSpec(_Section):
                                                                "+(d·h + 4·heads) bytes per token per block.")
     mlp_chunk_tokens: int = Field(0, ge=0, description="TiledMLP: each block's MLP over checkpointed chunks of N local "
                                                        "tokens (long sequences; one more MLP forward); 0 = untiled.")
-    offload_checkpoints: StrictBool = Field(False, description="Checkpointed block inputs go to (pinned) host memory in forward "
-                                                         "and are prefetched back in backward; needs recompute on.")
+    offload_checkpoints: StrictBool = Field(False, description="Checkpointed block inputs go to (pinned) host memory in forward and are prefetched back in backward; needs recompute on.")
+    offload_keep_last: int = Field(0, ge=0, description="With offload_checkpoints: the last N checkpointed chunks keep their inputs on the GPU (backward needs them first), N·b·s/sp·d·h less pinned host RAM.")
     compile_blocks: StrictBool = Field(False, description="Each block's work around attention as torch.compile'd graphs.")
 
     def resolved(self) -> ResolvedModel:
@@ -130,6 +128,7 @@ class ResolvedModel(BaseModel):
     checkpoint_keep_attention: bool = False
     mlp_chunk_tokens: int = 0
     offload_checkpoints: bool = False
+    offload_keep_last: int = 0
     compile_blocks: bool = False
 
     @property
@@ -368,6 +367,8 @@ class JobSpec(_Section):
             problems.append("model.offload_checkpoints=true needs activation checkpointing (train."
                             "activation_checkpoint_every >= 1 or activation_checkpoint_layers >= 1): without "
                             "recompute there are no checkpointed block inputs to offload")
+        if m.offload_keep_last and not m.offload_checkpoints:
+            problems.append(f"model.offload_keep_last={m.offload_keep_last} needs model.offload_checkpoints=true (or set it to 0)")
         if self.precision.fp32_layers > m.num_layers:
             problems.append(f"precision.fp32_layers={self.precision.fp32_layers} exceeds "
                             f"model.num_layers={m.num_layers}")

@@ -149,3 +149,35 @@ def test_the_search_suggests_tiled_mlp_and_offload_for_1m_tokens_and_the_suggest
                                          "train": {"seq_len": 32768, "activation_checkpoint_every": 1}}),
                  Cluster.preset("h200-141g", host_mem_gib=128.0, **H200))
     assert short.fits and not short.suggestions
+
+
+def test_keep_last_moves_n_inputs_from_the_host_to_the_gpu():
+    seq = 1 << 20
+    each = seq * 2048 * 2
+    full, kept = _plan(seq, offload_checkpoints=True), _plan(seq, offload_checkpoints=True, offload_keep_last=10)
+    assert _items(kept)[HOST_ITEM] == (14 * each, "host")
+    assert kept.gpu_peak_allocated - full.gpu_peak_allocated == 10 * each
+    assert full.host_required - kept.host_required == 10 * each
+    gpu = {n: b for n, (b, w) in _items(kept).items() if "in flight" in n}
+    assert gpu == {"checkpointed chunk inputs, 10 kept + in flight (12 of 24; the rest offloaded to host)": 12 * each}
+    # Keeping them all: nothing pinned, every input on the GPU (as without offload).
+    assert HOST_ITEM not in _items(_plan(seq, offload_checkpoints=True, offload_keep_last=24))
+
+
+def test_planner_keep_last_count_equals_what_the_model_offloads():
+    torch.manual_seed(0)
+    cfg = ModelSpec(preset="tiny", offload_checkpoints=True, offload_keep_last=3).resolved()
+    model = GPT(cfg, "math", checkpoint_every=1)
+    b, s = 2, 32
+    ids = torch.randint(0, 256, (b, s))
+    model(ids, torch.arange(s).expand(b, s), ids).backward()
+    job = JobSpec.model_validate({"model": {"preset": "tiny", "offload_checkpoints": True, "offload_keep_last": 3},
+                                  "precision": {"dtype": "fp32"},
+                                  "train": {"seq_len": s, "micro_batch_size": b, "activation_checkpoint_every": 1}})
+    p = plan(job, Cluster.preset("h200-141g", **H200), search=False)
+    assert model.last_offload.tensors == 1
+    assert _items(p)[HOST_ITEM][0] == model.last_offload.tensors * _pinned(model.last_offload.bytes)
+
+
+def _pinned(nbytes: int) -> int:
+    return 1 << max(0, nbytes - 1).bit_length()

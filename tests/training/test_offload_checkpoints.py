@@ -153,3 +153,30 @@ def test_deepspeed_zero3_sp2_job_losses_are_identical_step_by_step(tmp_path):
     for step in ref:
         assert off[step]["loss"] == ref[step]["loss"], step
         assert off[step]["grad_norm"] == ref[step]["grad_norm"], step
+
+
+@pytest.mark.parametrize("kw,keep,offloaded", [(dict(checkpoint_every=1), 2, 2), (dict(checkpoint_every=1), 4, 0),
+                                               (dict(checkpoint_every=1), 9, 0), (dict(checkpoint_every=2), 1, 1),
+                                               (dict(checkpoint_layers=3), 1, 2)],
+                         ids=["every layer keep 2", "keep all", "keep more than there are", "chunks of 2 keep 1",
+                              "first 3 blocks keep 1"])
+def test_keep_last_leaves_the_last_chunks_on_the_device_and_the_math_unchanged(kw, keep, offloaded):
+    """`model.offload_keep_last=N`: the last N checkpointed chunks are not offloaded (backward needs them
+    first); the others are, and loss and gradients stay bit-identical to no offload."""
+    ref = _model(**kw)
+    off = _model(**kw, model={"offload_checkpoints": True, "offload_keep_last": keep})
+    (l1, g1), (l2, g2) = _loss_and_grads(ref), _loss_and_grads(off)
+    assert torch.equal(l1, l2)
+    assert all(torch.equal(g1[n], g2[n]) for n in g1)
+    stats = off.last_offload
+    assert (stats.tensors, stats.restored, stats.bytes) == (offloaded, offloaded, offloaded * TOKENS * H * 4)
+
+
+def test_keep_last_without_offload_is_refused_naming_both_keys():
+    with pytest.raises(SpecError) as exc:
+        job_spec_from_dict({"model": {"preset": "tiny", "offload_keep_last": 2},
+                            "train": {"activation_checkpoint_every": 1}})
+    assert "model.offload_keep_last=2" in str(exc.value) and "model.offload_checkpoints" in str(exc.value)
+    with pytest.raises(SpecError, match="offload_keep_last"):
+        job_spec_from_dict({"model": {"preset": "tiny", "offload_checkpoints": True, "offload_keep_last": -1},
+                            "train": {"activation_checkpoint_every": 1}})

@@ -17,7 +17,7 @@
 - `mlp_chunk_tokens=N` (long sequences) runs each block's MLP over checkpointed chunks of N local tokens.
 - `compile_blocks` runs each block's work before and after attention as two inductor graphs (fused_block.py).
 - `offload_checkpoints` (long sequences) moves each checkpointed chunk input to (pinned) host memory in
-  forward and prefetches it back in backward (offload.py).
+  forward and prefetches it back in backward (offload.py); `offload_keep_last` keeps the last N on the GPU.
 """
 
 from __future__ import annotations
@@ -292,15 +292,20 @@ class GPT(nn.Module):
             # The first forward pins the host blocks: fail it with the numbers, not the OOM killer.
             offloader = CheckpointInputOffloader(
                 host_budget=first_forward_host_budget() if self.last_offload is None else None)
+        # model.offload_keep_last: the last N checkpointed chunks keep their inputs on the GPU (no offloader).
+        keep = self.cfg.offload_keep_last
         if self.checkpoint_layers is not None and recompute:
+            n_ck = min(self.checkpoint_layers, n)
             for i in range(n):
-                if i < self.checkpoint_layers:
-                    x = self._checkpoint(offloader, i, i + 1, x, cos, sin)
+                if i < n_ck:
+                    x = self._checkpoint(offloader if i < n_ck - keep else None, i, i + 1, x, cos, sin)
                 else:
                     x = self.blocks[i](x, cos, sin)
         elif k > 0 and recompute:
-            for start in range(0, n, k):
-                x = self._checkpoint(offloader, start, min(n, start + k), x, cos, sin)
+            n_chunks = -(-n // k)
+            for j, start in enumerate(range(0, n, k)):
+                x = self._checkpoint(offloader if j < n_chunks - keep else None, start, min(n, start + k), x,
+                                     cos, sin)
         else:
             x = self._run_chunk(0, n, x, cos, sin)
         if offloader is not None:

@@ -290,10 +290,13 @@ def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None =
 def _chunk_inputs_item(m: ResolvedModel, name: str, count: int, each: int, formula: str) -> Item:
     if not m.offload_checkpoints:
         return Item(name, count * each, "gpu", formula, FWD_BWD)
-    # model.offload_checkpoints: the inputs live on the host; only those in flight are on the GPU.
-    live = min(OFFLOAD_IN_FLIGHT, count)
-    return Item(f"{name}, in flight ({live} of {count}; the rest offloaded to host)", live * each, "gpu",
-                f"min({OFFLOAD_IN_FLIGHT}, {count})·b·s/sp·d·h (offload_checkpoints)", FWD_BWD)
+    # model.offload_checkpoints: the inputs live on the host; only those in flight are on the GPU, besides
+    # the last model.offload_keep_last chunks, which are never offloaded (backward needs them first).
+    keep = min(m.offload_keep_last, count)
+    live = min(count, keep + OFFLOAD_IN_FLIGHT)
+    kept = f"{keep} kept + " if keep else ""
+    return Item(f"{name}, {kept}in flight ({live} of {count}; the rest offloaded to host)", live * each, "gpu",
+                f"min({count}, {keep} kept + {OFFLOAD_IN_FLIGHT})·b·s/sp·d·h (offload_checkpoints)", FWD_BWD)
 
 
 def _host_items(c: _Ctx, host_mem_gib: float, offloaded: tuple[int, int] = (0, 0),
@@ -380,6 +383,7 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
     required = int(peak * (1 + allocator_headroom) + cuda_context_gib * GiB)
     offloaded = (checkpointed_inputs(c.tokens, m, c.d, k, job.train.activation_checkpoint_layers)
                  if m.offload_checkpoints else (0, 0))
+    offloaded = (max(0, offloaded[0] - m.offload_keep_last), offloaded[1])   # model.offload_keep_last stay on GPU
     host = _host_items(c, cluster.host_mem_gib, offloaded, async_snapshot=job.checkpoint.async_save)
     host_required = sum(it.bytes for it in host if it.where == "host")
     nvme_required = sum(it.bytes for it in host if it.where == "nvme")
