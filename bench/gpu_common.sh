@@ -6,8 +6,13 @@ T0=$(date +%s)
 : "${CALL_BUDGET_S:=540}"           # stop starting work after this many seconds of the device call
 DEADLINE=$((T0 + CALL_BUDGET_S))
 if [ -z "${BENCH_CPU:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+  # Once per machine: a later command (polling a background job) must not replace what that job imports.
+  WHL_STAMP=$(ls .whl | md5sum | cut -d' ' -f1)
+  if [ "$(cat /tmp/site/.whl-stamp 2>/dev/null)" != "$WHL_STAMP" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+    echo "$WHL_STAMP" > /tmp/site/.whl-stamp
+  fi
   export PYTHONPATH=/tmp/site
   PY=python3
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
@@ -20,7 +25,8 @@ export BENCH_WORKDIR=/tmp/ulysses-bench
 # The package maps ulyssesd.* onto top-level folders (pyproject package-dir); without an installed wheel, a
 # shim of symlinks makes `python -m ulyssesd.training` run this checkout's code (what the call carried).
 # Every package of pyproject's package-dir is linked (a new top-level package needs no edit here).
-shim_ulyssesd() {  # shim_ulyssesd DIR: DIR/ulyssesd/... -> this checkout's folders
+shim_ulyssesd() {  # shim_ulyssesd DIR: DIR/ulyssesd/... -> this checkout's folders (kept when it already is)
+  [ "$(readlink "$1/ulyssesd/training" 2>/dev/null)" = "$(pwd -P)/training" ] && return 0
   rm -rf "$1" && mkdir -p "$1" && $PY - "$1" <<'PYEOF'
 import pathlib, sys, tomllib
 shim, root = pathlib.Path(sys.argv[1]), pathlib.Path.cwd()
