@@ -75,7 +75,7 @@ class Decision:
 
 
 @dataclass
-class _LadderState:
+class LadderState:
     position: int = 0
     uses: int = 0
     verify_left: int = 0
@@ -121,7 +121,7 @@ class RemediationEngine:
         # Bound once: observe() calls each of them for every step record.
         self._step_observers = tuple(d.observe for d in self.detectors)
         self.hang = HangDetector(self.config, start_time)
-        self.ladders: dict[str, _LadderState] = {}
+        self.ladders: dict[str, LadderState] = {}
         self.pending: dict[str, _Pending] = {}
         self.suppressed = 0
         # Restart budget / progress.
@@ -388,7 +388,7 @@ class RemediationEngine:
         if self.failed:
             return []
         rungs = LADDERS[ladder]
-        st = self.ladders.setdefault(ladder, _LadderState())
+        st = self.ladders.setdefault(ladder, LadderState())
         if st.exhausted:
             return []
         in_verify = st.verify_left > 0
@@ -484,7 +484,7 @@ class RemediationEngine:
             d.reason = f"observe-only: would have {action.kind} ({apply}): {reason}"
         return [d]
 
-    def _maybe_revert(self, st: _LadderState) -> tuple[dict[str, Any], str]:
+    def _maybe_revert(self, st: LadderState) -> tuple[dict[str, Any], str]:
         last = st.last
         if last is None or not last.config_patch or st.tps_before is None or len(st.tps_after) < 10:
             return {}, ""

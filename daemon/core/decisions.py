@@ -316,7 +316,8 @@ def on_hang(sup: Supervisor, fnd: Finding) -> None:
             f" ({on_nodes['note']})" if on_nodes else ""), ev,
                             attempt=attempt)
         sup.incidents.action(iid, ActionKind.restart, {"reason": "hang: stack dump, SIGTERM, SIGKILL after grace, "
-                                              "restart from latest valid checkpoint"}, {}, ApplyMode.restart,
+                                              "restart from latest valid checkpoint",
+                                              "rung": "hang_restart", "ladder": "hang"}, {}, ApplyMode.restart,
                     sup.config_version, sup.config_version)
         sup.store.update_incident_status(iid, IncidentStatus.remediating, "restarting after hang")
         if sup.term is not None and sup.term.plan.relaunch is not None:

@@ -27,7 +27,8 @@ from ulyssesd.daemon.spec import engine_job_values
 from ulyssesd.daemon.store.enums import ApplyMode, RunState
 from ulyssesd.daemon.store.permissions import private_dir
 from ulyssesd.daemon.store.recovery import refuse_unknown_run_dirs
-from ulyssesd.remediation.playbook import DEFAULTS
+from ulyssesd.remediation.engine import LadderState
+from ulyssesd.remediation.playbook import DEFAULTS, LADDERS, NON_FATAL
 from ulyssesd.remediation.records import StepRecord
 
 if TYPE_CHECKING:
@@ -147,6 +148,7 @@ def adopt(sup: Supervisor, run: Any) -> None:
     sup.attempt = a.number
     reported = warm_engine(sup, a.number)
     seat_engine(sup, cv, a.number, reported if reported is not None else a.config_version)
+    restore_ladders(sup)
     sup.engine.replanner = replanner(sup)
     if a.pid and a.proc_start_time and a.ended_at is None:
         sup.job = JobHandle(a.pid, a.proc_start_time)
@@ -227,6 +229,60 @@ def seat_engine(sup: Supervisor, versions: list[Any], attempt: int, running: int
                     error=repr(exc))
         return
     log.info("engine seated on the stored configs", attempt=attempt, runs_version=running, newest=newest)
+
+
+def ladder_position(ladder: str, done: list[tuple[str, int]], verify_steps: int, max_uses: Callable[[Any], int],
+                    now_step: int) -> tuple[int, int, int]:
+    """(position, uses, verification steps left) of `ladder` after the rungs `done` [(rung, step it was taken
+    at)], oldest first, as the engine walks them: a rung taken again counts one more use, a later rung moves
+    the position on (a memory rung chosen by evidence may also move it back); a repeatable rung whose
+    verification window passed without a recurrence is fresh again (uses 0), as in the engine."""
+    names = [r.kind for r in LADDERS[ladder]]
+    pos, uses, at = 0, 0, None
+    for rung, step in done:
+        idx = next((i for i in range(pos, len(names)) if names[i] == rung), None)
+        idx = names.index(rung) if idx is None else idx
+        repeatable = max_uses(LADDERS[ladder][idx]) > 1
+        if idx == pos and uses and not (repeatable and at is not None and step - at >= verify_steps):
+            uses += 1
+        else:
+            pos, uses = idx, 1
+        at = step
+    left = max(0, verify_steps - (now_step - at)) if at is not None else 0
+    if left == 0 and pos < len(names) and max_uses(LADDERS[ladder][pos]) > 1:
+        uses = 0
+    return pos, uses, left
+
+
+def restore_ladders(sup: Supervisor) -> None:
+    """The telemetry replay walks the engine's ladders through the findings it sees again, but not through a
+    crash's or a hang's decision (the exit handling and the clock made those, not a record): after re-adoption
+    the next crash would start its ladder at rung 0 again and a bounded rung (`max_crash_restarts`) would get
+    its uses afresh. The store has every decision taken (each action's `ladder` and `rung`): a ladder the
+    store shows further along than the replay left it is set to the store's position."""
+    eng = sup.engine
+    ladders = getattr(eng, "ladders", None)
+    if not isinstance(ladders, dict):
+        return  # an engine without ladders (a test's stand-in): nothing to restore
+    steps = {i.id: i.step for i in sup.store.list_incidents(sup.run_id)}
+    done: dict[str, list[tuple[str, int]]] = {}
+    for act in sup.store.list_actions(run_id=sup.run_id):
+        ladder, rung = (act.parameters or {}).get("ladder"), (act.parameters or {}).get("rung")
+        if ladder in LADDERS and rung in {r.kind for r in LADDERS[ladder]}:
+            done.setdefault(ladder, []).append((rung, steps.get(act.incident_id, 0)))
+    now_step = eng.last_step if eng.last_step is not None else (sup.last_step or 0)
+    policy = eng.policy
+    for ladder, rungs in done.items():
+        pos, uses, left = ladder_position(ladder, rungs, policy.verify_steps, lambda a: a.max_uses(policy), now_step)
+        st = ladders.get(ladder)
+        if st is not None and (st.position, st.uses) >= (pos, uses):
+            continue  # the replay walked it as far (a telemetry finding's rung): its own state is exact
+        st = ladders.setdefault(ladder, LadderState())
+        st.position, st.uses, st.verify_left = pos, uses, max(st.verify_left, left)
+        st.exhausted = st.exhausted or (ladder in NON_FATAL and pos < len(LADDERS[ladder])
+                                        and LADDERS[ladder][pos].kind == "alert")
+        log.info("engine ladder restored from the store", ladder=ladder, rung=LADDERS[ladder][pos].kind,
+                 position=pos, uses=uses, verify_left=st.verify_left)
 
 
 def warm_engine(sup: Supervisor, attempt: int) -> int | None:
