@@ -22,7 +22,15 @@ import typer
 from ulyssesd.remediation.goodput import HOUR, optimal_interval, scaled_inputs
 from ulyssesd.remediation.memory_evidence import PlanView, Replan
 from ulyssesd.training.ds_config import build_ds_config
-from ulyssesd.training.planner import ALLOCATOR_HEADROOM, GPU_PRESETS, Cluster, Plan, PlanInputError, plan
+from ulyssesd.training.planner import (
+    ALLOCATOR_HEADROOM,
+    GPU_PRESETS,
+    NO_STANDBY,
+    Cluster,
+    Plan,
+    PlanInputError,
+    plan,
+)
 from ulyssesd.training.spec import JobSpec, SpecError
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
@@ -102,8 +110,13 @@ def preflight(run_spec: Any, cluster: Cluster | None = None) -> tuple[bool, Plan
             return True, SkippedPlan(["no GPU detected on this host (nvidia-smi): memory plan skipped; "
                                       "pass a cluster to plan for other hardware"])
     result = plan(run_spec.job, cluster, effective_ds_config(run_spec, cluster.world_size),
-                  allocator_headroom=allocator_headroom(run_spec))
+                  allocator_headroom=allocator_headroom(run_spec), restart=_restart(run_spec))
     return result.fits, result
+
+
+def _restart(run_spec: Any) -> Any:
+    """The run's `[restart]` (a warm standby holds host RAM the planner counts); none on a bare job spec."""
+    return getattr(run_spec, "restart", None) or NO_STANDBY
 
 
 def checkpoint_interval_suggestion(result: Plan, async_save: bool = False) -> dict[str, Any]:
@@ -205,7 +218,7 @@ def register_plan(app: typer.Typer) -> None:
             run_spec = load_run_spec(spec)
             cluster = _cluster_from_flags(run_spec, gpu, gpus, nodes, gpu_mem, host_mem, nvme)
             result = plan(run_spec.job, cluster, effective_ds_config(run_spec, cluster.world_size),
-                          allocator_headroom=allocator_headroom(run_spec))
+                          allocator_headroom=allocator_headroom(run_spec), restart=_restart(run_spec))
         except SpecError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(EXIT_BAD_INPUT) from None

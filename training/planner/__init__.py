@@ -21,6 +21,7 @@ from typing import Any
 
 from ..spec import JobSpec
 from .cost_model import block_saved_bytes_per_token, compute_plan, model_stats, param_shapes
+from .host_extras import NO_STANDBY, Restart, RestartLike
 from .inputs import (
     ALLOCATOR_HEADROOM,
     CUDA_CONTEXT_GIB,
@@ -35,33 +36,40 @@ from .rendering import Item, Plan, Suggestion
 from .search import search_suggestions
 
 __all__ = [
-    "ALLOCATOR_HEADROOM", "CUDA_CONTEXT_GIB", "GPU_PRESETS", "Cluster", "GiB", "Item", "Plan", "PlanInputError",
-    "Suggestion", "ZeroSettings", "apply_overrides", "block_saved_bytes_per_token", "model_stats",
-    "param_shapes", "plan", "predict_peak_gib", "user_ds_config",
+    "ALLOCATOR_HEADROOM", "CUDA_CONTEXT_GIB", "GPU_PRESETS", "NO_STANDBY", "Cluster", "GiB", "Item", "Plan",
+    "PlanInputError", "Restart", "RestartLike", "Suggestion", "ZeroSettings", "apply_overrides",
+    "apply_restart_overrides", "block_saved_bytes_per_token", "model_stats", "param_shapes", "plan",
+    "predict_peak_gib", "user_ds_config",
 ]
 
 
 def plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any] | None = None, *, search: bool = True,
-         allocator_headroom: float = ALLOCATOR_HEADROOM, cuda_context_gib: float = CUDA_CONTEXT_GIB) -> Plan:
+         allocator_headroom: float = ALLOCATOR_HEADROOM, cuda_context_gib: float = CUDA_CONTEXT_GIB,
+         restart: RestartLike = NO_STANDBY) -> Plan:
     """Per-GPU/per-host memory plan of `job` on `cluster`, with a verdict and (if it does not fit and
     `search`) the cheapest changes that would fit. `ds_config` defaults to the spec's own DeepSpeed config
-    (base file + inline); pass the job's effective config when you have it."""
+    (base file + inline); pass the job's effective config when you have it. `restart`: the daemon's
+    `[restart]` section (a warm standby holds host RAM on the node; default: no standby)."""
     ds = user_ds_config(job) if ds_config is None else ds_config
-    kw = dict(allocator_headroom=allocator_headroom, cuda_context_gib=cuda_context_gib)
-    result = compute_plan(job, cluster, ds, **kw)
+    result = compute_plan(job, cluster, ds, allocator_headroom=allocator_headroom,
+                          cuda_context_gib=cuda_context_gib, restart=restart)
     if search and not result.fits:
-        result.suggestions = search_suggestions(job, cluster, ds, result, **kw)
+        result.suggestions = search_suggestions(job, cluster, ds, result, allocator_headroom=allocator_headroom,
+                                                cuda_context_gib=cuda_context_gib, restart=restart)
     return result
 
 
 def apply_overrides(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any],
                     overrides: dict[str, Any]) -> tuple[JobSpec, Cluster, dict[str, Any]]:
     """Apply a Suggestion's `overrides` (dotted keys: `train.*`, `parallel.*`, `deepspeed.config.*`,
-    `cluster.*`) and return the changed (job, cluster, ds_config)."""
+    `cluster.*`, ...) and return the changed (job, cluster, ds_config). `restart.*` keys (the daemon's
+    section, not the job's) are left to `apply_restart_overrides`."""
     data = job.model_dump()
     ds = copy.deepcopy(ds_config)
     for dotted, val in overrides.items():
         parts = dotted.split(".")
+        if parts[0] == "restart":
+            continue
         if parts[0] == "cluster":
             if parts[1] == "gpu":
                 cluster = Cluster.preset(val, cluster.gpus_per_node, cluster.nodes, host_mem_gib=cluster.host_mem_gib,
@@ -75,6 +83,13 @@ def apply_overrides(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any],
             node = node.setdefault(part, {})
         node[parts[-1]] = val
     return JobSpec.model_validate(data), cluster, ds
+
+
+def apply_restart_overrides(restart: RestartLike, overrides: dict[str, Any]) -> Restart:
+    """The `[restart]` settings after a Suggestion's `restart.*` overrides."""
+    fields = {"standby": restart.standby, "standby_preload": restart.standby_preload}
+    fields.update({k.removeprefix("restart."): bool(v) for k, v in overrides.items() if k.startswith("restart.")})
+    return Restart(**fields)
 
 
 def predict_peak_gib(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any] | None = None) -> float:

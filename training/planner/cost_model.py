@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..spec import JobSpec, ResolvedModel
+from .host_extras import NO_STANDBY, RestartLike, async_snapshot_items, host_problem, standby_items
 from .inputs import (
     DTYPE_BYTES,
     HOST_OS_RESERVE,
@@ -299,22 +300,18 @@ def _chunk_inputs_item(m: ResolvedModel, name: str, count: int, each: int, formu
                 f"min({count}, {keep} kept + {OFFLOAD_IN_FLIGHT})·b·s/sp·d·h (offload_checkpoints)", FWD_BWD)
 
 
-def _host_items(c: _Ctx, host_mem_gib: float, offloaded: tuple[int, int] = (0, 0),
-                async_snapshot: bool = False) -> list[Item]:
-    """Per-node host RAM and NVMe items; `offloaded` = (count, bytes) of the checkpointed inputs one rank
-    offloads (model.offload_checkpoints); `async_snapshot`: checkpoint.async_save keeps a host snapshot."""
+def _host_items(c: _Ctx, host_mem_gib: float, offloaded: tuple[int, int] = (0, 0)) -> list[Item]:
+    """Per-node host RAM and NVMe items of the training step; `offloaded` = (count, bytes) of the checkpointed
+    inputs one rank offloads (model.offload_checkpoints). Async saves and the standby: host_extras."""
     z, shard, gpn, d, g = c.zero, c.shard, c.gpn, c.d, c.g
     items: list[Item] = []
-    if async_snapshot and z.offload_optimizer == "none":
-        # An async save copies each rank's optimizer partition to host memory and keeps that memory between
-        # saves (the registered snapshot pool or pinned buffers: docs/TRAINING.md "Snapshot memory").
-        items.append(Item("async-save snapshot (registered/pinned)", 12 * shard * gpn, "host",
-                          "12·P/N·gpus_per_node (fp32 master + Adam m, v of each rank, held between saves)"))
     count, each = offloaded
     if count:
         items.append(Item("offloaded checkpointed inputs (pinned)", count * _pinned_block(each) * gpn, "host",
                           f"{count}·pow2ceil(b·s/sp·d·h = {each:,} B)·gpus_per_node (pinned: the OS cannot swap "
-                          "it; torch rounds pinned blocks up to a power of two)"))
+                          "it; torch rounds pinned blocks up to a power of two)",
+                          off="model.offload_checkpoints = false, or a larger model.offload_keep_last (the "
+                              "inputs then stay on the GPU)"))
     if z.offload_optimizer == "cpu":
         items.append(Item("fp32 master + Adam m, v (offloaded)", 12 * shard * gpn, "host", "12·P/N·gpus_per_node"))
         items.append(Item("fp32 gradient partitions (offload)", 4 * shard * gpn, "host", "4·P/N·gpus_per_node"))
@@ -357,7 +354,7 @@ def _deepspeed_view(c: _Ctx) -> dict[str, int]:
 
 
 def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
-             allocator_headroom: float, cuda_context_gib: float) -> Plan:
+             allocator_headroom: float, cuda_context_gib: float, restart: RestartLike = NO_STANDBY) -> Plan:
     m = job.resolved_model()
     zero = ZeroSettings.from_ds_config(ds_config)
     sp = job.parallel.sequence_parallel_size
@@ -384,7 +381,9 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
     offloaded = (checkpointed_inputs(c.tokens, m, c.d, k, job.train.activation_checkpoint_layers)
                  if m.offload_checkpoints else (0, 0))
     offloaded = (max(0, offloaded[0] - m.offload_keep_last), offloaded[1])   # model.offload_keep_last stay on GPU
-    host = _host_items(c, cluster.host_mem_gib, offloaded, async_snapshot=job.checkpoint.async_save)
+    host = (async_snapshot_items(c.shard, c.gpn, zero, async_save=job.checkpoint.async_save,
+                                 snapshot_pool=job.checkpoint.snapshot_pool)
+            + standby_items(c.shard, c.gpn, restart) + _host_items(c, cluster.host_mem_gib, offloaded))
     host_required = sum(it.bytes for it in host if it.where == "host")
     nvme_required = sum(it.bytes for it in host if it.where == "nvme")
     items += host
@@ -396,11 +395,9 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
             f"'{max(phase_bytes, key=lambda k: phase_bytes[k])}' + {allocator_headroom:.0%} allocator headroom + "
             f"{cuda_context_gib:g} GiB CUDA context) but the GPU has {cluster.gpu_mem_gib:.1f} GiB: "
             f"short by {required / GiB - cluster.gpu_mem_gib:.1f} GiB")
-    if host_required > cluster.host_mem_gib * GiB:
-        problems.append(
-            f"host: needs {host_required / GiB:.0f} GiB ({host_required / 2**40:.2f} TiB) of RAM per node "
-            f"but the node has {cluster.host_mem_gib:.0f} GiB: short by "
-            f"{host_required / GiB - cluster.host_mem_gib:.0f} GiB")
+    host_short = host_problem(host, cluster.host_mem_gib)
+    if host_short:
+        problems.append(host_short)
     if nvme_required > cluster.nvme_gib * GiB:
         problems.append(f"NVMe: needs {nvme_required / GiB:.0f} GiB per node for ZeRO-Infinity swap but the node "
                         f"has {cluster.nvme_gib:.0f} GiB")

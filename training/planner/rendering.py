@@ -22,6 +22,7 @@ class Item:
     where: str                # gpu | host | nvme
     formula: str              # how it was computed
     phases: tuple[str, ...] = ("loss", "backward", "step")  # GPU phases during which it is allocated
+    off: str = ""             # the setting that removes it (named when the host is short); "" = none
 
 
 PHASES = ("loss", "backward", "step")

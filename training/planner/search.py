@@ -15,6 +15,7 @@ from typing import Any
 from ..ds_config import ZERO_STAGE, deep_merge
 from ..spec import JobSpec
 from .cost_model import compute_plan
+from .host_extras import NO_STANDBY, Restart, RestartLike
 from .inputs import (
     ALLOCATOR_HEADROOM,
     CUDA_CONTEXT_GIB,
@@ -34,12 +35,14 @@ class _Scenario:
     job: JobSpec
     ds: dict[str, Any]
     cluster: Cluster
+    restart: RestartLike = NO_STANDBY   # the daemon's [restart] (the warm standby holds host RAM)
 
 
 # Relative costs: slowdown or hardware spend, roughly "how much would an operator mind". Documented in PLANNER.md.
 MOVE_COSTS = {"no_offload": 0.0, "ckpt_every_layer": 1.0, "halve_micro_batch": 1.0, "double_sp": 1.5, "offload_optimizer_cpu": 3.0,
               "more_host_ram": 3.0, "offload_param_cpu": 4.0, "bigger_gpu": 5.0, "nvme_offload": 6.0,
-              "more_nodes_per_doubling": 3.0, "halve_seq": 8.0, "tiled_mlp": 1.0, "offload_checkpoints": 2.0}
+              "more_nodes_per_doubling": 3.0, "halve_seq": 8.0, "tiled_mlp": 1.0, "offload_checkpoints": 2.0,
+              "no_standby_preload": 0.5, "no_standby": 1.0, "sync_saves": 2.0}
 # model.mlp_chunk_tokens the long-sequence move sets (ALST's TiledMLP; docs/TRAINING.md).
 TILED_MLP_TOKENS = 16384
 
@@ -203,6 +206,33 @@ def _apply_host_ram(sc: _Scenario, plan_now: Plan):
         MOVE_COSTS["more_host_ram"]
 
 
+def _mv_no_preload(sc: _Scenario, base: Plan):
+    # A restart then loads the tag from disk (slower only when it is not in the page cache).
+    r = sc.restart
+    if not (r.standby and r.standby_preload):
+        return None
+    return (replace(sc, restart=Restart(standby=True, standby_preload=False)),
+            ["[restart] standby_preload = false (the standby stays warm; restarts load the tag from disk)"],
+            {"restart.standby_preload": False}, MOVE_COSTS["no_standby_preload"])
+
+
+def _mv_no_standby(sc: _Scenario, base: Plan):
+    # Every relaunch is cold (on 1x H200 gpt-1b: 27.8 s instead of 17.9 s, docs/DAEMON.md "Warm standby").
+    if not sc.restart.standby:
+        return None
+    return (replace(sc, restart=Restart(standby=False, standby_preload=sc.restart.standby_preload)),
+            ["[restart] standby = false (relaunches are cold)"], {"restart.standby": False}, MOVE_COSTS["no_standby"])
+
+
+def _mv_sync_saves(sc: _Scenario, base: Plan):
+    # Saves then block training for the whole write (gpt-1b on 1x H200: ~44 s instead of 0.33 s).
+    if not sc.job.checkpoint.async_save:
+        return None
+    j = _job_with(sc.job, **{"checkpoint.async_save": False})
+    return j and (replace(sc, job=j), ["[checkpoint] async_save = false (saves block training while they write)"],
+                  {"checkpoint.async_save": False}, MOVE_COSTS["sync_saves"])
+
+
 _MOVE_GROUPS: list[list[Move]] = [
     [_mv_ckpt(1), _mv_ckpt(2)],
     [_mv_halve_mb],
@@ -212,14 +242,16 @@ _MOVE_GROUPS: list[list[Move]] = [
     [_mv_bigger_gpu],
     [_mv_seq(2), _mv_seq(4)],
     [_mv_long_seq(True, False), _mv_long_seq(False, True), _mv_long_seq(True, True)],
+    [_mv_no_preload, _mv_no_standby, _mv_sync_saves],
 ]
 MAX_NODES = 64
 MAX_SUGGESTIONS = 8
 
 
-def search_suggestions(job: JobSpec, cluster: Cluster, ds: dict[str, Any], base: Plan, **kw: float) -> list[Suggestion]:
+def search_suggestions(job: JobSpec, cluster: Cluster, ds: dict[str, Any], base: Plan, *,
+                       restart: RestartLike = NO_STANDBY, **kw: float) -> list[Suggestion]:
     found: list[tuple[float, frozenset[tuple[str, str]], Suggestion]] = []
-    start = _Scenario(job, ds, cluster)
+    start = _Scenario(job, ds, cluster, restart)
     changes: list[str]
     ov: dict[str, Any]
     for size in range(0, 4):
@@ -268,12 +300,14 @@ def _finish(sc: _Scenario, changes: list[str], ov: dict[str, Any], cost: float, 
             **kw: float) -> tuple[float, frozenset[tuple[str, str]], Suggestion] | None:
     def evaluate(s: _Scenario) -> Plan | None:
         try:
-            return compute_plan(s.job, s.cluster, s.ds, **kw)
+            return compute_plan(s.job, s.cluster, s.ds, restart=s.restart, **kw)
         except PlanInputError:
             return None
 
     changes, ov = list(changes), dict(ov)
     if extra in ("nodes", "nodes+host"):
+        if sc.restart.standby:
+            return None   # the daemon refuses a warm standby on more than one node (docs/DAEMON.md)
         base_nodes = sc.cluster.nodes
         for nodes in range(base_nodes + 1, MAX_NODES + 1):
             trial = replace(sc, cluster=replace(sc.cluster, nodes=nodes))
