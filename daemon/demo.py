@@ -214,7 +214,7 @@ def run_demo(work_dir: str | None = None) -> int:
             server.close()
     wall = time.monotonic() - t0
     con.rule("incidents")
-    con.print(incidents_table(store.list_incidents(sup.run_id), store))
+    con.print(incidents_table(store.list_incidents(sup.run_id, with_actions=True)))
     good = goodput(sup.telemetry_path, wall)
     con.rule("result")
     con.print(f"run {sup.run_id}: [bold]{sup.state.value}[/bold] at step {sup.last_step} after "

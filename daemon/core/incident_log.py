@@ -190,10 +190,9 @@ class IncidentLog:
     # ------------------------------------------------------------------------------ re-adoption
     def pick_up(self, run_id: str) -> None:
         """A previous daemon's bookkeeping lives in the store, not in its memory: take it up again."""
-        for inc in self.store.list_incidents(run_id, status="remediating"):
-            acts = self.store.list_actions(incident_id=inc.id)
-            if acts:
-                self.remedied[inc.id] = Remedied(acts[-1].id, inc.step)
+        for inc in self.store.list_incidents(run_id, status="remediating", with_actions=True):
+            if inc.actions:
+                self.remedied[inc.id] = Remedied(inc.actions[-1].id, inc.step)
         for inc in self.store.list_incidents(run_id, status="open"):
             self.unacted.setdefault(inc.symptom.value, []).append((inc.id, inc.step))
 

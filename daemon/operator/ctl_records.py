@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 import typer
 from rich.markup import escape
@@ -39,28 +38,32 @@ def incidents(json_out: bool = typer.Option(False, "--json", help="machine-reada
     store = open_ro_store(json_out)
     run_id = None if all_runs else current_run(store, json_out).id
     try:
-        rows = store.list_incidents(run_id, symptom=kind, status=status_, since=parse_since(since))
+        # With their actions, in one more query however many incidents (the table's action column needs them).
+        rows = store.list_incidents(run_id, symptom=kind, status=status_, since=parse_since(since), with_actions=True)
     except ValueError as exc:
         die(str(exc), EXIT_USAGE, json_out)
     if json_out:
-        # The listing reads incidents without their actions; --json carries them (one query per run listed).
-        by_incident: dict[int, list[Any]] = {}
-        for rid in sorted({r.run_id for r in rows}):
-            for a in store.list_actions(run_id=rid):
-                by_incident.setdefault(a.incident_id, []).append(a)
-        out([r.replace(actions=tuple(by_incident.get(r.id, ()))).to_dict() for r in rows], True)
+        out([r.to_dict() for r in rows], True)
         return
-    console.print(incidents_table(rows, store))
+    console.print(incidents_table(rows))
 
 
 def incidents_table(rows, store=None) -> Table:
+    """The incidents listing; each row's actions are the ones it carries (`list_incidents(with_actions=True)`).
+    Rows listed without them and a `store`: their actions are read per run listed (not per incident)."""
+    if store is not None and not any(r.actions for r in rows):
+        by_incident: dict[int | None, tuple] = {}
+        for rid in sorted({r.run_id for r in rows}):
+            for a in store.list_actions(run_id=rid):
+                by_incident[a.incident_id] = (*by_incident.get(a.incident_id, ()), a)
+        rows = [r.replace(actions=by_incident.get(r.id, ())) for r in rows]
     t = Table(title="incidents")
     for col, kw in (("id", {"no_wrap": True}), ("UTC", {"no_wrap": True}), ("att", {}), ("step", {}),
                     ("symptom", {"no_wrap": True}), ("status", {"no_wrap": True}), ("action", {"no_wrap": True}),
                     ("config", {"no_wrap": True}), ("summary", {"overflow": "fold", "ratio": 1})):
         t.add_column(col, **kw)
     for r in rows:
-        acts = store.list_actions(incident_id=r.id) if store is not None else []
+        acts = r.actions
         act = ", ".join(f"{a.kind.value}" + (f" ({a.mode.value})" if a.mode.value not in ("none",) else "")
                         for a in acts) or "-"
         cfg = ", ".join(f"v{a.from_config_version}->v{a.to_config_version}" for a in acts

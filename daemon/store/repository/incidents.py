@@ -160,8 +160,10 @@ class IncidentsRepository(StoreBase):
         unacknowledged: bool = False,
         limit: int | None = None,
         newest_first: bool = False,
+        with_actions: bool = False,
     ) -> list[IncidentRecord]:
-        """Filtered incidents (without their actions). `limit` keeps the newest N."""
+        """Filtered incidents; `limit` keeps the newest N. Without their actions, unless `with_actions`: then
+        each carries its actions (oldest first), read in one more query however many incidents are listed."""
         # Core rows, not ORM entities: listings can be thousands of rows and ulyssesctl should stay snappy.
         q = select(Incident.__table__)
         if run_id is not None:
@@ -179,6 +181,13 @@ class IncidentsRepository(StoreBase):
             q = q.limit(limit)
         with self._read() as s:
             rows = [IncidentRecord.from_row(i) for i in s.execute(q)]
+            if with_actions and rows:
+                # The listing's own filter as a subquery: no id list to bind (SQLite caps bound parameters).
+                ids = select(q.subquery().c.id)
+                by_incident: dict[int, list[ActionRecord]] = {}
+                for a in s.execute(select(Action.__table__).where(Action.incident_id.in_(ids)).order_by(Action.id)):
+                    by_incident.setdefault(a.incident_id, []).append(ActionRecord.from_row(a))
+                rows = [r.replace(actions=tuple(by_incident.get(r.id, ()))) for r in rows]
         return rows if newest_first else rows[::-1]
 
     def get_incident(self, incident_id: int) -> IncidentRecord:
