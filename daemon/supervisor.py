@@ -420,6 +420,9 @@ class Supervisor:
         return {
             "run_id": self.run_id, "state": self.state.value, "attempt": self.attempt,
             "pid": self.job.pid if self.job else None, "step": self.last_step,
+            # The attempt's process group and its ranks as the rank watch's last scan saw them (py-spy, kill).
+            "pgid": self.job.pgid if self.job else None,
+            "rank_pids": list(self.rank_watch.live) if self.job else [],
             "loss": _finite(r.loss) if r else None, "tokens_per_s": r.tokens_per_s if r else None,
             "mem_max_allocated_gib": r.mem_max_allocated_gib if r else None,
             "latest_checkpoint": self.latest_ckpt[0] if self.latest_ckpt else None,

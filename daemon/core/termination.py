@@ -173,6 +173,7 @@ class RankWatch:
     seen: set[int] = field(default_factory=set)
     lost_since: dict[int, float] = field(default_factory=dict)
     next_check: float = 0.0
+    live: list[int] = field(default_factory=list)  # the rank pids the last scan found (the status answer's)
 
     @property
     def pending(self) -> bool:
@@ -189,6 +190,7 @@ class RankWatch:
         """Feed the live rank pids; returns the lost pids once the first has been gone for `grace_s` while
         other ranks still run, or for LAUNCHER_EXIT_WAIT_S when none is left (see the module docstring)."""
         alive = set(live)
+        self.live = sorted(alive)
         for pid in self.seen - alive:
             self.lost_since.setdefault(pid, now)
         for pid in alive & self.lost_since.keys():

@@ -142,7 +142,7 @@ def status_data(store, run) -> dict[str, Any]:
     total = (cur_v.config.get("train") or {}).get("steps") if cur_v else None
     open_inc = store.list_incidents(run.id, status="open") + store.list_incidents(run.id, status="remediating")
     relaunches = store.relaunch_counts(run.id)  # the store owns the rule (pause/resume, restart: not restarts)
-    daemon, _live = _live_daemon(run.id)
+    daemon, live = _live_daemon(run.id)
     state = run.state.value
     attempt = attempts[-1].number if attempts else None
     training = state in TRAINING_STATES and step.get("attempt") in (None, attempt)  # not the previous attempt's
@@ -169,12 +169,53 @@ def status_data(store, run) -> dict[str, Any]:
         "open_incident_list": [{"id": i.id, "symptom": i.symptom.value, "status": i.status.value, "step": i.step,
                                 "summary": i.summary} for i in sorted(open_inc, key=lambda i: i.id)],
         "run_dir": run.run_dir,
+        **job_processes(attempts[-1] if attempts else None, live, (run.spec or {}).get("launcher") or {}),
         "created_at": run.created_at.isoformat(), "ended_at": run.ended_at.isoformat() if run.ended_at else None,
         **progress,
         "hang_timeout_s": hang_s,
         "last_step_overdue": bool(state in TRAINING_STATES and age is not None and hang_s is not None
                                   and age > hang_s),
     }
+
+
+def job_processes(attempt, live: dict[str, Any] | None, launcher: dict[str, Any]) -> dict[str, Any]:
+    """The live attempt's processes, for py-spy, kill and nvidia-smi's pid column: its launcher's pid (the
+    wrapper, leader of the attempt's process group), that group, the host, and the training ranks' pids
+    (torchrun starts each rank in its own session, so the group alone does not reach them). The ranks come
+    from the daemon's rank watch when it answers with some, else from a scan of this host's process table
+    (the daemon down: the attempt's recorded pid and start time tell its processes from a recycled pid).
+    All None/empty once the attempt ended."""
+    none = {"launcher_pid": None, "pgid": None, "job_host": None, "rank_pids": [], "rank_pids_source": None}
+    if attempt is None or attempt.ended_at is not None or not attempt.pid:
+        return none
+    found = {"launcher_pid": attempt.pid, "pgid": attempt.pgid or attempt.pid, "job_host": attempt.host}
+    if live and live.get("attempt") == attempt.number and live.get("rank_pids"):
+        return {**found, "rank_pids": [int(p) for p in live["rank_pids"]], "rank_pids_source": "daemon"}
+    import socket
+
+    if attempt.host and attempt.host != socket.gethostname():
+        return {**found, "rank_pids": [], "rank_pids_source": None}  # another host's pids: not ours to scan
+    from ulyssesd.daemon.host.process import JobHandle, RealOS
+
+    job = JobHandle(attempt.pid, attempt.proc_start_time or 0.0)
+    try:
+        if not attempt.proc_start_time or not RealOS().is_alive(job):  # recorded open, but its launcher is gone
+            return {**found, "rank_pids": [], "rank_pids_source": "process table (launcher gone)"}
+        ranks = RealOS().rank_pids(job, str(launcher.get("module") or "ulyssesd.training"))
+    except Exception:  # noqa: BLE001 - status must answer; the pids are a convenience
+        return {**found, "rank_pids": [], "rank_pids_source": "unavailable"}
+    return {**found, "rank_pids": ranks, "rank_pids_source": "process table"}
+
+
+def _processes_cell(d: dict[str, Any]) -> str:
+    if d.get("pgid") is None:
+        return f"{EMPTY} (no live attempt)"
+    ranks = ", ".join(map(str, d["rank_pids"])) or EMPTY
+    where = {"daemon": "the daemon's rank watch", "process table": "this host's process table",
+             "process table (launcher gone)": "this host's process table: the launcher is gone",
+             "unavailable": "the process table could not be read"}.get(
+        d.get("rank_pids_source") or "", f"not scanned: on host {d.get('job_host')}")
+    return f"pgid {d['pgid']} (launcher pid {d['launcher_pid']}); ranks {ranks} ({where})"
 
 
 def _live_daemon(run_id: str) -> tuple[str, dict | None]:
@@ -249,6 +290,7 @@ def render_status(d: dict[str, Any]) -> Table:
     for inc in d["open_incident_list"]:
         t.add_row("", f"[yellow]#{inc['id']} {inc['symptom']}[/yellow] ({inc['status']}, step {inc['step']}) "
                       f"{escape((inc['summary'] or '')[:100])}")
+    t.add_row("job processes", escape(_processes_cell(d)))
     t.add_row("run dir", escape(or_empty(d["run_dir"])))
     return t
 
