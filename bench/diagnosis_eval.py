@@ -4,6 +4,7 @@
     python bench/diagnosis_eval.py --split train --misses
     python bench/diagnosis_eval.py --module /tmp/diagnosis_before.py   # the same with another diagnosis.py
     python bench/diagnosis_eval.py --file corpus_22.txt --split all --misses   # one batch only (a fresh round)
+    python bench/diagnosis_eval.py --split all --by-file                 # correct / total per file and part
 
 The corpus is split once, by a hash of each case id, *before* rules are written: rules are tuned on the
 `train` part only and `heldout` (~40 %) measures them. The format of a case is in the corpus README.
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--misses", action="store_true", help="list every miss with the diagnosis' reason")
     ap.add_argument("--file", action="append", default=[], metavar="NAME",
                     help="score only the cases of this corpus file (e.g. corpus_22.txt; repeatable)")
+    ap.add_argument("--by-file", action="store_true",
+                    help="also print correct/total of the train and held-out part of each chosen corpus file")
     args = ap.parse_args(argv)
     diagnose, labels = _load_diagnose(args.module)
     from ulyssesd.remediation.diagnosis import LABELS as CURRENT
@@ -190,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:
           f"healthy cases flagged: {len(res.healthy_flagged)}")
     print("\nconfusion (rows = expected, columns = diagnosed; labels cut to 6 characters)")
     print(confusion_table(res, tuple(dict.fromkeys((*CURRENT, *labels)))))
+    if args.by_file:
+        print(f"\n{'file':<16} {'train':>9} {'heldout':>9}")
+        for name in sorted({c.file for c in chosen}):
+            cells = []
+            for part in ("train", "heldout"):
+                sub = evaluate([c for c in chosen if c.file == name and split_of(c.id) == part], diagnose)
+                cells.append(f"{sub.correct}/{sub.total}" if sub.total else "-")
+            print(f"{name:<16} {cells[0]:>9} {cells[1]:>9}")
     if args.misses:
         print()
         for c, got, reason in res.misses:

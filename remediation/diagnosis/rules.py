@@ -90,7 +90,8 @@ RULES: tuple[Rule, ...] = (
     Rule("illegal_memory_access", (
         r"illegal memory access",
         r"cudaErrorIllegalAddress|CUDA_ERROR_ILLEGAL_ADDRESS",
-        r"CUDA error: misaligned address",
+        # "CUDA error: misaligned address", also through Triton's wrapper ("Triton Error [CUDA]: misaligned address").
+        r"CUDA\]?:? (?:error: )?misaligned address",
         r"CUDA error: an illegal instruction",
         r"device-side assert(?:ion)? triggered",
         # A kernel's own device-side assertion ("Indexing.cu:1231: ...: Assertion `srcIndex < ...` failed.").
@@ -99,7 +100,7 @@ RULES: tuple[Rule, ...] = (
         "device-side assert", "assertion `"),
         what="a CUDA kernel faulted (illegal memory access or device-side assert)"),
     Rule("host_oom_killed", (
-        r"DefaultCPUAllocator: can't allocate memory",
+        r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory)",  # the second: Windows builds
         r"Out of memory: Kill(?:ed)? process",
         r"\boom-kill(?:er)?\b|\boom_reaper\b|invoked oom-killer|\boom_kill events?\b|\bglobal_oom\b",
         r"^\s*MemoryError\b|\bMemoryError: ",
@@ -115,7 +116,12 @@ RULES: tuple[Rule, ...] = (
         r"Caught \w+ in DataLoader worker process",
         r"Unexpected (?:bus error|segmentation fault) encountered in worker",
         r"DataLoader timed out after",
-    ), ("dataloader worker", "encountered in worker", "dataloader timed out"), what="a DataLoader worker died"),
+        # MXNet Gluon's DataLoader: its workers sent no batch within the timeout.
+        r"^\s*Worker timed out after \d+ seconds",
+        # Older torch re-raised a worker's exception with the worker's whole traceback packed into the message.
+        r"^\s*(?:\w+\.)*\w+: '?Traceback \(most recent call last\):[^\n]*\bin _worker_loop\b",
+    ), ("dataloader worker", "encountered in worker", "dataloader timed out", "worker timed out after", "_worker_loop"),
+        what="a DataLoader worker died"),
     Rule("segfault", (
         r"Segmentation fault",
         r"\bSIGSEGV\b",
@@ -126,7 +132,9 @@ RULES: tuple[Rule, ...] = (
         what="a process crashed with a memory fault (SIGSEGV/SIGBUS)"),
     Rule("loss_scale_min", (
         r"loss scale already at minimum",
-    ), ("loss scale already at minimum",), what="the fp16 loss scale hit its minimum"),
+        # fairseq's fp16 optimizer: "FloatingPointError: Minimum loss scale reached (0.0001)."
+        r"Minimum loss scale reached",
+    ), ("loss scale already at minimum", "minimum loss scale reached"), what="the fp16 loss scale hit its minimum"),
     Rule("nan_loss", (
         r"\bloss (?:is|became|was) (?:nan|inf|-inf|non-finite|not finite)\b",
         r"(?:\b|_)loss\b['\"]?\s*[:=]\s*['\"]?[-+]?(?:nan|inf)\b",
@@ -197,11 +205,13 @@ RULES: tuple[Rule, ...] = (
         r"srun: error: (?!.*: task)|ssh: connect to host|pdsh@[^\n]*exited with exit code",
         r"returned non-zero exit status 255|not reachable via ssh|Hostfile contains a bad entry",
         r"Timed out initializing process group in store based barrier",
+        # The c10d TCPStore's server gave up before every rank joined the rendezvous.
+        r"DistStoreError: Timed out after \d+ seconds waiting for",
         EXC + r"FileNotFoundError:",
     ), ("rendezvous", "server socket has failed", "address already in use", "eaddrinuse", "errno: 98",
         "distnetworkerror", "client socket has timed out", "connect() timed out", "can't open file", ": error:",
         "no module named", "command not found", "specerror", "invalid run spec", "srun: error", "ssh: connect",
-        "pdsh@", "exit status 255", "reachable via ssh", "hostfile contains", "store based barrier",
+        "pdsh@", "exit status 255", "reachable via ssh", "hostfile contains", "store based barrier", "diststoreerror",
         "filenotfounderror"),
         exclude=r"NCCL WARN", what="the launcher or the job setup failed"),
 )

@@ -100,3 +100,67 @@ def test_nccl_bind_failure_is_not_also_a_launcher_error():
     """NCCL's own socket is not the launcher's store: the port clash inside a running job is no launcher evidence."""
     d = diagnose(NCCL_BIND, exit_code=1)
     assert "launcher_error" not in d.secondary, d.secondary
+
+
+# ------------------------------------------------------------------------- third round (corpus_24.txt, train part)
+TRITON_MISALIGNED = """@helion.kernel(config=helion.Config(block_sizes=[64, 16, 16], num_warps=4), static_shapes=True)
+RuntimeError: Triton Error [CUDA]: misaligned address
+"""
+
+CPU_ALLOCATOR_WINDOWS = ("RuntimeError: [enforce fail at ..\\c10\\core\\CPUAllocator.cpp:72] data. DefaultCPUAllocator: "
+                         "not enough memory: you tried to allocate 113246208 bytes. Buy new RAM!\n")
+
+GLUON_WORKER_TIMEOUT = """Worker timed out after 120 seconds. This might be caused by
+
+            - Slow transform. Please increase timeout to allow slower data loading in each worker.
+TimeoutError                              Traceback (most recent call last)
+"""
+
+PACKED_WORKER_TRACEBACK = ("    raise batch.exc_type(batch.exc_msg)\n"
+                           "KeyError: 'Traceback (most recent call last):\\n  File \"/usr/lib/torch/utils/data/dataloader.py\", "
+                           "line 57, in _worker_loop\\n    samples = collate_fn([dataset[i] for i in batch_indices])\\n"
+                           "KeyError: \\'height\\'\\n'\n")
+
+FAIRSEQ_MIN_SCALE = """| WARNING: overflow detected, setting loss scale to: 0.000244140625
+| WARNING: overflow detected, setting loss scale to: 0.0001220703125
+FloatingPointError: Minimum loss scale reached (0.0001). Your loss is probably exploding. Try lowering the learning rate.
+"""
+
+STORE_WORKERS_TIMEOUT = "torch.distributed.DistStoreError: Timed out after 6 seconds waiting for workers. 1/2 workers joined.\n"
+
+
+@pytest.mark.parametrize("text, label, evidence", [
+    (TRITON_MISALIGNED, "illegal_memory_access", "misaligned address"),
+    (CPU_ALLOCATOR_WINDOWS, "host_oom_killed", "not enough memory"),
+    (GLUON_WORKER_TIMEOUT, "dataloader_crash", "Worker timed out after 120 seconds"),
+    (PACKED_WORKER_TRACEBACK, "dataloader_crash", "_worker_loop"),
+    (FAIRSEQ_MIN_SCALE, "loss_scale_min", "Minimum loss scale reached"),
+    (STORE_WORKERS_TIMEOUT, "launcher_error", "DistStoreError"),
+], ids=["triton-misaligned", "cpu-allocator-windows", "gluon-worker-timeout", "packed-worker-traceback",
+        "fairseq-min-scale", "store-workers-timeout"])
+def test_third_round_rule_names_the_failure(text, label, evidence):
+    d = diagnose(text, exit_code=1)
+    assert d.label == label, d.reason
+    assert any(evidence in e for e in d.evidence), d.evidence
+
+
+# Look-alikes: the fp16 config's min_loss_scale, a DataLoader frame inside a progressing log, an address that is
+# merely aligned, a store that is still waiting (a log line, not an error).
+MIN_SCALE_CONFIG = STEPS + """
+[INFO] [config.py:1000:print]   dynamic_loss_scale_args ...... {'init_scale': 65536, 'scale_window': 1000, 'min_scale': 1}
+  "min_loss_scale": 1, "loss_scale_window": 1000,
+"""
+
+WORKER_FRAME_IN_PROGRESS = """  File "/usr/lib/python3.10/site-packages/torch/utils/data/_utils/worker.py", line 287, in _worker_loop
+""" + STEPS
+
+STORE_WAITING = STEPS + """
+[I socket.cpp:480] [c10d] waiting for workers to join the store: 1/2 workers joined
+"""
+
+
+@pytest.mark.parametrize("text", [MIN_SCALE_CONFIG, WORKER_FRAME_IN_PROGRESS, STORE_WAITING],
+                         ids=["min-scale-config", "worker-frame-in-progress", "store-waiting"])
+def test_third_round_look_alikes_stay_healthy(text):
+    d = diagnose(text)
+    assert d.label == "healthy", d.reason
