@@ -16,7 +16,8 @@ re-derived from its directory, and an incident says what was recovered).
 path, the engine, advancing a termination, an exit, the rank watch, a BACKOFF's relaunch, a command, the
 store check, ...) never ends the daemon. Each distinct error (step, exception type, message, raising line)
 is logged with its traceback once and recorded as one `internal_error` incident (traceback in its evidence); repeats
-are counted and logged at 2, 4, 8, ... A step that raises `[daemon] step_error_limit` ticks in a row ends
+are counted and logged at 2, 4, 8, ... An error back after its step ran cleanly is a new incident (at most
+one per error per RECUR_RECORD_EVERY_S; MAX_ERROR_INCIDENTS in all). A step that raises `[daemon] step_error_limit` ticks in a row ends
 the run FAILED, "internal error in <step>: <exc>": the job is stopped with the stop grace (it saves; no
 checkpoint is removed). If the stop itself cannot proceed (the step is the termination, stopping raised, or
 the grace ran out with the run still not ended) the job's processes are SIGKILLed and the run marked
@@ -111,6 +112,11 @@ STOP_DEPENDS_ON = frozenset({"termination"})
 #: Distinct errors remembered per step: past this a new one is counted as a repeat (a hostile client's
 #: requests cannot grow the table or the incident list without bound).
 MAX_DISTINCT_ERRORS = 50
+#: An error that comes back after its step ran cleanly is a new incident, at most once per this many seconds
+#: per error: a step that fails every other tick is one incident per 10 minutes, not one per tick.
+RECUR_RECORD_EVERY_S = 600.0
+#: Internal-error incidents one daemon records in all; past it errors are still logged and counted.
+MAX_ERROR_INCIDENTS = 200
 
 
 @dataclass
@@ -121,6 +127,8 @@ class StepErrors:
     total: int = 0  # every raise of the step since the daemon started
     distinct: dict[str, int] = field(default_factory=dict)  # error signature -> how often it was seen
     incident_ids: list[int] = field(default_factory=list)  # open incidents of this step's errors
+    open_for: set[str] = field(default_factory=set)  # signatures with an open incident (this failure episode)
+    recorded_at: dict[str, float] = field(default_factory=dict)  # signature -> monotonic time of its last incident
     ending_since: float | None = None  # monotonic time the run was told to end for this step's errors
 
 
@@ -131,6 +139,7 @@ class StepGuard:
         self.sup = sup
         self.limit = limit  # raises in a row that end the run ([daemon] step_error_limit)
         self.steps: dict[str, StepErrors] = {}
+        self.incidents_recorded = 0  # internal-error incidents of this daemon (bounded: MAX_ERROR_INCIDENTS)
 
     def counts(self) -> dict[str, int]:
         """Raises per step since the daemon started (the control socket's status answer)."""
@@ -174,13 +183,16 @@ class StepGuard:
             log.error("tick step still failing", step=step, error=what, times=seen, in_a_row=errors.in_a_row)
         if on_error is not None:
             on_error(exc)  # never raises (core/exits.exit_handling_failed ends in its own last resort)
-        elif seen == 1 and sup.run_id:
+        elif sup.run_id and self._records(errors, signature, seen):
             try:
                 iid = sup.incidents.incident(
                     Symptom.internal_error, sup.last_step or 0, Severity.critical, f"internal error in {step}: {what}",
                     {"internal_error": traceback.format_exc(limit=30)[-8000:], "step": step,
-                     "limit_in_a_row": self.limit})
+                     "limit_in_a_row": self.limit, "seen_before": seen - 1})
                 errors.incident_ids.append(iid)
+                errors.open_for.add(signature)
+                errors.recorded_at[signature] = sup.os.monotonic()
+                self.incidents_recorded += 1
             except Exception as inner:  # noqa: BLE001 - the log line above already has the traceback
                 log.warning("could not record the internal error as an incident", step=step, error=repr(inner))
         # PAUSED is already safe (no job; only idle steps run): the error is logged and counted, the run waits.
@@ -188,9 +200,23 @@ class StepGuard:
                 and errors.in_a_row >= self.limit:
             self._end_run(step, errors, f"internal error in {step}: {what}")
 
+    def _records(self, errors: StepErrors, signature: str, seen: int) -> bool:
+        """Whether this raise gets its own incident: an error new to the step does; a repeat while its incident
+        is open does not (one incident per error and failure episode); an error back after the step ran
+        cleanly does again, at most every RECUR_RECORD_EVERY_S; none past MAX_ERROR_INCIDENTS."""
+        if signature in errors.open_for or self.incidents_recorded >= MAX_ERROR_INCIDENTS:
+            if self.incidents_recorded == MAX_ERROR_INCIDENTS and signature not in errors.open_for:
+                log.error("internal-error incident limit reached: further errors are only logged and counted",
+                          limit=MAX_ERROR_INCIDENTS)
+                self.incidents_recorded += 1  # said once
+            return False
+        last = errors.recorded_at.get(signature)
+        return seen == 1 or last is None or self.sup.os.monotonic() - last >= RECUR_RECORD_EVERY_S
+
     def _recovered(self, step: str, errors: StepErrors) -> None:
         log.info("tick step ran cleanly again", step=step, after_failures=errors.in_a_row)
         errors.in_a_row, errors.ending_since = 0, None
+        errors.open_for.clear()  # the next failure is a new episode: its errors may be recorded again
         for iid in errors.incident_ids:
             try:
                 self.sup.store.update_incident_status(iid, IncidentStatus.resolved, f"{step} ran cleanly again")

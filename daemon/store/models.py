@@ -19,12 +19,14 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy import Enum as SAEnum
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -127,11 +129,17 @@ class Attempt(Base):
     diagnosis_evidence: Mapped[list[Any] | dict[str, Any] | None] = mapped_column(JSON)
 
 
+#: The rows the incidents' unique key covers (a partial index): every symptom but the guard's internal errors.
+INCIDENT_KEY_WHERE = "symptom != 'internal_error'"
+
+
 class Incident(Base):
-    """Something a detector saw; (run_id, attempt, symptom, step) is unique so re-adoption cannot double it."""
+    """Something a detector saw; (run_id, attempt, symptom, step) is unique so re-adoption cannot double it,
+    except for internal errors: the step guard deduplicates those by their signature (migration 0005)."""
 
     __tablename__ = "incidents"
-    __table_args__ = (UniqueConstraint("run_id", "attempt", "symptom", "step"),)
+    __table_args__ = (Index("uq_incidents_run_id_attempt_symptom_step", "run_id", "attempt", "symptom", "step",
+                            unique=True, sqlite_where=text(INCIDENT_KEY_WHERE)),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)

@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, ParamSpec
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
@@ -21,7 +21,7 @@ from ..enums import (
     Symptom,
 )
 from ..errors import InvalidValueError, NotFoundError
-from ..models import Action, Incident
+from ..models import INCIDENT_KEY_WHERE, Action, Incident
 from ..records import ActionRecord, IncidentRecord
 from .base import StoreBase, Timestamp, parse_enum, to_utc
 
@@ -84,7 +84,7 @@ class IncidentsRepository(StoreBase):
     ) -> tuple[int, bool]:
         """Insert-or-ignore on (run_id, attempt, symptom, step): (id, created), where created=False means it
         was already recorded (e.g. replayed telemetry after re-adoption) and must not trigger a second
-        remediation. `step` is the step the symptom was seen at (the last telemetry step for crashes; 0 if
+        remediation. An `internal_error` is always inserted (the step guard deduplicates its own). `step` is the step the symptom was seen at (the last telemetry step for crashes; 0 if
         none). `record_incident` is the same call answering only the id."""
         sym = parse_enum(Symptom, symptom)
         now = to_utc(detected_at)
@@ -94,12 +94,13 @@ class IncidentsRepository(StoreBase):
         with self._write() as s:
             self._run_row(s, run_id)
             stmt = sqlite_insert(Incident).values(**values).on_conflict_do_nothing(
-                index_elements=["run_id", "attempt", "symptom", "step"]
+                index_elements=["run_id", "attempt", "symptom", "step"], index_where=text(INCIDENT_KEY_WHERE)
             )
             created = s.execute(stmt).rowcount == 1  # type: ignore[attr-defined]
+            # Newest first: internal errors are not unique on the key (models.INCIDENT_KEY_WHERE).
             inc_id = s.scalar(select(Incident.id).where(
                 Incident.run_id == run_id, Incident.attempt == int(attempt), Incident.symptom == sym,
-                Incident.step == int(step)))
+                Incident.step == int(step)).order_by(Incident.id.desc()).limit(1))
             assert inc_id is not None
             return inc_id, created
 
