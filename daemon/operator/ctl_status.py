@@ -185,7 +185,8 @@ def job_processes(attempt, live: dict[str, Any] | None, launcher: dict[str, Any]
     from the daemon's rank watch when it answers with some, else from a scan of this host's process table
     (the daemon down: the attempt's recorded pid and start time tell its processes from a recycled pid).
     All None/empty once the attempt ended."""
-    none = {"launcher_pid": None, "pgid": None, "job_host": None, "rank_pids": [], "rank_pids_source": None}
+    none: dict[str, Any] = {"launcher_pid": None, "pgid": None, "job_host": None, "rank_pids": [],
+                            "rank_pids_source": None}
     if attempt is None or attempt.ended_at is not None or not attempt.pid:
         return none
     found = {"launcher_pid": attempt.pid, "pgid": attempt.pgid or attempt.pid, "job_host": attempt.host}
