@@ -315,6 +315,12 @@ def on_hang(sup: Supervisor, fnd: Finding) -> None:
         iid = sup.incidents.incident(Symptom.hang, step, Severity.critical, f"{summary} {reading.summary}" + (
             f" ({on_nodes['note']})" if on_nodes else ""), ev,
                             attempt=attempt)
+        if sup.term is not None and sup.term.plan.then is Then.FAIL:
+            # The hang ladder's restarts are used up (the decision set the plan): the run ends, say so.
+            sup.incidents.action(iid, ActionKind.stop, {"reason": sup.term.reason, "rung": "stop_alert",
+                                                        "ladder": "hang"}, {}, ApplyMode.none)
+            sup.store.update_incident_status(iid, IncidentStatus.failed, sup.term.reason)
+            return
         sup.incidents.action(iid, ActionKind.restart, {"reason": "hang: stack dump, SIGTERM, SIGKILL after grace, "
                                               "restart from latest valid checkpoint",
                                               "rung": "hang_restart", "ladder": "hang"}, {}, ApplyMode.restart,

@@ -92,7 +92,10 @@ def test_a_hang_after_readoption_goes_to_the_next_rung(tmp_path, readopt):
                detectors={"hang_timeout_floor_s": 10.0}, daemon={"stack_dump_wait_s": 0.5, "hang_grace_s": 1.0})
     # the second hang is past the hang ladder's one restart: the run ends (re-adopted: it was restarted again)
     assert sup.state.value == "FAILED" and sup.attempt == 2, (sup.state, sup.attempt, _rungs(sup))
-    assert [r for _, r in _rungs(sup)][0] == "hang_restart"
+    assert _rungs(sup) == [("hang", "hang_restart"), ("hang", "stop_alert")], _rungs(sup)  # the stop is recorded
+    hangs = [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "hang"]
+    assert [i.status.value for i in hangs] == ["failed", "failed"]  # the first fix was never verified either
+    assert "stop the run and alert" in hangs[-1].status_reason
 
 
 @pytest.mark.parametrize("readopt", [False, True], ids=["same daemon", "re-adopted between spikes"])
