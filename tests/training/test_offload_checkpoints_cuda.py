@@ -17,11 +17,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 H, L, TOKENS = 1024, 8, 16384   # 32 MiB per bf16 block input: copies long enough for a missing sync to show
 
 
-def _model(offload_on: bool, dtype=torch.bfloat16) -> GPT:
+def _model(offload_on: bool, dtype=torch.bfloat16, attention: str = "sdpa") -> GPT:
     torch.manual_seed(0)
     cfg = ModelSpec(preset=None, hidden_size=H, num_layers=L, num_attention_heads=8, vocab_size=4096,
                     max_seq_len=TOKENS, offload_checkpoints=offload_on).resolved()
-    return GPT(cfg, "sdpa", checkpoint_every=1).to("cuda", dtype)
+    return GPT(cfg, attention, checkpoint_every=1).to("cuda", dtype)
 
 
 def _batch():
@@ -30,20 +30,35 @@ def _batch():
     return tok[:, :-1], torch.arange(TOKENS, device="cuda")[None], tok[:, 1:]
 
 
-def test_same_loss_and_grads_as_without_offload():
-    grads, losses = [], []
-    for on in (False, True):
-        m = _model(on)
-        loss = m(*_batch())
-        loss.backward()
-        torch.cuda.synchronize()
-        losses.append(loss.detach().float())
-        grads.append({n: p.grad.float() for n, p in m.named_parameters()})
-    assert torch.equal(losses[0], losses[1])   # forward: the same kernels on the same values
-    for name in grads[0]:
-        # Backward kernels may accumulate in a different order run to run (atomics); a wrong or racing
-        # restore (a block input read before its copy landed) is far above this.
-        assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-2, atol=1e-5), name
+def _loss_and_grads(offload_on: bool, attention: str = "sdpa"):
+    m = _model(offload_on, attention=attention)
+    loss = m(*_batch())
+    loss.backward()
+    torch.cuda.synchronize()
+    return loss.detach().float(), {n: p.grad.float() for n, p in m.named_parameters()}
+
+
+def test_same_loss_and_grads_as_without_offload_within_the_run_to_run_noise():
+    """cuDNN's attention backward accumulates with atomics, so two runs WITHOUT offload already differ (bf16
+    gradients of ~3e-5 by 1-3 % in the first block, seen on an H200). The offload run must stay within a
+    small multiple of that measured noise; a racing restore (a block input read before its copy landed)
+    changes the recompute's values and lands far outside it."""
+    (l0, g0), (l0b, g0b), (l1, g1) = _loss_and_grads(False), _loss_and_grads(False), _loss_and_grads(True)
+    assert torch.equal(l0, l0b) and torch.equal(l0, l1)   # forward: the same kernels on the same values
+    for name in g0:
+        noise = (g0[name] - g0b[name]).abs().max().item()
+        diff = (g0[name] - g1[name]).abs().max().item()
+        scale = g0[name].abs().max().item()
+        assert diff <= 4 * noise + 1e-3 * scale, (name, diff, noise, scale)
+
+
+def test_bit_identical_with_a_deterministic_attention():
+    """With attention as plain matmuls (no atomics) the whole step is deterministic: offload must then give
+    bit-identical loss and gradients, as on the CPU."""
+    (l0, g0), (l1, g1) = _loss_and_grads(False, "math"), _loss_and_grads(True, "math")
+    assert torch.equal(l0, l1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
 
 
 def test_device_memory_after_forward_drops_by_the_inputs_not_in_flight_and_host_copies_are_pinned(monkeypatch):
