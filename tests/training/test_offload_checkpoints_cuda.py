@@ -5,6 +5,8 @@ option. Skipped without CUDA (run on the lent GPU machine:
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -39,8 +41,9 @@ def _loss_and_grads(offload_on: bool, attention: str = "sdpa"):
 
 
 def test_same_loss_and_grads_as_without_offload_within_the_run_to_run_noise():
-    """cuDNN's attention backward accumulates with atomics, so two runs WITHOUT offload already differ (bf16
-    gradients of ~3e-5 by 1-3 % in the first block, seen on an H200). The offload run must stay within a
+    """Two runs WITHOUT offload already differ on the GPU (bf16 gradients of ~3e-5 by 1-3 % in the first block,
+    seen on an H200; with math attention and torch.use_deterministic_algorithms too: 45 of 49 gradients
+    differed between two such runs in device call 6 of 2026-12-02), so bit-equality is no test here. The offload run must stay within a
     small multiple of that measured noise; a racing restore (a block input read before its copy landed)
     changes the recompute's values and lands far outside it."""
     (l0, g0), (l0b, g0b), (l1, g1) = _loss_and_grads(False), _loss_and_grads(False), _loss_and_grads(True)
@@ -50,15 +53,6 @@ def test_same_loss_and_grads_as_without_offload_within_the_run_to_run_noise():
         diff = (g0[name] - g1[name]).abs().max().item()
         scale = g0[name].abs().max().item()
         assert diff <= 4 * noise + 1e-3 * scale, (name, diff, noise, scale)
-
-
-def test_bit_identical_with_a_deterministic_attention():
-    """With attention as plain matmuls (no atomics) the whole step is deterministic: offload must then give
-    bit-identical loss and gradients, as on the CPU."""
-    (l0, g0), (l1, g1) = _loss_and_grads(False, "math"), _loss_and_grads(True, "math")
-    assert torch.equal(l0, l1)
-    for name in g0:
-        assert torch.equal(g0[name], g1[name]), name
 
 
 def test_device_memory_after_forward_drops_by_the_inputs_not_in_flight_and_host_copies_are_pinned(monkeypatch):
@@ -75,6 +69,7 @@ def test_device_memory_after_forward_drops_by_the_inputs_not_in_flight_and_host_
     for on in (False, True):
         m = _model(on)
         batch = _batch()
+        gc.collect()   # an earlier test's garbage freed inside one of the two forwards would skew its figure
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         loss = m(*batch)
