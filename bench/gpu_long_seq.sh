@@ -144,4 +144,7 @@ PYEOF
 esac
 echo "state $(state)"
 collect
+# The device tool brings back at most 8 files: the folder as one tarball, the summary beside it.
+cp "$OUT/longseq/summary.txt" "$OUT/longseq_summary.txt" 2>/dev/null
+tar czf "$OUT/longseq.tgz" -C "$OUT" longseq && rm -rf "$OUT/longseq"
 echo "elapsed $(( $(date +%s) - T0 )) s"

@@ -43,7 +43,7 @@ def _loss_and_grads(offload_on: bool, attention: str = "sdpa"):
 def test_same_loss_and_grads_as_without_offload_within_the_run_to_run_noise():
     """Two runs WITHOUT offload already differ on the GPU (bf16 gradients of ~3e-5 by 1-3 % in the first block,
     seen on an H200; with math attention and torch.use_deterministic_algorithms too: 45 of 49 gradients
-    differed between two such runs in device call 6 of 2026-12-02), so bit-equality is no test here. The offload run must stay within a
+    differed between two such runs in device call 19 of 2026-12-02, bench/RESULTS.md), so bit-equality is no test here. The offload run must stay within a
     small multiple of that measured noise; a racing restore (a block input read before its copy landed)
     changes the recompute's values and lands far outside it."""
     (l0, g0), (l0b, g0b), (l1, g1) = _loss_and_grads(False), _loss_and_grads(False), _loss_and_grads(True)
