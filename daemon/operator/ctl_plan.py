@@ -148,7 +148,8 @@ MODEL_STATE_ITEMS = ("parameter shard", "gradient partition", "fp32 master", "fp
 def plan_view(result: Plan) -> PlanView:
     """The plain-data view of a plan the memory remediation reads (remediation/memory_evidence.py)."""
     peak = result.peak_phase
-    gpu = [it for it in result.items if it.where == "gpu" and peak in it.phases]
+    # the job's own allocations: another process on the GPU (warm standby) is neither states nor activations
+    gpu = [it for it in result.items if it.where == "gpu" and peak in it.phases and not it.outside_allocator]
     states = sum(it.bytes for it in gpu if any(k in it.name for k in MODEL_STATE_ITEMS))
     gib = float(1 << 30)
     return PlanView(fits=result.fits, required_gib=result.gpu_required / gib, capacity_gib=result.cluster.gpu_mem_gib,

@@ -21,6 +21,7 @@ from .inputs import (
     ZeroSettings,
 )
 from .rendering import PHASES, Item, Plan
+from .standby_gpu import STANDBY_GPU_OFF, standby_gpu_items
 
 
 # ---------------------------------------------------------------------------- model parameters
@@ -377,7 +378,11 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
                                                       job.train.loss_chunk_tokens)
     phase_bytes = {ph: sum(it.bytes for it in items if ph in it.phases) for ph in PHASES}
     peak = max(phase_bytes.values())
-    required = int(peak * (1 + allocator_headroom) + cuda_context_gib * GiB)
+    # Other processes on the same GPU (the warm standby): no allocator headroom, not in the job's peak.
+    others = standby_gpu_items(restart)
+    others_bytes = sum(it.bytes for it in others)
+    required = int(peak * (1 + allocator_headroom) + cuda_context_gib * GiB) + others_bytes
+    items += others
     offloaded = (checkpointed_inputs(c.tokens, m, c.d, k, job.train.activation_checkpoint_layers)
                  if m.offload_checkpoints else (0, 0))
     offloaded = (max(0, offloaded[0] - m.offload_keep_last), offloaded[1])   # model.offload_keep_last stay on GPU
@@ -393,8 +398,11 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
         problems.append(
             f"GPU: needs {required / GiB:.1f} GiB per GPU (peak allocated {peak / GiB:.1f} GiB at "
             f"'{max(phase_bytes, key=lambda k: phase_bytes[k])}' + {allocator_headroom:.0%} allocator headroom + "
-            f"{cuda_context_gib:g} GiB CUDA context) but the GPU has {cluster.gpu_mem_gib:.1f} GiB: "
-            f"short by {required / GiB - cluster.gpu_mem_gib:.1f} GiB")
+            f"{cuda_context_gib:g} GiB CUDA context"
+            + "".join(f" + {it.bytes / GiB:.2f} GiB {it.name}" for it in others)
+            + f") but the GPU has {cluster.gpu_mem_gib:.1f} GiB: "
+            f"short by {required / GiB - cluster.gpu_mem_gib:.1f} GiB"
+            + (f"; {STANDBY_GPU_OFF} frees {others_bytes / GiB:.2f} GiB per GPU" if others else ""))
     host_short = host_problem(host, cluster.host_mem_gib)
     if host_short:
         problems.append(host_short)
@@ -413,6 +421,10 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
     if "sparse_attention" in ds_config:
         notes.append("ds_config sparse_attention is ignored: the model uses dense flash/cuDNN attention")
     notes.append("attention memory is linear in sequence length (flash/cuDNN SDPA keeps no s x s matrix)")
+    if others:
+        notes.append(f"standby: each GPU also holds the waiting warm standby's CUDA context and cuBLAS workspaces "
+                     f"({others_bytes / GiB:.2f} GiB, another process: in required, not in allocated) for the whole "
+                     "run; its preload is host memory, never GPU")
 
     summary = {
         "model": job.model.preset or "custom", "params": st.total, "largest_module": st.largest_module,

@@ -23,6 +23,9 @@ class Item:
     formula: str              # how it was computed
     phases: tuple[str, ...] = ("loss", "backward", "step")  # GPU phases during which it is allocated
     off: str = ""             # the setting that removes it (named when the host is short); "" = none
+    # Held on the GPU by another process (the warm standby), not by the job's allocator: in gpu_required,
+    # never in the allocated phases (which predict the job's max_memory_allocated).
+    outside_allocator: bool = False
 
 
 PHASES = ("loss", "backward", "step")
@@ -53,7 +56,7 @@ class Plan:
     items: list[Item]
     phase_bytes: dict[str, int]        # allocated GPU bytes per phase
     gpu_peak_allocated: int            # predicted torch.cuda.max_memory_allocated() per GPU
-    gpu_required: int                  # peak + allocator headroom + CUDA context
+    gpu_required: int                  # peak + allocator headroom + CUDA context + items outside the allocator
     host_required: int                 # per node
     nvme_required: int                 # per node
     fits: bool
@@ -120,14 +123,20 @@ class Plan:
             "",
             f"{'per GPU':<46} {'GiB':>9}  {'GB':>8}  phases            formula",
         ]
-        for it in (i for i in self.items if i.where == "gpu"):
+        def gpu_row(it: Item) -> str:
             ph = ",".join(it.phases) if it.phases != PHASES else "all"
-            lines.append(f"  {it.name:<44} {it.bytes / GiB:9.2f}  {it.bytes / 1e9:8.2f}  {ph:<17} {it.formula}")
+            return f"  {it.name:<44} {it.bytes / GiB:9.2f}  {it.bytes / 1e9:8.2f}  {ph:<17} {it.formula}"
+
+        lines += [gpu_row(it) for it in self.items if it.where == "gpu" and not it.outside_allocator]
         for ph in PHASES:
             mark = "  <- peak" if ph == self.peak_phase else ""
             lines.append(f"  {'= allocated, ' + ph:<44} {self.phase_bytes[ph] / GiB:9.2f}  "
                          f"{self.phase_bytes[ph] / 1e9:8.2f}  {PHASE_DOC[ph]}{mark}")
-        lines.append(f"  {'required (+headroom, CUDA context)':<44} {self.gpu_required / GiB:9.2f}  "
+        # Other processes' memory on the GPU comes after the job's allocated sums: it is not part of them.
+        others = [it for it in self.items if it.where == "gpu" and it.outside_allocator]
+        lines += [gpu_row(it) for it in others]
+        label = "required (+headroom, CUDA context" + (", other processes)" if others else ")")
+        lines.append(f"  {label:<44} {self.gpu_required / GiB:9.2f}  "
                      f"{self.gpu_required / 1e9:8.2f}  capacity {self.cluster.gpu_mem_gib:.2f} GiB, "
                      f"margin {self.gpu_margin_gib:+.2f} GiB")
         lines += ["", f"{'per host (node)':<46} {'GiB':>9}  {'GB':>8}"]

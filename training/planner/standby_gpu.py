@@ -1,0 +1,38 @@
+"""GPU memory of the warm standby (`[restart] standby = true`), beside the attempt that trains.
+
+Once an attempt trains, the daemon starts the next attempt's ranks in standby (daemon/job/standby.py). Each
+standby rank runs `training/startup.py` `warm_up` before its gate, on the same device as the training rank of
+its LOCAL_RANK: it creates a CUDA context there (`torch.cuda.set_device` + a first allocation), `warm_device`
+creates the cuBLAS/cuBLASLt handles (their workspaces stay allocated: 64 MiB on the H200, device call 14) and
+loads the matmul and SDPA kernels' modules, then empties its allocator's cache; the process group is NCCL
+with lazy communicators (none before the gate). The preload goes to host memfds, never to the GPU. So for the
+whole run every GPU holds a second process's context and workspaces: bytes outside the training rank's own
+allocator, counted in the required memory, not in its allocated peak. Formula and figure: docs/PLANNER.md
+"The warm standby on the GPU".
+"""
+
+from __future__ import annotations
+
+from .host_extras import RestartLike
+from .rendering import PHASES, Item
+
+# One waiting standby process on one GPU: its CUDA context, the cuBLAS/cuBLASLt workspaces warm_device keeps
+# and the kernel modules it loaded. Provisional, NOT measured: bench/RESULTS.md has no GPU memory figure of a
+# CUDA context or of a standby yet (its "CUDA context" row is 0.20 s of start-up time); until
+# bench/gpu_standby_mem.py is run this is the planner's own allowance for one process's context and workspaces
+# outside the allocator (inputs.CUDA_CONTEXT_GIB = 1 GiB), on the safe side of the 64 MiB of cuBLAS workspaces
+# that were measured.
+STANDBY_GPU_MIB = 1024
+STANDBY_GPU = "warm standby process (CUDA context, cuBLAS)"
+#: What the GPU verdict and the plan's notes say a standby costs, and the setting that removes it.
+STANDBY_GPU_OFF = "[restart] standby = false (every relaunch is then cold)"
+
+
+def standby_gpu_items(restart: RestartLike) -> list[Item]:
+    """Per-GPU items of the warm standby (none without `[restart] standby`): outside the job's allocator."""
+    if not restart.standby:
+        return []
+    return [Item(STANDBY_GPU, STANDBY_GPU_MIB << 20, "gpu",
+                 f"{STANDBY_GPU_MIB} MiB per GPU, another process's CUDA context + cuBLAS workspaces "
+                 "(provisional, not measured); in required, not in allocated",
+                 PHASES, off=STANDBY_GPU_OFF, outside_allocator=True)]
