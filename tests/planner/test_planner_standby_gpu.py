@@ -76,9 +76,9 @@ def test_the_table_shows_it_after_the_allocated_sums_with_phases_all():
     last_sum = max(i for i, ln in enumerate(lines) if "= allocated, " in ln)
     required = next(i for i, ln in enumerate(lines) if "required (+headroom" in ln)
     assert last_sum < lines.index(row) < required
-    assert "other processes)" in lines[required]
+    assert "required (+headroom, CUDA context, standby)" in lines[required]
     assert "standby: each GPU also holds" in on and "standby:" not in off
-    assert STANDBY_GPU not in off and "other processes)" not in off
+    assert STANDBY_GPU not in off and ", standby)" not in off
 
 
 def test_a_gpu_it_does_not_fit_on_names_the_standby_and_the_switch_that_fits():

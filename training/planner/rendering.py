@@ -135,7 +135,7 @@ class Plan:
         # Other processes' memory on the GPU comes after the job's allocated sums: it is not part of them.
         others = [it for it in self.items if it.where == "gpu" and it.outside_allocator]
         lines += [gpu_row(it) for it in others]
-        label = "required (+headroom, CUDA context" + (", other processes)" if others else ")")
+        label = "required (+headroom, CUDA context" + (", standby)" if others else ")")
         lines.append(f"  {label:<44} {self.gpu_required / GiB:9.2f}  "
                      f"{self.gpu_required / 1e9:8.2f}  capacity {self.cluster.gpu_mem_gib:.2f} GiB, "
                      f"margin {self.gpu_margin_gib:+.2f} GiB")
