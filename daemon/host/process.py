@@ -96,6 +96,71 @@ def read_exit_file(path: Path) -> ExitStatus | None:
     return ExitStatus(code if type(code) is int else None, sig if type(sig) is int else None, "file")
 
 
+#: The variables a launcher sets in each rank's environment (torchrun, the DeepSpeed launcher, the local
+#: launcher of launcher.py): what tells a rank of a `[job] kind = "command"` job, whose command line is the user's.
+RANK_ENV_VARS = ("RANK", "LOCAL_RANK")
+#: `python -m X` of the programs that start ranks but are none themselves (they inherit or set RANK too).
+LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch", "deepspeed.launcher.runner",
+                              "deepspeed.launcher.launch", "ulyssesd.daemon.job.wrapper",
+                              "ulyssesd.daemon.job.slurm_watch"})
+#: Launcher executables, as the program or the script the interpreter runs (`python /venv/bin/torchrun`).
+LAUNCHER_PROGRAMS = frozenset({"torchrun", "deepspeed", "srun", "mpirun"})
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    """What `pick_ranks` needs to know of one process of the job."""
+
+    pid: int
+    ppid: int
+    cmdline: tuple[str, ...]
+    rank_env: bool | None  # RANK/LOCAL_RANK in its environment; None when the environment is unreadable
+
+
+def has_rank_env(env: dict[str, str]) -> bool:
+    return any(name in env for name in RANK_ENV_VARS)
+
+
+def is_launcher(cmdline: tuple[str, ...] | list[str]) -> bool:
+    """torchrun, the DeepSpeed launcher, srun or the daemon's wrapper/watcher (by module or program name)."""
+    parts = list(cmdline)
+    for i, part in enumerate(parts[:-1]):
+        if part == "-m" and parts[i + 1] in LAUNCHER_MODULES:
+            return True
+    return any(os.path.basename(part) in LAUNCHER_PROGRAMS for part in parts[:2])
+
+
+def catches_signal(pid: int, sig: int) -> bool | None:
+    """Whether `pid` has a handler installed for `sig` (Linux: /proc/PID/status `SigCgt`); None when unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def pick_ranks(procs: list[ProcInfo], module: str) -> list[int]:
+    """The ranks among a job's processes: a process that is no launcher and carries torch's rank variables
+    (any job kind) or runs `module` (the built-in job, also when its environment cannot be read), and whose
+    parent chain inside the job holds no other rank: a rank's DataLoader workers, compile workers or shell-outs
+    inherit its environment and command line, and are not ranks (their exit is not a lost rank)."""
+    by_pid = {p.pid: p for p in procs}
+    like = {p.pid for p in procs if not is_launcher(p.cmdline)
+            and (p.rank_env or any(module in part for part in p.cmdline))}
+    out = []
+    for pid in sorted(like):
+        seen, parent = {pid}, by_pid[pid].ppid
+        while parent in by_pid and parent not in like and parent not in seen:
+            seen.add(parent)
+            parent = by_pid[parent].ppid
+        if parent not in like:
+            out.append(pid)
+    return out
+
+
 class RealOS:
     """The real thing: subprocess + psutil + os.kill."""
 
@@ -217,21 +282,32 @@ class RealOS:
         return alive
 
     def rank_pids(self, job: JobHandle, module: str, marker: tuple[str, str] | None = None) -> list[int]:
-        """The training ranks among the job's processes (their command line runs `module`)."""
-        out = []
+        """The training ranks among the job's processes (`pick_ranks`: torch's rank variables in the
+        environment, or `module` on the command line; never a launcher, never a rank's own child)."""
+        procs = []
         for pid in self.job_pids(job, marker):
+            if pid == job.pid:
+                continue  # the wrapper: it carries the local launcher's RANK=0 but is no rank
             try:
-                cmd = psutil.Process(pid).cmdline()
+                p = psutil.Process(pid)
+                cmd, ppid = p.cmdline(), p.ppid()
             except psutil.Error:
                 continue
-            if pid != job.pid and any(module in part for part in cmd) and not any(
-                    "torchrun" in part or "job_wrapper" in part or "torch.distributed.run" in part for part in cmd):
-                out.append(pid)
-        return out
+            try:
+                env: dict[str, str] | None = p.environ()
+            except psutil.Error:  # another user's process: its command line still tells a builtin rank
+                env = None
+            procs.append(ProcInfo(pid, ppid, tuple(cmd), None if env is None else has_rank_env(env)))
+        return pick_ranks(procs, module)
 
     def signal_pids(self, pids: list[int], sig: int) -> list[int]:
+        """Send `sig` to each pid; returns those it was sent to. A SIGUSR1 (the stack-dump request) goes only
+        to processes that catch it: its default action kills, and a user's script without the client's
+        handler must not die of a request for its stacks."""
         sent = []
         for pid in pids:
+            if sig == signal.SIGUSR1 and catches_signal(pid, sig) is False:
+                continue
             try:
                 os.kill(pid, sig)
                 sent.append(pid)
