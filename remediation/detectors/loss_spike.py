@@ -18,6 +18,10 @@ _MAD_TO_SIGMA = 1.4826
 SPAN_FACTOR = 10
 # Below this many baseline records the sigma (MAD) rule is not trusted; a relative rule applies instead.
 SIGMA_MIN_RECORDS = 10
+# The step span never trims the baseline below this many records: a log with rows hundreds of steps apart would
+# otherwise keep only the last two, whose spread says nothing about the per-row noise (a noisy healthy log then
+# looks like a spike on every swing).
+SPAN_MIN_RECORDS = 5
 
 
 class LossSpikeDetector(EpisodeDetector):
@@ -30,6 +34,7 @@ class LossSpikeDetector(EpisodeDetector):
         self._win: deque[float] = deque(maxlen=cfg.window)
         self._win_steps: deque[int] = deque(maxlen=cfg.window)
         self._min = min(cfg.loss_spike_min_records, cfg.window)
+        self._keep = max(self._min, SPAN_MIN_RECORDS)   # window >= 5, so the deque holds them
         super().__init__(cfg)
 
     def reset(self) -> None:
@@ -148,7 +153,7 @@ class LossSpikeDetector(EpisodeDetector):
         win.append(loss)
         steps.append(step_in)
         span_limit = SPAN_FACTOR * self.cfg.window
-        while len(win) > self._min and rec.step - steps[0] >= span_limit:
+        while len(win) > self._keep and rec.step - steps[0] >= span_limit:
             win.popleft()
             steps.popleft()
         return []

@@ -141,6 +141,10 @@ RULES: tuple[Rule, ...] = (
         r"\bloss\s+nan\b",
         r"\bnon-finite loss\b",
         r"returned nan values in its \d+\w* output",
+        # A logged row whose loss collapsed to exactly zero while its gradient norm is NaN (bf16 has no loss scale to
+        # skip the step): NaN gradients, not a skipped fp16 step (that row keeps a normal loss).
+        r"\bloss['\"]?\s*[:=]\s*0(?:\.0+)?(?![.\d])[^\n]*\bgrad_norm['\"]?\s*[:=]\s*['\"]?nan\b",
+        r"\bgrad_norm['\"]?\s*[:=]\s*['\"]?nan\b[^\n]*\bloss['\"]?\s*[:=]\s*0(?:\.0+)?(?![.\d])",
     ), ("loss", "returned nan values"), exclude=r"\bgoes to nan\b|\bif the loss\b", what="the loss became NaN/Inf"),
     Rule("nccl_error", (
         r"NCCL error in:",
@@ -169,11 +173,15 @@ RULES: tuple[Rule, ...] = (
         r"Timed out waiting \d+ms for (?:recv|send) operation",
         r"gloo[^\n]*Timed out",
         r"watchdog got stuck",
+        # Newer ProcessGroupNCCL: "Terminating the process after attempting to dump debug info, due to ProcessGroupNCCL
+        # watchdog hang." (a collective never completed, so the watchdog ends the rank).
+        r"\bwatchdog hang\b",
         # The watchdog's C++ stack when it raises the timeout (the message line may be cut from the tail).
         r"WorkNCCL::checkTimeout\b",
         # Older ProcessGroupNCCL: a work item that timed out in wait() (also quoted as an aborted communicator's reason).
         r"WorkNCCL\([^\n]*\) timed out in call to wait",
-    ), ("collective operation timeout", "timed out waiting", "timed out", "watchdog got stuck", "worknccl::checktimeout"),
+    ), ("collective operation timeout", "timed out waiting", "timed out", "watchdog got stuck", "watchdog hang",
+        "worknccl::checktimeout"),
         what="a collective timed out (a rank hung or fell behind)"),
     # The overflow storm is found by counting OVERFLOW lines (scanner.overflow_storm); this rule is a trainer's own
     # verdict on one: GPT-NeoX's overflow monitor ends the run after N skipped iterations in a row.
