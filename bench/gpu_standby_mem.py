@@ -11,12 +11,16 @@ what that costs on the GPU, in three processes started one after the other on an
                torchrun launch of `build_launch(..., standby_gate=...)` under the job wrapper, with the four
                ULYSSESD_STANDBY_* variables, preload off) and measured once its rank wrote its ready file
 
+`--nproc N` (N GPUs): the standby has N ranks, one per GPU 0..N-1, each GPU probed; with N > 1 DeepSpeed
+0.19.8 makes NCCL's communicator at `init_process_group` (it passes `device_id` when the world size is not 1),
+i.e. before the gate, so its buffers are in the figure too (on one GPU they are not: there is none).
+
 Each figure is measured three ways, all as deltas against the idle GPU before the process started:
 `nvidia-smi --query-gpu=memory.used` (the whole GPU), the process's own `used_memory` in
 `nvidia-smi --query-compute-apps` (absent in some containers: then null) and `torch.cuda.mem_get_info` of
 this script's own probe context, which it creates first and keeps (its own size cancels in the delta).
 
-    python bench/gpu_standby_mem.py --out $OUT [--gpu 0] [--ready-timeout 70] [--budget 80]
+    python bench/gpu_standby_mem.py --out $OUT [--gpu 0] [--nproc 1] [--ready-timeout 70] [--budget 80]
     # on the device machine, from a tree with the wheels in .whl/ (bench/gpu_common.sh installs them):
     CALL_BUDGET_S=90 bash -c 'source bench/gpu_common.sh && timeout 88 $PY bench/gpu_standby_mem.py --out "$OUT" --budget 80'
 
@@ -203,43 +207,52 @@ def control(probe: Probe, gpu: int, mode: str) -> dict[str, Any]:
         settle(probe, before)
 
 
-def standby(probe: Probe, gpu: int, out: Path, device: str, timeout_s: float) -> dict[str, Any]:
-    """The standby as the daemon starts it (daemon/job/standby.py `_start`), measured once its rank is ready."""
+def standby(probes: list[Probe], out: Path, device: str, timeout_s: float) -> dict[str, Any]:
+    """The standby as the daemon starts it (daemon/job/standby.py `_start`), one rank per probed GPU, measured
+    once every rank wrote its ready file. More than one rank: DeepSpeed 0.19.8 passes `device_id` to
+    init_process_group (comm/torch.py, world size != 1 on CUDA), so NCCL's communicator is made before the gate."""
     from ulyssesd.daemon.host.process import RealOS
     from ulyssesd.daemon.job import standby as sb
     from ulyssesd.daemon.job.launcher import build_launch
     from ulyssesd.daemon.spec import JobSection, LauncherSection
 
     run_dir = Path(tempfile.mkdtemp(prefix="ulysses-standby-mem-"))
-    attempt = 2
+    attempt, nproc, gpu = 2, len(probes), probes[0].gpu
     gate = run_dir / sb.STANDBY_DIR / f"gate-{attempt}.json"
-    # GPU 0 as the daemon launches it (no CUDA_VISIBLE_DEVICES); another GPU made the rank's device 0.
-    launcher = LauncherSection(kind="torchrun", nproc_per_node=1,
-                               env={"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu and device != "cpu" else {})
+    # GPU 0 as the daemon launches it (no CUDA_VISIBLE_DEVICES); another single GPU made the rank's device 0.
+    launcher = LauncherSection(kind="torchrun", nproc_per_node=nproc,
+                               env={"CUDA_VISIBLE_DEVICES": str(gpu)} if nproc == 1 and gpu and device != "cpu"
+                               else {})
     plan = build_launch(launcher, run_id="bench-standby-mem", run_dir=run_dir, attempt=attempt, config_version=1,
                         job=JobSection(), standby_gate=gate)
     plan.env.update({sb.TIMEOUT_ENV: str(int(timeout_s) + 60), sb.PRELOAD_ENV: "0",
                      sb.CKPT_DIR_ENV: str(run_dir / "checkpoints"), sb.DEVICE_ENV: device})
-    ready = run_dir / sb.STANDBY_DIR / f"attempt-{attempt}-rank-0.ready"
-    before = probe.snapshot()
+    ready = [run_dir / sb.STANDBY_DIR / f"attempt-{attempt}-rank-{r}.ready" for r in range(nproc)]
+    before = [p.snapshot() for p in probes]
     t0 = time.monotonic()
     job = RealOS().spawn(plan.argv, plan.env, plan.cwd, plan.log_path)
     try:
-        while not ready.exists():
+        while not all(r.exists() for r in ready):
             if time.monotonic() - t0 > timeout_s:
-                return {"error": f"no ready file within {timeout_s:.0f}s", "log_tail": _tail(plan.log_path)}
+                return {"error": f"not every rank ready within {timeout_s:.0f}s", "log_tail": _tail(plan.log_path)}
             if _exited(job.pid):
                 return {"error": "the standby exited before it was ready", "log_tail": _tail(plan.log_path)}
             time.sleep(0.1)
         ready_s = time.monotonic() - t0
-        got = probe.measure(before, tree_pids(job.pid))
-        info = json.loads(ready.read_text())
-        return {**got, "ready_s": round(ready_s, 2), "warm_s": info.get("warm_s"), "device": info.get("device"),
-                "max_rss_mib": round(info.get("max_rss_kib", 0) / 1024, 1), "argv": plan.argv}
+        pids = tree_pids(job.pid)
+        per_gpu = [p.measure(b, pids) for p, b in zip(probes, before, strict=True)]
+        infos = [json.loads(r.read_text()) for r in ready]
+        # the worst GPU's figures (one GPU: its own); every GPU's with more than one rank
+        worst = {k: max((g[k] for g in per_gpu if g[k] is not None), default=None) for k in per_gpu[0]}
+        return {**worst, **({"per_gpu": per_gpu} if nproc > 1 else {}), "ranks": nproc,
+                "ready_s": round(ready_s, 2), "warm_s": max(i.get("warm_s") or 0 for i in infos),
+                "device": infos[0].get("device"),
+                "max_rss_mib": round(max(i.get("max_rss_kib", 0) for i in infos) / 1024, 1), "argv": plan.argv}
     finally:
         kill_tree(job.pid)
         _exited(job.pid, wait=True)
-        settle(probe, before)
+        for p, b in zip(probes, before, strict=True):
+            settle(p, b)
         try:
             (out / "standby.log").write_bytes(plan.log_path.read_bytes()[-200_000:])
         except OSError:
@@ -269,6 +282,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="the run's train.device the standby is told (cpu: dry run)")
     ap.add_argument("--ready-timeout", type=float, default=70.0, help="seconds the standby gets to get warm")
     ap.add_argument("--cases", default="context,standby,warm_device")
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="standby ranks, one per GPU 0..N-1 (N > 1: NCCL's communicator is made before the gate)")
     ap.add_argument("--budget", type=float, default=80.0,
                     help="seconds for the whole script: a case is given what is left (the JSON is kept per case)")
     a = ap.parse_args()
@@ -278,7 +293,8 @@ def main() -> int:
     def left() -> float:
         return a.budget - (time.monotonic() - t0)
 
-    probe = Probe(a.gpu)
+    probes = [Probe(g) for g in ([a.gpu] if a.nproc == 1 else range(a.nproc))]
+    probe = probes[0]
     result: dict[str, Any] = {"gpu": (smi(["-i", str(a.gpu), "--query-gpu=name,memory.total,driver_version"])
                                       or [[None]])[0]}
     if probe.torch is not None:
@@ -299,9 +315,9 @@ def main() -> int:
         if left() < 8:
             result.setdefault("skipped", []).append(case)
         elif case == "standby":
-            result["standby"] = standby(probe, a.gpu, a.out, a.device, min(a.ready_timeout, left() - 6))
+            result["standby"] = standby(probes, a.out, a.device, min(a.ready_timeout, left() - 6))
         elif case in ("context", "warm_device") and probe.torch is not None:
-            result[case] = control(probe, a.gpu, case)
+            result[case] = control(probe, probe.gpu, case)
         save()
     line = save()
     print(line)
