@@ -79,6 +79,11 @@ def test_the_table_shows_it_after_the_allocated_sums_with_phases_all():
     assert "required (+headroom, CUDA context, standby)" in lines[required]
     assert "standby: each GPU also holds" in on and "standby:" not in off
     assert STANDBY_GPU not in off and ", standby)" not in off
+    # one rank: NCCL's communicator is lazy (nothing before the gate); more: connected at init, said so
+    assert "NCCL communicator" not in on
+    eight = _plan(Restart(standby=True), gpus=8)
+    assert any("with 8 ranks its NCCL communicator is connected before the gate" in n for n in eight.notes)
+    assert not any("NCCL" in n for n in _plan(Restart(), gpus=8).notes)
 
 
 def test_a_gpu_it_does_not_fit_on_names_the_standby_and_the_switch_that_fits():

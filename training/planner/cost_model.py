@@ -21,7 +21,7 @@ from .inputs import (
     ZeroSettings,
 )
 from .rendering import PHASES, Item, Plan
-from .standby_gpu import STANDBY_GPU_OFF, standby_gpu_items
+from .standby_gpu import STANDBY_GPU_OFF, standby_gpu_items, standby_gpu_notes
 
 
 # ---------------------------------------------------------------------------- model parameters
@@ -421,10 +421,7 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
     if "sparse_attention" in ds_config:
         notes.append("ds_config sparse_attention is ignored: the model uses dense flash/cuDNN attention")
     notes.append("attention memory is linear in sequence length (flash/cuDNN SDPA keeps no s x s matrix)")
-    if others:
-        notes.append(f"standby: each GPU also holds the waiting warm standby's CUDA context and cuBLAS workspaces "
-                     f"({others_bytes / GiB:.2f} GiB, another process: in required, not in allocated) for the whole "
-                     "run; its preload is host memory, never GPU")
+    notes += standby_gpu_notes(restart, n)
 
     summary = {
         "model": job.model.preset or "custom", "params": st.total, "largest_module": st.largest_module,
