@@ -101,7 +101,7 @@ _STEP_FIELDS: dict[str, tuple[type, ...]] = {
     "grad_norm": _NUM, "lr": _NUM, "loss_scale": _NUM, "skipped": (bool,), "step_time_s": _NUM,
     "step_time_max_s": _NUM, "slowest_rank": (int,), "tokens": (int,), "tokens_per_s": _NUM,
     "mem_allocated_gib": _NUM, "mem_max_allocated_gib": _NUM, "mem_max_rank": (int,), "mem_reserved_gib": _NUM,
-    "config_version": (int,), "samples": (list,),
+    "config_version": (int,), "samples": (list,), "total_steps": (int,),
 }
 _NONFINITE = ("nan", "inf", "-inf")
 
@@ -145,6 +145,9 @@ def validate_record(rec: Any) -> list[str]:
                     problems.append(f"{key}={value!r}: expected a number")
             elif not isinstance(value, types) or (types == (int,) and isinstance(value, bool)):
                 problems.append(f"{key}={value!r}: expected {types[0].__name__}")
+        total = rec.get("total_steps")
+        if isinstance(total, int) and not isinstance(total, bool) and total < 1:
+            problems.append(f"total_steps={total!r}: expected a positive integer")
         samples = rec.get("samples")
         if samples is not None and not (len(samples) == 2 and all(isinstance(x, int) for x in samples)
                                         and samples[0] <= samples[1]):

@@ -46,6 +46,9 @@ class UlyssesCallback(TrainerCallback):
             self.stop = install_signal_handlers()
         if self.control is None:
             self.control = Control(kwargs.get("optimizer"), reporter=self.reporter)
+        max_steps = getattr(state, "max_steps", None)
+        if self.reporter.total_steps is None and isinstance(max_steps, int) and max_steps > 0:
+            self.reporter.set_total_steps(max_steps)  # the Trainer's length: ulyssesctl status's total
         self.reporter.event("started", int(state.global_step), start_step=int(state.global_step),
                             world_size=int(getattr(args, "world_size", 1) or 1), integration="hf.UlyssesCallback")
         self._t_last = time.perf_counter()

@@ -6,6 +6,8 @@ fsyncs after events (an `exiting` or `checkpoint_saved` must survive a host cras
 STEP record (counted, reported as a `telemetry_dropped` event) rather than stall the training loop; events
 are never dropped: they wait up to `event_put_timeout_s`. `close()` (also at interpreter exit) drains.
 Only global rank 0 writes; on other ranks every call is a cheap no-op.
+`total_steps` (the constructor's, or `set_total_steps` once the script knows its length) goes into every
+step record: `ulyssesctl status` shows it as a command job's total (an older daemon ignores the field).
 """
 
 from __future__ import annotations
@@ -59,11 +61,12 @@ class Reporter:
     path: telemetry file; default `$ULYSSESD_RUN_DIR/telemetry.jsonl` (the daemon's), else ./telemetry.jsonl.
     attempt, config_version: default `$ULYSSESD_ATTEMPT` / `$ULYSSESD_CONFIG_VERSION`.
     rank: default the launcher's `RANK`; only rank 0 writes.
+    total_steps: the run's length in optimizer steps, when the script knows it (progress and ETA).
     """
 
     def __init__(self, path: str | Path | None = None, *, attempt: int | None = None,
                  config_version: int | None = None, rank: int | None = None,
-                 config: ReporterConfig | None = None):
+                 config: ReporterConfig | None = None, total_steps: int | None = None):
         self.config = config or ReporterConfig()
         if self.config.queue_size < 1:
             raise ValueError(f"ReporterConfig.queue_size must be >= 1, got {self.config.queue_size}")
@@ -73,6 +76,8 @@ class Reporter:
                                else env_int("ULYSSESD_CONFIG_VERSION"))
         self.rank = env_rank() if rank is None else rank
         self.enabled = self.rank == 0
+        self.total_steps: int | None = None
+        self.set_total_steps(total_steps)
         self.dropped = 0
         self.written = 0
         self._q: queue.Queue[Any] = queue.Queue(maxsize=self.config.queue_size)
@@ -90,6 +95,14 @@ class Reporter:
             atexit.register(self.close)
 
     # ------------------------------------------------------------------------------- callers
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """The run's length in optimizer steps from now on (None: unknown). A bool or a count below 1 is
+        refused: a wrong total would show a wrong ETA."""
+        if total_steps is not None and (type(total_steps) is bool or not isinstance(total_steps, int)
+                                        or total_steps < 1):
+            raise ValueError(f"total_steps must be a positive integer or None, got {total_steps!r}")
+        self.total_steps = total_steps
+
     def step(self, step: int, loss: Any, **fields: Any) -> None:
         """Record one optimizer step. `loss` and fields may be floats or 0-d tensors (a tensor's `.item()`
         runs here: pass floats you already have to avoid a device sync). Never blocks."""
@@ -99,6 +112,8 @@ class Reporter:
             loss = jsonable(loss)
         rec = {"v": SCHEMA_VERSION, "kind": "step", "time": time.time(), "attempt": self.attempt,
                "step": int(step), "loss": loss, "config_version": self.config_version}
+        if self.total_steps is not None:
+            rec["total_steps"] = self.total_steps
         if fields:
             for key, value in fields.items():
                 rec[key] = value if type(value) in _PLAIN else jsonable(value)

@@ -143,6 +143,9 @@ class JobSection(_Section):
                                        "directory without a manifest must hold to count as complete for {resume}.")
     resume_first: StrictBool = Field(False, description="kind=command: fill {resume} on the first attempt too "
                                "(continue a run whose checkpoints already exist).")
+    total_steps: int | None = Field(None, ge=1, description="kind=command: the run's length in optimizer steps, "
+                                    "for ulyssesctl status's total and ETA when the job's telemetry does not "
+                                    "report one (unknown otherwise; [train] steps is the built-in job's).")
 
     @model_validator(mode="after")
     def _check(self) -> JobSection:
@@ -152,6 +155,8 @@ class JobSection(_Section):
             raise ValueError("command is required for kind='command' (the program and its arguments)")
         if self.kind == "builtin" and self.command:
             raise ValueError("command is only used with kind='command'")
+        if self.kind == "builtin" and self.total_steps is not None:
+            raise ValueError("total_steps is only used with kind='command' (the built-in job's is [train] steps)")
         problems = placeholder_problems(self.command)
         if problems:
             raise ValueError("; ".join(problems))

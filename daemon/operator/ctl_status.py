@@ -108,6 +108,26 @@ def progress_fields(recent: list[dict[str, Any]], total_steps: int | None, creat
             "step_rate_per_s": rate, "eta_s": eta, "last_step_age_s": age}
 
 
+def total_steps_of(spec: dict[str, Any] | None, config: dict[str, Any] | None,
+                   recent: list[dict[str, Any]]) -> tuple[int | None, str | None]:
+    """A run's length in steps and where it comes from. The built-in job: its config's `train.steps`. A
+    command job's length is its program's business: the newest step record's `total_steps` (the client's
+    Reporter), else the spec's `[job] total_steps`, else unknown (None: never `[train] steps`, which that
+    job does not read)."""
+    def positive(v: Any) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+    job = (spec or {}).get("job") or {}
+    if not isinstance(job, dict) or job.get("kind") != "command":
+        total = positive(((config or {}).get("train") or {}).get("steps"))
+        return total, "train.steps" if total else None
+    reported = positive(recent[-1].get("total_steps")) if recent else None
+    if reported is not None:
+        return reported, "job telemetry"
+    declared = positive(job.get("total_steps"))
+    return (declared, "job.total_steps") if declared else (None, None)
+
+
 def hang_timeout_s(recent: list[dict[str, Any]], detectors: dict[str, Any] | None) -> float | None:
     """The hang timeout the daemon's detector would apply after these step records: the detector itself,
     fed the records, with the run's `[detectors]` table (defaults where absent). None if unreadable."""
@@ -139,14 +159,14 @@ def status_data(store, run) -> dict[str, Any]:
     diff = flat_diff(versions[0].config, cur_v.config) if versions and cur_v else {}
     recent = recent_steps_from_telemetry(run.run_dir)
     step = recent[-1] if recent else {}
-    total = (cur_v.config.get("train") or {}).get("steps") if cur_v else None
+    total, total_source = total_steps_of(run.spec, cur_v.config if cur_v else None, recent)
     open_inc = store.list_incidents(run.id, status="open") + store.list_incidents(run.id, status="remediating")
     relaunches = store.relaunch_counts(run.id)  # the store owns the rule (pause/resume, restart: not restarts)
     daemon, live = _live_daemon(run.id)
     state = run.state.value
     attempt = attempts[-1].number if attempts else None
     training = state in TRAINING_STATES and step.get("attempt") in (None, attempt)  # not the previous attempt's
-    progress = progress_fields(recent, total if isinstance(total, int) else None, aware(run.created_at),
+    progress = progress_fields(recent, total, aware(run.created_at),
                                aware(run.ended_at) if run.ended_at else None, datetime.now(timezone.utc))
     if state in NO_ETA_STATES:
         progress["eta_s"] = None
@@ -172,6 +192,7 @@ def status_data(store, run) -> dict[str, Any]:
         **job_processes(attempts[-1] if attempts else None, live, (run.spec or {}).get("launcher") or {}),
         "created_at": run.created_at.isoformat(), "ended_at": run.ended_at.isoformat() if run.ended_at else None,
         **progress,
+        "total_steps_source": total_source,
         "hang_timeout_s": hang_s,
         "last_step_overdue": bool(state in TRAINING_STATES and age is not None and hang_s is not None
                                   and age > hang_s),
@@ -254,6 +275,12 @@ def _last_step_cell(d: dict[str, Any]) -> str:
     return text
 
 
+def total_cell(d: dict[str, Any]) -> str:
+    """The total steps, or "unknown": a command job whose program reports none and whose spec sets none."""
+    total = d.get("total_steps")
+    return str(total) if isinstance(total, int) else "unknown"
+
+
 def render_status(d: dict[str, Any]) -> Table:
     from rich.markup import escape
 
@@ -267,7 +294,7 @@ def render_status(d: dict[str, Any]) -> Table:
     t.add_row("attempt", or_empty(d["attempt"]))
     t.add_row("restarts / operator relaunches", f"{d['restarts']} / {d['operator_relaunches']}")
     pct = f" ({d['progress']:.1%})" if isinstance(d.get("progress"), float) else ""
-    t.add_row("step / total", f"{or_empty(d['step'])} / {or_empty(d.get('total_steps'))}{pct}")
+    t.add_row("step / total", f"{or_empty(d['step'])} / {total_cell(d)}{pct}")
     if d.get("progress") is not None:
         t.add_row("progress", progress_bar(d["progress"]))
     t.add_row("elapsed", fmt_duration(d.get("elapsed_s")))
@@ -356,7 +383,7 @@ def status_line(d: dict[str, Any]) -> str:
     age = d.get("last_step_age_s")
     overdue = " OVERDUE" if d.get("last_step_overdue") else ""
     return (f"{datetime.now(timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')} {d['run_id']} {d['state']} "
-            f"step {or_empty(d['step'])}/{or_empty(d.get('total_steps'))}{pct} "
+            f"step {or_empty(d['step'])}/{total_cell(d)}{pct} "
             f"loss {fmt_loss(loss)} "
             f"tok/s {f'{tps:,.0f}' if isinstance(tps, int | float) else EMPTY} "
             f"elapsed {fmt_duration(d.get('elapsed_s'))} ETA {fmt_duration(d.get('eta_s'))} "
@@ -390,13 +417,13 @@ def runs_data(store) -> list[dict[str, Any]]:
     for run in store.list_runs():
         versions = store.list_config_versions(run.id)
         cur_v = next((v for v in versions if v.version == run.config_version), versions[-1] if versions else None)
-        total = (cur_v.config.get("train") or {}).get("steps") if cur_v else None
         recent = recent_steps_from_telemetry(run.run_dir, limit=1)
+        total, _ = total_steps_of(run.spec, cur_v.config if cur_v else None, recent)
         cursor = store.get_telemetry_cursor(run.id)
         step = recent[-1].get("step") if recent else (cursor.last_step if cursor else None)
         incs = store.list_incidents(run.id)
         rows.append({"run_id": run.id, "state": run.state.value, "step": step,
-                     "total_steps": total if isinstance(total, int) else None,
+                     "total_steps": total,
                      "attempts": len(store.list_attempts(run.id)),
                      "started": aware(run.created_at).isoformat(), "last_change": aware(run.updated_at).isoformat(),
                      "ended": aware(run.ended_at).isoformat() if run.ended_at else None,
@@ -416,7 +443,7 @@ def runs_table(rows: list[dict[str, Any]]) -> Table:
         color = {"COMPLETED": "green", "FAILED": "red", "RUNNING": "green", "PAUSED": "yellow"}.get(r["state"], "cyan")
         incs = str(r["incidents"]) + (f" ({r['open_incidents']} open)" if r["open_incidents"] else "")
         t.add_row(escape(r["run_id"]), f"[{color}]{r['state']}[/{color}]",
-                  f"{or_empty(r['step'])} / {or_empty(r['total_steps'])}", str(r["attempts"]),
+                  f"{or_empty(r['step'])} / {total_cell(r)}", str(r["attempts"]),
                   fmt_time(datetime.fromisoformat(r["started"])), fmt_time(datetime.fromisoformat(r["last_change"])),
                   incs)
     return t
