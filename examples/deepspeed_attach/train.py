@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -50,6 +51,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--save-dir", default="checkpoints")
     ap.add_argument("--resume", action="store_true", help="load the newest checkpoint in --save-dir")
+    ap.add_argument("--resume-from", default=None, help="load this checkpoint directory (the daemon's {resume})")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (demo pacing)")
     ap.add_argument("--local_rank", type=int, default=-1)
     args = ap.parse_args()
@@ -58,9 +60,13 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=DS_CONFIG)
-    if args.resume:
+    if args.resume_from:
+        ckpt = Path(args.resume_from)
+        engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    elif args.resume:
         engine.load_checkpoint(args.save_dir)  # DeepSpeed's `latest` file names the newest tag
     sup = attach(engine, save_dir=args.save_dir, tokens_per_step=8 * 2 * 16)  # <- the one line
+    sup.reporter.set_total_steps(args.steps)  # the run's length: ulyssesctl status's total and ETA
     spike_at = int(os.environ.get("EXAMPLE_SPIKE_AT", "0")) if os.environ.get("ULYSSESD_ATTEMPT", "1") == "1" else 0
     gen = torch.Generator().manual_seed(1 + engine.global_rank)
     w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))
