@@ -141,12 +141,21 @@ def _norm_input_bytes(m: ResolvedModel, d: int) -> int:
     return 4 if m.norm_fp32_copy else d
 
 
+# Attention's backward, per local token in units of d·h: the residual and output gradients (2) plus 3 more
+# (q, k and v's gradients beside their stacked qkv gradient). Measured on one H200 with cuDNN attention:
+# gpt-1b blocks with TiledMLP, 128K-1M tokens, the peak above the planner's former 2·d·h was 3·d·h per token
+# at 128K and 256K, 3.75 at 1M (bench/gpu_act_mem.py, bench/RESULTS.md device call 21).
+ATTENTION_BACKWARD_H = 5
+
+
 def _backward_transient_per_token(m: ResolvedModel, d: int, sp: int) -> int:
     fin = (2 if m.mlp == "swiglu" else 1) * m.ffn_hidden_size
     staging = 4 * d * m.hidden_size if sp > 1 else 0   # all-to-all permute/contiguous copies
+    attention = d * ATTENTION_BACKWARD_H * m.hidden_size
     if m.mlp_chunk_tokens:  # TiledMLP: the ffn-wide gradients exist for one chunk only (_mlp_chunk_transient)
-        return d * 2 * m.hidden_size + staging
-    return d * (2 * fin + 2 * m.hidden_size) + staging
+        return attention + staging
+    # Untiled, the MLP's backward (ffn-wide gradients) and attention's come one after the other: the larger.
+    return max(d * (2 * fin + 2 * m.hidden_size), attention) + staging
 
 
 def _mlp_chunk_transient(m: ResolvedModel, d: int, tokens: int) -> int:
@@ -266,7 +275,8 @@ def _activation_items(c: _Ctx, k: int, fp32_layers: int, ck_layers: int | None =
                           t * n_kept * (d * m.hidden_size + 4 * m.num_attention_heads), "gpu",
                           f"b·s/sp·{n_kept}·(d·h + 4·heads)", FWD_BWD))
     items.append(Item("block backward transients", t * _backward_transient_per_token(m, d, c.sp), "gpu",
-                      ("b·s/sp·d·2h" if m.mlp_chunk_tokens else "b·s/sp·d·(2·ffn_in + 2h)")
+                      (f"b·s/sp·d·{ATTENTION_BACKWARD_H}h (attention backward)" if m.mlp_chunk_tokens
+                       else f"b·s/sp·d·max(2·ffn_in + 2h, {ATTENTION_BACKWARD_H}h)")
                       + (" + all-to-all staging 4·d·h" if c.sp > 1 else ""), ("backward",)))
     if m.mlp_chunk_tokens:
         items.append(Item("TiledMLP chunk in backward", _mlp_chunk_transient(m, d, t), "gpu",
