@@ -104,3 +104,30 @@ def test_deepspeed_attach_runs_under_the_daemon_restarts_from_its_sigterm_save_a
     saved_step = int(saves[-1].split("-")[-1])
     assert restarted_at is not None and saved_step >= restarted_at
     assert steps2[0] == saved_step + 1 and steps2[-1] == 60, (saved_step, steps2[:3])
+
+
+def test_the_printed_logs_example_declares_its_total_as_its_scripts_steps():
+    spec = load_run_spec(EXAMPLES / "print_logs" / "run.toml")
+    cmd = spec.job_section.command
+    assert spec.job_section.total_steps == int(cmd[cmd.index("--steps") + 1])  # its lines carry no total
+
+
+@pytest.mark.slow
+def test_hf_trainer_runs_under_the_daemon_as_shipped_and_reports_its_max_steps(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from ulyssesd.daemon.operator.ctl_common import CTX
+
+    sup = _supervisor(EXAMPLES / "hf_trainer" / "run.toml", tmp_path)
+    monkeypatch.setattr(CTX, "state_dir", tmp_path / "state", raising=False)
+    sup.start()
+    deadline = time.monotonic() + 240
+    while sup.state not in (S.COMPLETED, S.FAILED, S.STOPPED):
+        assert time.monotonic() < deadline, f"state={sup.state} step={sup.last_step}"
+        sup.tick()
+        time.sleep(0.05)
+    assert sup.state == S.COMPLETED and sup.last_step == 40 and sup.attempt == 1
+    st = status_data(sup.store, sup.store.get_run(sup.run_id))
+    assert (st["total_steps"], st["total_steps_source"]) == (40, "job telemetry")  # the Trainer's max_steps
+    saves = sorted(p.name for p in (sup.run_dir / "checkpoints").iterdir() if p.is_dir())
+    assert saves == [f"checkpoint-{n}" for n in (10, 20, 30, 40)]
+    assert all((sup.run_dir / "checkpoints" / s / "manifest.json").is_file() for s in saves)
