@@ -25,66 +25,33 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from bench_common import rank_pids
 from bench_common import read_records as records
-from gpu_daemon import _ts, dump_store, kill_group, run_dir_of, start_daemon
+from daemon_run import (
+    DAEMON_TOML,
+    dump_store,
+    end_daemon,
+    epoch_of,
+    job_toml_head,
+    kill_group,
+    new_socket_path,
+    run_dir_of,
+    save_logs,
+    save_store_and_events,
+    save_telemetry,
+    start_daemon,
+)
 
-JOB = """
-[model]
-preset = "{preset}"
-[parallel]
-sequence_parallel_size = 1
-[precision]
-dtype = "{dtype}"
-[attention]
-backend = "auto"
-[train]
-steps = {steps}
-seq_len = {seq}
-micro_batch_size = 1
-lr = 1.5e-4
-min_lr = 1.5e-5
-warmup_steps = 10
-activation_checkpoint_every = 1
-zero3_leaf_blocks = true
-device = "{device}"
-[deepspeed.config.zero_optimization]
-stage = 3
-stage3_param_persistence_threshold = 1e6
-reduce_bucket_size = 1e8
-overlap_comm = true
-[data]
-kind = "synthetic"
+JOB = job_toml_head(sp=1, ckpt="activation_checkpoint_every = 1") + """\
 [checkpoint]
 interval_steps = {interval}
 keep_last = {keep}
 save_at_end = false
 async_save = {async_save}
-"""
-
-DAEMON = """
-[run]
-name = "{name}"
-[launcher]
-kind = "torchrun"
-nproc_per_node = 1
-[detectors]
-hang_timeout_floor_s = {hang_floor}
-[remediation]
-max_restarts_per_hour = 20
-[daemon]
-state_dir = "{state}"
-socket_path = "{sock}"
-tick_s = 0.5
-stop_grace_s = 60.0
-hang_grace_s = 10.0
-stack_dump_wait_s = 3.0
-preflight = false
 """
 
 PROBE = r"""
@@ -173,13 +140,13 @@ def phase_sync(a, work: Path, out: Path, name: str = "sync", async_save: bool = 
 def phase_faults(a, work: Path, out: Path, timeout: float, name: str = "faults", standby: bool = False) -> dict:
     state = work / f"state-{name}"
     shutil.rmtree(state, ignore_errors=True)
-    sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
+    sock = new_socket_path()
     spec = work / f"{name}.toml"
     faults = f'\n[[faults]]\nkind = "hang"\nat_step = {a.hang_at}\nrank = 0\nattempts = [2]\n' if a.hang_at else ""
     restart = "[restart]\nstandby = true\n" if standby else ""
     if standby and "nopreload" in name:   # the warm process alone: the checkpoint is read from disk as cold
         restart += "standby_preload = false\n"
-    spec.write_text(DAEMON.format(name=name, state=state, sock=sock, hang_floor=a.hang_floor) + restart
+    spec.write_text(DAEMON_TOML.format(name=name, nproc=1, state=state, sock=sock, hang_floor=a.hang_floor) + restart
                     + JOB.format(preset=a.preset, dtype=a.dtype, seq=a.seq, device=a.device, steps=a.steps,
                                  interval=a.interval, keep=2, async_save="true") + faults)
     t0 = time.time()
@@ -221,30 +188,16 @@ def phase_faults(a, work: Path, out: Path, timeout: float, name: str = "faults",
     finally:
         if proc.poll() is None:
             ev["daemon_timeout" if "stopped_at" not in ev else "daemon_stopped_by_bench"] = True
-            proc.send_signal(signal.SIGTERM)
-            time.sleep(2)
-            kill_group(proc)
-            rd = run_dir_of(state)
-            for _, pid in (rank_pids(rd) if rd is not None else []):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            end_daemon(proc, state)
     ev["daemon_exit"], ev["wall_s"] = proc.returncode, time.time() - t0
     rd = run_dir_of(state)
     if rd is not None:
-        if (rd / "telemetry.jsonl").exists():
-            shutil.copy(rd / "telemetry.jsonl", out / f"{name}_telemetry.jsonl")
-        for lg in sorted((rd / "logs").glob("*.log")) if (rd / "logs").exists() else []:
-            text = lg.read_text(errors="replace")
-            (out / f"{name}_{lg.name}_headtail.txt").write_text(text[:30000] + "\n...\n" + text[-10000:])
+        save_telemetry(rd, out, name)
+        save_logs(rd, out, name, tail=10000, head=30000)
         ck = rd / "checkpoints"
         ev["checkpoint_dirs"] = {p.name: sorted(q.name for q in p.iterdir()) for p in ck.iterdir() if p.is_dir()} \
             if ck.exists() else {}
-    db = state / "ulyssesd.db"
-    if db.exists():
-        (out / f"{name}_store.json").write_text(json.dumps(dump_store(db), indent=1, default=str))
-    (out / f"{name}_events.json").write_text(json.dumps(ev, indent=1))
+    save_store_and_events(state, out, name, ev)
     shutil.rmtree(state, ignore_errors=True)
     return ev
 
@@ -443,9 +396,9 @@ def _analyze_faults(out: Path, name: str, recs: list[dict], ev: dict, store: dic
     if kill and 2 in atts:
         a1, a2 = atts.get(1, {}), atts[2]
         # The incident of the kill (not an earlier one of the same attempt, e.g. a slow step).
-        inc = next((i for i in incs if i["attempt"] == 1 and (_ts(i["detected_at"]) or 0) >= kill - 0.5), None)
-        t_det = _ts(inc["detected_at"]) if inc else None
-        t_end1, t_launch2 = _ts(a1.get("ended_at")), _ts(a2.get("started_at"))
+        inc = next((i for i in incs if i["attempt"] == 1 and (epoch_of(i["detected_at"]) or 0) >= kill - 0.5), None)
+        t_det = epoch_of(inc["detected_at"]) if inc else None
+        t_end1, t_launch2 = epoch_of(a1.get("ended_at")), epoch_of(a2.get("started_at"))
         m = {"killed_during_save_of": ev.get("killed_during_save_of"), "killed_after_step": ev.get("sigkill_after_step"),
              "tag_dir_at_kill": ev.get("tag_dir_at_kill"), "manifest_at_kill": ev.get("manifest_at_kill"),
              "attempt2_loaded": loaded.get(2, {}).get("tag"),
@@ -483,7 +436,7 @@ def _analyze_faults(out: Path, name: str, recs: list[dict], ev: dict, store: dic
         h = hang[0]
         att = h["attempt"]
         last = _steps(recs, att)[-1] if _steps(recs, att) else None
-        t_det = _ts(h["detected_at"])
+        t_det = epoch_of(h["detected_at"])
         nxt = first.get(att + 1)
         res["hang"] = {"attempt": att, "last_step": None if last is None else last["step"],
                        "detected_after_last_step_s": None if last is None or t_det is None else round(t_det - last["time"], 2),

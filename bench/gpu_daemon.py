@@ -20,44 +20,29 @@ import argparse
 import json
 import os
 import signal
-import sqlite3
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from bench_common import rank_pids
 from bench_common import read_records as records
+from daemon_run import (
+    DAEMON_TOML,
+    end_daemon,
+    epoch_of,
+    job_toml_head,
+    kill_group,
+    new_socket_path,
+    run_dir_of,
+    save_logs,
+    save_store_and_events,
+    save_telemetry,
+    start_daemon,
+)
 
-JOB = """
-[model]
-preset = "{preset}"
-[parallel]
-sequence_parallel_size = 2
-[precision]
-dtype = "{dtype}"
-[attention]
-backend = "auto"
-[train]
-steps = {steps}
-seq_len = {seq}
-micro_batch_size = 1
-lr = 1.5e-4
-min_lr = 1.5e-5
-warmup_steps = 10
-{ckpt}
-zero3_leaf_blocks = true
-device = "{device}"
-[deepspeed.config.zero_optimization]
-stage = 3
-stage3_param_persistence_threshold = 1e6
-reduce_bucket_size = 1e8
-overlap_comm = true
-[data]
-kind = "synthetic"
+JOB = job_toml_head(sp=2, ckpt="{ckpt}") + """\
 [telemetry]
 gather_per_rank = {gather}
 [checkpoint]
@@ -66,63 +51,10 @@ keep_last = 3
 save_at_end = {save_at_end}
 """
 
-DAEMON = """
-[run]
-name = "{name}"
-[launcher]
-kind = "torchrun"
-nproc_per_node = 2
-[detectors]
-hang_timeout_floor_s = {hang_floor}
-[remediation]
-max_restarts_per_hour = 20
-[daemon]
-state_dir = "{state}"
-socket_path = "{sock}"
-tick_s = 0.5
-stop_grace_s = 60.0
-hang_grace_s = 10.0
-stack_dump_wait_s = 3.0
-preflight = false
-"""
-
 
 def step_intervals(recs: list[dict], attempt: int | None = None) -> list[float]:
     steps = [r for r in recs if r.get("kind") == "step" and (attempt is None or r.get("attempt") == attempt)]
     return [b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False) if b["step"] == a["step"] + 1]
-
-
-def run_dir_of(state: Path) -> Path | None:
-    runs = state / "runs"
-    if not runs.exists():
-        return None
-    dirs = [d for d in runs.iterdir() if d.is_dir()]
-    return dirs[0] if dirs else None
-
-
-def dump_store(db: Path) -> dict:
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    con.row_factory = sqlite3.Row
-    out = {}
-    for table in ("runs", "attempts", "incidents", "actions", "state_transitions", "checkpoints"):
-        try:
-            out[table] = [dict(r) for r in con.execute(f"SELECT * FROM {table}")]  # noqa: S608 - fixed names
-        except sqlite3.Error as exc:
-            out[table] = f"error: {exc}"
-    con.close()
-    return out
-
-
-def start_daemon(spec: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ulyssesd.daemon.cli", "run", "--spec", str(spec)],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def job_toml(a, overhead: bool, **kw) -> str:
@@ -152,9 +84,9 @@ def phase_bare(a, work: Path, out: Path, round_no: int = 1) -> None:
 def supervised(a, work: Path, out: Path, name: str, steps: int, interval: int, faults: str, save_at_end: bool,
                kill_at: int | None, timeout: float, overhead: bool = False) -> dict:
     state = work / f"state-{name}"
-    sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
+    sock = new_socket_path()
     spec = work / f"{name}.toml"
-    spec.write_text(DAEMON.format(name=name, state=state, sock=sock, hang_floor=a.hang_floor)
+    spec.write_text(DAEMON_TOML.format(name=name, nproc=2, state=state, sock=sock, hang_floor=a.hang_floor)
                     + job_toml(a, overhead, steps=steps, gather="true", interval=interval,
                                save_at_end=str(save_at_end).lower()) + faults)
     log = out / f"{name}_daemon.log"
@@ -177,45 +109,17 @@ def supervised(a, work: Path, out: Path, name: str, steps: int, interval: int, f
     finally:
         if proc.poll() is None:
             events["daemon_timeout"] = True
-            proc.send_signal(signal.SIGTERM)  # detach; then the job goes too
-            time.sleep(2)
-            kill_group(proc)
-            rd = run_dir_of(state)
-            if rd is not None:
-                for _, pid in rank_pids(rd):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            end_daemon(proc, state)  # detach; then the job goes too
     events["daemon_exit"] = proc.returncode
     events["wall_s"] = time.time() - t0
     rd = run_dir_of(state)
     if rd is not None:
-        (out / f"{name}_telemetry.jsonl").write_text((rd / "telemetry.jsonl").read_text()
-                                                    if (rd / "telemetry.jsonl").exists() else "")
-        logs = sorted((rd / "logs").glob("*.log")) if (rd / "logs").exists() else []
-        for lg in logs:
-            text = lg.read_text(errors="replace")
-            (out / f"{name}_{lg.name}_tail.txt").write_text(text[-12000:])
+        save_telemetry(rd, out, name, empty_if_missing=True)
+        save_logs(rd, out, name, tail=12000)
         ck = rd / "checkpoints"
         events["checkpoint_dirs"] = sorted(p.name for p in ck.iterdir()) if ck.exists() else []
-    db = state / "ulyssesd.db"
-    if db.exists():
-        (out / f"{name}_store.json").write_text(json.dumps(dump_store(db), indent=1, default=str))
-    (out / f"{name}_events.json").write_text(json.dumps(events, indent=1))
+    save_store_and_events(state, out, name, events)
     return events
-
-
-def _ts(value) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    s = str(value).replace("Z", "+00:00")
-    dt = datetime.fromisoformat(s)
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
-    return dt.timestamp()
 
 
 def analyze(out: Path) -> dict:
@@ -267,8 +171,8 @@ def analyze(out: Path) -> dict:
         if kill and 2 in atts:
             a1, a2 = atts.get(1, {}), atts[2]
             inc = next((i for i in incs if i["attempt"] == 1), None)
-            t_detect = _ts(inc["detected_at"]) if inc else None
-            t_end1, t_launch2 = _ts(a1.get("ended_at")), _ts(a2.get("started_at"))
+            t_detect = epoch_of(inc["detected_at"]) if inc else None
+            t_end1, t_launch2 = epoch_of(a1.get("ended_at")), epoch_of(a2.get("started_at"))
             st2, ld2, fs2 = started.get(2), loaded.get(2), first_step.get(2)
             m = {"killed_after_step": ev.get("sigkill_after_step"),
                  "detection_s": None if t_detect is None else round(t_detect - kill, 2),
@@ -292,7 +196,7 @@ def analyze(out: Path) -> dict:
             att = h["attempt"]
             steps = [r for r in recs if r.get("kind") == "step" and r.get("attempt") == att]
             last = steps[-1] if steps else None
-            t_det = _ts(h["detected_at"])
+            t_det = epoch_of(h["detected_at"])
             nxt = first_step.get(att + 1)
             ev_h = h.get("evidence") or {}
             if isinstance(ev_h, str):

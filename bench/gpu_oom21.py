@@ -14,20 +14,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import tomllib
-from bench_common import rank_pids
 from bench_common import read_records as records
+from daemon_run import (
+    end_daemon,
+    new_socket_path,
+    run_dir_of,
+    save_logs,
+    save_store_and_events,
+    save_telemetry,
+    start_daemon,
+)
 from gpu_bench import set_dotted, to_toml
-from gpu_daemon import dump_store, kill_group, run_dir_of, start_daemon
 
 DAEMON_SECTION = {"tick_s": 0.5, "stop_grace_s": 30.0, "hang_grace_s": 10.0, "stack_dump_wait_s": 3.0,
                   "preflight": False}
@@ -50,7 +54,7 @@ def supervise(a, name: str, overrides: dict, faults: list[dict], timeout: float,
     work = Path(a.work)
     state = work / f"state-{name}"
     shutil.rmtree(state, ignore_errors=True)
-    sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
+    sock = new_socket_path()
     spec = work / f"{name}.toml"
     spec.write_text(build_spec(Path(a.base), name, state, sock, overrides, faults))
     shutil.copy(spec, out / f"{name}_spec.toml")
@@ -61,32 +65,18 @@ def supervise(a, name: str, overrides: dict, faults: list[dict], timeout: float,
         proc.wait(timeout=max(30.0, timeout))
     except subprocess.TimeoutExpired:
         ev["daemon_timeout"] = True
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(2)
-        kill_group(proc)
-        rd = run_dir_of(state)
-        for _, pid in (rank_pids(rd) if rd is not None else []):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        end_daemon(proc, state)
     ev["daemon_exit"], ev["wall_s"] = proc.returncode, round(time.time() - t0, 1)
     ctl = subprocess.run([sys.executable, "-m", "ulyssesd.daemon.operator.ctl", "--state-dir", str(state), "incidents",
                           "--json", "--all-runs"], capture_output=True, text=True, timeout=60)
     (out / f"{name}_incidents.json").write_text(ctl.stdout or ctl.stderr)
     rd = run_dir_of(state)
     if rd is not None:
-        if (rd / "telemetry.jsonl").exists():
-            shutil.copy(rd / "telemetry.jsonl", out / f"{name}_telemetry.jsonl")
-        for lg in sorted((rd / "logs").glob("*.log")) if (rd / "logs").exists() else []:
-            text = lg.read_text(errors="replace")
-            (out / f"{name}_{lg.name}_headtail.txt").write_text(text[:12000] + "\n...\n" + text[-12000:])
+        save_telemetry(rd, out, name)
+        save_logs(rd, out, name, tail=12000, head=12000)
         for cfg in sorted((rd / "configs").glob("*")) if (rd / "configs").exists() else []:
             shutil.copy(cfg, out / f"{name}_config_{cfg.name}")
-    db = state / "ulyssesd.db"
-    if db.exists():
-        (out / f"{name}_store.json").write_text(json.dumps(dump_store(db), indent=1, default=str))
-    (out / f"{name}_events.json").write_text(json.dumps(ev, indent=1))
+    save_store_and_events(state, out, name, ev)
     shutil.rmtree(state, ignore_errors=True)
     return ev
 
