@@ -183,7 +183,8 @@ def memory_replanner(run_spec: Any, config: dict[str, Any], launch_env: dict[str
             raise ValueError(f"config with {patch} is invalid: {str(exc)[:300]}") from None
         conf = str(env.get("PYTORCH_CUDA_ALLOC_CONF") or "").replace(" ", "").lower()
         headroom = EXPANDABLE_HEADROOM if "expandable_segments:true" in conf else ALLOCATOR_HEADROOM
-        return plan_view(plan(job, cluster, ds, search=False, allocator_headroom=headroom))
+        # the run's [restart] as preflight plans it: a warm standby holds GPU memory beside every relaunch
+        return plan_view(plan(job, cluster, ds, search=False, allocator_headroom=headroom, restart=_restart(run_spec)))
 
     return replan
 

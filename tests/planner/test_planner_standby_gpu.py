@@ -11,7 +11,8 @@ from pathlib import Path
 import typer
 from typer.testing import CliRunner
 
-from ulyssesd.daemon.operator.ctl_plan import plan_view, register_plan
+from ulyssesd.daemon.operator.ctl_plan import memory_replanner, plan_view, preflight, register_plan
+from ulyssesd.daemon.spec import load_run_spec
 from ulyssesd.training.planner import (
     Cluster,
     GiB,
@@ -133,3 +134,20 @@ def test_ulyssesctl_plan_json_has_the_item_for_the_shipped_standby_config(tmp_pa
     item = gpu_items(shipped)[STANDBY_GPU]
     assert item["outside_allocator"] is True and item["phases"] == list(PHASES_ALL)
     assert STANDBY_GPU not in gpu_items(off)
+
+
+def test_the_memory_ladders_replan_counts_the_standby_as_preflight_does(tmp_path):
+    shipped = CONFIGS / "gpt-1b-1xh200.toml"
+    off = tmp_path / "no-standby.toml"
+    off.write_text(shipped.read_text().replace("standby = true", "standby = false"))
+    cluster = Cluster.preset("h200-141g", gpus_per_node=1)
+    views = {}
+    for name, path in (("on", shipped), ("off", off)):
+        rs = load_run_spec(path)
+        replan = memory_replanner(rs, rs.job.model_dump(mode="json"), {}, cluster)
+        assert replan is not None
+        views[name] = replan({})
+        ok, pre = preflight(rs, cluster)
+        assert views[name].required_gib == pre.gpu_required / GiB   # the ladder and the launch agree
+    assert views["on"].required_gib - views["off"].required_gib == STANDBY_GPU_MIB / 1024
+    assert views["on"].activations_gib == views["off"].activations_gib
