@@ -17,6 +17,7 @@ allocator, counted in the required memory, not in its allocated peak. Formula an
 from __future__ import annotations
 
 from .host_extras import RestartLike
+from .inputs import CUDA_CONTEXT_GIB
 from .rendering import PHASES, Item
 
 # One waiting standby process on one GPU: its CUDA context, the cuBLAS/cuBLASLt workspaces warm_device keeps
@@ -25,7 +26,7 @@ from .rendering import PHASES, Item
 # bench/gpu_standby_mem.py is run this is the planner's own allowance for one process's context and workspaces
 # outside the allocator (inputs.CUDA_CONTEXT_GIB = 1 GiB), on the safe side of the 64 MiB of cuBLAS workspaces
 # that were measured.
-STANDBY_GPU_MIB = 1024
+STANDBY_GPU_MIB = int(CUDA_CONTEXT_GIB * 1024)
 STANDBY_GPU = "warm standby process (CUDA context, cuBLAS)"
 #: What the GPU verdict and the plan's notes say a standby costs, and the setting that removes it.
 STANDBY_GPU_OFF = "[restart] standby = false (every relaunch is then cold)"
