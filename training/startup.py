@@ -137,7 +137,9 @@ def init_process_group(cuda: bool) -> None:
     world of one on a free port, no shm-comm JIT build, NCCL on a GPU and gloo on the CPU. It depends on the
     launcher's environment only (rendezvous, rank, world size), not on the config, so a standby makes it
     before its gate; a second call is a no-op (DeepSpeed's init_distributed returns when it already ran).
-    NCCL's communicators (GPU memory) are still created lazily, at the first collective after the gate."""
+    With more than one rank on CUDA, DeepSpeed 0.19.8 passes `device_id` to torch's init_process_group, so the
+    default NCCL communicator (and its GPU buffers, not measured) is connected here, before the gate; a world
+    of one has no communicator to build until its first collective."""
     if "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())  # no launcher: a fixed port would collide
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
