@@ -99,6 +99,10 @@ def read_exit_file(path: Path) -> ExitStatus | None:
 #: The variables a launcher sets in each rank's environment (torchrun, the DeepSpeed launcher, the local
 #: launcher of launcher.py): what tells a rank of a `[job] kind = "command"` job, whose command line is the user's.
 RANK_ENV_VARS = ("RANK", "LOCAL_RANK")
+#: What a launcher sets per rank (torchrun, the DeepSpeed launcher, the local launcher): a process whose values
+#: all equal its parent's only inherited them (a helper), it was not launched as a rank.
+LAUNCH_ENV_VARS = (*RANK_ENV_VARS, "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                   "ROLE_RANK", "TORCHELASTIC_RUN_ID", "CROSS_RANK")
 #: `python -m X` of the programs that start ranks but are none themselves (they inherit or set RANK too).
 LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch", "deepspeed.launcher.runner",
                               "deepspeed.launcher.launch", "ulyssesd.daemon.job.wrapper",
@@ -114,11 +118,15 @@ class ProcInfo:
     pid: int
     ppid: int
     cmdline: tuple[str, ...]
-    rank_env: bool | None  # RANK/LOCAL_RANK in its environment; None when the environment is unreadable
+    launch_vars: tuple[str | None, ...] | None  # LAUNCH_ENV_VARS' values; None when the environment is unreadable
+
+    @property
+    def has_rank_vars(self) -> bool:
+        return self.launch_vars is not None and any(v is not None for v in self.launch_vars[:len(RANK_ENV_VARS)])
 
 
-def has_rank_env(env: dict[str, str]) -> bool:
-    return any(name in env for name in RANK_ENV_VARS)
+def launch_vars_of(env: dict[str, str]) -> tuple[str | None, ...]:
+    return tuple(env.get(name) for name in LAUNCH_ENV_VARS)
 
 
 def is_launcher(cmdline: tuple[str, ...] | list[str]) -> bool:
@@ -143,13 +151,24 @@ def catches_signal(pid: int, sig: int) -> bool | None:
 
 
 def pick_ranks(procs: list[ProcInfo], module: str) -> list[int]:
-    """The ranks among a job's processes: a process that is no launcher and carries torch's rank variables
-    (any job kind) or runs `module` (the built-in job, also when its environment cannot be read), and whose
-    parent chain inside the job holds no other rank: a rank's DataLoader workers, compile workers or shell-outs
-    inherit its environment and command line, and are not ranks (their exit is not a lost rank)."""
+    """The ranks among a job's processes. A candidate is no launcher and either runs `module` (the built-in
+    job, also when its environment cannot be read) or carries torch's rank variables, set for it (its
+    LAUNCH_ENV_VARS differ from its parent's, or its parent is outside the scan: the local launcher's wrapper):
+    any job kind; a process that merely inherited them, like a launcher's helper when the daemon's own
+    environment holds RANK, is none. A rank is a candidate
+    whose parent chain inside the job holds no other candidate: a rank's DataLoader workers, compile workers
+    or shell-outs inherit its environment and command line and are not ranks (their exit is not a lost rank)."""
     by_pid = {p.pid: p for p in procs}
-    like = {p.pid for p in procs if not is_launcher(p.cmdline)
-            and (p.rank_env or any(module in part for part in p.cmdline))}
+
+    def candidate(p: ProcInfo) -> bool:
+        if is_launcher(p.cmdline):
+            return False
+        if any(module in part for part in p.cmdline):
+            return True
+        parent = by_pid.get(p.ppid)
+        return p.has_rank_vars and (parent is None or parent.launch_vars != p.launch_vars)
+
+    like = {p.pid for p in procs if candidate(p)}
     out = []
     for pid in sorted(like):
         seen, parent = {pid}, by_pid[pid].ppid
@@ -297,7 +316,7 @@ class RealOS:
                 env: dict[str, str] | None = p.environ()
             except psutil.Error:  # another user's process: its command line still tells a builtin rank
                 env = None
-            procs.append(ProcInfo(pid, ppid, tuple(cmd), None if env is None else has_rank_env(env)))
+            procs.append(ProcInfo(pid, ppid, tuple(cmd), None if env is None else launch_vars_of(env)))
         return pick_ranks(procs, module)
 
     def signal_pids(self, pids: list[int], sig: int) -> list[int]:

@@ -20,7 +20,14 @@ import psutil
 import pytest
 from uls_daemon_helpers import wait_for, write_spec
 
-from ulyssesd.daemon.host.process import ProcInfo, RealOS, catches_signal, is_launcher, pick_ranks
+from ulyssesd.daemon.host.process import (
+    ProcInfo,
+    RealOS,
+    catches_signal,
+    is_launcher,
+    launch_vars_of,
+    pick_ranks,
+)
 from ulyssesd.daemon.job.launcher import build_launch
 from ulyssesd.daemon.spec import JobSection, LauncherSection
 from ulyssesd.daemon.store.enums import RunState
@@ -34,7 +41,8 @@ PY = "/venv/bin/python"
 SCRIPT = r'''
 import os, signal, subprocess, sys, time
 rank, attempt = int(os.environ["RANK"]), int(os.environ.get("ULYSSESD_ATTEMPT", "1"))
-steps, hang_at = int(sys.argv[1]), int(os.environ.get("HANG_AT", "0"))
+steps = int([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])  # DeepSpeed adds --local_rank
+hang_at = int(os.environ.get("HANG_AT", "0"))
 child = subprocess.Popen(["sleep", "600"]) if os.environ.get("RANK_CHILD") == "1" else None
 if rank == 0 and hang_at:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -57,47 +65,84 @@ def _script(tmp: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------- the rule, pure
+def env(**v: str) -> tuple[str | None, ...]:
+    return launch_vars_of(v)
+
+
+def worker(rank: int, world: int = 2, port: str = "29500", **more: str) -> tuple[str | None, ...]:
+    """What torchrun / the DeepSpeed launcher set for one rank."""
+    return env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **more)
+
+
+NONE = env()
+
+
 def test_ranks_are_the_topmost_processes_with_rank_variables_below_the_launchers():
     wrapper, torchrun = 100, 101
     procs = [
-        ProcInfo(torchrun, wrapper, (PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "train.py"), False),
-        ProcInfo(102, torchrun, (PY, "-u", "train.py", "--steps", "5"), True),
-        ProcInfo(103, torchrun, (PY, "-u", "train.py", "--steps", "5"), True),
-        ProcInfo(104, 102, (PY, "-u", "train.py", "--steps", "5"), True),  # rank 0's DataLoader worker (a fork)
-        ProcInfo(105, 103, ("sleep", "600"), True),  # rank 1's shell-out: inherits RANK
-        ProcInfo(106, 105, ("cat",), True),  # below it, still not a rank
+        ProcInfo(torchrun, wrapper, (PY, "-m", "torch.distributed.run", "--nproc-per-node=2", "train.py"), NONE),
+        ProcInfo(102, torchrun, (PY, "-u", "train.py", "--steps", "5"), worker(0)),
+        ProcInfo(103, torchrun, (PY, "-u", "train.py", "--steps", "5"), worker(1)),
+        ProcInfo(104, 102, (PY, "-u", "train.py", "--steps", "5"), worker(0)),  # rank 0's DataLoader worker
+        ProcInfo(105, 103, ("sleep", "600"), worker(1)),  # rank 1's shell-out: inherits its environment
+        ProcInfo(106, 105, ("cat",), worker(1)),  # below it, still not a rank
+        ProcInfo(107, 103, ("python", "x.py"), worker(7)),  # sets its own RANK, but below a rank: not one
     ]
     assert pick_ranks(procs, "ulyssesd.training") == [102, 103]
-    # The DeepSpeed launcher's two levels and the local launcher's wrapper carry RANK too: never ranks.
-    ds = [ProcInfo(201, 200, (PY, "-m", "deepspeed.launcher.runner", "--num_gpus=2", "t.py"), True),
-          ProcInfo(202, 201, (PY, "-u", "-m", "deepspeed.launcher.launch", "--world_info=x", "t.py"), True),
-          ProcInfo(203, 202, (PY, "-u", "t.py", "--local_rank=0"), True),
-          ProcInfo(204, 202, (PY, "-u", "t.py", "--local_rank=1"), True),
-          ProcInfo(205, 200, (PY, "/venv/bin/torchrun", "t.py"), True),
-          ProcInfo(206, 200, (PY, "-m", "ulyssesd.daemon.job.wrapper", "--", "x"), True)]
+    # The DeepSpeed launcher's two levels and the daemon's wrapper are never ranks, whatever their environment.
+    ds = [ProcInfo(201, 200, (PY, "-m", "deepspeed.launcher.runner", "--num_gpus=2", "t.py"), NONE),
+          ProcInfo(202, 201, (PY, "-u", "-m", "deepspeed.launcher.launch", "--world_info=x", "t.py"), NONE),
+          ProcInfo(203, 202, (PY, "-u", "t.py", "--local_rank=0"), worker(0, CROSS_RANK="0")),
+          ProcInfo(204, 202, (PY, "-u", "t.py", "--local_rank=1"), worker(1, CROSS_RANK="0")),
+          ProcInfo(205, 200, (PY, "/venv/bin/torchrun", "t.py"), worker(1)),
+          ProcInfo(206, 200, (PY, "-m", "ulyssesd.daemon.job.wrapper", "--", "x"), worker(1))]
     assert pick_ranks(ds, "ulyssesd.training") == [203, 204]
     assert is_launcher(("srun", "--nodes=1", "python", "t.py")) and not is_launcher((PY, "torchrun_notes.py"))
+
+
+def test_variables_merely_inherited_from_a_launcher_do_not_make_a_rank():
+    """The daemon itself started with RANK=3 in its environment (inside another job): torchrun inherits it,
+    its ranks get their own values, and a helper torchrun runs keeps the inherited ones: not a rank. torchrun
+    under the `local` launcher (RANK=0, LOCAL_RANK=0 from the wrapper): its rank 0 has the same RANK and
+    LOCAL_RANK as torchrun, and is still a rank (its world size and rendezvous port are torchrun's)."""
+    torchrun = 301
+    inherited = env(RANK="3", WORLD_SIZE="8", MASTER_PORT="1234")
+    procs = [ProcInfo(torchrun, 300, (PY, "-m", "torch.distributed.run", "t.py"), inherited),
+             ProcInfo(302, torchrun, (PY, "-u", "t.py"), worker(0)),
+             ProcInfo(303, torchrun, (PY, "-u", "t.py"), worker(1)),
+             ProcInfo(304, torchrun, ("nvidia-smi", "-L"), inherited)]
+    assert pick_ranks(procs, "ulyssesd.training") == [302, 303]
+    local = worker(0, world=1, port="40001")  # what the local launcher gives the wrapper and its child
+    nested = [ProcInfo(402, 401, (PY, "/venv/bin/torchrun", "--nproc-per-node=2", "t.py"), local),
+              ProcInfo(403, 402, (PY, "-u", "t.py"), worker(0, port="29400", TORCHELASTIC_RUN_ID="x")),
+              ProcInfo(404, 402, (PY, "-u", "t.py"), worker(1, port="29400", TORCHELASTIC_RUN_ID="x"))]
+    assert pick_ranks(nested, "ulyssesd.training") == [403, 404]
+    # The local launcher alone: the wrapper (not among the scanned processes) set RANK=0 for the one rank.
+    assert pick_ranks([ProcInfo(502, 501, (PY, "train.py"), local)], "ulyssesd.training") == [502]
 
 
 def test_a_builtin_rank_is_found_by_its_module_when_its_environment_cannot_be_read():
     procs = [ProcInfo(11, 10, (PY, "-m", "ulyssesd.training", "--config", "v1.json"), None),  # another user's
              ProcInfo(12, 10, (PY, "train.py"), None),  # unknown command, unreadable: not claimed
-             ProcInfo(13, 10, (PY, "train.py"), False)]  # readable, no rank variables: a helper, not a rank
+             ProcInfo(13, 10, (PY, "train.py"), NONE),  # readable, no rank variables: a helper, not a rank
+             ProcInfo(14, 11, (PY, "-m", "ulyssesd.training", "--config", "v1.json"), None)]  # its worker
     assert pick_ranks(procs, "ulyssesd.training") == [11]
     assert pick_ranks(procs, "not.this.job") == []
 
 
 # ------------------------------------------------------------------------------- real processes
-def _launch(tmp: Path, env: dict[str, str], steps: int) -> tuple[RealOS, object, object]:
+def _launch(tmp: Path, env: dict[str, str], steps: int, kind: str) -> tuple[RealOS, object, object]:
     job = JobSection(kind="command", command=[str(_script(tmp)), str(steps)])
-    plan = build_launch(LauncherSection(kind="torchrun", nproc_per_node=2), run_id="r", run_dir=tmp, attempt=1,
+    plan = build_launch(LauncherSection(kind=kind, nproc_per_node=2), run_id="r", run_dir=tmp, attempt=1,
                         config_version=1, base_env={**os.environ, **env}, job=job)
     os_ = RealOS()
     return os_, os_.spawn(plan.argv, plan.env, plan.cwd, plan.log_path), plan
 
 
-def test_torchrun_ranks_of_a_user_script_are_found_and_a_sigusr1_spares_them(tmp_path):
-    os_, job, plan = _launch(tmp_path, {"RANK_CHILD": "1"}, steps=10_000)
+@pytest.mark.parametrize("kind", ["torchrun", "deepspeed"])
+def test_the_launchers_ranks_of_a_user_script_are_found_and_a_sigusr1_spares_them(tmp_path, kind):
+    os_, job, plan = _launch(tmp_path, {"RANK_CHILD": "1", "DS_ACCELERATOR": "cpu"}, steps=10_000, kind=kind)
     try:
         ranks = wait_for(lambda: (r := os_.rank_pids(job, "ulyssesd.training")) and len(r) == 2 and r, 60,
                          "two ranks")
@@ -105,11 +150,15 @@ def test_torchrun_ranks_of_a_user_script_are_found_and_a_sigusr1_spares_them(tmp
         assert envs == ["0", "1"]
         for pid in ranks:
             assert "train_two_ranks.py" in " ".join(psutil.Process(pid).cmdline())
+        sleepers = wait_for(lambda: (z := [p for p in os_.job_pids(job, plan.marker)
+                                           if psutil.Process(p).name() == "sleep"]) and len(z) == 2 and z, 30,
+                            "the shell-outs")
         everything = os_.job_pids(job, plan.marker)
-        # torchrun, the wrapper and the ranks' `sleep` children are the job's, not ranks
-        sleepers = wait_for(lambda: [p for p in os_.job_pids(job, plan.marker)
-                                     if psutil.Process(p).name() == "sleep"], 30, "the shell-outs")
-        assert len(sleepers) == 2 and not set(sleepers) & set(ranks) and job.pid in everything
+        launchers = [p for p in everything if p != job.pid and p not in ranks and p not in sleepers]
+        # the launchers (torchrun; the DeepSpeed runner and its per-node launch), the wrapper and the ranks'
+        # `sleep` children are the job's processes, not ranks
+        assert len(launchers) == (1 if kind == "torchrun" else 2), [psutil.Process(p).cmdline() for p in launchers]
+        assert not set(sleepers) & set(ranks) and job.pid in everything
         assert os_.rank_pids(job, "ulyssesd.training") == ranks  # stable across scans
         # The script installs no SIGUSR1 handler: a stack-dump request must not kill it (default action).
         assert all(catches_signal(p, signal.SIGUSR1) is False for p in ranks)
