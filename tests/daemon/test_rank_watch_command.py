@@ -241,8 +241,21 @@ def test_a_sigkilled_rank_of_a_torchrun_command_job_is_noticed_within_the_grace(
 
 @pytest.mark.slow
 def test_a_healthy_torchrun_command_job_is_watched_and_not_flagged(tmp_path, make_sup):
-    sup, most = _supervise(make_sup, _spec(tmp_path, {}, steps=80))
+    from ulyssesd.daemon.operator.ctl_status import job_processes
+
+    scanned: list[tuple[list[int], list[int], str]] = []
+
+    def status_scan_once_the_watch_sees_both(sup):
+        if scanned or sup.job is None or len(sup.rank_watch.live) != 2:
+            return
+        attempt = sup.store.get_attempt(sup.run_id, sup.attempt)
+        # `ulyssesctl status` with the daemon not answering: its own scan of this host's process table
+        d = job_processes(attempt, None, sup.store.get_run(sup.run_id).spec["launcher"])
+        scanned.append((list(sup.rank_watch.live), d["rank_pids"], d["rank_pids_source"]))
+
+    sup, most = _supervise(make_sup, _spec(tmp_path, {}, steps=80), status_scan_once_the_watch_sees_both)
     assert most == 2  # the watch saw both ranks: it was active, not blind
+    assert scanned and scanned[0][1] == scanned[0][0] and scanned[0][2] == "process table", scanned
     assert sup.state == S.COMPLETED and sup.attempt == 1 and sup.rank_lost is None
     assert [i.symptom.value for i in sup.store.list_incidents(sup.run_id)] == []
 
