@@ -155,9 +155,10 @@ def pick_ranks(procs: list[ProcInfo], module: str) -> list[int]:
     job, also when its environment cannot be read) or carries torch's rank variables, set for it (its
     LAUNCH_ENV_VARS differ from its parent's, or its parent is outside the scan: the local launcher's wrapper):
     any job kind; a process that merely inherited them, like a launcher's helper when the daemon's own
-    environment holds RANK, is none. A rank is a candidate
-    whose parent chain inside the job holds no other candidate: a rank's DataLoader workers, compile workers
-    or shell-outs inherit its environment and command line and are not ranks (their exit is not a lost rank)."""
+    environment holds RANK, is none. A rank is a candidate whose parent chain inside the job holds no other
+    candidate: a rank's DataLoader workers, compile workers or shell-outs inherit its environment and command
+    line and are not ranks (their exit is not a lost rank). Known limit: a rank's child orphaned by the
+    rank's death (parent now outside the job) looks like a rank of its own until it exits."""
     by_pid = {p.pid: p for p in procs}
 
     def candidate(p: ProcInfo) -> bool:
