@@ -4,7 +4,7 @@ rule (`pick_ranks`), then real processes: torchrun's two ranks of a user script 
 wrapper, not a rank's shell-out), a SIGUSR1 never sent to a process that would die of it, and a supervised
 torchrun command job whose rank 1 is SIGKILLed while rank 0 hangs (ignoring SIGTERM, like a rank in NCCL):
 the loss is noticed within the grace and recorded, where torchrun alone takes 30 s; the healthy job is not
-flagged."""
+flagged; a hung command job using the client library gets each rank's own stack dump into the incident."""
 
 from __future__ import annotations
 
@@ -265,3 +265,48 @@ def _log(sup) -> str:
         return sup.log_path.read_text(errors="replace")
     except OSError:
         return ""
+
+
+# A user's script with the client library (no torch): telemetry from rank 0, SIGUSR1 -> per-rank stack files.
+CLIENT_SCRIPT = r'''
+import os, time
+from ulyssesd.client import Reporter, install_signal_handlers
+stop = install_signal_handlers()
+rank, attempt = int(os.environ["RANK"]), int(os.environ.get("ULYSSESD_ATTEMPT", "1"))
+with Reporter() as rep:
+    rep.event("started", 0)
+    for step in range(1, 41):
+        if attempt == 1 and step == 8:
+            while True:  # both ranks wedged, as in a collective that never completes
+                time.sleep(600)
+        time.sleep(0.05)
+        rep.step(step, 2.0 / step)
+    rep.event("exiting", 40, reason="completed")
+'''
+
+
+@pytest.mark.slow
+def test_a_hung_command_job_gets_per_rank_stack_dumps_from_its_ranks(tmp_path, make_sup):
+    script = tmp_path / "client_job.py"
+    script.write_text(CLIENT_SCRIPT)
+    sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
+    spec = write_spec(tmp_path / "run.toml", {
+        "run": {"name": "cmdhang"},
+        "job": {"kind": "command", "command": [str(script)]},
+        "launcher": {"kind": "torchrun", "nproc_per_node": 2, "python": sys.executable,
+                     "env": {"OMP_NUM_THREADS": "1"}},
+        "daemon": {"state_dir": str(tmp_path / "state"), "socket_path": str(sock), "tick_s": 0.1,
+                   "stop_grace_s": 5.0, "hang_grace_s": 1.0, "stack_dump_wait_s": 1.0, "backoff_base_s": 0.2,
+                   "backoff_max_s": 1.0, "early_death_s": 1.0, "preflight": False},
+        "detectors": {"warmup_steps": 3, "window": 10, "hang_timeout_floor_s": 3.0},
+    })
+    sup, most = _supervise(make_sup, spec)
+    assert sup.state == S.COMPLETED and sup.attempt == 2 and sup.last_step == 40 and most == 2
+    hang = [sup.store.get_incident(i.id) for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "hang"]
+    assert len(hang) == 1, hang
+    stacks = hang[0].evidence["stacks"]
+    # Each rank's own dump file, collected under its header (before: no SIGUSR1 reached a command job's ranks,
+    # and the evidence was the log's tail)
+    for rank in (0, 1):
+        assert f"=== rank {rank} stack dump" in stacks, stacks[:2000]
+    assert stacks.count("client_job.py") >= 2  # each rank's frame in the user's script
