@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import deepspeed
+import deepspeed.ops
 import torch
 
 from ulyssesd.client.deepspeed import attach
@@ -56,6 +57,10 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=-1)
     args = ap.parse_args()
     _single_process_defaults()
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU accelerator would JIT-compile its shared-memory all-reduce (an inference-only op)
+        # in init_distributed: ~60-90 s on a cold extension cache, under a lock file that others wait on.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
