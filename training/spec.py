@@ -166,6 +166,10 @@ class LossScaleSpec(_Section):
 class PrecisionSpec(_Section):
     dtype: Literal["fp32", "bf16", "fp16"] = Field("bf16", description="Compute/parameter dtype.")
     fp32_layers: int = Field(0, ge=0, description="Run the first N blocks' compute in fp32 (a loss-ladder remediation).")
+    fp32_mode: Literal["full", "tf32", "residual"] = Field(
+        "full", description="What the fp32 blocks keep in fp32: full = everything (matmuls and attention "
+        "too; slowest), tf32 = the same with TF32 tensor-core matmuls, residual = the residual stream and "
+        "LayerNorms only (matmuls and attention in precision.dtype; cheapest). Costs: docs/REMEDIATION.md.")
     loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec, description="fp16 dynamic loss scaling.")
 
 

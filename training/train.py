@@ -143,6 +143,7 @@ class Trainer(TrainerCheckpoints):
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config, mpu=self.mpu):
             model = GPT(spec.resolved_model(), backend, self.sp_group, self.sp,
                         fp32_layers=spec.precision.fp32_layers,
+                        fp32_mode=spec.precision.fp32_mode,
                         checkpoint_every=spec.train.activation_checkpoint_every,
                         checkpoint_layers=spec.train.activation_checkpoint_layers,
                         loss_chunk_tokens=spec.train.loss_chunk_tokens)

@@ -42,6 +42,29 @@ def test_fp32_layers_compute_in_fp32_in_a_bf16_model():
     assert not any(b.fp32 for b in m.blocks)
 
 
+def test_fp32_residual_mode_keeps_the_residual_stream_fp32_and_matmuls_in_bf16():
+    # precision.fp32_mode="residual": the fp32 blocks sum their residual stream and normalise in fp32, while
+    # attention (and the matmuls) stay in the model's dtype -- the cheap form of the fp32 rung.
+    x, pos, y = _batch()
+    m = _model(fp32_layers=2, fp32_mode="residual").to(torch.bfloat16)
+    attn_in, ln_in = [], []
+    m.blocks[0].attn.register_forward_pre_hook(lambda mod, args: attn_in.append(args[0].dtype))
+    m.blocks[0].ln1.register_forward_pre_hook(lambda mod, args: ln_in.append(args[0].dtype))
+    m.blocks[3].ln1.register_forward_pre_hook(lambda mod, args: ln_in.append(args[0].dtype))
+    with torch.no_grad():
+        loss_residual = m(x, pos, y)
+    assert torch.isfinite(loss_residual)
+    assert attn_in == [torch.bfloat16] * 4
+    assert ln_in == [torch.float32, torch.bfloat16]
+    # Same weights, every block fully bf16: the loss differs (the fp32 sums are real) but only by rounding.
+    m.set_fp32_layers(0)
+    with torch.no_grad():
+        loss_bf16 = m(x, pos, y)
+    assert abs(loss_residual.item() - loss_bf16.item()) < 0.05
+    with pytest.raises(ValueError, match="fp32_mode"):
+        _model(fp32_mode="half")
+
+
 def test_rotary_uses_global_positions():
     # A shard's rotary must equal the slice of the full sequence's rotary: positions are global.
     q = torch.randn(1, 16, 2, 8)

@@ -129,13 +129,16 @@ def _keep_attention_contexts():
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ResolvedModel, attn: UlyssesAttention, fp32: bool, layer_index: int):
+    def __init__(self, cfg: ResolvedModel, attn: UlyssesAttention, fp32: bool, layer_index: int,
+                 fp32_mode: str = "full"):
         super().__init__()
         h, f, std = cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std
         # GPT-2 style scaled init of the residual projections keeps deep stacks stable.
         out_std = std / math.sqrt(2 * cfg.num_layers)
         self.n_heads, self.head_dim, self.theta = cfg.num_attention_heads, cfg.head_dim, cfg.rope_theta
         self.fp32 = fp32
+        # "residual": only the residual stream and the norms in fp32; see GPT's `fp32_mode`.
+        self.fp32_residual_only = fp32_mode == "residual"
         self.layer_index = layer_index
         self.ln1 = LayerNorm32(h, bias=cfg.bias)
         self.qkv = _Linear(h, 3 * h, cfg.bias, std)
@@ -153,13 +156,15 @@ class Block(nn.Module):
     def _lin(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         # Calling the module lets ZeRO-3's module hooks fetch (and prefetch) its weight; measured on
         # 2xH200 this is what overlaps parameter all-gathers with compute (bench/RESULTS.md).
-        return _linear(x, layer) if self.fp32 else layer(x)
+        return _linear(x, layer) if self.fp32 and not self.fp32_residual_only else layer(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
         tiled = self.mlp_chunk_tokens and torch.is_grad_enabled() and x.shape[0] * x.shape[1] > self.mlp_chunk_tokens
         if self.compile_blocks and not self.fp32 and not tiled:
             return self._compiled_forward(x, cos, sin)
+        if self.fp32 and self.fp32_residual_only:
+            return self._residual_fp32_forward(x, cos, sin, tiled)
         if self.fp32:
             x = x.float()
         b, s, _ = x.shape
@@ -173,6 +178,21 @@ class Block(nn.Module):
         hn = self.ln2(x)
         x = x + (self._tiled_mlp(hn, self.mlp_chunk_tokens) if tiled else self._mlp(hn))
         return x.to(in_dtype)
+
+    def _residual_fp32_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tiled) -> torch.Tensor:
+        """fp32 residual stream and LayerNorms; the matmuls and attention in the model's dtype. The sums that
+        grow through depth and the normalisation statistics are where low precision hurts; the matmuls keep
+        their tensor-core kernels and ZeRO-3's prefetching module calls."""
+        dt = x.dtype
+        r = x.float()
+        b, s, _ = r.shape
+        q, k, v = self.qkv(self.ln1(r).to(dt)).view(b, s, 3, self.n_heads, self.head_dim).unbind(2)
+        q, k = (_compiled_rotate_qk() if self.rotary_fused and q.is_cuda else rotate_qk)(q, k, cos, sin)
+        a = self.attn(q, k, v.contiguous() if self.qkv_copy else v).reshape(b, s, -1)
+        r = r + self.proj(a).float()
+        hn = self.ln2(r).to(dt)
+        r = r + (self._tiled_mlp(hn, self.mlp_chunk_tokens) if tiled else self._mlp(hn)).float()
+        return r.to(dt)
 
     def _compiled_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # fp32 blocks and TiledMLP take the eager path (other dtypes / chunking: other graphs).
@@ -204,6 +224,9 @@ class Block(nn.Module):
         return torch.cat(out).view(hn.shape)
 
 
+# precision.fp32_mode: what a block with fp32=True keeps in fp32 (training/spec.py PrecisionSpec).
+FP32_MODES = ("full", "tf32", "residual")
+
 # F.cross_entropy's default ignore_index: labels equal to it count neither in the loss nor in its mean.
 IGNORE_INDEX = -100
 
@@ -213,7 +236,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: ResolvedModel, attention_backend: str = "sdpa", sp_group=None, sp_size: int = 1,
                  fp32_layers: int = 0, checkpoint_every: int = 0, checkpoint_layers: int | None = None,
-                 loss_chunk_tokens: int = 0):
+                 loss_chunk_tokens: int = 0, fp32_mode: str = "full"):
         super().__init__()
         if loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 0 (0 = untiled loss)")
@@ -228,7 +251,14 @@ class GPT(nn.Module):
         self.embed = TokenEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std)
         # One attention wrapper shared by all blocks: it has no parameters.
         attn = UlyssesAttention(attention_backend, sp_group, sp_size)
-        self.blocks = nn.ModuleList(Block(cfg, attn, i < fp32_layers, i) for i in range(cfg.num_layers))
+        if fp32_mode not in FP32_MODES:
+            raise ValueError(f"fp32_mode={fp32_mode!r} must be one of {FP32_MODES}")
+        self.fp32_mode = fp32_mode
+        if fp32_mode == "tf32":
+            # TF32 tensor cores for fp32 matmuls (only the fp32 blocks run any): ~8x the fp32 SIMT rate on Hopper.
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.blocks = nn.ModuleList(Block(cfg, attn, i < fp32_layers, i, fp32_mode) for i in range(cfg.num_layers))
         self.ln_f = LayerNorm32(cfg.hidden_size, bias=cfg.bias)
         self.head = None if cfg.tie_embeddings else _Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_std)
         for mod in self.modules():
