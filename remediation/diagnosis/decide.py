@@ -31,7 +31,10 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from ulyssesd.remediation.diagnosis import cause
+from ulyssesd.remediation.diagnosis.facts import extract
 from ulyssesd.remediation.diagnosis.model import Diagnosis, DiagnosisConfig
+from ulyssesd.remediation.diagnosis.normalizer import normalize
 from ulyssesd.remediation.diagnosis.rules import PRECEDENCE
 from ulyssesd.remediation.diagnosis.scanner import (
     CHILD_FAILED,
@@ -62,12 +65,22 @@ from ulyssesd.remediation.diagnosis.scanner import (
 def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = None,
              config: DiagnosisConfig | None = None) -> Diagnosis:
     """Classify the end of a job's output. `exit_code` follows subprocess (negative = signal) or shell (128+N)
-    conventions; `signal` is the terminating signal when known. Exit 0 is always `healthy`."""
+    conventions; `signal` is the terminating signal when known. Exit 0 is always `healthy`.
+
+    The rule table names known messages; then the structured facts of the normalised log (who ended the job,
+    where the first failure was raised) decide whenever the rules found no specific cause (`cause.decide`)."""
     cfg = config or DiagnosisConfig()
     text = log_tail or ""
     not_log = _not_a_training_log(text, cfg)
     if not_log and exit_code in (None, 0) and not signal:
         return Diagnosis("healthy", [], "low", f"Not a training log: {not_log}; there is nothing to diagnose.")
+    by_rules = _diagnose_by_rules(text, exit_code, signal, cfg)
+    lines = normalize(text, cfg)
+    return cause.decide(by_rules, lines, extract(lines, cfg), exit_code, signal_from_exit(exit_code, signal), cfg)
+
+
+def _diagnose_by_rules(text: str, exit_code: int | None, signal: int | None, cfg: DiagnosisConfig) -> Diagnosis:
+    """The rule table's answer: known messages, precedence, torchrun's summary, the first failing rank."""
     scan = Scan(normalise(text, cfg), cfg)
     hits = dict(scan.hits)
     _drop_removal_races(scan, hits)
