@@ -113,6 +113,8 @@ def _from_fact(f: Fact, facts: list[Fact], d: Diagnosis) -> Diagnosis | None:
                          f"{etype} was raised while writing a checkpoint (in {_frame_names(f)}): the write failed, most "
                          "often a full or unwritable disk", d)
         return None
+    if where == "dataloader_worker":
+        return _diag("dataloader_crash", f, "medium", f"{etype} was raised inside a DataLoader worker", d)
     if where == "validation":
         if phase_at(facts, f.line) == "before_first_step":
             return _diag("config_rejected", f, "medium",
@@ -125,6 +127,13 @@ def _frame_names(f: Fact) -> str:
     frames = f.get("frames") or []
     names = [fr.func or fr.code[:40] for fr in frames[-3:] if fr.func or fr.code]
     return " > ".join(names) or "its frames"
+
+
+def needs_facts(d: Diagnosis, exit_code: int | None, sig: int | None) -> bool:
+    """Whether the facts can change the rules' answer (reading them is skipped otherwise: a known cause stands)."""
+    if exit_code == 0 and not sig:
+        return False
+    return d.label in (*_FALLBACK, "killed", "config_rejected") or (d.label == "host_oom_killed" and d.confidence != "high")
 
 
 def decide(d: Diagnosis, lines: list[Line], facts: list[Fact], exit_code: int | None, sig: int | None,

@@ -19,6 +19,8 @@ Each `Fact` cites its line (1-based, in the normalised tail). Kinds:
 
 from __future__ import annotations
 
+import bisect
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +46,8 @@ _SIGNAL_LINES: tuple[tuple[re.Pattern, Any], ...] = (
      None),
     (re.compile(r"^(?:\S+: )?(?:line \d+: +)?(?:\d+ +)?Killed\b(?! by)|^Killed$|已杀死"), 9),
     # bash's report of a SIGTERMed child ("... 1234 Terminated", a bar ending "\\Terminated"), not a status field
-    (re.compile(r"^(?!.*\b(?:State|Status|Reason|Phase)\s*:)(?:.*[\s\\|/-])?Terminated\s*$"), 15),
+    (re.compile(r"^(?!.*\b(?:State|Status|Reason|Phase)\s*:)(?:.*[\s\\|/-])?Terminated\s*$"
+                r"|^(?:\S+: )?(?:line \d+: +)?\d+ +Terminated\b"), 15),
     (re.compile(r"Segmentation fault|Fatal Python error: Segmentation fault|\bSIGSEGV\b"), 11),
     (re.compile(r"^(?:\S+: )?(?:line \d+: +)?(?:\d+ +)?Bus error\b"), 7),
 )
@@ -111,6 +114,10 @@ _COMPLETED = re.compile(r"`?Trainer\.fit`? stopped|Successfully completed\.|Trai
                         r"|Finished training|training done", re.I)
 # argparse: "usage: prog ..." then "prog: error: message" (the program may be a launcher: launcher_error then).
 _ARGPARSE_ERROR = re.compile(r"^([\w.\-]+): error: (.+)$")
+# argparse's own message templates (any program that uses argparse says these; srun's "error: task 0: Killed" is not)
+_ARGPARSE_MESSAGE = re.compile(r"unrecognized arguments|the following arguments are required|^argument [-\w/ ,]+: "
+                               r"|expected (?:one|\d+|at least one) arguments?|invalid choice|ambiguous option"
+                               r"|not allowed with argument|invalid \w+ value")
 LAUNCHER_PROGS = ("torchrun", "deepspeed", "accelerate", "launch.py", "run.py", "srun", "mpirun", "python", "python3")
 
 # Where an exception was raised, from its innermost frames (file path, function, quoted source).
@@ -122,15 +129,17 @@ _LOAD_FUNC = re.compile(r"^(?:_?load(?:_\w+)?|_open_zipfile_reader|_open_file_li
 _SAVE_CALL = re.compile(r"\btorch\.save\(|\bsave_checkpoint|\bsave_file\(|\bsave_pretrained|\bsave_model\b")
 _SAVE_FUNC = re.compile(r"^(?:_?save\w*|_open_zipfile_writer|\w*save_(?:checkpoint|state|model|pretrained)\w*)$")
 _VALIDATION_FILE = re.compile(r"(?:^|/)(?:argparse\.py|hydra/|omegaconf/|pydantic/|jsonargparse/|simple_parsing/)")
-_VALIDATION_FUNC = re.compile(r"^(?:parse_args\w*|parse_known_args|_parse\w*args\w*|error|\w*validate\w*|check_\w*args"
-                              r"|_check_\w+|compose_config|load_configuration|_apply_overrides_to_config)$")
+_VALIDATION_FUNC = re.compile(r"^(?:parse_args\w*|parse_known_args|_parse\w*args\w*|error|_?\w*validat\w*|_?check_\w+"
+                              r"|_?verify_\w+|\w*sanity_check\w*|__post_init__|compose_config|load_configuration"
+                              r"|_apply_overrides_to_config)$")
 _VALIDATION_TYPE = re.compile(r"(?:ArgumentError|ArgumentTypeError|ConfigCompositionException|ConfigAttributeError"
                               r"|ConfigKeyError|ConfigTypeError|MissingMandatoryValue|ValidationError"
                               r"|MisconfigurationException|OverrideParseException|InterpolationResolutionError)$")
 _WORKER_FILE = re.compile(r"torch/utils/data/_utils/worker\.py|DataLoader worker")
 _PG_FILE = re.compile(r"torch/distributed/distributed_c10d\.py|ProcessGroup")
 _WRAPPER_FILE = re.compile(r"torch/multiprocessing/spawn\.py|torch/distributed/(?:run|launch)\.py"
-                           r"|torch/distributed/elastic/|bin/torchrun|accelerate/commands/launch|deepspeed/launcher")
+                           r"|torch/distributed/elastic/|bin/torchrun|accelerate/commands/launch|deepspeed/launcher"
+                           r"|bin/deepspeed|bin/accelerate")
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,8 @@ def _exc_match(text: str) -> tuple[str, str] | None:
 def where_raised(frames: list[Frame], exc_type: str, cfg: DiagnosisConfig) -> str | None:
     """The place an exception was raised, from its innermost frames (and the source they quote)."""
     inner = frames[-cfg.root_frames:]
+    if any(_WRAPPER_FILE.search(f.file) for f in frames[-2:]):
+        return "wrapper"  # raised by a launcher (mp.spawn, torchrun, deepspeed's runner) about its children or hosts
     if _VALIDATION_TYPE.search(exc_type or ""):
         return "validation"
     if any(_WORKER_FILE.search(f.file) for f in inner):
@@ -174,16 +185,14 @@ def where_raised(frames: list[Frame], exc_type: str, cfg: DiagnosisConfig) -> st
             return "saving"
         if _LOAD_FUNC.match(f.func) or _LOAD_CALL.search(f.code):
             return "loading"
-        if _VALIDATION_FILE.search(f.file) or _VALIDATION_FUNC.match(f.func):
+        if _VALIDATION_FILE.search(f.file) or (_VALIDATION_FUNC.match(f.func) and not f.file.endswith("subprocess.py")):
             return "validation"
     if any(_PG_FILE.search(f.file) for f in inner):
         return "process_group"
-    if frames and _WRAPPER_FILE.search(frames[-1].file):
-        return "wrapper"
     return None
 
 
-def _exceptions(lines: list[Line], cfg: DiagnosisConfig) -> list[Fact]:
+def _exceptions(lines: list[Line], cfg: DiagnosisConfig, index: _Index) -> list[Fact]:
     """Every traceback (per rank stream) and every bare exception line, in log order."""
     out: list[Fact] = []
     open_tb: dict[int | None, dict[str, Any]] = {}
@@ -229,7 +238,8 @@ def _exceptions(lines: list[Line], cfg: DiagnosisConfig) -> list[Fact]:
         close(rank, None, None)
     # Exception lines outside any traceback: a one-line report, IPython's "---> 10 code" style, a thread title.
     ipy: list[Frame] = []
-    for ln in lines:
+    for i in index.candidates(("error", "exception", "exit", "interrupt", "fault", "warning", ".py in ", "-> ")):
+        ln = lines[i]
         t = ln.text.strip()
         m = _IPY_FRAME.match(t)
         if m:
@@ -250,23 +260,60 @@ def _exceptions(lines: list[Line], cfg: DiagnosisConfig) -> list[Fact]:
     return sorted(out, key=lambda f: f.line)
 
 
-def extract(lines: list[Line], cfg: DiagnosisConfig | None = None) -> list[Fact]:
-    """Every fact of the normalised tail, in line order."""
-    cfg = cfg or DiagnosisConfig()
-    facts = _exceptions(lines, cfg)
-    for ln in lines:
-        if ln.repeat_of is not None:
-            continue
-        t = ln.text.strip()
-        if not t:
-            continue
-        low = t.lower()
+# Lowercase literals every line of a kind contains: candidate lines are found with str.find over the joined tail
+# (C speed) and only those meet the kind's regexes, so a 512 KiB tail reads in tens of milliseconds.
+_KEYS = {
+    "scheduler": ("term_", "job killed", "exceed", "enforced h_", "cancelled at", "memory limit", "oom-kill", "oom_kill",
+                  "preempted", "oomkilled", "low on resource", "evicted", "deadline", "horse", "request of", " by user",
+                  " by root", " by admin", " by operator", " by owner", " by the user"),
+    "signal": ("signal", "exitcode", "return code", "killed", "已杀死", "terminated", "segmentation fault", "sigsegv",
+               "bus error"),
+    "exit": ("exit code", "exit_status", "exit status", "exited with code", "non-zero exit"),
+    "validation": (": error: ",),
+    "kernel": ("xid", "ecc", "out of memory: kill", "oom-killer", "oom-kill:", "oom_reaper"),
+    "loss_scale": ("overflow",),
+    "comm": ("watchdog caught", "before timing out", "timed out"),
+    "completed": ("stopped", "successfully completed", "training completed", "training finished", "finished training",
+                  "training done"),
+    "progress": ("step", "iter", "epoch", "batch", "num_updates", "it [", "loss", "it/s", "s/it"),
+}
+
+
+class _Index:
+    """Candidate lines per kind (indexes into `lines`), by literal keys over the lowercased, joined tail."""
+
+    def __init__(self, lines: list[Line]):
+        lowered = [ln.text.lower() for ln in lines]
+        self.text = "\n".join(lowered)
+        self.starts = [0]
+        pos = 0
+        for low in lowered[:-1]:
+            pos += len(low) + 1
+            self.starts.append(pos)
+
+    def candidates(self, keys: tuple[str, ...]) -> list[int]:
+        found: set[int] = set()
+        for key in keys:
+            pos = self.text.find(key)
+            while pos != -1:
+                i = bisect.bisect_right(self.starts, pos) - 1
+                found.add(i)
+                nxt = self.starts[i + 1] if i + 1 < len(self.starts) else len(self.text)
+                pos = self.text.find(key, nxt)
+        return sorted(found)
+
+
+def _read_line(kind: str, ln: Line) -> list[Fact]:
+    """The facts of one kind on one candidate line."""
+    t = ln.text.strip()
+    low = t.lower()
+    if kind == "scheduler":
         for who, rx, reason in _SCHEDULER:
             m = rx.search(t)
             if m:
-                facts.append(Fact("scheduler", ln.no, t, {"scheduler": who,
-                                                           "reason": reason(m) if callable(reason) else reason}))
-                break
+                return [Fact("scheduler", ln.no, t, {"scheduler": who,
+                                                      "reason": reason(m) if callable(reason) else reason})]
+    elif kind == "signal":
         for rx, num in _SIGNAL_LINES:
             m = rx.search(t)
             if m:
@@ -274,16 +321,13 @@ def extract(lines: list[Line], cfg: DiagnosisConfig | None = None) -> list[Fact]
                 if sig is None:
                     g = next(x for x in m.groups() if x is not None)
                     sig = _SIG_NUM.get(g, 0) if g.startswith("SIG") else int(g)
-                facts.append(Fact("signal", ln.no, t, {"signal": sig}))
-                break
+                return [Fact("signal", ln.no, t, {"signal": sig})]
+    elif kind == "exit":
         m = _EXIT.search(t)
         if m:
             code_s = m.group(2) or m.group(1)
-            try:
-                code = int(code_s, 16) if code_s.lower().startswith("0x") else int(code_s)
-            except ValueError:
-                code = None
-            if code is not None and code != 0:
+            code = int(code_s, 16) if code_s.lower().startswith("0x") else int(code_s)
+            if code != 0:
                 u32 = code & 0xFFFFFFFF
                 attrs: dict[str, Any] = {"code": code}
                 if u32 in NTSTATUS:
@@ -292,27 +336,41 @@ def extract(lines: list[Line], cfg: DiagnosisConfig | None = None) -> list[Fact]
                     attrs["signal"] = code - 128
                 elif 256 < code <= 320:  # PBS: 256 + signal
                     attrs["signal"] = code - 256
-                facts.append(Fact("exit", ln.no, t, attrs))
+                return [Fact("exit", ln.no, t, attrs)]
+    elif kind == "validation":
         m = _ARGPARSE_ERROR.match(t)
-        if m:
-            facts.append(Fact("validation", ln.no, t, {"program": m.group(1), "message": m.group(2),
-                                                       "launcher": m.group(1) in LAUNCHER_PROGS}))
+        if m and _ARGPARSE_MESSAGE.search(m.group(2)):
+            return [Fact("validation", ln.no, t, {"program": m.group(1), "message": m.group(2),
+                                                  "launcher": m.group(1) in LAUNCHER_PROGS})]
+    elif kind == "kernel":
         if _KERNEL.search(t):
-            facts.append(Fact("kernel", ln.no, t))
-        if _OVERFLOW_WORD.search(low):
-            nums = _SCALE_NUM.findall(low)
-            if nums and "scale" in low:
-                try:
-                    # the first scale the line names: DeepSpeed's attempted one, fairseq's/apex's new one
-                    facts.append(Fact("loss_scale", ln.no, t, {"scale": float(nums[0])}))
-                except ValueError:
-                    pass
+            return [Fact("kernel", ln.no, t)]
+    elif kind == "loss_scale":
+        nums = _SCALE_NUM.findall(low)
+        if nums:  # the first scale the line names: DeepSpeed's attempted one, fairseq's/apex's new one
+            return [Fact("loss_scale", ln.no, t, {"scale": float(nums[0])})]
+    elif kind == "comm":
         if _COMM.search(t):
-            facts.append(Fact("comm", ln.no, t))
+            return [Fact("comm", ln.no, t)]
+    elif kind == "completed":
         if _COMPLETED.search(t):
-            facts.append(Fact("completed", ln.no, t))
-        elif _PROGRESS.search(t) and not t.startswith(("usage:", "File ")):
-            facts.append(Fact("progress", ln.no, t))
+            return [Fact("completed", ln.no, t)]
+    elif kind == "progress":
+        if _PROGRESS.search(t) and not t.startswith(("usage:", "File ")) and not _COMPLETED.search(t):
+            return [Fact("progress", ln.no, t)]
+    return []
+
+
+def extract(lines: list[Line], cfg: DiagnosisConfig | None = None) -> list[Fact]:
+    """Every fact of the normalised tail, in line order."""
+    cfg = cfg or DiagnosisConfig()
+    index = _Index(lines)
+    facts = _exceptions(lines, cfg, index)
+    for kind, keys in _KEYS.items():
+        for i in index.candidates(keys):
+            ln = lines[i]
+            if ln.repeat_of is None and ln.text.strip():
+                facts += _read_line(kind, ln)
     # mp.spawn reports a signal as an exception: that exception is the signal fact, not a Python failure.
     for f in list(facts):
         if f.kind == "exception":
@@ -321,7 +379,11 @@ def extract(lines: list[Line], cfg: DiagnosisConfig | None = None) -> list[Fact]
                 facts.remove(f)
                 if not any(g.kind == "signal" and g.line == f.line for g in facts):
                     facts.append(Fact("signal", f.line, f.text, {"signal": _SIG_NUM.get(m.group(2), 0)}))
-    return sorted(facts, key=lambda f: (f.line, f.kind))
+    facts.sort(key=_by_line)
+    return facts
+
+
+_by_line = operator.attrgetter("line")
 
 
 def phase_at(facts: list[Fact], line: int) -> str:
