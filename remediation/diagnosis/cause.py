@@ -136,7 +136,7 @@ def needs_facts(d: Diagnosis, exit_code: int | None, sig: int | None) -> bool:
     return d.label in (*_FALLBACK, "killed", "config_rejected") or (d.label == "host_oom_killed" and d.confidence != "high")
 
 
-def decide(d: Diagnosis, lines: list[Line], facts: list[Fact], exit_code: int | None, sig: int | None,
+def decide_by_cause(d: Diagnosis, lines: list[Line], facts: list[Fact], exit_code: int | None, sig: int | None,
            cfg: DiagnosisConfig) -> Diagnosis:
     """The rules' diagnosis `d`, corrected or completed by the facts (see the module doc)."""
     if exit_code == 0 and not sig:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from ulyssesd.remediation.diagnosis import cause
+from ulyssesd.remediation.diagnosis.cause import decide_by_cause, needs_facts
 from ulyssesd.remediation.diagnosis.facts import extract
 from ulyssesd.remediation.diagnosis.model import Diagnosis, DiagnosisConfig
 from ulyssesd.remediation.diagnosis.normalizer import normalize
@@ -68,7 +68,7 @@ def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = N
     conventions; `signal` is the terminating signal when known. Exit 0 is always `healthy`.
 
     The rule table names known messages; then the structured facts of the normalised log (who ended the job,
-    where the first failure was raised) decide whenever the rules found no specific cause (`cause.decide`)."""
+    where the first failure was raised) decide whenever the rules found no specific cause (`cause.decide_by_cause`)."""
     cfg = config or DiagnosisConfig()
     text = log_tail or ""
     not_log = _not_a_training_log(text, cfg)
@@ -76,10 +76,10 @@ def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = N
         return Diagnosis("healthy", [], "low", f"Not a training log: {not_log}; there is nothing to diagnose.")
     by_rules = _diagnose_by_rules(text, exit_code, signal, cfg)
     sig = signal_from_exit(exit_code, signal)
-    if not cause.needs_facts(by_rules, exit_code, sig):
+    if not needs_facts(by_rules, exit_code, sig):
         return by_rules
     lines = normalize(text, cfg)
-    return cause.decide(by_rules, lines, extract(lines, cfg), exit_code, sig, cfg)
+    return decide_by_cause(by_rules, lines, extract(lines, cfg), exit_code, sig, cfg)
 
 
 def _diagnose_by_rules(text: str, exit_code: int | None, signal: int | None, cfg: DiagnosisConfig) -> Diagnosis:

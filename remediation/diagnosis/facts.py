@@ -130,7 +130,7 @@ _SAVE_CALL = re.compile(r"\btorch\.save\(|\bsave_checkpoint|\bsave_file\(|\bsave
 _SAVE_FUNC = re.compile(r"^(?:_?save\w*|_open_zipfile_writer|\w*save_(?:checkpoint|state|model|pretrained)\w*)$")
 _VALIDATION_FILE = re.compile(r"(?:^|/)(?:argparse\.py|hydra/|omegaconf/|pydantic/|jsonargparse/|simple_parsing/)")
 _VALIDATION_FUNC = re.compile(r"^(?:parse_args\w*|parse_known_args|_parse\w*args\w*|error|_?\w*validat\w*|_?check_\w+"
-                              r"|_?verify_\w+|\w*sanity_check\w*|__post_init__|compose_config|load_configuration"
+                              r"|_?verify_\w+|\w*sanity_check\w*|\w*error_check\w*|__post_init__|compose_config|load_configuration"
                               r"|_apply_overrides_to_config)$")
 _VALIDATION_TYPE = re.compile(r"(?:ArgumentError|ArgumentTypeError|ConfigCompositionException|ConfigAttributeError"
                               r"|ConfigKeyError|ConfigTypeError|MissingMandatoryValue|ValidationError"
@@ -384,6 +384,15 @@ def extract(lines: list[Line], cfg: DiagnosisConfig | None = None) -> list[Fact]
 
 
 _by_line = operator.attrgetter("line")
+
+
+def scheduler_ended(line: str) -> str | None:
+    """The reason (time, memory, disk, cancelled, preempted) when this line is a scheduler ending the job, else None."""
+    for _who, rx, reason in _SCHEDULER:
+        m = rx.search(line)
+        if m:
+            return reason(m) if callable(reason) else reason
+    return None
 
 
 def phase_at(facts: list[Fact], line: int) -> str:
