@@ -25,6 +25,8 @@ the OOM killer.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ulyssesd.remediation.diagnosis.facts import NTSTATUS, Fact, phase_at, progressed_after
 from ulyssesd.remediation.diagnosis.model import Diagnosis, DiagnosisConfig
 from ulyssesd.remediation.diagnosis.normalizer import Line
@@ -133,7 +135,8 @@ def needs_facts(d: Diagnosis, exit_code: int | None, sig: int | None) -> bool:
     """Whether the facts can change the rules' answer (reading them is skipped otherwise: a known cause stands)."""
     if exit_code == 0 and not sig:
         return False
-    return d.label in (*_FALLBACK, "killed", "config_rejected") or (d.label == "host_oom_killed" and d.confidence != "high")
+    return (d.label in (*_FALLBACK, "killed", "config_rejected") or (d.label == "host_oom_killed" and d.confidence != "high")
+            or not d.evidence)
 
 
 def decide_by_cause(d: Diagnosis, lines: list[Line], facts: list[Fact], exit_code: int | None, sig: int | None,
@@ -156,14 +159,14 @@ def decide_by_cause(d: Diagnosis, lines: list[Line], facts: list[Fact], exit_cod
                          "first step)", d)
         return d
     if d.label not in _FALLBACK and not (d.label == "host_oom_killed" and d.confidence != "high"):
-        return d
+        return _cite_status_line(d, facts)
     if sig == 15 and d.label == "healthy":
         return d  # the caller says the job was stopped by SIGTERM and the log shows no failure of its own
     root = _root_failure(facts, cfg)
     if root is not None:
         got = _from_fact(root, facts, d)
         if got is not None:
-            return d if got.label == d.label else got
+            return d if got.label == d.label and d.evidence else got
     over = [f for f in facts if f.kind == "loss_scale"]
     low = [f for f in over if f.get("scale") <= cfg.overflow_low_scale]
     if low and (len(low) >= cfg.overflow_low_scale_min or any(f.get("scale") < 1.0 for f in low)) \
@@ -176,6 +179,17 @@ def decide_by_cause(d: Diagnosis, lines: list[Line], facts: list[Fact], exit_cod
     if d.label == "healthy":
         return _never_healthy(d, facts, root, cfg)
     return d
+
+
+def _cite_status_line(d: Diagnosis, facts: list[Fact]) -> Diagnosis:
+    """A label the exit status alone decided: cite the log's own line of that status when it has one."""
+    if d.evidence or d.label == "healthy":
+        return d
+    status = next((f for f in facts if f.kind in ("exit", "signal")), None)
+    if status is None:
+        return d
+    return replace(d, evidence=[status.text], reason=f"{d.reason} The log reports it at line {status.line}: "
+                                                     f"{_clip(status.text)!r}.")
 
 
 def _never_healthy(d: Diagnosis, facts: list[Fact], root: Fact | None, cfg: DiagnosisConfig) -> Diagnosis:
