@@ -36,6 +36,8 @@ _PREFIXES: tuple[tuple[str, re.Pattern], ...] = (
     ("srun", re.compile(r"^(\d{1,5}): (?=\S|\s+\S)")),  # srun -l "3: " (needs the space: not "0:00:01")
     ("loguru", re.compile(r"^\s*> (?=File \")")),  # loguru marks the failing frame with "> "
 )
+# One anchored try for "does any prefix start here": most lines have none, and pay for one match instead of fourteen.
+_ANY_PREFIX = re.compile("|".join(f"(?:{rx.pattern})" for _, rx in _PREFIXES))
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 # A Windows path ("C:\Users\me\env\lib\site-packages\torch\serialization.py"): read as a POSIX one, so that the
 # module of a frame is found the same way on every OS.
@@ -66,6 +68,8 @@ def strip_prefixes(line: str) -> tuple[str, int | None, tuple[str, ...]]:
     kinds: list[str] = []
     rest = line
     for _ in range(8):  # prefixes nest (time, then rank, then level...): a bounded number of passes
+        if not _ANY_PREFIX.match(rest):
+            break
         for kind, rx in _PREFIXES:
             m = rx.match(rest)
             if m and m.end() > 0:
