@@ -200,7 +200,8 @@ def _never_healthy(d: Diagnosis, facts: list[Fact], root: Fact | None, cfg: Diag
                      "cause is known", d)
     if root is not None and root.kind == "validation":
         return _diag("python_exception", root, "low", "the job refused its arguments after training had started", d)
-    kill = next((f for f in facts if f.kind in ("signal", "exit")), None)
+    kill = next((f for f in facts if f.kind in ("signal", "exit")
+                 and not progressed_after(facts, f.line, cfg.progress_min_lines + 1)), None)
     if kill is not None:
         return _diag("killed", kill, "low", "the job was ended by a signal or a non-zero exit and no cause is known", d)
     return d

@@ -44,7 +44,8 @@ _SIGNAL_LINES: tuple[tuple[re.Pattern, Any], ...] = (
     (re.compile(r"Signal (\d+) \(SIG\w+\) received by PID|exitcode\s*:\s*-(\d+)|exits with return code = -(\d+)"
                 r"|died with <Signals\.SIG\w+: (\d+)>|terminated with signal (SIG[A-Z]+)|killed by signal:? (SIG[A-Z]+)"),
      None),
-    (re.compile(r"^(?:\S+: )?(?:line \d+: +)?(?:\d+ +)?Killed\b(?! by)|^Killed$|已杀死"), 9),
+    # bash's report of a SIGKILLed child: "Killed" alone, or "[script: line N: ]PID Killed  command"
+    (re.compile(r"^(?:\S+: )?(?:line \d+: +)?\d+ +Killed\b|^Killed\s*$|已杀死"), 9),
     # bash's report of a SIGTERMed child ("... 1234 Terminated", a bar ending "\\Terminated"), not a status field
     (re.compile(r"^(?!.*\b(?:State|Status|Reason|Phase)\s*:)(?:.*[\s\\|/-])?Terminated\s*$"
                 r"|^(?:\S+: )?(?:line \d+: +)?\d+ +Terminated\b"), 15),

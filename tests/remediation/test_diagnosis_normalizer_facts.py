@@ -224,3 +224,9 @@ def test_sigkill_with_readable_host_evidence_and_no_oom_is_killed():
     assert oom.label == "host_oom_killed" and oom.confidence == "high"
     d = diagnose_attempt(tail, -9, None, {"oom_kills": None, "kernel_lines": []})
     assert "sender unknown" in d.reason and d.secondary[0] == "host_oom_killed"
+
+
+def test_look_alikes_of_kills_and_exits_in_a_running_log_stay_healthy():
+    text = ("step 1 loss 2.0\nKilled 3 stale dataloader workers\nnvidia-smi exited with code 1\n"
+            "step 2 loss 1.9\nstep 3 loss 1.8\nstep 4 loss 1.7\n")
+    assert diagnose(text).label == "healthy"
