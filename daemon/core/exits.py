@@ -20,6 +20,7 @@ from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.remediation.diagnosis import Diagnosis
+from ulyssesd.remediation.diagnosis.facts import scheduler_ended
 from ulyssesd.remediation.playbook import ladder_for_crash
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         symptom = Symptom.disk_full
     if diag_label == "config_rejected" and returncode != 3:
         returncode = 2  # the diagnosis found the refusal (a DeepSpeed/HF config check): the same as exit 2
-    if diag_label == "killed" and any(_SCHEDULER_END.search(e) for e in diag_evidence or []):
+    if diag_label == "killed" and any(_SCHEDULER_END.search(e) or scheduler_ended(e) for e in diag_evidence or []):
         # The scheduler ended the job (time limit, preemption, cancel): restarting inside the allocation is
         # pointless; the scheduler's requeue (if any) restarts the service, which resumes from the checkpoint.
         what = f"the scheduler ended attempt {sup.attempt}: {(diag_evidence or [''])[0][:300]}"

@@ -31,7 +31,10 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from ulyssesd.remediation.diagnosis.cause import decide_by_cause, needs_facts
+from ulyssesd.remediation.diagnosis.facts import extract
 from ulyssesd.remediation.diagnosis.model import Diagnosis, DiagnosisConfig
+from ulyssesd.remediation.diagnosis.normalizer import normalize
 from ulyssesd.remediation.diagnosis.rules import PRECEDENCE
 from ulyssesd.remediation.diagnosis.scanner import (
     CHILD_FAILED,
@@ -62,12 +65,25 @@ from ulyssesd.remediation.diagnosis.scanner import (
 def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = None,
              config: DiagnosisConfig | None = None) -> Diagnosis:
     """Classify the end of a job's output. `exit_code` follows subprocess (negative = signal) or shell (128+N)
-    conventions; `signal` is the terminating signal when known. Exit 0 is always `healthy`."""
+    conventions; `signal` is the terminating signal when known. Exit 0 is always `healthy`.
+
+    The rule table names known messages; then the structured facts of the normalised log (who ended the job,
+    where the first failure was raised) decide whenever the rules found no specific cause (`cause.decide_by_cause`)."""
     cfg = config or DiagnosisConfig()
     text = log_tail or ""
     not_log = _not_a_training_log(text, cfg)
     if not_log and exit_code in (None, 0) and not signal:
         return Diagnosis("healthy", [], "low", f"Not a training log: {not_log}; there is nothing to diagnose.")
+    by_rules = _diagnose_by_rules(text, exit_code, signal, cfg)
+    sig = signal_from_exit(exit_code, signal)
+    if not needs_facts(by_rules, exit_code, sig):
+        return by_rules
+    lines = normalize(text, cfg)
+    return decide_by_cause(by_rules, lines, extract(lines, cfg), exit_code, sig, cfg)
+
+
+def _diagnose_by_rules(text: str, exit_code: int | None, signal: int | None, cfg: DiagnosisConfig) -> Diagnosis:
+    """The rule table's answer: known messages, precedence, torchrun's summary, the first failing rank."""
     scan = Scan(normalise(text, cfg), cfg)
     hits = dict(scan.hits)
     _drop_removal_races(scan, hits)
@@ -90,7 +106,8 @@ def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = N
     oom_named = "host_oom_killed" in hits  # the log itself names the OOM killer / an allocation failure
     if kill_idx or sig == SIGKILL:
         if not oom_named:
-            signal_only["host_oom_killed"] = not killed_lines
+            # The shell's "Killed" names the signal, not its sender: like a bare exit status, medium (the host is asked).
+            signal_only["host_oom_killed"] = True
         hits["host_oom_killed"] = sorted(set(hits.get("host_oom_killed", []) + kill_idx))
     if "killed" in hits and "host_oom_killed" in hits and not oom_named:
         # The scheduler or an operator is shown as the sender of the SIGKILL / "Killed": not the OOM killer.
@@ -143,12 +160,14 @@ def diagnose(log_tail: str, exit_code: int | None = None, signal: int | None = N
 
 
 def refine_with_host(d: Diagnosis, oom_kills: int | None, kernel_oom_lines: list[str] | None = None) -> Diagnosis:
-    """Sharpen a SIGKILL diagnosis with the host's OOM evidence (pure: the daemon reads it, see
-    daemon/host/host_oom.py). `oom_kills`: the cgroup's `memory.events` oom_kill count during the attempt (None:
-    unreadable); `kernel_oom_lines`: OOM-killer lines of the kernel log during the attempt (None: unreadable).
+    """Name a SIGKILL's sender by the host's OOM evidence (pure: the daemon reads it, see daemon/host/host_oom.py).
+    `oom_kills`: the cgroup's `memory.events` oom_kill count during the attempt (None: unreadable, or a count with no
+    earlier one to compare with); `kernel_oom_lines`: OOM-killer lines of the kernel log during the attempt (None:
+    unreadable).
 
-    Only a `host_oom_killed` that is not already `high` changes: evidence of a kill makes it `high`; counters
-    that were readable and show no kill make it `killed` (someone else sent the SIGKILL)."""
+    Only a `host_oom_killed` that is not already `high` (the log itself showed no OOM message) changes: evidence of
+    an OOM kill makes it `high`; evidence that was readable and shows none makes it `killed` (sender unknown) — the
+    cgroup counter and the kernel log each count; with nothing readable it stays `host_oom_killed` at medium."""
     if d.label != "host_oom_killed" or d.confidence == "high":
         return d
     lines = list(kernel_oom_lines or [])
@@ -157,15 +176,18 @@ def refine_with_host(d: Diagnosis, oom_kills: int | None, kernel_oom_lines: list
                 else "the kernel log shows the OOM killer during the attempt")
         return replace(d, confidence="high", evidence=(d.evidence + lines)[: DiagnosisConfig().max_evidence],
                        reason=f"host_oom_killed: a rank was SIGKILLed and {what}.")
-    if oom_kills == 0 and kernel_oom_lines is not None:
-        return replace(d, label="killed", confidence="medium", secondary=["host_oom_killed", *d.secondary],
-                       reason="killed: a rank was SIGKILLed but the host's OOM counters (cgroup memory.events, "
-                              "kernel log) show no OOM kill during the attempt: another process sent it.")
+    readable = []
     if oom_kills == 0:
-        return replace(d, label="killed", confidence="medium", secondary=["host_oom_killed", *d.secondary],
-                       reason="killed: a rank was SIGKILLed but the cgroup's memory.events shows no oom_kill "
-                              "during the attempt (the kernel log was not readable): another process sent it.")
-    return d
+        readable.append("the cgroup's memory.events shows no oom_kill")
+    if kernel_oom_lines is not None:
+        readable.append("the kernel log has no OOM-killer line")
+    if not readable:
+        return d
+    unread = ("" if oom_kills == 0 and kernel_oom_lines is not None else
+              " (the kernel log was not readable)" if oom_kills == 0 else " (the cgroup counter was not readable)")
+    return replace(d, label="killed", confidence="medium", secondary=["host_oom_killed", *d.secondary],
+                   reason=f"killed: a rank was SIGKILLed but {' and '.join(readable)} during the attempt{unread}: "
+                          "no OOM kill, so another process sent it (sender unknown).")
 
 
 def _not_a_training_log(text: str, cfg: DiagnosisConfig) -> str | None:

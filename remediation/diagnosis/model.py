@@ -34,6 +34,8 @@ class DiagnosisConfig:
     overflow_skipped_fraction: float = 0.5  # DeepSpeed's "step=N, skipped=M": M/N >= this after warm-up is a storm
     progress_min_lines: int = 2  # healthy is `high` only with at least this many progress lines
     binary_fraction: float = 0.1  # text with more than this share of control/replacement characters is binary
+    dedup_window: int = 400  # another rank's copy of a message counts as a repeat only this many lines after it
+    root_frames: int = 4  # where an exception was raised: its innermost this many traceback frames
 
 
 @dataclass(frozen=True)

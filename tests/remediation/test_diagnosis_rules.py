@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ulyssesd.remediation.diagnosis import LABELS, PRECEDENCE, Diagnosis, DiagnosisConfig, diagnose
+from ulyssesd.remediation.diagnosis import (
+    LABELS,
+    PRECEDENCE,
+    Diagnosis,
+    DiagnosisConfig,
+    diagnose,
+    refine_with_host,
+)
 
 NCCL_INFO = "\n".join(
     f"gpu-node-07:{4122 + r}:{4183 + r} [{r}] NCCL INFO comm 0x55d5c6b0 rank {r} nranks 8 cudaDev {r} busId 18000 - Init COMPLETE"
@@ -152,9 +159,16 @@ def test_sigkill_without_any_hint_is_host_oom_with_medium_confidence(kw):
     assert "SIGKILL" in d.reason
 
 
-def test_shell_killed_line_is_a_strong_host_oom_hint():
+def test_shell_killed_line_names_the_signal_not_its_sender():
+    # The shell prints "Killed" for any SIGKILL (an operator's kill -9 too): the OOM killer stays the likely sender
+    # at medium, so the daemon asks the host (issue 28 item 7), and host evidence of no OOM kill makes it `killed`.
     d = diagnose(steps(1, 10) + "\nKilled", exit_code=137)
-    assert d.label == "host_oom_killed" and d.confidence == "high" and d.evidence == ["Killed"]
+    assert d.label == "host_oom_killed" and d.confidence == "medium" and d.evidence == ["Killed"]
+    assert refine_with_host(d, oom_kills=None, kernel_oom_lines=[]).label == "killed"
+    assert refine_with_host(d, oom_kills=0, kernel_oom_lines=None).label == "killed"
+    assert refine_with_host(d, oom_kills=None, kernel_oom_lines=None) == d  # nothing readable: OOM, medium
+    oom = refine_with_host(d, oom_kills=None, kernel_oom_lines=["Out of memory: Killed process 4242 (python)"])
+    assert oom.label == "host_oom_killed" and oom.confidence == "high" and oom.evidence[-1].startswith("Out of memory")
 
 
 def test_sigkill_in_torchrun_summary_without_exit_argument():
