@@ -16,6 +16,9 @@ On the lent GPU (H100 80 GB: ~20 s of start-up per configuration, 3 steps each; 
 Scoring, on the CPU, from those lines (the planner and the cost model of this checkout):
 
     python bench/gpu_plan_grid.py --score DIR      # fit/no-fit accuracy, peak error, step-time error
+
+CPU dry run of the runner (tiny model, 2 configurations): DS_ACCELERATOR=cpu python bench/gpu_plan_grid.py
+--out /tmp/grid-dry --seqs 256 --limit 2 --extra 'model.preset=tiny train.device=cpu train.fused_adam=false'
 """
 
 from __future__ import annotations
@@ -43,13 +46,14 @@ FIXED = ["model.compile_blocks=false", "model.rotary_fused=false", "checkpoint.a
          "train.gradient_accumulation_steps=1", "env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
 
 
-def grid() -> list[dict[str, Any]]:
+def grid(seqs: tuple[int, ...] = SEQS, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     out = []
-    for seq, mb, rc, tl in itertools.product(SEQS, MICRO_BATCHES, RECOMPUTE, TILED):
-        name = f"s{seq // 1024}k-mb{mb}-{'ka' if rc == 'keep_attention' else 'norc'}-tl{tl}"
+    for seq, mb, rc, tl in itertools.product(seqs, MICRO_BATCHES, RECOMPUTE, TILED):
+        name = f"s{seq // 1024}k-mb{mb}" if seq >= 1024 else f"s{seq}-mb{mb}"
+        name += f"-{'ka' if rc == 'keep_attention' else 'norc'}-tl{tl}"
         ov = [f"name={name}", f"train.seq_len={seq}", f"train.micro_batch_size={mb}", f"train.loss_chunk_tokens={tl}",
               f"train.activation_checkpoint_every={1 if rc == 'keep_attention' else 0}",
-              f"model.checkpoint_keep_attention={'true' if rc == 'keep_attention' else 'false'}", *FIXED]
+              f"model.checkpoint_keep_attention={'true' if rc == 'keep_attention' else 'false'}", *FIXED, *extra]
         out.append({"name": name, "seq": seq, "mb": mb, "recompute": rc, "tiled": tl, "overrides": ov})
     # Interleave so that a cut by the budget leaves both sequence lengths and both recompute modes measured.
     return sorted(out, key=lambda c: (c["mb"], c["tiled"], c["recompute"], c["seq"]))
@@ -82,7 +86,8 @@ def run_grid(a: argparse.Namespace) -> int:
     base = tomllib.loads(Path(a.base).read_text())
     set_dotted(base, "train.device", "cuda")
     total = gpu_total_gib()
-    for cfg in grid():
+    configs = grid(tuple(int(x) for x in a.seqs.split(",")), tuple(a.extra.split()))[:a.limit or None]
+    for cfg in configs:
         left = deadline - time.time()
         if left < a.min_case_s:
             line = {**cfg, "skipped": f"budget: {left:.0f} s left"}
@@ -187,6 +192,10 @@ def main() -> int:
     ap.add_argument("--case-timeout-s", type=float, default=90.0)
     ap.add_argument("--min-case-s", type=float, default=25.0, help="do not start a configuration with less left")
     ap.add_argument("--workdir", default="/tmp/ulysses-plan-grid")
+    ap.add_argument("--seqs", default=",".join(map(str, SEQS)), help="sequence lengths, comma-separated")
+    ap.add_argument("--extra", default="", help="more overrides for every configuration, space-separated k=v "
+                    "(CPU dry run: 'model.preset=tiny train.device=cpu train.fused_adam=false')")
+    ap.add_argument("--limit", type=int, default=0, help="run only the first N configurations (dry runs)")
     a = ap.parse_args()
     if a.score:
         res = score(Path(a.score))
