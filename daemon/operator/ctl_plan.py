@@ -35,6 +35,7 @@ from ulyssesd.training.planner import (
     search_fixes,
 )
 from ulyssesd.training.planner.rendering import is_advice
+from ulyssesd.training.planner.step_cost import cost_table
 from ulyssesd.training.spec import JobSpec, SpecError
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
@@ -158,7 +159,8 @@ def preflight(run_spec: Any, cluster: Cluster | None = None) -> tuple[bool, Plan
             return True, SkippedPlan(["no GPU detected on this host (nvidia-smi): memory plan skipped; "
                                       "pass a cluster to plan for other hardware"])
     result = plan(run_spec.job, cluster, effective_ds_config(run_spec, cluster.world_size),
-                  allocator_headroom=allocator_headroom(run_spec), restart=_restart(run_spec))
+                  allocator_headroom=allocator_headroom(run_spec), restart=_restart(run_spec),
+                  alloc_conf=(launcher.env or {}).get("PYTORCH_CUDA_ALLOC_CONF"))
     return result.fits, result
 
 
@@ -338,6 +340,9 @@ def register_plan(app: typer.Typer) -> None:
             typer.echo(f"cannot plan {spec}: {exc}", err=True)
             raise typer.Exit(EXIT_BAD_INPUT) from None
         interval = checkpoint_interval_suggestion(result, run_spec.job.checkpoint.async_save)
-        typer.echo(json.dumps({**result.to_dict(), "checkpoint_interval": interval}, indent=2) if as_json
+        costs = [{"lever": name, "step_time_fraction": round(c.fraction, 4), "source": c.source}
+                 for name, c in cost_table(run_spec.job.resolved_model(), run_spec.job.train.seq_len)]
+        typer.echo(json.dumps({**result.to_dict(), "lever_costs": costs, "checkpoint_interval": interval}, indent=2)
+                   if as_json
                    else result.render() + "\n" + _render_interval(interval))
         raise typer.Exit(EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT)

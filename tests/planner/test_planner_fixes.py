@@ -206,3 +206,22 @@ def test_plan_reads_this_host_and_says_what_is_assumed(oom_spec):
     other_ram = ctl_plan._cluster_from_flags(rs, "h100-80g", None, None, None, 128.0, None)
     assert "ASSUMED" not in other_ram.origin and other_ram.host_mem_gib == 128.0
     assert "Figures: for another machine" in plan(rs.job, other, search=False).render()
+
+
+def test_plan_json_carries_the_fixes_the_advice_and_the_lever_costs(oom_spec):
+    import json
+
+    app = ctl_plan.typer.Typer()
+
+    @app.callback()
+    def main() -> None:
+        pass
+
+    ctl_plan.register_plan(app)
+    res = CliRunner().invoke(app, ["plan", "--spec", str(oom_spec), "--gpu", "h100-80g", "--json"])
+    assert res.exit_code == 1, res.output
+    data = json.loads(res.output)
+    assert data["fixes"] and "best-first" in data["fix_search"] and "ASSUMED" in data["cluster"]["origin"]
+    assert all(not is_advice(f["overrides"]) for f in data["fixes"])
+    assert any(s["advice"] for s in data["suggestions"])
+    assert {r["lever"] for r in data["lever_costs"]} >= {"recompute every block", "tiled loss", "TiledMLP"}

@@ -291,7 +291,9 @@ def search_fixes(job: JobSpec, cluster: Cluster, ds: dict[str, Any], *, allocato
                     if nxt not in seen:
                         seen.add(nxt)
                         heapq.heappush(frontier, (cost(nxt), nxt))
-    return FixSearch(_undominated(found, lv)[:k], plans, space, exhaustive, complete, [x.name for x in lv])
+    # A best-first search that planned every combination (nothing fitted early) was exhaustive too.
+    return FixSearch(_undominated(found, lv)[:k], plans, space, exhaustive or plans == space, complete,
+                     [x.name for x in lv])
 
 
 def fits(p: Plan, under_gib: float = 0.0, peak_limit_gib: float | None = None) -> bool:
