@@ -1,17 +1,23 @@
 """The planner's fit verdict and the lever cost model checked against real runs (issue 30): a grid of gpt-1b
 configurations around an 80 GB GPU's capacity edge, each run for a few steps in its own process.
 
-Grid (24 configurations): sequence length {16K, 32K} x micro-batch {1, 2, 4} x recompute {none, every layer with
-keep-attention} x tiled loss {off, 4K}, on `configs/gpt-1b-1xh200.toml` with compiled blocks and the fused rotary
-off (no inductor compile per process), async saves off, one rank, accumulation 1. Each configuration runs as
-the daemon launches the job (bench/gpu_bench.py `run_case`: torchrun + `python -m ulyssesd.training`) with a
-per-configuration timeout, so an OOM does not poison the next; one JSON line per configuration in
+Grid (24 configurations): sequence length {24K, 32K} x micro-batch {1, 2} x recompute {none, the first 6 of 24
+blocks, every block; both with keep-attention} x tiled loss {off, 4K} (planner: 12 fit an H100, 12 do not, 7 of
+them within 15 % of its 79 GiB), on `configs/gpt-1b-1xh200.toml` with compiled blocks and the fused rotary
+off (no inductor compile per process), async saves off, one rank, accumulation 1. Each configuration runs the
+real job (bench/gpu_bench.py `run_case`: `python -m ulyssesd.training`, its one rank started directly, or under
+torchrun with `--launcher torchrun`) in its own process with a per-configuration timeout, so an OOM does not
+poison the next; a shared bytecode cache (PYTHONPYCACHEPREFIX) spares later processes the compilation of the
+lazy imports. One JSON line per configuration in
 OUT/grid.jsonl: measured peak (`max_memory_allocated`, reserved), fit / OOM / error, median step time, and the
 GPU's total memory (torch, read in a child process so this one holds no CUDA context).
 
-On the lent GPU (H100 80 GB: ~20 s of start-up per configuration, 3 steps each; fits in ~9 minutes):
+On the lent GPU (H100 80 GB; 3 steps each: step 2 holds Adam's moments; no configuration starts after
+--budget-s, those left are written as skipped). Estimated from the start-ups of bench/RESULTS.md (calls 11, 16):
+~15 s per configuration + ~75 s of steps, ~7.5 minutes; not yet run:
 
-    source bench/gpu_common.sh && python3 bench/gpu_plan_grid.py --out $OUT/grid --budget-s 520
+    run(kind="nvidia-h100-x1", carry=[".whl"], timeout_s=600,
+        command="source bench/gpu_common.sh && python3 bench/gpu_plan_grid.py --out $OUT/grid --budget-s 520")
 
 Scoring, on the CPU, from those lines (the planner and the cost model of this checkout):
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -38,9 +45,10 @@ import tomllib
 from gpu_bench import run_case, set_dotted
 
 BASE = str(Path(__file__).resolve().parents[1] / "configs" / "gpt-1b-1xh200.toml")
-SEQS = (16384, 32768)
-MICRO_BATCHES = (1, 2, 4)
-RECOMPUTE = ("none", "keep_attention")
+SEQS = (24576, 32768)
+MICRO_BATCHES = (1, 2)
+# none; the first 6 of 24 blocks recomputed; every block - both with keep-attention (the fix search's settings)
+RECOMPUTE = ("none", "first6", "all")
 TILED = (0, 4096)
 FIXED = ["model.compile_blocks=false", "model.rotary_fused=false", "checkpoint.async_save=false",
          "train.gradient_accumulation_steps=1", "env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
@@ -50,10 +58,12 @@ def grid(seqs: tuple[int, ...] = SEQS, extra: tuple[str, ...] = ()) -> list[dict
     out = []
     for seq, mb, rc, tl in itertools.product(seqs, MICRO_BATCHES, RECOMPUTE, TILED):
         name = f"s{seq // 1024}k-mb{mb}" if seq >= 1024 else f"s{seq}-mb{mb}"
-        name += f"-{'ka' if rc == 'keep_attention' else 'norc'}-tl{tl}"
+        name += f"-rc{rc}-tl{tl}"
         ov = [f"name={name}", f"train.seq_len={seq}", f"train.micro_batch_size={mb}", f"train.loss_chunk_tokens={tl}",
-              f"train.activation_checkpoint_every={1 if rc == 'keep_attention' else 0}",
-              f"model.checkpoint_keep_attention={'true' if rc == 'keep_attention' else 'false'}", *FIXED, *extra]
+              f"train.activation_checkpoint_every={1 if rc == 'all' else 0}",
+              f"model.checkpoint_keep_attention={'false' if rc == 'none' else 'true'}", *FIXED, *extra]
+        if rc == "first6":
+            ov.append("train.activation_checkpoint_layers=6")
         out.append({"name": name, "seq": seq, "mb": mb, "recompute": rc, "tiled": tl, "overrides": ov})
     # Interleave so that a cut by the budget leaves both sequence lengths and both recompute modes measured.
     return sorted(out, key=lambda c: (c["mb"], c["tiled"], c["recompute"], c["seq"]))
@@ -80,6 +90,9 @@ def outcome(res: dict[str, Any], steps: int) -> str:
 def run_grid(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    # Later processes reuse the first one's bytecode (the carried wheels are installed without .pyc): start-up
+    # compiled torch._dynamo/inductor/sympy in every process otherwise (bench/RESULTS.md, device call 11).
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", "/tmp/pycache")
     (out / "grid.jsonl").write_text("")   # a fresh grid per call
     shutil.rmtree(a.workdir, ignore_errors=True)   # a warm machine keeps /tmp: no earlier call's runs
     deadline = time.time() + a.budget_s
@@ -92,7 +105,8 @@ def run_grid(a: argparse.Namespace) -> int:
         if left < a.min_case_s:
             line = {**cfg, "skipped": f"budget: {left:.0f} s left"}
         else:
-            res = run_case(base, list(cfg["overrides"]), 1, a.steps, Path(a.workdir), min(a.case_timeout_s, left))
+            res = run_case(base, list(cfg["overrides"]), 1, a.steps, Path(a.workdir), min(a.case_timeout_s, left),
+                           direct=a.launcher == "direct")
             line = {**cfg, **res, "outcome": outcome(res, a.steps), "gpu_total_gib": total, "steps": a.steps,
                     "base": str(a.base)}
         print(json.dumps({k: line.get(k) for k in ("name", "outcome", "skipped", "peak_mem_gib", "median_step_s",
@@ -128,7 +142,8 @@ def predict(line: dict[str, Any]) -> dict[str, Any]:
     cl = Cluster(gpus_per_node=1, gpu_mem_gib=float(line.get("gpu_total_gib") or 79.11), host_mem_gib=1024.0)
     p = plan(job, cl, ds, search=False, allocator_headroom=EXPANDABLE_HEADROOM)
     m = job.resolved_model()
-    n = m.num_layers if job.train.activation_checkpoint_every else 0
+    n = job.train.activation_checkpoint_layers if job.train.activation_checkpoint_layers is not None else (
+        m.num_layers if job.train.activation_checkpoint_every else 0)
     cost = recompute_cost(m, n, bool(m.checkpoint_keep_attention))
     if job.train.loss_chunk_tokens:
         cost += tiled_loss_cost(m, job.train.seq_len).fraction
@@ -196,6 +211,9 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="more overrides for every configuration, space-separated k=v "
                     "(CPU dry run: 'model.preset=tiny train.device=cpu train.fused_adam=false')")
     ap.add_argument("--limit", type=int, default=0, help="run only the first N configurations (dry runs)")
+    ap.add_argument("--launcher", choices=("direct", "torchrun"), default="direct",
+                    help="direct: the one rank started with RANK/WORLD_SIZE/MASTER_* set (no torchrun interpreter: "
+                         "~5 s less per configuration); torchrun: as the daemon launches it")
     a = ap.parse_args()
     if a.score:
         res = score(Path(a.score))
