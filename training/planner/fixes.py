@@ -2,7 +2,7 @@
 model, the fitting ones ranked by predicted step-time cost (`step_cost.py`), then by distance from the user's config.
 
 A lever is one knob with its settings (the user's own among them): micro-batch / accumulation (global batch
-kept), recompute (none, every k, the first N blocks, each with or without keep-attention), tiled loss, TiledMLP,
+kept), recompute (none, every k = 1, 2, 4, 8, the first N blocks, each with or without keep-attention), tiled loss, TiledMLP,
 checkpointed inputs offloaded to host RAM, expandable segments, the persistence threshold, live parameters +
 prefetch, optimizer / parameter offload to CPU. Model, sequence length, global batch, SP degree and the hardware
 never change here: those are advice (`search.py`), listed after every fix.
@@ -45,6 +45,7 @@ ALLOC_KEY = "launcher.env.PYTORCH_CUDA_ALLOC_CONF"
 ZERO = "deepspeed.config.zero_optimization."
 TILED_LOSS_TOKENS = 4096     # train.loss_chunk_tokens the search sets (the shipped configs' chunk)
 TILED_MLP_TOKENS = 16384     # model.mlp_chunk_tokens the search sets (ALST's TiledMLP; docs/TRAINING.md)
+RECOMPUTE_EVERY = (1, 2, 4, 8)   # train.activation_checkpoint_every the search tries (the user's own too)
 LIVE_FLOOR, PREFETCH_FLOOR = 10_000_000, 1_000_000   # the memory ladder's floors (remediation config defaults)
 EXHAUSTIVE_MAX = 4096        # combinations: plan them all
 MAX_PLANS = 20_000           # best-first: at most this many plans per search
@@ -142,7 +143,7 @@ def _recompute(job: JobSpec) -> Lever:
 
     cands: set[tuple[int, int | None, bool]] = {cur, (0, None, False)}
     for keep in (False, True):
-        for every in (1, 2):
+        for every in RECOMPUTE_EVERY:   # chunk size: fewer saved inputs vs a larger recomputed chunk
             if every <= L:
                 cands.add((every, None, keep))
         for n in range(1, L):
