@@ -129,6 +129,76 @@ class PlanView:
 Replan = Callable[[dict[str, Any]], PlanView]
 
 
+@dataclass(frozen=True)
+class FixView:
+    """One fitting combination of memory levers, as plain data: the patch the daemon applies, in words, its
+    predicted extra step time (fraction) and the planner's view of the patched config."""
+
+    patch: dict[str, Any]
+    changes: tuple[str, ...]
+    step_cost: float
+    view: PlanView
+
+
+@dataclass(frozen=True)
+class FixSearchView:
+    """What the planner's fix search found (training/planner/fixes.py): fits cheapest first, how it searched, and
+    the hardware/experiment changes that would fit too (advice: never applied by the daemon)."""
+
+    fixes: tuple[FixView, ...]
+    searched: str
+    advice: tuple[str, ...] = ()
+
+
+# The memory ladder's move when the planner can search: the cheapest fitting combination (not a rung of the
+# ladder: the ladder's position is left alone, so the plain ladder still applies without a planner).
+COMBINATION = Action("memory_combination", "restart_latest",
+                     lambda c: Proposal(what="apply the cheapest memory-lever combination predicted to fit"))
+MAX_ALTERNATIVES = 3   # fits named in the evidence besides the chosen one
+
+
+def _searcher(replan: Any) -> Callable[[float, float | None], FixSearchView] | None:
+    """The planner's fix search when `replan` offers one (ctl_plan.MemoryReplanner), else None."""
+    fn = getattr(replan, "search", None)
+    return fn if callable(fn) else None
+
+
+def _search_choice(search: Callable[[float, float | None], FixSearchView], cause: str, said: str, under: float,
+                   limit: float | None, evidence: dict[str, Any], problems: list[str], trusted: bool,
+                   no_fit: Action, base: PlanView) -> MemoryChoice:
+    """Apply the cheapest fitting combination (predicted step time, then fewest changes), or `no_fit` (a stop for
+    an OOM, a note for a spike) with the advice; either way the combination, its cost and the advice in `evidence`."""
+    try:
+        found = search(under, limit)
+    except Exception as exc:  # noqa: BLE001 - a failing search is said, and nothing is changed blind
+        problems.append(f"fix search: {exc}")
+        found = FixSearchView((), "the fix search failed")
+    evidence.update(searched=found.searched, advice=list(found.advice),
+                    alternatives=[{"changes": list(f.changes), "step_cost": round(f.step_cost, 4),
+                                   "required_gib": round(f.view.required_gib, 2)}
+                                  for f in found.fixes[1:1 + MAX_ALTERNATIVES]])
+    advice = ("; advice (hardware or experiment changes, never applied automatically): " + "; ".join(found.advice)
+              if found.advice else "; no hardware or experiment change found that fits either")
+    if found.fixes:
+        fx = found.fixes[0]
+        evidence.update(combination=list(fx.changes), combination_patch=dict(fx.patch),
+                        predicted_step_cost=round(fx.step_cost, 4), predicted_required_gib=fx.view.required_gib)
+        what = (f"{' + '.join(fx.changes)}: the cheapest of the memory-lever combinations that keep the experiment and "
+                f"the hardware predicted to fit, step time {fx.step_cost:+.1%} by the lever cost model ({said}; "
+                f"{found.searched}; re-planned: {fx.view.required_gib:.1f} GiB needed of {fx.view.capacity_gib:.1f} GiB"
+                + (f", +{under:.1f} GiB the planner missed" if under else "") + ")")
+        if not trusted:
+            what += "; the planner predicted the failing config to fit, so this is not a prediction"
+        return MemoryChoice(cause, COMBINATION, Proposal(dict(fx.patch), what=what), True if trusted else None,
+                            evidence)
+    expl = f"{found.searched}; planner: " + ("; ".join([*base.problems, *problems]) or (
+        f"needs {base.required_gib + under:.1f} GiB of {base.capacity_gib:.1f} GiB"))
+    verb = "stop: " if no_fit is STOP else "no blind change: "
+    return MemoryChoice(cause, no_fit, Proposal(what=(
+        f"{verb}no combination of memory levers that keeps the experiment and the hardware is predicted to fit "
+        f"({said}; {expl}){advice}" + ("" if no_fit is STOP else "; the run continues unchanged"))), False, evidence)
+
+
 @dataclass
 class MemoryChoice:
     """What the evidence says to do: one decision's rung, patch and explanation."""
@@ -286,6 +356,11 @@ def choose(lines: Iterable[str] | str | dict[str, Any] | None, ctx: Context,
         under = max(0.0, oom.allocated_gib + oom.requested_gib - base.peak_allocated_gib)
     evidence["planner_shortfall_gib"] = under
     trusted = not _calibrated_fit(base, under)   # the planner explains the OOM (with the OOM's own correction)
+    # The search when the planner explains the OOM and it is no fragmentation (measured waste: expandable segments
+    # first); a planner that thought the failing config fits predicts nothing: the cause's rungs, as before.
+    search = _searcher(replan) if cause != "fragmentation" and trusted else None
+    if search is not None:
+        return _search_choice(search, cause, said, under, None, evidence, problems, trusted, STOP, base)
     found = _first_fit(ctx, replan, base, cause, under, None, problems)
     view, changes = found.view, found.changes
     if found.action is not None:
@@ -438,6 +513,9 @@ def choose_spike(ev: dict[str, Any], ctx: Context, replanner: Callable[[], Repla
             f"no memory change: the running config is predicted to stay below {limit:.1f} GiB ({said}; planner: "
             f"{base.required_gib + under:.1f} GiB needed of {base.capacity_gib:.1f} GiB with the measured peak)")),
             None, evidence)
+    search = _searcher(replan) if frag is None else None   # measured fragmentation: expandable segments below
+    if search is not None:
+        return _search_choice(search, cause, said, under, limit, evidence, problems, True, SPIKE_NOTE, base)
     found = _first_fit(ctx, replan, base, cause, under, limit, problems)
     if found.action is not None:
         evidence["predicted_required_gib"] = found.view.required_gib

@@ -13,31 +13,35 @@ import copy
 import json
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import typer
 
 from ulyssesd.remediation.goodput import HOUR, optimal_interval, scaled_inputs
-from ulyssesd.remediation.memory_evidence import PlanView, Replan
+from ulyssesd.remediation.memory_evidence import FixSearchView, FixView, PlanView
 from ulyssesd.training.ds_config import build_ds_config
 from ulyssesd.training.planner import (
     ALLOCATOR_HEADROOM,
+    CUDA_CONTEXT_GIB,
+    EXPANDABLE_HEADROOM,
     GPU_PRESETS,
     NO_STANDBY,
     Cluster,
     Plan,
     PlanInputError,
     plan,
+    search_fixes,
 )
+from ulyssesd.training.planner.rendering import is_advice
+from ulyssesd.training.planner.step_cost import cost_table
 from ulyssesd.training.spec import JobSpec, SpecError
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_GPU = "a100-80g"
 NVIDIA_SMI_TIMEOUT_S = 10.0
 DRIVER_RESERVED_GIB = 0.8   # nvidia-smi's memory.total minus what torch reports as total_memory
-EXPANDABLE_HEADROOM = 0.03  # fragmentation allowance with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 
 @dataclass
@@ -87,6 +91,51 @@ def detect_local_cluster(nnodes: int, nproc_per_node: int) -> Cluster | None:
                    host_mem_gib=host_gib or 1024.0, gpu_name=name)
 
 
+def host_ram_gib() -> float | None:
+    """This host's RAM (/proc/meminfo MemTotal), GiB; None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / (1 << 20)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def torch_gpu() -> tuple[str, float] | None:
+    """(name, total_memory GiB) of the smallest visible GPU through torch.cuda, or None (no torch, no GPU).
+    torch's total_memory is what the planner's GPU figures mean (no driver reserve to subtract)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    try:
+        if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+            return None
+        props = min((torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())),
+                    key=lambda p: p.total_memory)
+        return str(props.name), props.total_memory / (1 << 30)
+    except Exception:  # noqa: BLE001 - a broken driver is no GPU to plan for; the caller says what it assumed
+        return None
+
+
+def this_host_cluster(nnodes: int, nproc_per_node: int) -> Cluster | None:
+    """The cluster as this host measures it: GPU via torch.cuda (else nvidia-smi), host RAM from /proc/meminfo,
+    with its `origin` saying so; None without a GPU."""
+    gpu = torch_gpu()
+    if gpu is not None:
+        ram = host_ram_gib()
+        return Cluster(gpus_per_node=nproc_per_node, nodes=nnodes, gpu_mem_gib=gpu[1], host_mem_gib=ram or 1024.0,
+                       gpu_name=gpu[0]).with_origin(
+            f"measured on this host: GPU memory {gpu[1]:.2f} GiB (torch.cuda total_memory of {gpu[0]}), host RAM "
+            + (f"{ram:.0f} GiB (/proc/meminfo)" if ram else "ASSUMED 1024 GiB (/proc/meminfo unreadable; --host-mem "
+                                                          "sets it)"))
+    smi = detect_local_cluster(nnodes, nproc_per_node)
+    return None if smi is None else smi.with_origin(
+        f"measured on this host: GPU memory {smi.gpu_mem_gib:.2f} GiB (nvidia-smi memory.total minus "
+        f"{DRIVER_RESERVED_GIB} GiB driver reserve; torch not importable), host RAM {smi.host_mem_gib:.0f} GiB")
+
+
 def allocator_headroom(run_spec: Any) -> float:
     """Fragmentation allowance: smaller when the launcher sets expandable_segments (the memory ladder's 2nd step)."""
     conf = (run_spec.launcher.env or {}).get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -110,7 +159,8 @@ def preflight(run_spec: Any, cluster: Cluster | None = None) -> tuple[bool, Plan
             return True, SkippedPlan(["no GPU detected on this host (nvidia-smi): memory plan skipped; "
                                       "pass a cluster to plan for other hardware"])
     result = plan(run_spec.job, cluster, effective_ds_config(run_spec, cluster.world_size),
-                  allocator_headroom=allocator_headroom(run_spec), restart=_restart(run_spec))
+                  allocator_headroom=allocator_headroom(run_spec), restart=_restart(run_spec),
+                  alloc_conf=(launcher.env or {}).get("PYTORCH_CUDA_ALLOC_CONF"))
     return result.fits, result
 
 
@@ -157,16 +207,20 @@ def plan_view(result: Plan) -> PlanView:
                     activations_gib=(sum(it.bytes for it in gpu) - states) / gib, problems=tuple(result.problems))
 
 
-def memory_replanner(run_spec: Any, config: dict[str, Any], launch_env: dict[str, Any],
-                     cluster: Cluster | None) -> Replan | None:
+class MemoryReplanner:
     """The planner over the daemon's current job config (`config`: dotted-patchable JobSpec dump, `launch_env`:
-    the launcher env the daemon adds), for the memory ladder's re-planning; None without a cluster to plan for."""
-    if cluster is None:
-        return None
+    the launcher env the daemon adds), for the memory ladder: `self(patch)` plans the config with a patch
+    (remediation/memory_evidence.py `Replan`); `search(under_gib, peak_limit_gib)` runs the fix search
+    (training/planner/fixes.py) over it and returns the fitting combinations, cheapest first, each re-planned
+    through `self`, with the hardware/experiment advice that would fit too (never applied)."""
 
-    def replan(patch: dict[str, Any]) -> PlanView:
-        cfg = copy.deepcopy(config)
-        env = {**(run_spec.launcher.env or {}), **{k: v for k, v in launch_env.items() if v is not None}}
+    def __init__(self, run_spec: Any, config: dict[str, Any], launch_env: dict[str, Any], cluster: Cluster) -> None:
+        self.run_spec, self.config, self.cluster = run_spec, config, cluster
+        self.env = {**(run_spec.launcher.env or {}), **{k: v for k, v in launch_env.items() if v is not None}}
+
+    def _job(self, patch: dict[str, Any]) -> tuple[JobSpec, dict[str, Any], float, str]:
+        cfg = copy.deepcopy(self.config)
+        env = dict(self.env)
         for key, val in patch.items():
             if key.startswith("launcher.env."):
                 env[key.removeprefix("launcher.env.")] = val
@@ -178,23 +232,78 @@ def memory_replanner(run_spec: Any, config: dict[str, Any], launch_env: dict[str
             node[parts[-1]] = val
         try:
             job = JobSpec.model_validate(cfg)
-            ds, _warnings = build_ds_config(job, cluster.world_size)
+            ds, _warnings = build_ds_config(job, self.cluster.world_size)
         except (SpecError, PlanInputError, ValueError) as exc:   # pydantic's ValidationError is a ValueError
             raise ValueError(f"config with {patch} is invalid: {str(exc)[:300]}") from None
-        conf = str(env.get("PYTORCH_CUDA_ALLOC_CONF") or "").replace(" ", "").lower()
-        headroom = EXPANDABLE_HEADROOM if "expandable_segments:true" in conf else ALLOCATOR_HEADROOM
+        conf = str(env.get("PYTORCH_CUDA_ALLOC_CONF") or "")
+        headroom = EXPANDABLE_HEADROOM if "expandable_segments:true" in conf.replace(" ", "").lower() \
+            else ALLOCATOR_HEADROOM
+        return job, ds, headroom, conf
+
+    def __call__(self, patch: dict[str, Any]) -> PlanView:
+        job, ds, headroom, _conf = self._job(patch)
         # the run's [restart] as preflight plans it: a warm standby holds GPU memory beside every relaunch
-        return plan_view(plan(job, cluster, ds, search=False, allocator_headroom=headroom, restart=_restart(run_spec)))
+        return plan_view(plan(job, self.cluster, ds, search=False, allocator_headroom=headroom,
+                              restart=_restart(self.run_spec)))
 
-    return replan
+    def search(self, under_gib: float = 0.0, peak_limit_gib: float | None = None) -> FixSearchView:
+        job, ds, headroom, conf = self._job({})
+        restart = _restart(self.run_spec)
+        found = search_fixes(job, self.cluster, ds, allocator_headroom=headroom, cuda_context_gib=CUDA_CONTEXT_GIB,
+                             restart=restart, alloc_conf=conf or None, under_gib=under_gib,
+                             peak_limit_gib=peak_limit_gib, headroom_lever=headroom > EXPANDABLE_HEADROOM)
+        fixes = []
+        for fx in found.fixes:
+            try:
+                view = self(fx.overrides)   # the daemon's own path: what the relaunch will really run
+            except ValueError:
+                continue
+            fixes.append(FixView(dict(fx.overrides), tuple(fx.changes), fx.step_cost, view))
+        base = plan(job, self.cluster, ds, search=True, allocator_headroom=headroom, restart=restart)
+        advice = tuple(" + ".join(sg.changes) + f" (GPU {sg.gpu_required_gib:.1f} GiB)"
+                       for sg in base.suggestions if is_advice(sg.overrides))
+        return FixSearchView(tuple(fixes), found.describe(), advice)
 
 
-def _cluster_from_flags(run_spec: Any, gpu: str, gpus: int | None, nodes: int | None, gpu_mem: float | None,
-                        host_mem: float | None, nvme: float | None) -> Cluster:
+def memory_replanner(run_spec: Any, config: dict[str, Any], launch_env: dict[str, Any],
+                     cluster: Cluster | None) -> MemoryReplanner | None:
+    """The daemon's planner for the memory ladder (`MemoryReplanner`); None without a cluster to plan for."""
+    return None if cluster is None else MemoryReplanner(run_spec, config, launch_env, cluster)
+
+
+def _cluster_from_flags(run_spec: Any, gpu: str | None, gpus: int | None, nodes: int | None, gpu_mem: float | None,
+                        host_mem: float | None, nvme: float | None,
+                        detect: Any = None) -> Cluster:
+    """The cluster to plan for, its `origin` naming each figure's source: without --gpu/--gpu-mem this host's
+    GPU and RAM (`detect`, default `this_host_cluster`); with them (another machine) the GPU from the flag or
+    preset, host RAM from --host-mem or ASSUMED from the preset. No GPU here and no flag: the DEFAULT_GPU
+    preset, every figure assumed, said loudly."""
     launcher = run_spec.launcher
+    gpn, nn = gpus or launcher.nproc_per_node, nodes or launcher.nnodes
+    if gpu is None and gpu_mem is None:
+        here = (detect or this_host_cluster)(nn, gpn)
+        if here is not None:
+            origin = here.origin
+            if host_mem is not None:
+                here = replace(here, host_mem_gib=host_mem)
+                origin = origin.split(", host RAM")[0] + f", host RAM {host_mem:g} GiB (--host-mem)"
+            return replace(here, nvme_gib=nvme or 0.0).with_origin(origin)
+        preset = GPU_PRESETS[DEFAULT_GPU]
+        cl = Cluster.preset(DEFAULT_GPU, gpus_per_node=gpn, nodes=nn, host_mem_gib=host_mem, nvme_gib=nvme)
+        return cl.with_origin(
+            f"ASSUMED: no GPU on this host (torch.cuda, nvidia-smi), so the {DEFAULT_GPU} preset's "
+            f"{preset['gpu_mem_gib']} GiB GPU and "
+            + (f"--host-mem {host_mem:g} GiB" if host_mem is not None else f"{preset['host_mem_gib']:.0f} GiB host RAM")
+            + "; pass --gpu (or --gpu-mem) and --host-mem for the machine the run is for")
     name = None if gpu_mem is None else f"{gpu_mem:g} GiB GPU"
-    return Cluster.preset(gpu, gpus_per_node=gpus or launcher.nproc_per_node, nodes=nodes or launcher.nnodes,
-                          gpu_mem_gib=gpu_mem, host_mem_gib=host_mem, nvme_gib=nvme, gpu_name=name)
+    preset_name = gpu or DEFAULT_GPU
+    cl = Cluster.preset(preset_name, gpus_per_node=gpn, nodes=nn, gpu_mem_gib=gpu_mem, host_mem_gib=host_mem,
+                        nvme_gib=nvme, gpu_name=name)
+    gpu_src = (f"GPU memory {gpu_mem:g} GiB (--gpu-mem)" if gpu_mem is not None
+               else f"GPU memory {cl.gpu_mem_gib:g} GiB (the {preset_name} preset: torch's total_memory of that GPU)")
+    host_src = (f"host RAM {host_mem:g} GiB (--host-mem)" if host_mem is not None
+                else f"host RAM ASSUMED {cl.host_mem_gib:.0f} GiB (the {preset_name} preset's usual; --host-mem sets it)")
+    return cl.with_origin(f"for another machine: {gpu_src}, {host_src}")
 
 
 def register_plan(app: typer.Typer) -> None:
@@ -203,8 +312,10 @@ def register_plan(app: typer.Typer) -> None:
     @app.command("plan")
     def plan_cmd(
         spec: Path = typer.Option(..., "--spec", help="Run spec TOML."),
-        gpu: str = typer.Option(DEFAULT_GPU, "--gpu", help=f"GPU preset: {', '.join(sorted(GPU_PRESETS))} "
-                                "(sets GPU memory and the usual host RAM)."),
+        gpu: str | None = typer.Option(None, "--gpu", help=f"GPU preset: {', '.join(sorted(GPU_PRESETS))} "
+                                       "(plan for another machine: sets GPU memory and assumes the preset's usual host "
+                                       "RAM unless --host-mem). Default: this host's GPU (torch.cuda) and RAM; "
+                                       f"{DEFAULT_GPU}, said as assumed, when this host has no GPU."),
         gpus: int | None = typer.Option(None, "--gpus", help="GPUs per node (default launcher.nproc_per_node)."),
         nodes: int | None = typer.Option(None, "--nodes", help="Nodes (default launcher.nnodes)."),
         gpu_mem: float | None = typer.Option(None, "--gpu-mem", help="GPU memory per GPU, GiB (overrides --gpu)."),
@@ -220,7 +331,8 @@ def register_plan(app: typer.Typer) -> None:
             run_spec = load_run_spec(spec)
             cluster = _cluster_from_flags(run_spec, gpu, gpus, nodes, gpu_mem, host_mem, nvme)
             result = plan(run_spec.job, cluster, effective_ds_config(run_spec, cluster.world_size),
-                          allocator_headroom=allocator_headroom(run_spec), restart=_restart(run_spec))
+                          allocator_headroom=allocator_headroom(run_spec), restart=_restart(run_spec),
+                          alloc_conf=(run_spec.launcher.env or {}).get("PYTORCH_CUDA_ALLOC_CONF"))
         except SpecError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(EXIT_BAD_INPUT) from None
@@ -228,6 +340,9 @@ def register_plan(app: typer.Typer) -> None:
             typer.echo(f"cannot plan {spec}: {exc}", err=True)
             raise typer.Exit(EXIT_BAD_INPUT) from None
         interval = checkpoint_interval_suggestion(result, run_spec.job.checkpoint.async_save)
-        typer.echo(json.dumps({**result.to_dict(), "checkpoint_interval": interval}, indent=2) if as_json
+        costs = [{"lever": name, "step_time_fraction": round(c.fraction, 4), "source": c.source}
+                 for name, c in cost_table(run_spec.job.resolved_model(), run_spec.job.train.seq_len)]
+        typer.echo(json.dumps({**result.to_dict(), "lever_costs": costs, "checkpoint_interval": interval}, indent=2)
+                   if as_json
                    else result.render() + "\n" + _render_interval(interval))
         raise typer.Exit(EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT)

@@ -87,14 +87,16 @@ def test_no_sizes_no_report(line):
 
 # ------------------------------------------------------------------------------------------ the issue's case
 def test_issue_case_activations_jump_to_the_micro_batch_rung():
-    """gpt-1b at 32K, micro-batch 4, no recompute, on a 141 GB H200: activations dominate, so the first decision
-    is the micro-batch rung (predicted to fit), not the persistence threshold the blind ladder starts with."""
+    """gpt-1b at 32K, micro-batch 4, no recompute, on a 141 GB H200: activations dominate; the fix search's cheapest
+    fitting combination is micro-batch 2 x accumulation 2 (no step-time cost measured for it), not the persistence
+    threshold the blind ladder starts with."""
     engine, replan, _ = setup("gpt-1b-1xh200.toml", H200, seq_len=32768, micro_batch_size=4,
                               activation_checkpoint_every=0)
     line = oom_new(2.0, 139.81, 1.20, 138.60, 136.10, 1.40)
     [d] = engine.on_crash("cuda_oom", [line], 100.0, replan=replan)
-    assert d.action_kind == "halve_micro_batch" and d.apply == "restart_latest"
+    assert d.action_kind == "memory_combination" and d.apply == "restart_latest"
     assert d.config_patch == {K_MB: 2, K_GA: 2}
+    assert engine.memory_evidence["predicted_step_cost"] == 0.0 and engine.memory_evidence["combination"]
     assert engine.memory_evidence["cause"] == "activations" and engine.memory_evidence["oom"]["allocated_gib"] == 136.10
     assert "activations 221" in d.reason and "re-planned" in d.reason and "136.10 GiB allocated" in d.reason
     assert replan(d.config_patch).fits   # the choice was re-planned: the config it launches fits
@@ -130,9 +132,11 @@ def test_model_states_go_to_offload_and_only_the_change_that_is_needed():
     base = replan({})
     assert not base.fits and base.model_states_gib > base.activations_gib
     [d] = engine.on_crash("cuda_oom", [oom_new(1.0, 79.18, 0.9, 78.2, 76.5, 0.7)], 100.0, replan=replan)
-    assert d.action_kind == "offload_optimizer" and engine.memory_evidence["cause"] == "model_states"
-    # Halving the live parameters alone did not fit; with offload it is not needed, so it is left out.
-    assert d.config_patch == {K_OFFLOAD: "cpu"}
+    assert d.action_kind == "memory_combination" and engine.memory_evidence["cause"] == "model_states"
+    # Only optimizer offload brings 104 GiB of model states under 79 GiB; with it the recompute is no longer needed
+    # and dropping it is the cheaper step (+50 % offload - 24 % recompute by the lever cost model).
+    assert d.config_patch[K_OFFLOAD] == "cpu" and d.config_patch["train.activation_checkpoint_every"] == 0, d.reason
+    assert engine.memory_evidence["predicted_step_cost"] < 0.5
     assert replan(d.config_patch).fits
 
 
@@ -140,7 +144,8 @@ def test_cannot_converge_stops_at_once_with_the_planners_explanation():
     engine, replan, _ = setup("gpt-176b-8xa100.toml", A100, sp=1)
     [d] = engine.on_crash("cuda_oom", [oom_new(1.0, 79.18, 0.9, 78.2, 76.5, 0.7)], 100.0, replan=replan)
     assert d.apply == "stop" and d.action_kind == "stop_alert"
-    assert "no memory change is predicted to fit" in d.reason and "short by" in d.reason and "host:" in d.reason
+    assert "no combination of memory levers that keeps the experiment and the hardware is predicted to fit" in d.reason
+    assert "short by" in d.reason and "host:" in d.reason and "advice" in d.reason
     assert engine.failed
 
 

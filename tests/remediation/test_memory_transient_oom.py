@@ -124,12 +124,13 @@ def test_an_oom_in_the_first_step_keeps_todays_path():
     engine, replan = shipped(seq_len=32768, micro_batch_size=4, activation_checkpoint_every=0)
     attempt(engine, 1, ())
     [d] = engine.on_crash("cuda_oom", [me.oom_new(1.5, 139.81, 0.6, 139.0, 137.95, 0.02)], 100.0, replan=replan)
-    assert d.action_kind == "halve_micro_batch" and d.config_patch == {K_MB: 2, K_GA: 2}, d.reason
+    assert d.action_kind == "memory_combination" and d.config_patch == {K_MB: 2, K_GA: 2}, d.reason
     # One measured step is no steady peak either (the first step lacks the optimizer moments).
     engine, replan = shipped()
     attempt(engine, 1, CALL13_PEAKS[:MIN_STEADY_STEPS - 1])
     [d] = engine.on_crash("cuda_oom", [CALL13_OOM], 100.0, replan=replan)
-    assert d.action_kind == "checkpoint_every_layer" and engine.memory_evidence["cause"] == "activations"
+    assert d.action_kind == "memory_combination" and engine.memory_evidence["cause"] == "activations", d.reason
+    assert replan(d.config_patch).fits
 
 
 def test_fragmentation_after_steady_steps_is_still_fragmentation():
@@ -148,7 +149,8 @@ def test_a_small_overshoot_of_a_steady_peak_near_capacity_is_the_config():
     engine, replan = shipped()
     attempt(engine, 1, (126.0, 128.0, 127.5))
     [d] = engine.on_crash("cuda_oom", [CALL13_OOM], 100.0, replan=replan)
-    assert d.action_kind == "checkpoint_every_layer" and engine.memory_evidence["cause"] == "activations", d.reason
+    assert d.action_kind == "memory_combination" and engine.memory_evidence["cause"] == "activations", d.reason
+    assert replan(d.config_patch).fits and engine.memory_evidence["predicted_required_gib"] + 10.0 <= 139.8
     assert engine.memory_evidence["planner_shortfall_gib"] > 50 and "transient" not in d.reason
 
 

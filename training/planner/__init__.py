@@ -21,10 +21,12 @@ from typing import Any
 
 from ..spec import JobSpec
 from .cost_model import block_saved_bytes_per_token, compute_plan, model_stats, param_shapes
+from .fixes import Fix, FixSearch, search_fixes
 from .host_extras import NO_STANDBY, Restart, RestartLike
 from .inputs import (
     ALLOCATOR_HEADROOM,
     CUDA_CONTEXT_GIB,
+    EXPANDABLE_HEADROOM,
     GPU_PRESETS,
     Cluster,
     GiB,
@@ -36,7 +38,8 @@ from .rendering import Item, Plan, Suggestion
 from .search import search_suggestions
 
 __all__ = [
-    "ALLOCATOR_HEADROOM", "CUDA_CONTEXT_GIB", "GPU_PRESETS", "NO_STANDBY", "Cluster", "GiB", "Item", "Plan",
+    "ALLOCATOR_HEADROOM", "CUDA_CONTEXT_GIB", "EXPANDABLE_HEADROOM", "GPU_PRESETS", "NO_STANDBY", "Cluster", "Fix",
+    "FixSearch", "GiB", "Item", "Plan", "search_fixes",
     "PlanInputError", "Restart", "RestartLike", "Suggestion", "ZeroSettings", "apply_overrides",
     "apply_restart_overrides", "block_saved_bytes_per_token", "model_stats", "param_shapes", "plan",
     "predict_peak_gib", "user_ds_config",
@@ -45,15 +48,22 @@ __all__ = [
 
 def plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any] | None = None, *, search: bool = True,
          allocator_headroom: float = ALLOCATOR_HEADROOM, cuda_context_gib: float = CUDA_CONTEXT_GIB,
-         restart: RestartLike = NO_STANDBY) -> Plan:
+         restart: RestartLike = NO_STANDBY, alloc_conf: str | None = None) -> Plan:
     """Per-GPU/per-host memory plan of `job` on `cluster`, with a verdict and (if it does not fit and
-    `search`) the cheapest changes that would fit. `ds_config` defaults to the spec's own DeepSpeed config
-    (base file + inline); pass the job's effective config when you have it. `restart`: the daemon's
-    `[restart]` section (a warm standby holds host RAM on the node; default: no standby)."""
+    `search`) the fixes that keep the experiment and the hardware, cheapest predicted step time first
+    (`fixes`, fixes.py), then the other changes that would fit, hardware and experiment changes among them
+    (`suggestions`, search.py: advice). `ds_config` defaults to the spec's own DeepSpeed config (base file +
+    inline); pass the job's effective config when you have it. `restart`: the daemon's `[restart]` section (a
+    warm standby holds host RAM on the node; default: no standby). `alloc_conf`: the run's
+    PYTORCH_CUDA_ALLOC_CONF (the fix search may add expandable segments to it)."""
     ds = user_ds_config(job) if ds_config is None else ds_config
     result = compute_plan(job, cluster, ds, allocator_headroom=allocator_headroom,
                           cuda_context_gib=cuda_context_gib, restart=restart)
     if search and not result.fits:
+        found = search_fixes(job, cluster, ds, allocator_headroom=allocator_headroom, cuda_context_gib=cuda_context_gib,
+                             restart=restart, alloc_conf=alloc_conf,
+                             headroom_lever=allocator_headroom > EXPANDABLE_HEADROOM)
+        result.fixes, result.fix_search = found.fixes, found.describe()
         result.suggestions = search_suggestions(job, cluster, ds, result, allocator_headroom=allocator_headroom,
                                                 cuda_context_gib=cuda_context_gib, restart=restart)
     return result
@@ -63,12 +73,13 @@ def apply_overrides(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any],
                     overrides: dict[str, Any]) -> tuple[JobSpec, Cluster, dict[str, Any]]:
     """Apply a Suggestion's `overrides` (dotted keys: `train.*`, `parallel.*`, `deepspeed.config.*`,
     `cluster.*`, ...) and return the changed (job, cluster, ds_config). `restart.*` keys (the daemon's
-    section, not the job's) are left to `apply_restart_overrides`."""
+    section, not the job's) are left to `apply_restart_overrides`; `launcher.env.*` (the allocator) to the
+    caller's allocator headroom."""
     data = job.model_dump()
     ds = copy.deepcopy(ds_config)
     for dotted, val in overrides.items():
         parts = dotted.split(".")
-        if parts[0] == "restart":
+        if parts[0] in ("restart", "launcher"):
             continue
         if parts[0] == "cluster":
             if parts[1] == "gpu":

@@ -5,7 +5,7 @@ the allocator/driver overheads, and the error for input it cannot plan.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ulyssesd.remediation.job import ZERO3_DEFAULTS
@@ -18,6 +18,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # Allocator/driver overheads the peak of torch.cuda.max_memory_allocated() does not include.
 ALLOCATOR_HEADROOM = 0.08   # caching-allocator fragmentation, fraction of the allocated peak (5-10 % seen)
+EXPANDABLE_HEADROOM = 0.03  # the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)
 CUDA_CONTEXT_GIB = 1.0      # CUDA context + NCCL/cuBLAS workspaces allocated outside the torch allocator
 HOST_PER_RANK_GIB = 3.0     # RSS of one rank's process (torch, CUDA libs, DeepSpeed, data loader)
 HOST_OS_RESERVE = 0.03      # fraction of host RAM left to the OS and page cache (at least 4 GiB)
@@ -38,6 +39,7 @@ class Cluster:
     host_mem_gib: float = 1024.0  # host RAM per node
     nvme_gib: float = 0.0        # NVMe capacity per node usable for ZeRO-Infinity swap (0 = none)
     gpu_name: str = ""           # label for reports
+    origin: str = ""             # where the figures come from (measured on this host, given, or assumed)
 
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "nodes"):
@@ -58,6 +60,9 @@ class Cluster:
         name = self.gpu_name or f"{self.gpu_mem_gib:.0f} GiB GPU"
         return (f"{self.nodes} node(s) x {self.gpus_per_node} x {name} ({self.gpu_mem_gib:.1f} GiB), "
                 f"{self.host_mem_gib:.0f} GiB host RAM per node{nvme}")
+
+    def with_origin(self, origin: str) -> Cluster:
+        return replace(self, origin=origin)
 
     @classmethod
     def preset(cls, name: str, gpus_per_node: int = 8, nodes: int = 1, **overrides: Any) -> Cluster:

@@ -5,13 +5,24 @@ and its renderings (text for `ulyssesctl plan`, dict for JSON).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .inputs import (
     Cluster,
     GiB,
     ZeroSettings,
 )
+
+if TYPE_CHECKING:
+    from .fixes import Fix
+
+# Override keys of a suggestion that change the hardware or the experiment: advice, never applied by the daemon.
+ADVICE_KEYS = ("cluster.", "train.seq_len", "parallel.", "model.preset", "model.hidden_size", "model.num_layers")
+
+
+def is_advice(overrides: dict[str, Any]) -> bool:
+    """Whether a suggestion changes the hardware or the experiment (model, sequence, SP/DP layout)."""
+    return any(k.startswith(ADVICE_KEYS) for k in overrides)
 
 
 # ------------------------------------------------------------------------------------- plan
@@ -63,7 +74,9 @@ class Plan:
     problems: list[str]
     notes: list[str]
     deepspeed_view: dict[str, int]     # model states in DeepSpeed's estimator accounting (for comparison)
-    suggestions: list[Suggestion] = field(default_factory=list)
+    suggestions: list[Suggestion] = field(default_factory=list)   # search.py: every kind of change (advice too)
+    fixes: list[Fix] = field(default_factory=list)   # fixes.py: experiment- and hardware-preserving, cheapest first
+    fix_search: str = ""                             # how the fixes were searched (plans, exhaustive or not)
 
     @property
     def peak_phase(self) -> str:
@@ -109,7 +122,9 @@ class Plan:
             "problems": self.problems,
             "notes": self.notes,
             "deepspeed_view": self.deepspeed_view,
-            "suggestions": [s.to_dict() for s in self.suggestions],
+            "fixes": [f.to_dict() for f in self.fixes],
+            "fix_search": self.fix_search,
+            "suggestions": [{**s.to_dict(), "advice": is_advice(s.overrides)} for s in self.suggestions],
         }
 
     def render(self) -> str:
@@ -120,6 +135,7 @@ class Plan:
             f"checkpointing {s['checkpointing']}",
             f"Cluster: {self.cluster.describe()}; ZeRO-3 over {s['zero_partitions']} GPUs (DP {s['dp']} x SP {s['sp']}); "
             f"offload optimizer={self.zero.offload_optimizer} param={self.zero.offload_param}",
+            *([f"Figures: {self.cluster.origin}"] if self.cluster.origin else []),
             "",
             f"{'per GPU':<46} {'GiB':>9}  {'GB':>8}  phases            formula",
         ]
@@ -153,13 +169,25 @@ class Plan:
         if self.notes:
             lines += ["Notes:"] + [f"  - {n}" for n in self.notes]
         if not self.fits:
-            if self.suggestions:
-                lines.append("Smallest changes that would fit (cheapest first; each re-planned):")
-                for i, sg in enumerate(self.suggestions, 1):
+            n = 0
+            if self.fixes:
+                lines.append("Fixes that keep the experiment and the hardware (cheapest predicted step time first, "
+                             f"then fewest changes; each re-planned; {self.fix_search}):")
+                for n, fx in enumerate(self.fixes, 1):
+                    lines.append(f"  {n}. {fx.describe()}")
+            elif self.fix_search:
+                lines.append(f"No fix that keeps the experiment and the hardware fits ({self.fix_search}).")
+            # With fixes found, the other list shows only what they cannot: hardware, experiment or daemon settings.
+            rest = [sg for sg in self.suggestions if not self.fixes or is_advice(sg.overrides)
+                    or any(k.startswith(("restart.", "checkpoint.")) for k in sg.overrides)]
+            if rest:
+                lines.append("Other changes that would fit (hardware and experiment changes are advice: the daemon "
+                             "never applies them; relative cost, cheapest first):")
+                for i, sg in enumerate(rest, n + 1):
                     lines.append(f"  {i}. {' + '.join(sg.changes)}  -> GPU {sg.gpu_required_gib:.1f} GiB "
                                  f"(margin {sg.gpu_margin_gib:+.1f}), host {sg.host_required_gib:.0f} GiB/node"
                                  + (f", NVMe {sg.nvme_required_gib:.0f} GiB/node" if sg.nvme_required_gib else "")
                                  + f"  [cost {sg.cost:g}]")
-            else:
+            if not rest and not self.fixes:
                 lines.append("No candidate change found that fits.")
         return "\n".join(lines)
