@@ -51,6 +51,29 @@ def lr_at(step: int, spec: JobSpec) -> float:
     return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+#: Benchmarks only: make a bigger GPU behave as a smaller one (an H200 standing in for an 80 GB H100).
+GPU_MEMORY_CAP_ENV = "ULYSSESD_GPU_MEMORY_CAP_GIB"
+
+
+def cap_gpu_memory(local: int) -> float | None:
+    """With ULYSSESD_GPU_MEMORY_CAP_GIB=G set, the caching allocator refuses to hold more than G GiB on this
+    device (`torch.cuda.set_per_process_memory_fraction`); an allocation past it raises the usual CUDA OOM.
+    Returns the fraction set, None when the variable is unset."""
+    raw = os.environ.get(GPU_MEMORY_CAP_ENV)
+    if not raw:
+        return None
+    try:
+        cap = float(raw)
+    except ValueError:
+        raise RuntimeError(f"{GPU_MEMORY_CAP_ENV}={raw!r} is not a number of GiB") from None
+    total = torch.cuda.get_device_properties(local).total_memory / 2**30
+    if not 0 < cap <= total:
+        raise RuntimeError(f"{GPU_MEMORY_CAP_ENV}={raw} must be in (0, {total:.1f}] GiB (this GPU's memory)")
+    torch.cuda.set_per_process_memory_fraction(cap / total, local)
+    log.warning("GPU memory capped at %.1f of %.1f GiB (%s)", cap, total, GPU_MEMORY_CAP_ENV)
+    return cap / total
+
+
 def pick_device(spec: JobSpec) -> torch.device:
     want = spec.train.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
@@ -58,6 +81,7 @@ def pick_device(spec: JobSpec) -> torch.device:
             raise RuntimeError("train.device='cuda' but torch sees no CUDA device")
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
+        cap_gpu_memory(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
 

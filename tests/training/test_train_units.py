@@ -187,3 +187,14 @@ def test_backend_resolution_on_cpu():
     out = LocalAttention("math")(q, k, v)
     # Causal: the first position attends only to itself.
     assert torch.allclose(out[:, 0], v[:, 0], atol=1e-6) and out.shape == q.shape
+
+
+def test_gpu_memory_cap_is_off_unless_set_and_names_a_bad_value(monkeypatch):
+    # The bench knob that lets an H200 stand in for an 80 GB H100; unset it changes nothing.
+    from ulyssesd.training.train import GPU_MEMORY_CAP_ENV, cap_gpu_memory
+
+    monkeypatch.delenv(GPU_MEMORY_CAP_ENV, raising=False)
+    assert cap_gpu_memory(0) is None
+    monkeypatch.setenv(GPU_MEMORY_CAP_ENV, "eighty")
+    with pytest.raises(RuntimeError, match="ULYSSESD_GPU_MEMORY_CAP_GIB='eighty' is not a number"):
+        cap_gpu_memory(0)
