@@ -70,6 +70,11 @@ def grid(seqs: tuple[int, ...] = SEQS, extra: tuple[str, ...] = ()) -> list[dict
 
 
 def gpu_total_gib() -> float | None:
+    """The GPU's memory as the jobs see it: ULYSSESD_GPU_MEMORY_CAP_GIB when set (an H200 capped to stand in
+    for an 80 GB card: the jobs' allocator is capped there, training/train.py `cap_gpu_memory`), else torch's."""
+    cap = os.environ.get("ULYSSESD_GPU_MEMORY_CAP_GIB")
+    if cap:
+        return float(cap)
     code = "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**30)"
     try:
         return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
