@@ -186,3 +186,58 @@ def test_ulyssesctl_replay_accepts_a_raw_log(tmp_path):
     doc = json.loads(out.getvalue())
     assert any(it["type"] == "finding" and it["symptom"] == "overflow_storm" for it in doc["items"])
     assert doc["bad_lines"] == [] and err.getvalue() == ""  # log noise is not reported as bad telemetry
+
+
+# ------------------------------------------------------------ the corpus of real published logs
+CORPUS = LOGS / "corpus"
+
+
+def _expectation(path: Path) -> tuple[str, dict[str, str], list[str]]:
+    """A corpus file: `# source: URL (...)`, `# expect: records=N first=STEP:LOSS last=STEP:LOSS [at=STEP:LOSS]`,
+    then the log lines exactly as published."""
+    lines = path.read_text().splitlines()
+    source = lines[0].removeprefix("# source: ")
+    assert lines[0].startswith("# source: https://"), f"{path.name}: the first line names the source"
+    assert lines[1].startswith("# expect: "), f"{path.name}: the second line says what it must parse to"
+    expect = dict(kv.split("=", 1) for kv in lines[1].removeprefix("# expect: ").split())
+    return source, expect, lines[2:]
+
+
+def _step_loss(text: str) -> tuple[int, float]:
+    step, loss = text.split(":")
+    return int(step), float(loss)
+
+
+def _same_loss(got, want: float) -> bool:
+    if want != want:
+        return got == "nan"
+    return isinstance(got, float | int) and got == pytest.approx(want)
+
+
+CORPUS_FILES = sorted(CORPUS.glob("*.log"))
+
+
+def test_the_corpus_spans_at_least_ten_projects():
+    projects = {_expectation(p)[0].split("/")[3:5][0] + "/" + _expectation(p)[0].split("/")[4] for p in CORPUS_FILES}
+    projects |= {"NVIDIA/Megatron-LM", "huggingface/transformers", "deepspeedai/DeepSpeed"}  # the fixtures above
+    assert len(projects) >= 10, projects
+
+
+@pytest.mark.parametrize("path", CORPUS_FILES, ids=lambda p: p.name)
+def test_real_published_log_parses_to_the_right_steps_and_losses(path):
+    _source, expect, lines = _expectation(path)
+    p = LogTelemetryParser(attempt=1)
+    recs = [r for r in p.feed_many(lines)]
+    for r in recs:
+        parse_record(r)  # every record is one the daemon accepts
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert len(steps) == int(expect["records"]), [(r["step"], r["loss"]) for r in steps]
+    for which, rec in (("first", steps[0]), ("last", steps[-1])):
+        step, loss = _step_loss(expect[which])
+        assert rec["step"] == step and _same_loss(rec["loss"], loss), (which, rec)
+    if "at" in expect:
+        step, loss = _step_loss(expect["at"])
+        (rec,) = [r for r in steps if r["step"] == step]
+        assert _same_loss(rec["loss"], loss), rec
+    assert [r["step"] for r in steps] == sorted({r["step"] for r in steps})  # forward, no repeats
+    assert p.stats.bad_lines == 0 and p.stats.discontinuities == 0
