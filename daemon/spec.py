@@ -174,8 +174,9 @@ class DaemonSection(_Section):
     prometheus_port: int | None = Field(None, ge=1024, le=65535, description="Serve Prometheus metrics on prometheus_address:PORT/metrics (off by default).")
     prometheus_address: str = Field("127.0.0.1", min_length=1, description="Address the metrics endpoint binds (loopback by default: it has no authentication).")
     webhook_url: str | None = Field(None, description="Webhook URL for alert events: JSON with a Slack-compatible text (off by default).")
-    webhook_events: list[Literal["incident", "action", "restart", "hang", "completed", "stopped", "failed"]] = Field(
-        ["incident", "restart", "hang", "completed", "stopped", "failed"], description="Alert event kinds to send.")
+    webhook_events: list[Literal["incident", "action", "restart", "hang", "completed", "stopped", "failed", "telemetry"]] = Field(
+        ["incident", "restart", "hang", "completed", "stopped", "failed", "telemetry"], description="Alert event kinds "
+        "to send (telemetry: a job whose output gives no step record, docs/CLIENT.md).")
     webhook_secret_env: str | None = Field(None, description="Environment variable holding the HMAC-SHA256 key that signs each webhook POST (X-Ulyssesd-Signature).")
     socket_group: str | None = Field(None, description="Group allowed on the control socket besides root (default: ulyssesd if it exists).")
     hang_grace_s: float = Field(10.0, gt=0, description="SIGTERM -> SIGKILL grace for a hung job (it cannot save; shorter than stop_grace_s).")

@@ -156,6 +156,7 @@ class LogTelemetryParser:
         self._last_time: float | None = None
         self._reports_skips = False  # the log has shown skip information: records without an overflow say False
         self._seen_pure_train = False  # a training loss line without an eval loss has been seen
+        self._sample_is_hint = False
 
     @property
     def _last_step(self) -> int | None:
@@ -168,8 +169,13 @@ class LogTelemetryParser:
         for segment in line.split("\r"):
             if segment.strip():
                 got = self._segment(segment.rstrip("\n"), now)
-                if not got and _HINT.search(segment) and any(c.isdigit() for c in segment):
-                    self.stats.unparsed_sample = segment.strip()[:MAX_SAMPLE_CHARS]
+                if not got and any(c.isdigit() for c in segment):
+                    # The example for the fix: the newest line that names progress (loss, step, ...), else
+                    # the newest line with a number while none did.
+                    hint = _HINT.search(segment) is not None
+                    if hint or not self._sample_is_hint:
+                        self.stats.unparsed_sample = segment.strip()[:MAX_SAMPLE_CHARS]
+                        self._sample_is_hint = hint
                 out.extend(got)
         return out
 
@@ -373,6 +379,11 @@ class LogTelemetryParser:
         total = rec.get("total_steps")
         if isinstance(total, int) and total >= 1 and self._declared_total is None:
             self._steps.total = total  # the run's own N/M: a step far beyond it is a bad line
+        if self._after_step is not None and rec["step"] <= self._after_step:
+            # A log re-read from an older offset: these steps are in the output already (not a reset).
+            self.stats.dropped_repeated_step += 1
+            return []
+        self._after_step = None
         verdict = self._steps.offer(rec["step"], (rec, t, fmt))
         if verdict.repeated:
             self.stats.dropped_repeated_step += 1
@@ -385,7 +396,7 @@ class LogTelemetryParser:
         if verdict.event is not None:
             frm, to, kind = verdict.event
             self.stats.discontinuities += 1
-            out.append(self._event("step_discontinuity", t, step=to, kind=kind,
+            out.append(self._event("step_discontinuity", t, step=to, change=kind,
                                    from_step=frm if frm >= 0 else None, to_step=to))
         for _rec, _t, _fmt in verdict.emit:
             out.append(self._step_record(_rec, _t, _fmt))
