@@ -328,3 +328,14 @@ def pump(sup: Any) -> None:
             "bad_samples": stats.bad_samples, "discontinuities": stats.discontinuities,
             "unparsed_sample": sample, "problem": getattr(src, "problem", None),
             "fix": fix_hint(kind, sample) if silent else None})
+
+
+def telemetry_file_of(run_dir: str | Path, spec: dict[str, Any] | None) -> Path:
+    """The telemetry file the daemon reads for a run (as the supervisor's `telemetry_path`): the derived file
+    for a derived source, `[telemetry] path`, else `{run_dir}/telemetry.jsonl`. For readers with only the
+    stored spec (`ulyssesctl status` with the daemon down)."""
+    spec = spec or {}
+    if stdout_source(spec):
+        return Path(run_dir) / STDOUT_TELEMETRY_NAME
+    path = _telemetry(spec).get("path")
+    return Path(path) if isinstance(path, str) and path else Path(run_dir) / "telemetry.jsonl"

@@ -241,3 +241,101 @@ def test_real_published_log_parses_to_the_right_steps_and_losses(path):
         assert _same_loss(rec["loss"], loss), rec
     assert [r["step"] for r in steps] == sorted({r["step"] for r in steps})  # forward, no repeats
     assert p.stats.bad_lines == 0 and p.stats.discontinuities == 0
+
+
+# ------------------------------------------------------------ steps checked against the run's own progress
+def _megatron_line(step: int | str, loss: float = 2.9) -> str:
+    return (f" iteration {step:>8}/     900 | consumed samples:          160 | elapsed time per iteration (ms): "
+            f"1234.5 | learning rate: 1.000E-04 | lm loss: {loss:E} | loss scale: 1.0 | grad norm: 1.234 | "
+            f"number of skipped iterations:   0 | number of nan iterations:   0 |")
+
+
+def test_one_odd_megatron_line_is_a_bad_line_and_does_not_blind_the_parser():
+    p = LogTelemetryParser()
+    lines = [_megatron_line(s) for s in (10, 20, 30)] + [_megatron_line("10000000000000000000000000")] \
+        + [_megatron_line(s) for s in (40, 50)]
+    recs = list(p.feed_many(lines))
+    assert [r["step"] for r in recs] == [10, 20, 30, 40, 50]
+    assert p.stats.bad_lines == 1 and p.stats.discontinuities == 0
+    assert "10000000000000000" in p.stats.bad_samples[0]
+
+
+def test_a_jump_of_orders_of_magnitude_without_a_total_is_a_bad_line_but_a_healthy_stride_is_not():
+    p = LogTelemetryParser()
+    recs = list(p.feed_many([f"step {s} loss 2.0" for s in (1, 2, 3, 4)] + ["step 4000000 loss 2.0"]
+                            + [f"step {s} loss 2.0" for s in (5, 6)]))
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6] and p.stats.bad_lines == 1
+    # Logging every 1000 steps is the run's own stride: not a jump.
+    p = LogTelemetryParser()
+    recs = list(p.feed_many([f"step {s} loss 2.0" for s in (1000, 2000, 3000, 4000, 5000)]))
+    assert len(recs) == 5 and p.stats.bad_lines == 0
+
+
+def test_a_counter_that_goes_backwards_for_good_is_an_event_and_nothing_after_it_is_dropped():
+    p = LogTelemetryParser(attempt=1)
+    lines = [f"step {s} loss {3.0 - s / 100:.3f}" for s in range(1, 31)] \
+        + [f"step {s} loss {2.5 - s / 100:.3f}" for s in range(1, 11)]  # an in-job rollback / a new epoch's count
+    recs = list(p.feed_many(lines))
+    steps = [r for r in recs if r["kind"] == "step"]
+    events = [r for r in recs if r["kind"] == "event"]
+    assert [r["step"] for r in steps] == list(range(1, 31)) + list(range(1, 11))
+    assert len(events) == 1 and events[0]["event"] == "step_discontinuity"
+    assert events[0]["kind"] == "event" and events[0]["from_step"] == 30 and events[0]["to_step"] == 1
+    for r in recs:
+        parse_record(r)
+    assert p.stats.discontinuities == 1 and p.stats.bad_lines == 0
+
+
+def test_ranks_lagging_behind_are_not_a_reset():
+    p = LogTelemetryParser()
+    recs = list(p.feed_many(["step 6 loss 2.0", "step 3 loss 2.1", "step 7 loss 2.0", "step 4 loss 2.1",
+                             "step 8 loss 2.0", "step 5 loss 2.1", "step 9 loss 2.0"]))
+    assert [r["step"] for r in recs] == [6, 7, 8, 9] and p.stats.discontinuities == 0
+
+
+def test_explicit_pattern_reads_wording_nothing_else_does():
+    from ulyssesd.remediation.log_telemetry import PatternError
+
+    line = "E3 it#77 L=2.5 g=0.3"
+    assert list(parse_log_lines([line])) == []
+    p = LogTelemetryParser(pattern=r"it#(?P<step>\d+) L=(?P<loss>\S+) g=(?P<grad_norm>\S+)")
+    (rec,) = p.feed(line)
+    assert rec["step"] == 77 and rec["loss"] == 2.5 and rec["grad_norm"] == 0.3
+    with pytest.raises(PatternError, match=r"\(\?P<loss>"):
+        LogTelemetryParser(pattern=r"it#(?P<step>\d+)")
+    with pytest.raises(PatternError, match="not a regular expression"):
+        LogTelemetryParser(pattern=r"it#(?P<step>\d+")
+
+
+def test_the_newest_unparsed_progress_like_line_is_kept_as_the_example_for_the_fix():
+    p = LogTelemetryParser()
+    list(p.feed_many(["loading model", "E3 it#77 L=2.5", "Epoch 3 it#78 L=2.4", "done loading"]))
+    assert p.stats.step_records == 0 and p.stats.unparsed_sample == "Epoch 3 it#78 L=2.4"
+
+
+def test_ulyssesctl_replay_says_how_many_records_it_parsed_and_is_loud_at_zero(tmp_path):
+    import io
+    import json
+
+    from ulyssesd.daemon.operator.ctl_offline import run_replay
+
+    good = tmp_path / "good.log"
+    good.write_text("".join(f"iter {i}: loss {3 - i / 100:.4f}, time 12.34ms\n" for i in range(1, 41)))
+    out, err = io.StringIO(), io.StringIO()
+    assert run_replay(good, out=out, err=err) == 0
+    assert "parsed 40 step record(s)" in err.getvalue() and "NO STEP RECORDS" not in err.getvalue()
+
+    odd = tmp_path / "odd.log"
+    odd.write_text("".join(f"E3 it#{i} L=2.{i}\n" for i in range(1, 9)))
+    out, err = io.StringIO(), io.StringIO()
+    assert run_replay(odd, as_json=True, out=out, err=err) == 0
+    doc = json.loads(out.getvalue())
+    assert doc["parsed"]["step_records"] == 0
+    assert "NO STEP RECORDS" in err.getvalue() and "[telemetry] pattern" in err.getvalue()
+    assert "E3 it#8 L=2.8" in err.getvalue()  # the line that was not understood, for the pattern
+    spec = tmp_path / "run.toml"
+    spec.write_text('[job]\nkind = "command"\ncommand = ["t.py"]\n[telemetry]\nsource = "stdout"\n'
+                    "pattern = 'it#(?P<step>\\d+) L=(?P<loss>\\S+)'\n")
+    out, err = io.StringIO(), io.StringIO()
+    assert run_replay(odd, spec=spec, as_json=True, out=out, err=err) == 0, err.getvalue()
+    assert json.loads(out.getvalue())["parsed"]["step_records"] == 8
