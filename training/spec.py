@@ -275,7 +275,7 @@ class TelemetrySpec(_Section):
                                 "and loss (optional lr, grad_norm) for step lines the built-in reader does not know.")
     files: str | None = Field(None, description="source=trainer_state|tensorboard: the directory the framework "
                               "writes (HF output_dir / logging_dir), relative to the spec file unless absolute.")
-    silent_after_s: float = Field(900.0, ge=30, le=7 * 86400, description="source other than job: a running "
+    silent_after_s: float = Field(900.0, ge=5, le=7 * 86400, description="source other than job: a running "
                                   "attempt with no step record for this long is reported (status, journal, webhook) "
                                   "with the setting that fixes it.")
 
