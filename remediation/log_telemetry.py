@@ -56,6 +56,7 @@ _HF_SAVE = re.compile(r"Saving model checkpoint to (\S+)")
 _SKIPPED = re.compile(r"(?<![\w/])skipped\s*[=:]\s*(True|False|true|false|1|0)\b")
 _HINT = re.compile(r"loss|step|iter|epoch|batch", re.IGNORECASE)
 MAX_SAMPLE_CHARS = 300
+MAX_PATTERN_CHARS = 8192  # the user's pattern sees a line's first 8 KiB (a regex on a 1 MiB line is unbounded)
 
 _MEGATRON_KEYS = {
     "lm loss": "loss", "lm_loss": "loss", "loss": "loss", "loss scale": "loss_scale", "grad norm": "grad_norm",
@@ -203,7 +204,7 @@ class LogTelemetryParser:
         other_rank = rank is not None and self._rank is not None and rank != self._rank
 
         if self.pattern is not None:
-            mp = self.pattern.search(seg)
+            mp = self.pattern.search(seg[:MAX_PATTERN_CHARS])
             if mp:
                 rec = self._from_pattern(mp)
                 if rec is not None:

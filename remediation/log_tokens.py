@@ -106,10 +106,16 @@ def _step_rank(words: list[str]) -> int:
     return rank
 
 
+MAX_LINE_CHARS = 8192  # real step lines are < 2 KiB (an HF dict with many keys); the rest is not read
+
+
 def read_line(line: str) -> LineFacts:
-    """The facts of one log line (already stripped of rank prefixes)."""
-    seg = _ANSI.sub("", line)
+    """The facts of one log line (already stripped of rank prefixes). Bounded: only the first
+    `MAX_LINE_CHARS` characters are read, and a line without a digit is not tokenised."""
+    seg = _ANSI.sub("", line[:MAX_LINE_CHARS])
     f = LineFacts(dict_shaped=seg.lstrip().startswith("{") and "}" in seg)
+    if not any(c.isdigit() for c in seg):
+        return f
     bar = _BAR.search(seg)
     if bar:
         f.bar = (int(bar.group(1)), int(bar.group(2)))

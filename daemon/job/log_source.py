@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ DEFAULT_SILENT_AFTER_S = 900.0
 HEALTH_WRITE_EVERY_S = 5.0  # the health file is rewritten at most this often (and on every change of verdict)
 MAX_READ_BYTES = 4 << 20  # bound one tick's work on a huge backlog
 MAX_LINE_BYTES = 1 << 20  # a longer "line" (binary junk, a progress bar that never ends) is skipped
+MAX_PARSE_S = 0.5  # bound one tick's parsing time (a 4 MiB backlog of dense lines takes seconds)
 RESUME_TAIL_BYTES = 1 << 20  # how much of the output file's end is searched for the attempt's last step
 
 
@@ -183,18 +185,22 @@ class LogSource:
             return 0
         lines = chunk[:end + 1].split(b"\n")
         records = []
-        for raw in lines:
+        consumed = 0
+        t0 = time.monotonic()
+        for raw in lines[:-1]:  # the last element is the empty tail after the final newline
+            consumed += len(raw) + 1
             if len(raw) > MAX_LINE_BYTES:
                 self.skipped_long_lines += 1
-                continue
-            if raw:
+            elif raw:
                 records.extend(self.parser.feed(raw.decode("utf-8", errors="replace"), now=now))
+            if time.monotonic() - t0 > MAX_PARSE_S:
+                break  # a backlog: the rest next tick (the tick's other work must not wait on a log)
         if records:
             with open(self.out_path, "a", encoding="utf-8") as out:
                 out.write(("\n" if self._torn_tail else "") + "".join(encode_record(r) + "\n" for r in records))
                 out.flush()
             self._torn_tail = False
-        self.offset += end + 1
+        self.offset += consumed
         self._save_offset()
         return len(records)
 
