@@ -302,10 +302,17 @@ def pump(sup: Any) -> None:
         silent_after = tel.get("silent_after_s")
         sup._telemetry_watch = SilenceWatch(sup.attempt, now, float(silent_after) if isinstance(
             silent_after, int | float) and not isinstance(silent_after, bool) else DEFAULT_SILENT_AFTER_S)
+    stats = src.parser.stats
+    bad_before, disc_before = stats.bad_lines, stats.discontinuities
     appended = src.pump(now)
     watch: SilenceWatch = sup._telemetry_watch
     silent = watch.check(now, appended) and getattr(sup, "job", True) is not None
-    stats = src.parser.stats
+    if stats.bad_lines > bad_before and (bad_before < 5 or stats.bad_lines // 100 > bad_before // 100):
+        log.warning("telemetry step line out of the run's progress dropped", run_id=getattr(sup, "run_id", None),
+                    attempt=sup.attempt, bad_lines=stats.bad_lines, examples=stats.bad_samples[:3])
+    if stats.discontinuities > disc_before:
+        log.info("step counter discontinuity recorded", run_id=getattr(sup, "run_id", None), attempt=sup.attempt,
+                 discontinuities=stats.discontinuities, last_step=src.parser._last_step)
     sample = stats.unparsed_sample
     if silent and not watch.reported:
         watch.reported = True

@@ -339,3 +339,32 @@ def test_ulyssesctl_replay_says_how_many_records_it_parsed_and_is_loud_at_zero(t
     out, err = io.StringIO(), io.StringIO()
     assert run_replay(odd, spec=spec, as_json=True, out=out, err=err) == 0, err.getvalue()
     assert json.loads(out.getvalue())["parsed"]["step_records"] == 8
+
+
+@pytest.mark.parametrize("line,step,loss", [
+    ("INFO step 11/12 | loss 2.9539 | lr 3.00e-03", 11, 2.9539),
+    ("iter 100: loss 2.3456, time 12.34ms", 100, 2.3456),
+    ("Epoch 0:  50%|█████     | 10/20 [00:01<00:01,  9.1it/s, v_num=0, train_loss=2.310]", 10, 2.310),
+    ("reduced_train_loss=2.950, global_step=10.00", 10, 2.950),
+    (" iteration       10/     900 | consumed samples:          160 | lm loss: 2.9E+00 |", 10, 2.9),
+    ("step: 10  loss:  7.1", 10, 7.1),
+    ("loss 2.95 step 3", 3, 2.95), ("loss: 2.95, step: 3", 3, 2.95), ("loss=2.95 step=3", 3, 2.95),
+    ("'loss': 2.95, 'step': 3", 3, 2.95), ('{"loss": 2.95, "global_step": 3}', 3, 2.95),
+    ("iteration 3 | train_loss 2.95 | val_loss 3.10", 3, 2.95),
+    ("[2024-05-01 10:00:00] global_step=3 avg_loss=3.0 loss=2.95", 3, 2.95),
+    ("Step 3/100: loss = 2.95", 3, 2.95),
+])
+def test_the_wordings_users_have(line, step, loss):
+    (rec,) = parse_log_lines([line])
+    assert rec["step"] == step and rec["loss"] == pytest.approx(loss)
+
+
+@pytest.mark.parametrize("line", [
+    "step 3 | val_loss 3.10",                        # an evaluation loss alone is never the training loss
+    "max_steps 1000 loss 2.0",                       # a qualified step key is not a position
+    "warmup steps 100, loss 2.0",
+    "Epoch 3: loss 2.0",                             # an epoch is not a step
+    "number of skipped iterations: 3 | loss: 2.0",
+])
+def test_what_is_not_a_training_step(line):
+    assert [r for r in parse_log_lines([line]) if r["kind"] == "step"] == []
