@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
+from ulyssesd.daemon.job.framework_files import file_source_problems
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.job import job_values
 from ulyssesd.training.spec import (
@@ -278,12 +279,15 @@ def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
         job = job_spec_from_dict({k: v for k, v in data.items() if k != "job"}, source, base_dir)
     except SpecError as exc:
         problems.extend(exc.problems)
+    if job is not None and job.telemetry.files and base_dir is not None and not Path(job.telemetry.files).is_absolute():
+        job.telemetry.files = str((Path(base_dir) / job.telemetry.files).resolve())  # the spec file's, like [job]'s
     if dspec is not None and job is not None:
         world = job.parallel.world_size or dspec.launcher.world_size
         if job.parallel.world_size is not None and job.parallel.world_size != dspec.launcher.world_size:
             problems.append(f"parallel.world_size={job.parallel.world_size} does not match launcher.nnodes × "
                             f"launcher.nproc_per_node={dspec.launcher.world_size}")
         problems.extend(standby_problems(dspec.restart, dspec.launcher, job_section))
+        problems.extend(file_source_problems(job.telemetry.source, dspec.detectors.hang_timeout_floor_s))
         sp = job.parallel.sequence_parallel_size
         if world % sp:
             problems.append(f"launcher world size {world} (launcher.nnodes × launcher.nproc_per_node) is not "

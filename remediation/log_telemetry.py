@@ -1,6 +1,6 @@
 """Zero-code supervision: turn a training job's own log lines into telemetry records (pure: no I/O, no clock).
 
-Every line is read structurally (`ulyssesd.remediation.log_tokens`): key/number pairs with any separator,
+Every line is read structurally (`ulyssesd.remediation.logread.tokens`): key/number pairs with any separator,
 the synonyms of step (step, iter, iteration, global_step, num_updates, batch, a progress bar's N/M) and of
 the training loss (train_loss, reduced_train_loss, loss, lm loss; never an eval/val loss), JSON lines and
 printed dicts, tqdm/rich/Lightning progress bars. That covers nanoGPT, Lightning, NeMo, torchtitan,
@@ -15,7 +15,7 @@ A line with a loss but no step takes the step of the last progress bar or step h
 and a printed dict without either is numbered in order. An explicit `pattern` (a regex with named groups
 `step` and `loss`) is tried first, for wording nothing else reads.
 
-Steps are checked against the run's own progress (`ulyssesd.remediation.step_continuity`): one odd line is a
+Steps are checked against the run's own progress (`ulyssesd.remediation.logread.continuity`): one odd line is a
 bad line (counted, sampled), a counter that goes backwards or jumps for good is a `step_discontinuity`
 event, never a reason to drop what follows.
 
@@ -35,10 +35,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ulyssesd.remediation.log_tokens import NUM as _NUM
-from ulyssesd.remediation.log_tokens import LineFacts, read_line
-from ulyssesd.remediation.log_tokens import num as _num
-from ulyssesd.remediation.step_continuity import ContinuityConfig, StepContinuity
+from ulyssesd.remediation.logread.continuity import ContinuityConfig, StepContinuity
+from ulyssesd.remediation.logread.tokens import NUM as _NUM
+from ulyssesd.remediation.logread.tokens import LineFacts, read_line
+from ulyssesd.remediation.logread.tokens import num as _num
 
 _RANK_PREFIX = re.compile(r"^\s*(?:\[(?:rank|default)(\d+)\]:|(\d+): |([A-Za-z][\w.-]*): (?=\[|\s*iteration|\{|step))")
 _TIMESTAMP = re.compile(r"\[?(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:[,.](\d+))?")

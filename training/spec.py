@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
+from ulyssesd.remediation.logread.options import TelemetrySourceOptions
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10
@@ -264,30 +266,9 @@ class CheckpointSpec(_Section):
 
 
 # ------------------------------------------------------------------------------------ telemetry
-class TelemetrySpec(_Section):
+class TelemetrySpec(TelemetrySourceOptions, _Section):  # + source, pattern, files, silent_after_s
     path: str | None = Field(None, description="Telemetry JSONL; default {run_dir}/telemetry.jsonl.")
     gather_per_rank: StrictBool = Field(True, description="All-reduce per-rank step time and memory each step.")
-    source: Literal["job", "stdout", "trainer_state", "tensorboard"] = Field(
-        "job", description="Where the daemon gets telemetry: the job's own telemetry file, records parsed from the "
-        "job's log, or read from what the framework writes (HF trainer_state.json, TensorBoard event files) under "
-        "telemetry.files (docs/CLIENT.md).")
-    pattern: str | None = Field(None, max_length=2000, description="source=stdout: a regex with named groups step "
-                                "and loss (optional lr, grad_norm) for step lines the built-in reader does not know.")
-    files: str | None = Field(None, description="source=trainer_state|tensorboard: the directory the framework "
-                              "writes (HF output_dir / logging_dir), relative to the spec file unless absolute.")
-    silent_after_s: float = Field(900.0, ge=5, le=7 * 86400, description="source other than job: a running "
-                                  "attempt with no step record for this long is reported (status, journal, webhook) "
-                                  "with the setting that fixes it.")
-
-    @model_validator(mode="after")
-    def _pattern_compiles(self) -> TelemetrySpec:
-        if self.pattern is not None:
-            from ulyssesd.remediation.log_telemetry import compile_pattern
-            compile_pattern(self.pattern)  # PatternError (a ValueError) names what is missing
-        if self.source in ("trainer_state", "tensorboard") and not self.files:
-            raise ValueError(f"telemetry.source={self.source!r} needs telemetry.files: the directory the framework "
-                             f"writes (e.g. files = \"out\" for HF's output_dir, \"out/runs\" for TensorBoard)")
-        return self
 
 
 # -------------------------------------------------------------------------------------- scalars
@@ -496,8 +477,7 @@ def job_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
     except ValidationError as exc:
         raise SpecError(source, format_validation_error(exc)) from None
     paths = [("deepspeed.config_path", spec.deepspeed, "config_path"), ("data.path", spec.data, "path"),
-             ("data.tokenizer", spec.data, "tokenizer"), ("telemetry.files", spec.telemetry, "files"),
-             *(("data.blend.path", e, "path") for e in spec.data.blend)]
+             ("data.tokenizer", spec.data, "tokenizer"), *(("data.blend.path", e, "path") for e in spec.data.blend)]
     for key, owner, attr in paths:  # relative paths are the spec file's; a NUL byte no OS call accepts
         value = getattr(owner, attr)
         if value and "\x00" in value:

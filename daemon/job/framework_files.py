@@ -20,10 +20,23 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.remediation.log_tokens import _loss_rank, words_of
+from ulyssesd.remediation.logread.tokens import _loss_rank, words_of
 
 MAX_STATE_BYTES = 64 << 20  # a trainer_state.json larger than this is not read whole (months of logging)
 MAX_EVENT_FILES = 256  # event files scanned per directory tree
+#: Records from files arrive when the framework writes them (each save, each TensorBoard flush: 120 s by default
+#: in PyTorch's SummaryWriter), not every step: a hang floor below this would kill a healthy job between writes.
+MIN_HANG_FLOOR_S = 600.0
+
+
+def file_source_problems(source: str, hang_timeout_floor_s: float) -> list[str]:
+    """What a run spec must change for a file source: the hang floor must outlast the framework's write interval."""
+    if source not in ("trainer_state", "tensorboard") or hang_timeout_floor_s >= MIN_HANG_FLOOR_S:
+        return []
+    when = "at each checkpoint save" if source == "trainer_state" else "at each TensorBoard flush (120 s by default)"
+    return [f"telemetry.source={source!r} delivers step records only {when}: set [detectors] hang_timeout_floor_s "
+            f"above that interval (at least {MIN_HANG_FLOOR_S:.0f}; it is {hang_timeout_floor_s:g}) or the healthy "
+            f"job is killed as hung between writes; or use source = \"stdout\", read every step"]
 
 
 def _finite_or_str(v: float) -> float | str:
@@ -117,6 +130,7 @@ class TensorBoardReader:
         self._loaders: dict[Path, Any] = {}
         self._loss_rank = 0
         self._steps: dict[int, dict[str, Any]] = {}  # step -> fields seen so far (a loss makes it a record)
+        self._prev: tuple[int, float] | None = None  # the last emitted step and its wall time
 
     def _files(self) -> list[Path]:
         found: list[Path] = []
@@ -148,6 +162,7 @@ class TensorBoardReader:
                             continue
                         name, rank = role
                         fields = self._steps.setdefault(int(event.step), {})
+                        fields.setdefault("wall_time", float(event.wall_time))
                         if name == "loss":
                             if rank < self._loss_rank:
                                 continue
@@ -167,6 +182,11 @@ class TensorBoardReader:
             for k in ("lr", "grad_norm"):
                 if k in fields:
                     rec[k] = _finite_or_str(fields[k])
+            wt = fields.get("wall_time")
+            if wt and self._prev is not None and step > self._prev[0] and wt > self._prev[1]:
+                rec["step_time_s"] = (wt - self._prev[1]) / (step - self._prev[0])  # the events' own clock
+            if wt:
+                self._prev = (step, wt)
             out.append(rec)
         # Only the steps not yet complete stay (a loss may come before its lr in another file).
         newest = out[-1]["step"] if out else after_step

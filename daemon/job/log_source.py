@@ -272,6 +272,16 @@ def _write_health(run_dir: Path, data: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)  # the health file is a report: a failed write costs one update
 
 
+def health_text(h: dict[str, Any]) -> str:
+    """`ulyssesctl status`'s telemetry row: what the reading found; when silent, the fix."""
+    bad = f", {h.get('bad_lines')} bad line(s)" if h.get("bad_lines") else ""
+    jumps = f", {h.get('discontinuities')} counter reset(s)/jump(s)" if h.get("discontinuities") else ""
+    text = f"{h.get('source')}: {h.get('step_records')} step records{bad}{jumps}"
+    if h.get("silent"):
+        text += f": no step record for over {h.get('silent_after_s')} s. Fix: {h.get('fix')}"
+    return text
+
+
 def read_health(run_dir: str | Path | None) -> dict[str, Any] | None:
     """The health file of a run's derived telemetry (None when there is none or it is unreadable)."""
     if not run_dir:

@@ -216,18 +216,6 @@ def _telemetry_health(run, state: str, attempt: int | None) -> dict[str, Any] | 
     return health
 
 
-def _telemetry_cell(h: dict[str, Any]) -> str:
-    from rich.markup import escape
-
-    bad = f", {h.get('bad_lines')} bad line(s)" if h.get("bad_lines") else ""
-    jumps = f", {h.get('discontinuities')} counter reset(s)/jump(s)" if h.get("discontinuities") else ""
-    base = f"{h.get('source')}: {h.get('step_records')} step records{bad}{jumps}"
-    if h.get("silent"):
-        return f"[red]SILENT[/red] {escape(base)}: no step record for over {h.get('silent_after_s'):.0f} s. " \
-               f"Fix: {escape(str(h.get('fix')))}"
-    return escape(base)
-
-
 def job_processes(attempt, live: dict[str, Any] | None, launcher: dict[str, Any]) -> dict[str, Any]:
     """The live attempt's processes, for py-spy, kill and nvidia-smi's pid column: its launcher's pid (the
     wrapper, leader of the attempt's process group), that group, the host, and the training ranks' pids
@@ -313,6 +301,8 @@ def total_cell(d: dict[str, Any]) -> str:
 def render_status(d: dict[str, Any]) -> Table:
     from rich.markup import escape
 
+    from ulyssesd.daemon.job.log_source import health_text
+
     t = Table(title=f"run {escape(d['run_id'])}", show_header=False)
     t.add_column("key", style="bold")
     t.add_column("value")
@@ -331,8 +321,9 @@ def render_status(d: dict[str, Any]) -> Table:
     t.add_row("ETA", fmt_duration(d.get("eta_s")) + (f" (at {rate:.2f} steps/s)" if rate and d.get("eta_s") is not None
                                                       else ""))
     t.add_row("last step", _last_step_cell(d))
-    if d.get("telemetry_health"):
-        t.add_row("telemetry", _telemetry_cell(d["telemetry_health"]))
+    if d.get("telemetry_health"):  # derived telemetry: what reading the log found (SILENT: the fix)
+        h = d["telemetry_health"]
+        t.add_row("telemetry", ("[red]SILENT[/red] " if h.get("silent") else "") + escape(health_text(h)))
     loss = d["loss"]
     t.add_row("loss", fmt_loss(loss))
     tps = d["tokens_per_s"]
