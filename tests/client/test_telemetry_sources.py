@@ -159,3 +159,17 @@ def test_the_reader_never_raises_and_stays_bounded_on_hostile_lines():
         for rec in p.feed(line):
             parse_record(rec)
         assert time.monotonic() - t0 < 2.0, line[:40]
+
+
+def test_a_file_source_needs_a_hang_floor_beyond_the_frameworks_write_interval(tmp_path):
+    import pytest
+
+    from ulyssesd.daemon.spec import run_spec_from_dict
+    from ulyssesd.training.spec import SpecError
+
+    base = {"job": {"kind": "command", "command": ["t.py"]},
+            "telemetry": {"source": "trainer_state", "files": "out"}}
+    with pytest.raises(SpecError, match="hang_timeout_floor_s above that interval"):
+        run_spec_from_dict(base, base_dir=tmp_path)
+    rs = run_spec_from_dict({**base, "detectors": {"hang_timeout_floor_s": 900}}, base_dir=tmp_path)
+    assert rs.job.telemetry.files == str((tmp_path / "out").resolve())  # relative to the spec file
