@@ -1,7 +1,8 @@
 """What one log line says about training progress, read structurally (pure: no state, no I/O).
 
 A line is tokenised into key/number pairs whatever the separator (`loss 2.95`, `loss: 2.95`, `loss=2.95`,
-`'loss': 2.95`, `"loss": "2.95"`, `iteration 10/ 900`, `lm loss: 2.9E+00`); each key is then classified by
+`'loss': 2.95`, `"loss": "2.95"`, `iteration 10/ 900`, `lm loss: 2.9E+00`, a printed tensor
+`loss: tensor(2.95, device='cuda:0')`); each key is then classified by
 its words, not by the framework that printed it:
 
 - step: a key whose last word is step/steps/iter/iteration/batch/update(s) or `global_step`/`num_updates`,
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|NaN|NAN|inf|Inf|INF|Infinity)"
 _WORD = r"[A-Za-z(][\w./()\-]*"
 _PAIR = re.compile(
-    rf"(?P<key>{_WORD}(?: {_WORD}){{0,4}})['\"]?\s*(?:[:=]\s*|\s+)['\"]?"
+    rf"(?P<key>{_WORD}(?: {_WORD}){{0,4}})['\"]?\s*(?:[:=]\s*|\s+)['\"]?(?:tensor\(\[?)?"
     rf"(?P<val>{NUM})(?:\s*/\s*(?P<total>\d+))?(?P<unit>\s?(?:ms|s|sec|GiB|GB|%))?(?![\w.])")
 _BAR = re.compile(rf"(?<![\w/.])(\d+)/(\d+)(?=\s*(?:\[|\d+:\d\d))(?:\s*\[[\d:]+<[\d:?]+,\s*({NUM})\s*(s/it|it/s))?")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")

@@ -368,3 +368,12 @@ def test_the_wordings_users_have(line, step, loss):
 ])
 def test_what_is_not_a_training_step(line):
     assert [r for r in parse_log_lines([line]) if r["kind"] == "step"] == []
+
+
+@pytest.mark.parametrize("line,loss", [
+    ("step 5 | loss: tensor(2.3456, device='cuda:0', grad_fn=<NllLossBackward0>)", 2.3456),
+    ("step=5 loss=tensor([2.3456])", 2.3456),
+])
+def test_a_printed_tensor_is_a_number(line, loss):
+    (rec,) = parse_log_lines([line])
+    assert rec["step"] == 5 and rec["loss"] == pytest.approx(loss)
