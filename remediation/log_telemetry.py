@@ -158,6 +158,8 @@ class LogTelemetryParser:
         self._reports_skips = False  # the log has shown skip information: records without an overflow say False
         self._seen_pure_train = False  # a training loss line without an eval loss has been seen
         self._sample_is_hint = False
+        self._epoch_pos: tuple[int, int] | None = None  # (epoch, N) of the last keyed N/M beside an epoch
+        self._epoch_relative = False
 
     @property
     def _last_step(self) -> int | None:
@@ -254,6 +256,8 @@ class LogTelemetryParser:
             self._context_step_time = f.bar_step_time_s
         if f.summary:
             return []
+        if f.epoch_counter is not None and not other_rank:
+            f.step = self._epoch_counter_step(*f.epoch_counter)
         if f.loss is None:
             if f.step is not None and not other_rank:
                 self._context_step = f.step  # a progress bar or a step header: the next loss line's step
@@ -290,6 +294,15 @@ class LogTelemetryParser:
         if out and not f.eval_loss:
             self._seen_pure_train = True
         return out
+
+    def _epoch_counter_step(self, epoch: int, n: int, total: int) -> int:
+        """A keyed N/M beside an epoch: N itself while the count goes on across epochs, E x M + N once the run
+        showed it restarting when the epoch moved on (then it counts within the epoch, and stays so)."""
+        last = self._epoch_pos
+        self._epoch_pos = (epoch, n)
+        if not self._epoch_relative and last is not None and epoch > last[0] and n < last[1]:
+            self._epoch_relative = True
+        return epoch * total + n if self._epoch_relative else n
 
     def _from_pattern(self, m: re.Match[str]) -> dict[str, Any] | None:
         try:

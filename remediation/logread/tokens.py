@@ -8,8 +8,8 @@ its words, not by the framework that printed it:
 - step: a key whose last word is step/steps/iter/iteration/batch/update(s) or `global_step`/`num_updates`,
   unless a qualifier says it is not the position (`max`, `total`, `warmup`, `per`, `skipped`, `time`, ...).
   The most specific wins: global step > updates > step > iteration > batch > a progress bar's `N/M`.
-  `N/M` gives a total M; an epoch-relative counter (`Epoch 3 ... 4/18`, no global step in the line) is
-  E·M + N;
+  `N/M` gives a total M; a progress bar beside an epoch (`Epoch 3 ... 4/18`) is E·M + N; a keyed `N/M`
+  beside an epoch is left to the parser, which sees whether the count restarts with each epoch;
 - loss: a key with the word `loss` (not `loss scale`). A loss qualified by val/valid/eval/test/dev is an
   evaluation loss and never the training loss; among training losses one that says `train` ranks first
   (`reduced_train_loss`, `loss train`, `loss/train/total`), then a plain `loss`/`lm loss`/`total loss`, then
@@ -69,6 +69,7 @@ class LineFacts:
     summary: bool = False  # an end-of-run summary (train_runtime, total_flos): not a step
     fields: dict[str, float] = field(default_factory=dict)
     bar: tuple[int, int] | None = None  # a progress bar's N/M
+    epoch_counter: tuple[int, int, int] | None = None  # (E, N, M) of a keyed N/M beside an epoch E
     bar_step_time_s: float | None = None
     dict_shaped: bool = False  # a printed dict / JSON object ({...})
     sample_keys: list[str] = field(default_factory=list)
@@ -157,12 +158,20 @@ def read_line(line: str) -> LineFacts:
                 f.epoch = value
             continue
         _field(f, words, value, (m.group("unit") or "").strip())
-    if f.step is None and f.bar is not None:
+    from_bar = f.step is None and f.bar is not None
+    if from_bar:
+        assert f.bar is not None
         f.step, f.total = f.bar
     if f.step is not None and f.total and f.step_rank <= 3 and f.epoch is not None \
             and f.epoch == int(f.epoch) and f.epoch >= 0:
-        # An epoch-relative counter (`Epoch 3 ... 4/18`, `Epoch: 0/100 Step: 10/965`): its place in the run.
-        f.step, f.total = int(f.epoch) * f.total + f.step, None
+        if from_bar:
+            # A progress bar beside an epoch (Lightning's `Epoch 3: ... 4/18`) counts within the epoch.
+            f.step, f.total = int(f.epoch) * f.total + f.step, None
+        else:
+            # `Epoch: 0/100 Step: 10/965` or `[epoch=1][batch=3/100]`: within the epoch or of the run? The
+            # parser decides from the run's own lines (the count restarting when the epoch moves on).
+            f.epoch_counter = (int(f.epoch), f.step, f.total)
+            f.total = None
     return f
 
 

@@ -377,3 +377,17 @@ def test_what_is_not_a_training_step(line):
 def test_a_printed_tensor_is_a_number(line, loss):
     (rec,) = parse_log_lines([line])
     assert rec["step"] == 5 and rec["loss"] == pytest.approx(loss)
+
+
+def test_a_keyed_count_beside_an_epoch_is_placed_by_what_the_run_shows():
+    # Composer-style headers count batches of the run: the count goes on across epochs, steps are N.
+    p = LogTelemetryParser()
+    lines = ["[epoch=1][batch=3/100]:", "\t Train time/batch: 2", "\t Train loss/train/total: 11.6525",
+             "[epoch=1][batch=4/100]:", "\t Train loss/train/total: 11.2",
+             "[epoch=2][batch=5/100]:", "\t Train loss/train/total: 11.1"]
+    assert [(r["step"], r["loss"]) for r in p.feed_many(lines)] == [(3, 11.6525), (4, 11.2), (5, 11.1)]
+    # A count that restarts when the epoch moves on counts within the epoch: E x M + N from then on, no reset.
+    p = LogTelemetryParser()
+    lines = [f"Train Epoch: {e}/100 Step: {s}/965 | lr 5e-4 || Mask_Loss 1.6" for e in (0, 1) for s in (10, 20, 960)]
+    assert [r["step"] for r in p.feed_many(lines)] == [10, 20, 960, 975, 985, 1925]
+    assert p.stats.discontinuities == 0 and p.stats.bad_lines == 0
