@@ -32,6 +32,8 @@ class TelemetrySourceOptions(BaseModel):
             from ulyssesd.remediation.log_telemetry import compile_pattern
 
             compile_pattern(self.pattern)  # PatternError (a ValueError) names what is missing
+        if self.files is not None and "\x00" in self.files:
+            raise ValueError("telemetry.files: a path may not contain a NUL byte")
         source = self.source
         if source in FILE_SOURCES and not self.files:
             raise ValueError(f"telemetry.source={source!r} needs telemetry.files: the directory the framework "
