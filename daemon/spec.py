@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
+from ulyssesd.daemon.job.framework_files import file_source_problems
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.job import job_values
 from ulyssesd.training.spec import (
@@ -174,8 +175,9 @@ class DaemonSection(_Section):
     prometheus_port: int | None = Field(None, ge=1024, le=65535, description="Serve Prometheus metrics on prometheus_address:PORT/metrics (off by default).")
     prometheus_address: str = Field("127.0.0.1", min_length=1, description="Address the metrics endpoint binds (loopback by default: it has no authentication).")
     webhook_url: str | None = Field(None, description="Webhook URL for alert events: JSON with a Slack-compatible text (off by default).")
-    webhook_events: list[Literal["incident", "action", "restart", "hang", "completed", "stopped", "failed"]] = Field(
-        ["incident", "restart", "hang", "completed", "stopped", "failed"], description="Alert event kinds to send.")
+    webhook_events: list[Literal["incident", "action", "restart", "hang", "completed", "stopped", "failed", "telemetry"]] = Field(
+        ["incident", "restart", "hang", "completed", "stopped", "failed", "telemetry"], description="Alert event kinds "
+        "to send (telemetry: a job whose output gives no step record, docs/CLIENT.md).")
     webhook_secret_env: str | None = Field(None, description="Environment variable holding the HMAC-SHA256 key that signs each webhook POST (X-Ulyssesd-Signature).")
     socket_group: str | None = Field(None, description="Group allowed on the control socket besides root (default: ulyssesd if it exists).")
     hang_grace_s: float = Field(10.0, gt=0, description="SIGTERM -> SIGKILL grace for a hung job (it cannot save; shorter than stop_grace_s).")
@@ -277,12 +279,15 @@ def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
         job = job_spec_from_dict({k: v for k, v in data.items() if k != "job"}, source, base_dir)
     except SpecError as exc:
         problems.extend(exc.problems)
+    if job is not None and job.telemetry.files and base_dir is not None and not Path(job.telemetry.files).is_absolute():
+        job.telemetry.files = str((Path(base_dir) / job.telemetry.files).resolve())  # the spec file's, like [job]'s
     if dspec is not None and job is not None:
         world = job.parallel.world_size or dspec.launcher.world_size
         if job.parallel.world_size is not None and job.parallel.world_size != dspec.launcher.world_size:
             problems.append(f"parallel.world_size={job.parallel.world_size} does not match launcher.nnodes × "
                             f"launcher.nproc_per_node={dspec.launcher.world_size}")
         problems.extend(standby_problems(dspec.restart, dspec.launcher, job_section))
+        problems.extend(file_source_problems(job.telemetry.source, dspec.detectors.hang_timeout_floor_s))
         sp = job.parallel.sequence_parallel_size
         if world % sp:
             problems.append(f"launcher world size {world} (launcher.nnodes × launcher.nproc_per_node) is not "

@@ -1,16 +1,23 @@
 """Zero-code supervision: turn a training job's own log lines into telemetry records (pure: no I/O, no clock).
 
-Formats understood (each line is tried against them in this order; unknown lines are ignored):
-- Megatron(-LM/-DeepSpeed, GPT-NeoX) iteration lines: `iteration 100/ 1000 | ... | lm loss: 4.1E+00 |
-  loss scale: 65536.0 | grad norm: 1.2 | number of skipped iterations: 0 | ...`;
-- DeepSpeed pipeline engine: `steps: 10 loss: 2.3456 iter time (s): 0.512 samples/sec: 62.5`;
-- Hugging Face Trainer log dicts: `{'loss': 2.31, 'grad_norm': 0.8, 'learning_rate': 5e-05, 'epoch': 0.1}`,
-  their step from the tqdm progress bar (`380/2724 [14:02:33<86:01:24, 132.12s/it]`), else counted;
-- a script's own `step=12 loss=2.31 lr=1e-4` / `step 12 | loss: 2.31` lines (key=value or key: value);
-- DeepSpeed engine lines that carry no loss, merged into the next step record: OVERFLOW/loss-scale
-  (`skipped`, `loss_scale`), `step=N, skipped=K, lr=[...]` (`lr`), the throughput timer (`MemAllocated`,
-  `MaxMemAllocated`) and wall-clock-breakdown timers (`forward + backward + step` = `step_time_s`);
-  `Checkpoint <tag> is ready now!` and the HF `Saving model checkpoint to <dir>` become `checkpoint_saved` events.
+Every line is read structurally (`ulyssesd.remediation.logread.tokens`): key/number pairs with any separator,
+the synonyms of step (step, iter, iteration, global_step, num_updates, batch, a progress bar's N/M) and of
+the training loss (train_loss, reduced_train_loss, loss, lm loss; never an eval/val loss), JSON lines and
+printed dicts, tqdm/rich/Lightning progress bars. That covers nanoGPT, Lightning, NeMo, torchtitan,
+Megatron-LM, HF Trainer/axolotl dicts, fairseq, LitGPT, Accelerate scripts and a script's own wording
+without one pattern per framework. On top of that, framework lines that carry no loss are merged into the
+next step record:
+- DeepSpeed: OVERFLOW/loss-scale (`skipped`, `loss_scale`), `step=N, skipped=K, lr=[...]` (`lr`), the
+  throughput timer (`MemAllocated`, `MaxMemAllocated`), wall-clock-breakdown timers (`step_time_s`);
+- Megatron: an interval whose iterations were all skipped prints no loss: its skips mark the next record;
+- `Checkpoint <tag> is ready now!` and HF `Saving model checkpoint to <dir>` become `checkpoint_saved` events.
+A line with a loss but no step takes the step of the last progress bar or step header (`[batch=3/100]:`),
+and a printed dict without either is numbered in order. An explicit `pattern` (a regex with named groups
+`step` and `loss`) is tried first, for wording nothing else reads.
+
+Steps are checked against the run's own progress (`ulyssesd.remediation.logread.continuity`): one odd line is a
+bad line (counted, sampled), a counter that goes backwards or jumps for good is a `step_discontinuity`
+event, never a reason to drop what follows.
 
 Multi-rank output: `[rank3]:`/`[default3]:` (torchrun), `3: ` (srun --label) and `host: ` (pdsh) prefixes are
 stripped; loss lines of ranks other than the lowest one seen are dropped, and a step number that does not
@@ -28,16 +35,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-_NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|NaN|inf|Inf|-inf|Infinity)"
+from ulyssesd.remediation.logread.continuity import ContinuityConfig, StepContinuity
+from ulyssesd.remediation.logread.tokens import NUM as _NUM
+from ulyssesd.remediation.logread.tokens import LineFacts, read_line
+from ulyssesd.remediation.logread.tokens import num as _num
 
 _RANK_PREFIX = re.compile(r"^\s*(?:\[(?:rank|default)(\d+)\]:|(\d+): |([A-Za-z][\w.-]*): (?=\[|\s*iteration|\{|step))")
 _TIMESTAMP = re.compile(r"\[?(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:[,.](\d+))?")
 
 _MEGATRON = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|(.*)")
 _DS_PIPE = re.compile(rf"\bsteps: (\d+) loss: ({_NUM}) iter time \(s\): ({_NUM}) samples/sec: ({_NUM})")
-_HF_DICT = re.compile(r"\{'[A-Za-z_]+': .*\}")
-_HF_PAIR = re.compile(rf"'([A-Za-z_/]+)':\s*'?({_NUM})'?")
-_TQDM = re.compile(rf"(\d+)/(\d+) \[[\d:]+<[\d:?]+,\s*({_NUM})(s/it|it/s)")
 _OVERFLOW = re.compile(r"OVERFLOW! (?:Rank (\d+) )?Skipping step\.(?: Attempted loss scale: ([\d.]+)"
                        r"(?:, reducing to ([\d.]+))?)?")
 _DS_STEP = re.compile(r"\[Rank (\d+)\] step=(\d+), skipped=(\d+), lr=\[([^\]]*)\]")
@@ -46,16 +53,10 @@ _DS_THROUGHPUT = re.compile(rf"global_step=(\d+), RunningAvgSamplesPerSec=({_NUM
 _DS_TIMERS = re.compile(r"time \(ms\) \|(.*)")
 _DS_CKPT = re.compile(r"Checkpoint (\S+) is ready now!")
 _HF_SAVE = re.compile(r"Saving model checkpoint to (\S+)")
-_GENERIC_STEP = re.compile(r"(?<![\w/])(?:global[_ ]step|step|iter(?:ation)?)\s*[=:]?\s*(\d+)\b", re.IGNORECASE)
-_GENERIC_LOSS = re.compile(rf"(?<![\w/])(?:train[_ ])?loss\s*[=:]\s*({_NUM})\b", re.IGNORECASE)
-_GENERIC_FIELDS = {
-    "lr": re.compile(rf"(?<![\w/])(?:lr|learning[_ ]rate)\s*[=:]\s*({_NUM})", re.IGNORECASE),
-    "grad_norm": re.compile(rf"(?<![\w/])(?:grad[_ ]norm|gnorm)\s*[=:]\s*({_NUM})", re.IGNORECASE),
-    "loss_scale": re.compile(rf"(?<![\w/])loss[_ ]scale\s*[=:]\s*({_NUM})", re.IGNORECASE),
-    "step_time_s": re.compile(rf"(?<![\w/])step[_ ]time(?:_s)?\s*[=:]\s*({_NUM})\s*s?\b", re.IGNORECASE),
-    "tokens_per_s": re.compile(rf"(?<![\w/])(?:tokens|tok)(?:/s|_per_s(?:ec)?)\s*[=:]\s*({_NUM})", re.IGNORECASE),
-}
-_GENERIC_SKIPPED = re.compile(r"(?<![\w/])skipped\s*[=:]\s*(True|False|true|false|1|0)\b")
+_SKIPPED = re.compile(r"(?<![\w/])skipped\s*[=:]\s*(True|False|true|false|1|0)\b")
+_HINT = re.compile(r"loss|step|iter|epoch|batch", re.IGNORECASE)
+MAX_SAMPLE_CHARS = 300
+MAX_PATTERN_CHARS = 8192  # the user's pattern sees a line's first 8 KiB (a regex on a 1 MiB line is unbounded)
 
 _MEGATRON_KEYS = {
     "lm loss": "loss", "lm_loss": "loss", "loss": "loss", "loss scale": "loss_scale", "grad norm": "grad_norm",
@@ -65,15 +66,22 @@ _MEGATRON_KEYS = {
 }
 
 
-def _num(text: str) -> float:
-    t = text.strip().lower()
-    if t in ("nan", "-nan"):
-        return math.nan
-    if t in ("inf", "+inf", "infinity"):
-        return math.inf
-    if t in ("-inf", "-infinity"):
-        return -math.inf
-    return float(t)
+class PatternError(ValueError):
+    """A `[telemetry] pattern` that cannot be used; the message says what to write."""
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """The user's step-line regex: it must compile and name the groups `step` and `loss`."""
+    try:
+        rx = re.compile(pattern)
+    except re.error as exc:
+        raise PatternError(f"telemetry.pattern {pattern!r} is not a regular expression: {exc}") from None
+    missing = [g for g in ("step", "loss") if g not in rx.groupindex]
+    if missing:
+        raise PatternError(f"telemetry.pattern {pattern!r} needs the named group(s) "
+                           + ", ".join(f"(?P<{g}>...)" for g in missing)
+                           + r", e.g. 'it=(?P<step>\d+) .*? L=(?P<loss>\S+)'")
+    return rx
 
 
 def _jsonable(value: float) -> float | str:
@@ -89,7 +97,10 @@ def _timestamp(line: str) -> float | None:
     if not m:
         return None
     y, mo, d, h, mi, s, frac = m.groups()
-    base = calendar.timegm((int(y), int(mo), int(d), int(h), int(mi), int(s), 0, 0, 0))
+    try:
+        base = calendar.timegm((int(y), int(mo), int(d), int(h), int(mi), int(s), 0, 0, 0))
+    except (ValueError, OverflowError):
+        return None
     return base + (float("0." + frac) if frac else 0.0)
 
 
@@ -106,33 +117,53 @@ class _Pending:
 
 @dataclass
 class LogParseStats:
-    """How many lines each format matched (what `ulyssesctl replay` reports for a raw log)."""
+    """What the parser made of a log (what `ulyssesctl replay` and `status` report)."""
 
     lines: int = 0
     records: int = 0
+    step_records: int = 0
     by_format: dict[str, int] = field(default_factory=dict)
     dropped_other_rank: int = 0
     dropped_repeated_step: int = 0
+    dropped_eval_lines: int = 0
+    bad_lines: int = 0  # steps out of the run's progress (one odd line), dropped
+    bad_samples: list[str] = field(default_factory=list)
+    discontinuities: int = 0  # counters that went backwards or jumped for good (recorded as events)
+    unparsed_sample: str | None = None  # the newest line that looked like progress but gave no record
 
 
 class LogTelemetryParser:
     """Stateful line parser: `feed(line, now)` returns the telemetry records (contract dicts) it completes."""
 
     def __init__(self, attempt: int | None = None, config_version: int | None = None,
-                 after_step: int | None = None):
+                 after_step: int | None = None, pattern: str | None = None, total_steps: int | None = None,
+                 continuity: ContinuityConfig | None = None):
         """`after_step`: the last step already emitted for this attempt (a log re-read from an older offset);
-        lines of steps up to it are dropped as repeated."""
+        lines of steps up to it are dropped as repeated. `pattern`: the user's step-line regex (named groups
+        `step`, `loss`; optional `lr`, `grad_norm`), tried before the built-in reading. `total_steps`: the
+        declared length of the run, when known (a step far beyond it is a bad line)."""
         self.attempt = attempt
         self.config_version = config_version
         self.stats = LogParseStats()
+        self.pattern = compile_pattern(pattern) if pattern else None
         self._pending = _Pending()
-        self._last_step: int | None = after_step
-        self._progress_step: int | None = None
-        self._progress_step_time: float | None = None
-        self._hf_count = 0
+        self._after_step = after_step
+        self._steps = StepContinuity(last_step=after_step, total=total_steps, cfg=continuity)
+        self._declared_total = total_steps
+        self._context_step: int | None = None  # the newest progress bar / step header without a loss
+        self._context_step_time: float | None = None
+        self._dict_count = 0
         self._rank: int | None = None  # the lowest rank seen in a prefix: the one whose losses count
         self._last_time: float | None = None
         self._reports_skips = False  # the log has shown skip information: records without an overflow say False
+        self._seen_pure_train = False  # a training loss line without an eval loss has been seen
+        self._sample_is_hint = False
+        self._epoch_pos: tuple[int, int] | None = None  # (epoch, N) of the last keyed N/M beside an epoch
+        self._epoch_relative = False
+
+    @property
+    def _last_step(self) -> int | None:
+        return self._steps.last_step
 
     # -------------------------------------------------------------------------------- public
     def feed(self, line: str, now: float | None = None) -> list[dict[str, Any]]:
@@ -140,7 +171,15 @@ class LogTelemetryParser:
         self.stats.lines += 1
         for segment in line.split("\r"):
             if segment.strip():
-                out.extend(self._segment(segment.rstrip("\n"), now))
+                got = self._segment(segment.rstrip("\n"), now)
+                if not got and any(c.isdigit() for c in segment):
+                    # The example for the fix: the newest line that names progress (loss, step, ...), else
+                    # the newest line with a number while none did.
+                    hint = _HINT.search(segment) is not None
+                    if hint or not self._sample_is_hint:
+                        self.stats.unparsed_sample = segment.strip()[:MAX_SAMPLE_CHARS]
+                        self._sample_is_hint = hint
+                out.extend(got)
         return out
 
     def feed_many(self, lines: Iterable[str]) -> Iterator[dict[str, Any]]:
@@ -166,14 +205,12 @@ class LogTelemetryParser:
         t = ts if ts is not None else (now if now is not None else self._last_time)
         other_rank = rank is not None and self._rank is not None and rank != self._rank
 
-        # tqdm may share a line with anything (it redraws without a newline): take its position first.
-        tq = _TQDM.search(seg)
-        if tq and not other_rank:
-            self._progress_step = int(tq.group(1))
-            rate = _num(tq.group(3))
-            if rate > 0:
-                self._progress_step_time = rate if tq.group(4) == "s/it" else 1.0 / rate
-            self._count("tqdm")
+        if self.pattern is not None:
+            mp = self.pattern.search(seg[:MAX_PATTERN_CHARS])
+            if mp:
+                rec = self._from_pattern(mp)
+                if rec is not None:
+                    return self._emit_if_rank(rec, t, other_rank, "pattern")
 
         if "OVERFLOW!" in seg:
             mo = _OVERFLOW.search(seg)
@@ -197,32 +234,92 @@ class LogTelemetryParser:
                 return []
         mi = _MEGATRON.search(seg)
         if mi:
-            return self._emit_if_rank(self._megatron(mi), t, other_rank, "megatron")
+            rec = self._megatron(mi)
+            if "loss" in rec or rec.get("skipped"):
+                return self._emit_if_rank(rec, t, other_rank, "megatron")
         if "time (ms) |" in seg:
             self._timers(seg)
             return []
-        mp = _DS_PIPE.search(seg)
-        if mp:
-            pipe = {"step": int(mp.group(1)), "loss": _num(mp.group(2)), "step_time_s": _num(mp.group(3))}
+        mp2 = _DS_PIPE.search(seg)
+        if mp2:
+            pipe = {"step": int(mp2.group(1)), "loss": _num(mp2.group(2)), "step_time_s": _num(mp2.group(3))}
             return self._emit_if_rank(pipe, t, other_rank, "deepspeed_pipe")
-        if "{'" in seg:
-            mh = _HF_DICT.search(seg)
-            if mh:
-                rec = self._hf(mh.group(0))
-                if rec is not None:
-                    return self._emit_if_rank(rec, t, other_rank, "hf_trainer")
         ck = _DS_CKPT.search(seg) or _HF_SAVE.search(seg)
         if ck and not other_rank:
             self._count("checkpoint")
             tag = ck.group(1).rstrip("/").rsplit("/", 1)[-1]
             return [self._event("checkpoint_saved", t, tag=tag, source="log")]
-        ml = _GENERIC_LOSS.search(seg)
-        if ml:
-            mstep = _GENERIC_STEP.search(seg)
-            if mstep:
-                return self._emit_if_rank(self._generic(seg, int(mstep.group(1)), _num(ml.group(1))), t,
-                                          other_rank, "key_value")
-        return []
+        return self._generic(read_line(seg), seg, t, other_rank)
+
+    def _generic(self, f: LineFacts, seg: str, t: float | None, other_rank: bool) -> list[dict[str, Any]]:
+        if f.bar_step_time_s is not None and not other_rank:
+            self._context_step_time = f.bar_step_time_s
+        if f.summary:
+            return []
+        if f.epoch_counter is not None and not other_rank:
+            f.step = self._epoch_counter_step(*f.epoch_counter)
+        if f.loss is None:
+            if f.step is not None and not other_rank:
+                self._context_step = f.step  # a progress bar or a step header: the next loss line's step
+                if f.bar is not None:
+                    self._count("progress_bar")
+            return []
+        if f.eval_loss and self._seen_pure_train:
+            # The log prints training losses on lines of their own: a line with an eval loss is an evaluation
+            # summary (nanoGPT's `step 250: train loss 1.54, val loss 1.72`), not a training step.
+            self.stats.dropped_eval_lines += 1
+            return []
+        step = f.step
+        fmt = "key_value"
+        if step is None:
+            if self._context_step is not None:
+                step, fmt = self._context_step, "loss_after_step_header"
+            elif f.dict_shaped:
+                self._dict_count += 1
+                step, fmt = self._dict_count, "dict_counted"
+            else:
+                return []  # a loss without any step: nothing to place it at
+        if f.dict_shaped and fmt != "dict_counted":
+            fmt = "dict"
+        rec: dict[str, Any] = {"step": step, "loss": f.loss}
+        rec.update(f.fields)
+        if "step_time_s" not in rec and self._context_step_time is not None and fmt != "key_value":
+            rec["step_time_s"] = self._context_step_time
+        if f.total:
+            rec["total_steps"] = f.total
+        sk = _SKIPPED.search(seg)
+        if sk:
+            rec["skipped"] = sk.group(1) in ("True", "true", "1")
+        out = self._emit_if_rank(rec, t, other_rank, fmt)
+        if out and not f.eval_loss:
+            self._seen_pure_train = True
+        return out
+
+    def _epoch_counter_step(self, epoch: int, n: int, total: int) -> int:
+        """A keyed N/M beside an epoch: N itself while the count goes on across epochs, E x M + N once the run
+        showed it restarting when the epoch moved on (then it counts within the epoch, and stays so)."""
+        last = self._epoch_pos
+        self._epoch_pos = (epoch, n)
+        if not self._epoch_relative and last is not None and epoch > last[0] and n < last[1]:
+            self._epoch_relative = True
+        return epoch * total + n if self._epoch_relative else n
+
+    def _from_pattern(self, m: re.Match[str]) -> dict[str, Any] | None:
+        try:
+            step_f = float(m.group("step"))
+            loss = _num(m.group("loss"))
+        except (TypeError, ValueError):
+            return None
+        if not math.isfinite(step_f) or step_f < 0 or step_f != int(step_f):
+            return None
+        rec: dict[str, Any] = {"step": int(step_f), "loss": loss}
+        for key in ("lr", "grad_norm"):
+            if key in m.re.groupindex and m.group(key) is not None:
+                try:
+                    rec[key] = _num(m.group(key))
+                except ValueError:
+                    pass
+        return rec
 
     def _ds_step(self, m: re.Match[str]) -> None:
         total = int(m.group(3))
@@ -257,7 +354,7 @@ class LogTelemetryParser:
                 return
 
     def _megatron(self, m: re.Match[str]) -> dict[str, Any]:
-        rec: dict[str, Any] = {"step": int(m.group(1))}
+        rec: dict[str, Any] = {"step": int(m.group(1)), "total_steps": int(m.group(2))}
         raw: dict[str, float] = {}
         for part in m.group(3).split("|"):
             key, sep, value = part.rpartition(":")
@@ -283,40 +380,6 @@ class LogTelemetryParser:
                 rec["tokens_per_s"] = rec["tokens"] / rec["step_time_s"]
         return rec
 
-    def _hf(self, text: str) -> dict[str, Any] | None:
-        pairs = {}
-        for k, v in _HF_PAIR.findall(text):
-            try:
-                pairs[k] = _num(v)
-            except ValueError:
-                continue
-        if "loss" not in pairs:
-            return None  # eval dicts, the final train_runtime summary
-        self._hf_count += 1
-        step = self._progress_step if self._progress_step is not None else self._hf_count
-        rec: dict[str, Any] = {"step": step, "loss": pairs["loss"]}
-        if "grad_norm" in pairs:
-            rec["grad_norm"] = pairs["grad_norm"]
-        if "learning_rate" in pairs:
-            rec["lr"] = pairs["learning_rate"]
-        if self._progress_step_time is not None:
-            rec["step_time_s"] = self._progress_step_time
-        return rec
-
-    def _generic(self, seg: str, step: int, loss: float) -> dict[str, Any]:
-        rec: dict[str, Any] = {"step": step, "loss": loss}
-        for key, rx in _GENERIC_FIELDS.items():
-            mf = rx.search(seg)
-            if mf:
-                try:
-                    rec[key] = _num(mf.group(1))
-                except ValueError:
-                    pass
-        sk = _GENERIC_SKIPPED.search(seg)
-        if sk:
-            rec["skipped"] = sk.group(1) in ("True", "true", "1")
-        return rec
-
     def _emit_if_rank(self, rec: dict[str, Any], t: float | None, other_rank: bool, fmt: str) -> list[dict[str, Any]]:
         if other_rank:
             self.stats.dropped_other_rank += 1
@@ -327,15 +390,38 @@ class LogTelemetryParser:
             if rec.get("skipped"):
                 self._pending.overflows += 1
             return []
-        step = rec["step"]
-        if self._last_step is not None and step <= self._last_step:
+        total = rec.get("total_steps")
+        if isinstance(total, int) and total >= 1 and self._declared_total is None:
+            self._steps.total = total  # the run's own N/M: a step far beyond it is a bad line
+        if self._after_step is not None and rec["step"] <= self._after_step:
+            # A log re-read from an older offset: these steps are in the output already (not a reset).
             self.stats.dropped_repeated_step += 1
             return []
-        self._last_step = step
+        self._after_step = None
+        verdict = self._steps.offer(rec["step"], (rec, t, fmt))
+        if verdict.repeated:
+            self.stats.dropped_repeated_step += 1
+            return []
+        for _rec, _t, _fmt in verdict.dropped:
+            self.stats.bad_lines += 1
+            if len(self.stats.bad_samples) < 5:
+                self.stats.bad_samples.append(f"step {_rec['step']} ({_fmt}) after step {self._last_step}")
+        out: list[dict[str, Any]] = []
+        if verdict.event is not None:
+            frm, to, kind = verdict.event
+            self.stats.discontinuities += 1
+            out.append(self._event("step_discontinuity", t, step=to, change=kind,
+                                   from_step=frm if frm >= 0 else None, to_step=to))
+        for _rec, _t, _fmt in verdict.emit:
+            out.append(self._step_record(_rec, _t, _fmt))
+        return out
+
+    def _step_record(self, rec: dict[str, Any], t: float | None, fmt: str) -> dict[str, Any]:
+        step = rec["step"]
         self._count(fmt)
         p = self._pending
         merged: dict[str, Any] = dict(p.fields)
-        merged.update({k: v for k, v in rec.items() if k not in ("step", "loss")})
+        merged.update({k: v for k, v in rec.items() if k not in ("step", "loss", "total_steps")})
         if p.lr is not None and "lr" not in merged:
             merged["lr"] = p.lr
         if p.loss_scale is not None and "loss_scale" not in merged:
@@ -355,13 +441,17 @@ class LogTelemetryParser:
             out["config_version"] = self.config_version
         for k, v in merged.items():
             out[k] = _jsonable(v) if isinstance(v, float) else v
+        total = self._declared_total or rec.get("total_steps")
+        if isinstance(total, int) and total >= 1:
+            out["total_steps"] = total
         self.stats.records += 1
-        return [out]
+        self.stats.step_records += 1
+        return out
 
-    def _event(self, name: str, t: float | None, **fields: Any) -> dict[str, Any]:
+    def _event(self, name: str, t: float | None, step: int | None = None, **fields: Any) -> dict[str, Any]:
         self.stats.records += 1
-        return {"v": 1, "kind": "event", "time": t, "attempt": self.attempt, "step": self._last_step,
-                "event": name, **fields}
+        return {"v": 1, "kind": "event", "time": t, "attempt": self.attempt,
+                "step": step if step is not None else self._last_step, "event": name, **fields}
 
 
 def parse_log_lines(lines: Iterable[str], attempt: int | None = None) -> Iterator[dict[str, Any]]:

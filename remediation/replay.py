@@ -63,3 +63,42 @@ def replay(records: Iterable[Record], detectors_cfg: DetectorsConfig | None = No
         if out:
             for item in out:
                 yield ReplayItem(item.step, now, item)
+
+
+class CountingRecords:
+    """Wraps a record stream and counts what went through (what `ulyssesctl replay` says it parsed)."""
+
+    def __init__(self, records: Iterable[Record]):
+        self._records = records
+        self.steps = 0
+        self.events = 0
+
+    def __iter__(self) -> Iterator[Record]:
+        for rec in self._records:
+            if isinstance(rec, StepRecord):
+                self.steps += 1
+            else:
+                self.events += 1
+            yield rec
+
+    def summary(self, source: str, log_stats: Any = None) -> str:
+        """One line: how many records were parsed; loud when no step record was (detectors saw nothing)."""
+        text = f"parsed {self.steps} step record(s) and {self.events} event(s) from {source}"
+        if log_stats is not None:
+            extra = []
+            if log_stats.bad_lines:
+                extra.append(f"{log_stats.bad_lines} step line(s) out of the run's progress dropped "
+                             f"({'; '.join(log_stats.bad_samples[:2])})")
+            if log_stats.discontinuities:
+                extra.append(f"{log_stats.discontinuities} step counter reset(s)/jump(s)")
+            if extra:
+                text += ": " + ", ".join(extra)
+        if self.steps == 0:
+            text = ("NO STEP RECORDS: " + text + ", so nothing was checked (no loss, NaN, spike, slow-step or "
+                    "hang detection). ")
+            if log_stats is not None:
+                sample = log_stats.unparsed_sample
+                text += ("Give the spec a [telemetry] pattern with (?P<step>...) and (?P<loss>...) groups "
+                         "(docs/CLIENT.md, stdout telemetry) and pass it with --spec"
+                         + (f"; a line that looked like progress: {sample!r}" if sample else ""))
+        return text

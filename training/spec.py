@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
+from ulyssesd.remediation.logread.options import TelemetrySourceOptions
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10
@@ -268,11 +270,9 @@ class CheckpointSpec(_Section):
 
 
 # ------------------------------------------------------------------------------------ telemetry
-class TelemetrySpec(_Section):
+class TelemetrySpec(TelemetrySourceOptions, _Section):  # + source, pattern, files, silent_after_s
     path: str | None = Field(None, description="Telemetry JSONL; default {run_dir}/telemetry.jsonl.")
     gather_per_rank: StrictBool = Field(True, description="All-reduce per-rank step time and memory each step.")
-    source: Literal["job", "stdout"] = Field("job", description="Where the daemon gets telemetry: the job's own "
-                                            "telemetry file, or records parsed from the job's log (docs/CLIENT.md).")
 
 
 # -------------------------------------------------------------------------------------- scalars

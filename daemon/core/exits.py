@@ -18,6 +18,7 @@ from ulyssesd.daemon.core.termination import UNREQUESTED, TerminationPlan, Then
 from ulyssesd.daemon.host import disk, host_oom
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus
+from ulyssesd.daemon.job import declared_total
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.remediation.diagnosis import Diagnosis
 from ulyssesd.remediation.diagnosis.facts import scheduler_ended
@@ -99,7 +100,16 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     sup.say(f"attempt {sup.attempt} ended: {status.describe()} after {ran_s:.0f}s (last step {sup.last_step})")
     if completed:
         sup.incidents.resolve_all("run completed")
-        sup.set_state(S.COMPLETED, f"reached final step {sup.last_step}")
+        short = declared_total.short_of_total(sup.telemetry_path, sup.last_step, sup.spec.job_section.total_steps,
+                                              sup.attempt) if sup.spec.job_section.kind == "command" else None
+        if short is not None:  # exit 0 is the job's word, not proof of the run's length: say it fell short
+            iid = sup.incidents.incident(Symptom.no_progress, short[0], Severity.warning,
+                                         f"the job exited 0 at step {short[0]} before its declared total "
+                                         f"{short[1]}; the run is COMPLETED as the job said, short of its length",
+                                         {"exit": status.describe(), "last_step": short[0], "total_steps": short[1]})
+            sup.store.update_incident_status(iid, IncidentStatus.escalated, "exited before its declared total")
+        sup.set_state(S.COMPLETED, f"reached final step {sup.last_step}" if short is None else
+                      f"job exited 0 at step {short[0]}, before its declared total {short[1]}")
         return
     if save_failure is not None and requested:
         # A requested end (stop, pause, a restart) whose final save failed: the run goes on as asked, from

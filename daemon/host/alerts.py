@@ -52,9 +52,9 @@ except ImportError:  # pragma: no cover
 #: Every event kind the daemon can send. incident: a detector or the store found trouble (an escalation too);
 #: action: a remediation was recorded; restart: the run goes to RESTARTING/BACKOFF; hang: a hang incident;
 #: completed / stopped / failed: the run ended so.
-EVENTS = ("incident", "action", "restart", "hang", "completed", "stopped", "failed")
+EVENTS = ("incident", "action", "restart", "hang", "completed", "stopped", "failed", "telemetry")
 #: Sent when the spec does not choose: everything but `action` (each action follows an incident already sent).
-DEFAULT_EVENTS = ("incident", "restart", "hang", "completed", "stopped", "failed")
+DEFAULT_EVENTS = ("incident", "restart", "hang", "completed", "stopped", "failed", "telemetry")
 SIGNATURE_HEADER = "X-Ulyssesd-Signature"
 TIMESTAMP_HEADER = "X-Ulyssesd-Timestamp"
 

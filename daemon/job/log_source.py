@@ -9,43 +9,93 @@ detectors and replay as a job that writes its own telemetry). The log offset of 
 be behind (its last write lost), the lines re-read yield no second record: the parser starts after the last
 step this attempt already has in the output file. A record's `time` is the line's own timestamp or the time
 the daemon read it.
+
+`source = "trainer_state" | "tensorboard"` read what the framework writes instead (daemon/job/framework_files.py)
+into the same output file. For every derived source, `{run_dir}/telemetry-stdout.health.json` says what the
+current attempt's reading found (lines, step records, bad lines, counter discontinuities, the newest line that
+looked like progress but gave no record) and whether it has been silent: no step record for
+`[telemetry] silent_after_s` (900 s) while the attempt runs. Silence is said once per attempt in the journal,
+as a `telemetry` webhook and in `ulyssesctl status`, with the setting that fixes it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from ulyssesd.client.contract import encode_record
+from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.remediation.log_telemetry import LogTelemetryParser
 from ulyssesd.training.durable import temp_path_for
 
+log = get_logger("ulyssesd.telemetry")
+
 STDOUT_TELEMETRY_NAME = "telemetry-stdout.jsonl"
 OFFSETS_NAME = "telemetry-stdout.offsets.json"
+HEALTH_NAME = "telemetry-stdout.health.json"
+DERIVED_SOURCES = ("stdout", "trainer_state", "tensorboard")
+DEFAULT_SILENT_AFTER_S = 900.0
+HEALTH_WRITE_EVERY_S = 5.0  # the health file is rewritten at most this often (and on every change of verdict)
 MAX_READ_BYTES = 4 << 20  # bound one tick's work on a huge backlog
 MAX_LINE_BYTES = 1 << 20  # a longer "line" (binary junk, a progress bar that never ends) is skipped
+MAX_PARSE_S = 0.5  # bound one tick's parsing time (a 4 MiB backlog of dense lines takes seconds)
 RESUME_TAIL_BYTES = 1 << 20  # how much of the output file's end is searched for the attempt's last step
 
 
-def stdout_source(config: dict[str, Any]) -> bool:
-    """Whether a job config asks for telemetry from the job's log."""
+def _telemetry(config: dict[str, Any]) -> dict[str, Any]:
     tel = config.get("telemetry") or {}
-    return isinstance(tel, dict) and tel.get("source") == "stdout"
+    return tel if isinstance(tel, dict) else {}
+
+
+def source_kind(config: dict[str, Any]) -> str:
+    """`[telemetry] source`: "job" (the job writes telemetry itself), "stdout", "trainer_state", "tensorboard"."""
+    src = _telemetry(config).get("source")
+    return src if isinstance(src, str) else "job"
+
+
+def stdout_source(config: dict[str, Any]) -> bool:
+    """Whether the daemon derives the job's telemetry itself (from its log or its framework's files) into
+    `telemetry-stdout.jsonl`: the job does not write records, nor read control.json."""
+    return source_kind(config) in DERIVED_SOURCES
+
+
+def _declared_total(config: dict[str, Any]) -> int | None:
+    job = config.get("job") or {}
+    total = job.get("total_steps") if isinstance(job, dict) else None
+    return total if isinstance(total, int) and not isinstance(total, bool) and total >= 1 else None
+
+
+def fix_hint(source: str, sample: str | None) -> str:
+    """The setting that makes a silent job's steps readable, with the line that was not understood."""
+    if source == "stdout":
+        seen = f"; the newest line that looked like progress was {sample!r}" if sample else \
+            "; no line of the output looked like a step line"
+        return ("print one line per step with a step and a loss (e.g. `step 12 loss 2.31`), or give "
+                "[telemetry] pattern = '<regex with (?P<step>...) and (?P<loss>...)>' (docs/CLIENT.md, stdout "
+                "telemetry)" + seen)
+    if source == "trainer_state":
+        return ("[telemetry] files must be the Trainer's output_dir (it holds trainer_state.json or "
+                "checkpoint-N/trainer_state.json, written at each save); or use source = \"stdout\"")
+    return ("[telemetry] files must be a directory holding the job's events.out.tfevents.* files with a training "
+            "loss scalar (a tag such as train/loss); or use source = \"stdout\"")
 
 
 class LogSource:
     """Tail one attempt's log into the run's stdout telemetry file."""
 
-    def __init__(self, run_dir: Path, attempt: int, config_version: int | None = None):
+    def __init__(self, run_dir: Path, attempt: int, config_version: int | None = None,
+                 pattern: str | None = None, total_steps: int | None = None):
         self.run_dir = Path(run_dir)
         self.attempt = attempt
         self.log_path = self.run_dir / "logs" / f"attempt-{attempt}.log"
         self.out_path = self.run_dir / STDOUT_TELEMETRY_NAME
         self.offset = self._load_offset()
         self.parser = LogTelemetryParser(attempt=attempt, config_version=config_version,
-                                         after_step=self._last_emitted_step())
+                                         after_step=self._last_emitted_step(), pattern=pattern,
+                                         total_steps=total_steps)
         self.skipped_long_lines = 0
         self._torn_tail = self._ends_mid_line()
 
@@ -135,28 +185,180 @@ class LogSource:
             return 0
         lines = chunk[:end + 1].split(b"\n")
         records = []
-        for raw in lines:
+        consumed = 0
+        t0 = time.monotonic()
+        for raw in lines[:-1]:  # the last element is the empty tail after the final newline
+            consumed += len(raw) + 1
             if len(raw) > MAX_LINE_BYTES:
                 self.skipped_long_lines += 1
-                continue
-            if raw:
+            elif raw:
                 records.extend(self.parser.feed(raw.decode("utf-8", errors="replace"), now=now))
+            if time.monotonic() - t0 > MAX_PARSE_S:
+                break  # a backlog: the rest next tick (the tick's other work must not wait on a log)
         if records:
             with open(self.out_path, "a", encoding="utf-8") as out:
                 out.write(("\n" if self._torn_tail else "") + "".join(encode_record(r) + "\n" for r in records))
                 out.flush()
             self._torn_tail = False
-        self.offset += end + 1
+        self.offset += consumed
         self._save_offset()
         return len(records)
 
 
+class FileSource(LogSource):
+    """Records from the framework's own files (trainer_state.json, TensorBoard events) instead of the log."""
+
+    def __init__(self, run_dir: Path, attempt: int, config_version: int | None, kind: str, files: Path):
+        super().__init__(run_dir, attempt, config_version)
+        self.kind = kind
+        self.files = Path(files)
+        self.after_step = self.parser._last_step
+        self.problem: str | None = None
+        from ulyssesd.daemon.job.framework_files import TensorBoardReader
+
+        self._tb = TensorBoardReader(self.files) if kind == "tensorboard" else None
+
+    def pump(self, now: float) -> int:
+        from ulyssesd.daemon.job.framework_files import newest_trainer_state, trainer_state_records
+
+        if self._tb is not None:
+            found = self._tb.read(self.after_step)
+        else:
+            path = newest_trainer_state(self.files)
+            found, self.problem = trainer_state_records(path, self.after_step) if path else ([], None)
+        if not found:
+            return 0
+        records = []
+        for rec in found:
+            out = {"v": 1, "kind": "step", "time": now, "attempt": self.attempt, **rec}
+            if self.parser.config_version is not None:
+                out["config_version"] = self.parser.config_version
+            records.append(out)
+        with open(self.out_path, "a", encoding="utf-8") as fh:
+            fh.write(("\n" if self._torn_tail else "") + "".join(encode_record(r) + "\n" for r in records))
+        self._torn_tail = False
+        self.after_step = records[-1]["step"]
+        self.parser.stats.step_records += len(records)
+        self.parser.stats.records += len(records)
+        return len(records)
+
+
+class SilenceWatch:
+    """Whether the current attempt's derived telemetry has gone silent; says so once per silence."""
+
+    def __init__(self, attempt: int, started: float, silent_after_s: float):
+        self.attempt = attempt
+        self.started = started
+        self.silent_after_s = silent_after_s
+        self.last_record: float | None = None
+        self.reported = False
+        self._last_write = 0.0
+        self._last_verdict: bool | None = None
+
+    def check(self, now: float, appended: int) -> bool:
+        """True when the attempt is silent now (no step record for silent_after_s)."""
+        if appended:
+            self.last_record = now
+        return now - (self.last_record if self.last_record is not None else self.started) > self.silent_after_s
+
+
+def _write_health(run_dir: Path, data: dict[str, Any]) -> None:
+    path = run_dir / HEALTH_NAME
+    tmp = temp_path_for(path)
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # the health file is a report: a failed write costs one update
+
+
+def health_text(h: dict[str, Any]) -> str:
+    """`ulyssesctl status`'s telemetry row: what the reading found; when silent, the fix."""
+    bad = f", {h.get('bad_lines')} bad line(s)" if h.get("bad_lines") else ""
+    jumps = f", {h.get('discontinuities')} counter reset(s)/jump(s)" if h.get("discontinuities") else ""
+    text = f"{h.get('source')}: {h.get('step_records')} step records{bad}{jumps}"
+    if h.get("silent"):
+        text += f": no step record for over {h.get('silent_after_s')} s. Fix: {h.get('fix')}"
+    return text
+
+
+def read_health(run_dir: str | Path | None) -> dict[str, Any] | None:
+    """The health file of a run's derived telemetry (None when there is none or it is unreadable)."""
+    if not run_dir:
+        return None
+    try:
+        data = json.loads((Path(run_dir) / HEALTH_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def pump(sup: Any) -> None:
-    """The supervisor's hook: keep a LogSource for the current attempt and pump it (no-op for other jobs)."""
+    """The supervisor's hook: keep a source for the current attempt and pump it (no-op for other jobs), then
+    watch for silence."""
     if not stdout_source(sup.config) or not sup.attempt:
         return
+    kind = source_kind(sup.config)
+    tel = _telemetry(sup.config)
     src = getattr(sup, "_log_source", None)
+    now = sup.os.time()
     if src is None or src.attempt != sup.attempt or src.run_dir != sup.run_dir:
-        src = LogSource(sup.run_dir, sup.attempt, sup.config_version)
+        if kind == "stdout":
+            src = LogSource(sup.run_dir, sup.attempt, sup.config_version, pattern=tel.get("pattern"),
+                            total_steps=_declared_total(sup.config))
+        else:
+            src = FileSource(sup.run_dir, sup.attempt, sup.config_version, kind, Path(str(tel.get("files") or ".")))
         sup._log_source = src
-    src.pump(sup.os.time())
+        silent_after = tel.get("silent_after_s")
+        sup._telemetry_watch = SilenceWatch(sup.attempt, now, float(silent_after) if isinstance(
+            silent_after, int | float) and not isinstance(silent_after, bool) else DEFAULT_SILENT_AFTER_S)
+    stats = src.parser.stats
+    bad_before, disc_before = stats.bad_lines, stats.discontinuities
+    appended = src.pump(now)
+    watch: SilenceWatch = sup._telemetry_watch
+    silent = watch.check(now, appended) and getattr(sup, "job", True) is not None
+    if stats.bad_lines > bad_before and (bad_before < 5 or stats.bad_lines // 100 > bad_before // 100):
+        log.warning("telemetry step line out of the run's progress dropped", run_id=getattr(sup, "run_id", None),
+                    attempt=sup.attempt, bad_lines=stats.bad_lines, examples=stats.bad_samples[:3])
+    if stats.discontinuities > disc_before:
+        log.info("step counter discontinuity recorded", run_id=getattr(sup, "run_id", None), attempt=sup.attempt,
+                 discontinuities=stats.discontinuities, last_step=src.parser._last_step)
+    sample = stats.unparsed_sample
+    if silent and not watch.reported:
+        watch.reported = True
+        since = watch.last_record if watch.last_record is not None else watch.started
+        fix = fix_hint(kind, sample)
+        what = (f"no step record from the job's {'output' if kind == 'stdout' else kind} for {now - since:.0f} s "
+                f"(attempt {sup.attempt}, {stats.step_records} step records so far): loss, NaN, spike, slow-step "
+                f"and progress-based hang detection are blind")
+        log.warning("telemetry silent", run_id=getattr(sup, "run_id", None), attempt=sup.attempt, source=kind,
+                    silent_s=round(now - since), step_records=stats.step_records, fix=fix, example_line=sample)
+        if hasattr(sup, "say"):
+            sup.say(f"TELEMETRY SILENT: {what}. Fix: {fix}")
+        if hasattr(sup, "alert"):
+            sup.alert("telemetry", f"{what}. Fix: {fix}", source=kind, example_line=sample,
+                      step_records=stats.step_records)
+    elif not silent and watch.reported:
+        watch.reported = False
+        log.info("telemetry readable again", run_id=getattr(sup, "run_id", None), attempt=sup.attempt,
+                 step_records=stats.step_records)
+    if silent != watch._last_verdict or appended or now - watch._last_write >= HEALTH_WRITE_EVERY_S:
+        watch._last_verdict, watch._last_write = silent, now
+        _write_health(sup.run_dir, {
+            "attempt": sup.attempt, "source": kind, "checked_at": now, "started_at": watch.started,
+            "last_record_at": watch.last_record, "silent": silent, "silent_after_s": watch.silent_after_s,
+            "lines": stats.lines, "step_records": stats.step_records, "bad_lines": stats.bad_lines,
+            "bad_samples": stats.bad_samples, "discontinuities": stats.discontinuities,
+            "unparsed_sample": sample, "problem": getattr(src, "problem", None),
+            "fix": fix_hint(kind, sample) if silent else None})
+
+
+def telemetry_file_of(run_dir: str | Path, spec: dict[str, Any] | None) -> Path:
+    """The telemetry file the daemon reads for a run (as the supervisor's `telemetry_path`): the derived file
+    for a derived source, `[telemetry] path`, else `{run_dir}/telemetry.jsonl`. For readers with only the
+    stored spec (`ulyssesctl status` with the daemon down)."""
+    spec = spec or {}
+    if stdout_source(spec):
+        return Path(run_dir) / STDOUT_TELEMETRY_NAME
+    path = _telemetry(spec).get("path")
+    return Path(path) if isinstance(path, str) and path else Path(run_dir) / "telemetry.jsonl"

@@ -38,12 +38,12 @@ def _first_line(path: Path) -> bytes:
     return b""
 
 
-def read_log_records(path: Path, bad: list[BadLine]) -> Iterator[Record]:
+def read_log_records(path: Path, bad: list[BadLine], parser: Any = None) -> Iterator[Record]:
     """Stream records from a job's raw log (DeepSpeed, Megatron, HF Trainer, `step=N loss=X` lines);
     lines that are no telemetry are ignored (a log is mostly other output), not reported as bad."""
     from ulyssesd.remediation.log_telemetry import LogTelemetryParser
 
-    parser = LogTelemetryParser()
+    parser = parser or LogTelemetryParser()
     with path.open("r", encoding="utf-8", errors="replace", newline="\n") as fh:
         for no, line in enumerate(fh, 1):
             for rec in parser.feed(line):
@@ -53,11 +53,12 @@ def read_log_records(path: Path, bad: list[BadLine]) -> Iterator[Record]:
                     bad.append(BadLine(no, str(exc)))
 
 
-def read_records(path: Path, bad: list[BadLine]) -> Iterator[Record]:
+def read_records(path: Path, bad: list[BadLine], parser: Any = None) -> Iterator[Record]:
     """Stream records from a telemetry file, or from a raw job log when its first line is not a telemetry
-    record; each unparsable telemetry line is appended to `bad` and skipped."""
+    record (read by `parser`, a LogTelemetryParser, when given); each unparsable telemetry line is appended to
+    `bad` and skipped."""
     if not looks_like_telemetry(_first_line(path)):
-        yield from read_log_records(path, bad)
+        yield from read_log_records(path, bad, parser)
         return
     with path.open("rb") as fh:  # bytes: no decode step (orjson takes bytes; bad UTF-8 is reported per line)
         # readline(limit), not `for line in fh`: a line longer than the bound is never held in memory whole.
@@ -118,19 +119,40 @@ def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,
         print(f"error: cannot load run spec {spec}: {exc}", file=err)
         return 2
     bad: list[BadLine] = []
-    items = replay(read_records(telemetry, bad), det, pol, job)
+    from ulyssesd.remediation.log_telemetry import LogTelemetryParser
+    from ulyssesd.remediation.replay import CountingRecords
+
+    raw_log = not looks_like_telemetry(_first_line(telemetry))
+    parser = LogTelemetryParser(pattern=_spec_pattern(spec)) if raw_log else None
+    counted = CountingRecords(read_records(telemetry, bad, parser))
+    items = replay(counted, det, pol, job)
     if as_json:
         collected = [item_to_dict(it) for it in items]
         from ulyssesd.daemon.operator.ctl_common import json_text  # strict JSON: a NaN loss as "NaN"
 
         out.write(json_text({"telemetry": str(telemetry), "items": collected,
-                             "bad_lines": [dataclasses.asdict(b) for b in bad]}, indent=1))
+                             "bad_lines": [dataclasses.asdict(b) for b in bad],
+                             "parsed": {"step_records": counted.steps, "events": counted.events,
+                                        "summary": counted.summary(str(telemetry), parser.stats if parser else None)}},
+                            indent=1))
         out.write("\n")
     else:
         _print_table(items, out)
     for b in bad:
         print(f"warning: {telemetry}:{b.line}: skipped: {b.error}", file=err)
+    if not as_json or counted.steps == 0:
+        print(("error: " if counted.steps == 0 else "") + counted.summary(str(telemetry), parser.stats if parser else None),
+              file=err)
     return 0
+
+
+def _spec_pattern(spec: Path | None) -> str | None:
+    """The spec's `[telemetry] pattern` (a raw log is read as the daemon would read it)."""
+    if spec is None:
+        return None
+    from ulyssesd.daemon.spec import load_run_spec
+
+    return load_run_spec(spec).job.telemetry.pattern
 
 
 def _print_table(items: Iterator[ReplayItem], out: Any) -> None:

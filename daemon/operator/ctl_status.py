@@ -18,7 +18,6 @@ import os
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -58,12 +57,16 @@ TRAINING_STATES = frozenset({"RUNNING", "REMEDIATING"})
 BAR_WIDTH = 24
 
 
-def recent_steps_from_telemetry(run_dir: str | None, limit: int = RATE_WINDOW_STEPS) -> list[dict[str, Any]]:
-    """The newest `limit` step records in telemetry.jsonl, oldest first (read from its end; works with the
-    daemon down)."""
+def recent_steps_from_telemetry(run_dir: str | None, limit: int = RATE_WINDOW_STEPS,
+                                spec: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The newest `limit` step records in the run's telemetry file (telemetry.jsonl, or the one its spec's
+    [telemetry] names: stdout-derived, a custom path), oldest first (read from its end; works with the daemon
+    down)."""
     if not run_dir:
         return []
-    path = Path(run_dir) / "telemetry.jsonl"
+    from ulyssesd.daemon.job.log_source import telemetry_file_of
+
+    path = telemetry_file_of(run_dir, spec)
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
@@ -157,7 +160,7 @@ def status_data(store, run) -> dict[str, Any]:
     versions = store.list_config_versions(run.id)
     cur_v = next((v for v in versions if v.version == run.config_version), versions[-1] if versions else None)
     diff = flat_diff(versions[0].config, cur_v.config) if versions and cur_v else {}
-    recent = recent_steps_from_telemetry(run.run_dir)
+    recent = recent_steps_from_telemetry(run.run_dir, spec=run.spec)
     step = recent[-1] if recent else {}
     total, total_source = total_steps_of(run.spec, cur_v.config if cur_v else None, recent)
     open_inc = store.list_incidents(run.id, status="open") + store.list_incidents(run.id, status="remediating")
@@ -196,7 +199,21 @@ def status_data(store, run) -> dict[str, Any]:
         "hang_timeout_s": hang_s,
         "last_step_overdue": bool(state in TRAINING_STATES and age is not None and hang_s is not None
                                   and age > hang_s),
+        "telemetry_health": _telemetry_health(run, state, attempt),
     }
+
+
+def _telemetry_health(run, state: str, attempt: int | None) -> dict[str, Any] | None:
+    """What the daemon's reading of a log / framework files found for the current attempt (derived sources)."""
+    from ulyssesd.daemon.job.log_source import read_health, stdout_source
+
+    if not stdout_source(run.spec or {}):
+        return None
+    health = read_health(run.run_dir)
+    if health is None or health.get("attempt") != attempt:
+        return None
+    health["silent"] = bool(health.get("silent")) and state in TRAINING_STATES
+    return health
 
 
 def job_processes(attempt, live: dict[str, Any] | None, launcher: dict[str, Any]) -> dict[str, Any]:
@@ -284,6 +301,8 @@ def total_cell(d: dict[str, Any]) -> str:
 def render_status(d: dict[str, Any]) -> Table:
     from rich.markup import escape
 
+    from ulyssesd.daemon.job.log_source import health_text
+
     t = Table(title=f"run {escape(d['run_id'])}", show_header=False)
     t.add_column("key", style="bold")
     t.add_column("value")
@@ -302,6 +321,9 @@ def render_status(d: dict[str, Any]) -> Table:
     t.add_row("ETA", fmt_duration(d.get("eta_s")) + (f" (at {rate:.2f} steps/s)" if rate and d.get("eta_s") is not None
                                                       else ""))
     t.add_row("last step", _last_step_cell(d))
+    if d.get("telemetry_health"):  # derived telemetry: what reading the log found (SILENT: the fix)
+        h = d["telemetry_health"]
+        t.add_row("telemetry", ("[red]SILENT[/red] " if h.get("silent") else "") + escape(health_text(h)))
     loss = d["loss"]
     t.add_row("loss", fmt_loss(loss))
     tps = d["tokens_per_s"]
@@ -417,7 +439,7 @@ def runs_data(store) -> list[dict[str, Any]]:
     for run in store.list_runs():
         versions = store.list_config_versions(run.id)
         cur_v = next((v for v in versions if v.version == run.config_version), versions[-1] if versions else None)
-        recent = recent_steps_from_telemetry(run.run_dir, limit=1)
+        recent = recent_steps_from_telemetry(run.run_dir, limit=1, spec=run.spec)
         total, _ = total_steps_of(run.spec, cur_v.config if cur_v else None, recent)
         cursor = store.get_telemetry_cursor(run.id)
         step = recent[-1].get("step") if recent else (cursor.last_step if cursor else None)

@@ -186,3 +186,208 @@ def test_ulyssesctl_replay_accepts_a_raw_log(tmp_path):
     doc = json.loads(out.getvalue())
     assert any(it["type"] == "finding" and it["symptom"] == "overflow_storm" for it in doc["items"])
     assert doc["bad_lines"] == [] and err.getvalue() == ""  # log noise is not reported as bad telemetry
+
+
+# ------------------------------------------------------------ the corpus of real published logs
+CORPUS = LOGS / "corpus"
+
+
+def _expectation(path: Path) -> tuple[str, dict[str, str], list[str]]:
+    """A corpus file: `# source: URL (...)`, `# expect: records=N first=STEP:LOSS last=STEP:LOSS [at=STEP:LOSS]`,
+    then the log lines exactly as published."""
+    lines = path.read_text().splitlines()
+    source = lines[0].removeprefix("# source: ")
+    assert lines[0].startswith("# source: https://"), f"{path.name}: the first line names the source"
+    assert lines[1].startswith("# expect: "), f"{path.name}: the second line says what it must parse to"
+    expect = dict(kv.split("=", 1) for kv in lines[1].removeprefix("# expect: ").split())
+    return source, expect, lines[2:]
+
+
+def _step_loss(text: str) -> tuple[int, float]:
+    step, loss = text.split(":")
+    return int(step), float(loss)
+
+
+def _same_loss(got, want: float) -> bool:
+    if want != want:
+        return got == "nan"
+    return isinstance(got, float | int) and got == pytest.approx(want)
+
+
+CORPUS_FILES = sorted(CORPUS.glob("*.log"))
+
+
+def test_the_corpus_spans_at_least_ten_projects():
+    projects = {_expectation(p)[0].split("/")[3:5][0] + "/" + _expectation(p)[0].split("/")[4] for p in CORPUS_FILES}
+    projects |= {"NVIDIA/Megatron-LM", "huggingface/transformers", "deepspeedai/DeepSpeed"}  # the fixtures above
+    assert len(projects) >= 10, projects
+
+
+@pytest.mark.parametrize("path", CORPUS_FILES, ids=lambda p: p.name)
+def test_real_published_log_parses_to_the_right_steps_and_losses(path):
+    _source, expect, lines = _expectation(path)
+    p = LogTelemetryParser(attempt=1)
+    recs = [r for r in p.feed_many(lines)]
+    for r in recs:
+        parse_record(r)  # every record is one the daemon accepts
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert len(steps) == int(expect["records"]), [(r["step"], r["loss"]) for r in steps]
+    for which, rec in (("first", steps[0]), ("last", steps[-1])):
+        step, loss = _step_loss(expect[which])
+        assert rec["step"] == step and _same_loss(rec["loss"], loss), (which, rec)
+    if "at" in expect:
+        step, loss = _step_loss(expect["at"])
+        (rec,) = [r for r in steps if r["step"] == step]
+        assert _same_loss(rec["loss"], loss), rec
+    assert [r["step"] for r in steps] == sorted({r["step"] for r in steps})  # forward, no repeats
+    assert p.stats.bad_lines == 0 and p.stats.discontinuities == 0
+
+
+# ------------------------------------------------------------ steps checked against the run's own progress
+def _megatron_line(step: int | str, loss: float = 2.9) -> str:
+    return (f" iteration {step:>8}/     900 | consumed samples:          160 | elapsed time per iteration (ms): "
+            f"1234.5 | learning rate: 1.000E-04 | lm loss: {loss:E} | loss scale: 1.0 | grad norm: 1.234 | "
+            f"number of skipped iterations:   0 | number of nan iterations:   0 |")
+
+
+def test_one_odd_megatron_line_is_a_bad_line_and_does_not_blind_the_parser():
+    p = LogTelemetryParser()
+    lines = [_megatron_line(s) for s in (10, 20, 30)] + [_megatron_line("10000000000000000000000000")] \
+        + [_megatron_line(s) for s in (40, 50)]
+    recs = list(p.feed_many(lines))
+    assert [r["step"] for r in recs] == [10, 20, 30, 40, 50]
+    assert p.stats.bad_lines == 1 and p.stats.discontinuities == 0
+    assert "10000000000000000" in p.stats.bad_samples[0]
+
+
+def test_a_jump_of_orders_of_magnitude_without_a_total_is_a_bad_line_but_a_healthy_stride_is_not():
+    p = LogTelemetryParser()
+    recs = list(p.feed_many([f"step {s} loss 2.0" for s in (1, 2, 3, 4)] + ["step 4000000 loss 2.0"]
+                            + [f"step {s} loss 2.0" for s in (5, 6)]))
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6] and p.stats.bad_lines == 1
+    # Logging every 1000 steps is the run's own stride: not a jump.
+    p = LogTelemetryParser()
+    recs = list(p.feed_many([f"step {s} loss 2.0" for s in (1000, 2000, 3000, 4000, 5000)]))
+    assert len(recs) == 5 and p.stats.bad_lines == 0
+
+
+def test_a_counter_that_goes_backwards_for_good_is_an_event_and_nothing_after_it_is_dropped():
+    p = LogTelemetryParser(attempt=1)
+    lines = [f"step {s} loss {3.0 - s / 100:.3f}" for s in range(1, 31)] \
+        + [f"step {s} loss {2.5 - s / 100:.3f}" for s in range(1, 11)]  # an in-job rollback / a new epoch's count
+    recs = list(p.feed_many(lines))
+    steps = [r for r in recs if r["kind"] == "step"]
+    events = [r for r in recs if r["kind"] == "event"]
+    assert [r["step"] for r in steps] == list(range(1, 31)) + list(range(1, 11))
+    assert len(events) == 1 and events[0]["event"] == "step_discontinuity"
+    assert events[0]["kind"] == "event" and events[0]["from_step"] == 30 and events[0]["to_step"] == 1
+    for r in recs:
+        parse_record(r)
+    assert p.stats.discontinuities == 1 and p.stats.bad_lines == 0
+
+
+def test_ranks_lagging_behind_are_not_a_reset():
+    p = LogTelemetryParser()
+    recs = list(p.feed_many(["step 6 loss 2.0", "step 3 loss 2.1", "step 7 loss 2.0", "step 4 loss 2.1",
+                             "step 8 loss 2.0", "step 5 loss 2.1", "step 9 loss 2.0"]))
+    assert [r["step"] for r in recs] == [6, 7, 8, 9] and p.stats.discontinuities == 0
+
+
+def test_explicit_pattern_reads_wording_nothing_else_does():
+    from ulyssesd.remediation.log_telemetry import PatternError
+
+    line = "E3 it#77 L=2.5 g=0.3"
+    assert list(parse_log_lines([line])) == []
+    p = LogTelemetryParser(pattern=r"it#(?P<step>\d+) L=(?P<loss>\S+) g=(?P<grad_norm>\S+)")
+    (rec,) = p.feed(line)
+    assert rec["step"] == 77 and rec["loss"] == 2.5 and rec["grad_norm"] == 0.3
+    with pytest.raises(PatternError, match=r"\(\?P<loss>"):
+        LogTelemetryParser(pattern=r"it#(?P<step>\d+)")
+    with pytest.raises(PatternError, match="not a regular expression"):
+        LogTelemetryParser(pattern=r"it#(?P<step>\d+")
+
+
+def test_the_newest_unparsed_progress_like_line_is_kept_as_the_example_for_the_fix():
+    p = LogTelemetryParser()
+    list(p.feed_many(["loading model", "E3 it#77 L=2.5", "Epoch 3 it#78 L=2.4", "done loading"]))
+    assert p.stats.step_records == 0 and p.stats.unparsed_sample == "Epoch 3 it#78 L=2.4"
+
+
+def test_ulyssesctl_replay_says_how_many_records_it_parsed_and_is_loud_at_zero(tmp_path):
+    import io
+    import json
+
+    from ulyssesd.daemon.operator.ctl_offline import run_replay
+
+    good = tmp_path / "good.log"
+    good.write_text("".join(f"iter {i}: loss {3 - i / 100:.4f}, time 12.34ms\n" for i in range(1, 41)))
+    out, err = io.StringIO(), io.StringIO()
+    assert run_replay(good, out=out, err=err) == 0
+    assert "parsed 40 step record(s)" in err.getvalue() and "NO STEP RECORDS" not in err.getvalue()
+
+    odd = tmp_path / "odd.log"
+    odd.write_text("".join(f"E3 it#{i} L=2.{i}\n" for i in range(1, 9)))
+    out, err = io.StringIO(), io.StringIO()
+    assert run_replay(odd, as_json=True, out=out, err=err) == 0
+    doc = json.loads(out.getvalue())
+    assert doc["parsed"]["step_records"] == 0
+    assert "NO STEP RECORDS" in err.getvalue() and "[telemetry] pattern" in err.getvalue()
+    assert "E3 it#8 L=2.8" in err.getvalue()  # the line that was not understood, for the pattern
+    spec = tmp_path / "run.toml"
+    spec.write_text('[job]\nkind = "command"\ncommand = ["t.py"]\n[telemetry]\nsource = "stdout"\n'
+                    "pattern = 'it#(?P<step>\\d+) L=(?P<loss>\\S+)'\n")
+    out, err = io.StringIO(), io.StringIO()
+    assert run_replay(odd, spec=spec, as_json=True, out=out, err=err) == 0, err.getvalue()
+    assert json.loads(out.getvalue())["parsed"]["step_records"] == 8
+
+
+@pytest.mark.parametrize("line,step,loss", [
+    ("INFO step 11/12 | loss 2.9539 | lr 3.00e-03", 11, 2.9539),
+    ("iter 100: loss 2.3456, time 12.34ms", 100, 2.3456),
+    ("Epoch 0:  50%|█████     | 10/20 [00:01<00:01,  9.1it/s, v_num=0, train_loss=2.310]", 10, 2.310),
+    ("reduced_train_loss=2.950, global_step=10.00", 10, 2.950),
+    (" iteration       10/     900 | consumed samples:          160 | lm loss: 2.9E+00 |", 10, 2.9),
+    ("step: 10  loss:  7.1", 10, 7.1),
+    ("loss 2.95 step 3", 3, 2.95), ("loss: 2.95, step: 3", 3, 2.95), ("loss=2.95 step=3", 3, 2.95),
+    ("'loss': 2.95, 'step': 3", 3, 2.95), ('{"loss": 2.95, "global_step": 3}', 3, 2.95),
+    ("iteration 3 | train_loss 2.95 | val_loss 3.10", 3, 2.95),
+    ("[2024-05-01 10:00:00] global_step=3 avg_loss=3.0 loss=2.95", 3, 2.95),
+    ("Step 3/100: loss = 2.95", 3, 2.95),
+])
+def test_the_wordings_users_have(line, step, loss):
+    (rec,) = parse_log_lines([line])
+    assert rec["step"] == step and rec["loss"] == pytest.approx(loss)
+
+
+@pytest.mark.parametrize("line", [
+    "step 3 | val_loss 3.10",                        # an evaluation loss alone is never the training loss
+    "max_steps 1000 loss 2.0",                       # a qualified step key is not a position
+    "warmup steps 100, loss 2.0",
+    "Epoch 3: loss 2.0",                             # an epoch is not a step
+    "number of skipped iterations: 3 | loss: 2.0",
+])
+def test_what_is_not_a_training_step(line):
+    assert [r for r in parse_log_lines([line]) if r["kind"] == "step"] == []
+
+
+@pytest.mark.parametrize("line,loss", [
+    ("step 5 | loss: tensor(2.3456, device='cuda:0', grad_fn=<NllLossBackward0>)", 2.3456),
+    ("step=5 loss=tensor([2.3456])", 2.3456),
+])
+def test_a_printed_tensor_is_a_number(line, loss):
+    (rec,) = parse_log_lines([line])
+    assert rec["step"] == 5 and rec["loss"] == pytest.approx(loss)
+
+
+def test_a_keyed_count_beside_an_epoch_is_placed_by_what_the_run_shows():
+    # Composer-style headers count batches of the run: the count goes on across epochs, steps are N.
+    p = LogTelemetryParser()
+    lines = ["[epoch=1][batch=3/100]:", "\t Train time/batch: 2", "\t Train loss/train/total: 11.6525",
+             "[epoch=1][batch=4/100]:", "\t Train loss/train/total: 11.2",
+             "[epoch=2][batch=5/100]:", "\t Train loss/train/total: 11.1"]
+    assert [(r["step"], r["loss"]) for r in p.feed_many(lines)] == [(3, 11.6525), (4, 11.2), (5, 11.1)]
+    # A count that restarts when the epoch moves on counts within the epoch: E x M + N from then on, no reset.
+    p = LogTelemetryParser()
+    lines = [f"Train Epoch: {e}/100 Step: {s}/965 | lr 5e-4 || Mask_Loss 1.6" for e in (0, 1) for s in (10, 20, 960)]
+    assert [r["step"] for r in p.feed_many(lines)] == [10, 20, 960, 975, 985, 1925]
+    assert p.stats.discontinuities == 0 and p.stats.bad_lines == 0
