@@ -233,6 +233,8 @@ class TrainerCheckpoints:
                 log.warning("checkpoint %s was due while %s was still being written: training waited %.2f s for it "
                             "(one save in flight; a longer interval or a faster disk avoids this)",
                             tag, previous[1], waited)
+        if not self._room_for_save(tag):
+            return  # skipped for lack of space (its event says so); training goes on
         self._event("checkpoint_saving", tag=tag, **due)
         t0 = time.time()
         # A failed write (full disk, read-only filesystem, quota, I/O error) is caught on the rank that saw
@@ -272,6 +274,58 @@ class TrainerCheckpoints:
         self._agree_on_save(failure)
         self._after_durable(self.step, tag, tag_dir, {"seconds": round(time.time() - t0, 3), "bytes": nbytes})
         self.dist.barrier()
+
+    def _room_for_save(self, tag: str) -> bool:
+        """Collective: rank 0 makes room for this save in the checkpoint budget's order (training/checkpoint/
+        budget.py) and every rank learns whether it fits. A save that does not fit is skipped with a
+        `checkpoint_skipped` event (the numbers), never a crash: the newest valid tag stays the resume point."""
+        box: list[Any] = [self._make_room(tag) if self.rank == 0 else None]
+        if self.world > 1:
+            self.dist.broadcast_object_list(box, src=0)
+        skipped = box[0]
+        if skipped is None:
+            return True
+        log.warning("checkpoint %s skipped: it needs ~%s bytes, %s available in %s", tag, skipped["need_bytes"],
+                    skipped["available_bytes"], self.ckpt_dir)
+        if self.rank == 0:
+            self._event("checkpoint_skipped", **skipped)
+        return False
+
+    def _make_room(self, tag: str) -> dict[str, Any] | None:
+        """Rank 0: None when the save fits (after making room), else the `checkpoint_skipped` fields. Under the
+        daemon the policy and the known-good anchors are the ones it publishes ({run_dir}/checkpoint_budget.json);
+        without that file under a daemon only set-aside copies may go (the anchors are unknown here)."""
+        from .checkpoint import budget as bd
+
+        root = self.ckpt_dir
+        try:
+            if not root.is_dir():
+                return None
+            published = bd.read_budget_file(self.run_dir)
+            if published is not None:
+                policy, known_good, predicted = published
+            else:
+                policy, known_good, predicted = bd.BudgetPolicy(keep_last=self.spec.checkpoint.keep_last), [], 0
+            budget = bd.classify(root, policy, known_good)
+            tag_bytes = budget.tag_bytes or predicted
+            if tag_bytes <= 0 or budget.free_bytes is None:
+                return None  # the first save of a run without a prediction: its failure would say so
+            need = tag_bytes + policy.margin_bytes
+            if budget.free_bytes >= need:
+                return None
+            if published is None and not self._owns_retention():
+                budget.entries = [e for e in budget.entries if e.category in ("set_aside", "surplus", "deleting")]
+            room = bd.make_room(budget, need, include_in_flight=True)
+        except OSError as exc:  # listing or removing failed: the save itself reports a real failure
+            log.warning("making room for checkpoint %s failed: %s", tag, exc)
+            return None
+        if room.removed:
+            log.info("made room for checkpoint %s: removed %s", tag, ", ".join(room.removed))
+        if room.fits:
+            return None
+        return {"tag": tag, "reason": "no_space", "need_bytes": need, "available_bytes": room.available_bytes,
+                "tag_bytes": tag_bytes, "margin_bytes": policy.margin_bytes, "removed": room.removed,
+                "kept": [t for t in (room.newest_valid, room.newest_known_good) if t]}
 
     def _after_durable(self, step: int, tag: str, tag_dir: Path, fields: dict[str, Any]) -> None:
         """A save of `step` has its manifest and `latest`: faults, `checkpoint_saved`, retention."""
