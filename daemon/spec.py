@@ -194,7 +194,7 @@ class DaemonSection(_Section):
     checkpoint_anchors: int = Field(2, ge=1, le=100, description="Known-good tags kept outside the keep_last window for rollbacks, the newest known-good first (it is never removed).")
     anchor_spacing_steps: int = Field(0, ge=0, description="Two kept known-good anchors are at least this many steps apart (0: any spacing).")
     set_aside_keep: int = Field(1, ge=0, le=100, description="Set-aside copies (rolled back, corrupt, partial tags) kept for forensics, newest first; older ones are removed.")
-    set_aside_max_gib: float | None = Field(None, ge=0, description="... and at most this many GiB of them (default: one tag's size).")
+    set_aside_max_gib: float | None = Field(None, ge=0, description="... and at most this many GiB of them (default: no byte cap besides the count).")
     verify_max_gib: float = Field(4.0, ge=0, description="Before a relaunch the daemon sha256-checks tags up to this size (larger: sizes only; the job verifies checksums itself) so the loop never blocks for long.")
     sweep_every_s: float = Field(30.0, gt=0, description="Period of the stale-attempt sweep (attempts marked live whose process is gone).")
     step_error_limit: int = Field(5, ge=1, le=1000, description="A tick step (telemetry, engine, exit, relaunch, ...) raising this many ticks in a row ends the run FAILED (job stopped with the stop grace) instead of spinning.")

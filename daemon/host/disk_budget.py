@@ -181,7 +181,7 @@ def preflight_disk(spec: Any, predict: bool = True, free: Any = bd.free_bytes) -
     head = (f"checkpoint disk: {root} has {b(avail)} free" + (f" (+{b(held)} in its checkpoints)" if held else "")
             + f"; the settings need {b(need)}: (keep_last {policy.keep_last} + {policy.max_anchors} known-good "
             f"anchor(s) + 1 save in flight) x {b(tag)} per tag + set-aside "
-            f"{b(min(policy.set_aside_cap(tag), policy.set_aside_keep * tag))} + margin {b(policy.margin_bytes)} "
+            f"{b(policy.set_aside_cap(tag))} + margin {b(policy.margin_bytes)} "
             f"(daemon.min_free_gib)")
     fits = fitting_settings(policy, tag, room)
     where = f"or another checkpoint.dir with at least {b(need)} free"

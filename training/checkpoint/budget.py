@@ -49,7 +49,7 @@ class BudgetPolicy:
     max_anchors: int = 2                    # known-good tags kept outside the window, the newest known-good first
     anchor_spacing_steps: int = 0           # two kept anchors are at least this many steps apart (0: any)
     set_aside_keep: int = 1                 # set-aside copies kept, newest first
-    set_aside_max_bytes: int | None = None  # ... and at most this many bytes of them (None: one tag's bytes)
+    set_aside_max_bytes: int | None = None  # ... and at most this many bytes of them (None: the count decides)
     margin_bytes: int = 0                   # free space a save must leave on the filesystem
 
     def __post_init__(self) -> None:
@@ -71,12 +71,13 @@ class BudgetPolicy:
         return self.keep_last + self.max_anchors + 1
 
     def set_aside_cap(self, tag_bytes: int) -> int:
-        return tag_bytes if self.set_aside_max_bytes is None else self.set_aside_max_bytes
+        """Bytes of set-aside copies budgeted: `set_aside_max_bytes`, or `set_aside_keep` tags' worth."""
+        by_count = self.set_aside_keep * tag_bytes
+        return by_count if self.set_aside_max_bytes is None else min(by_count, self.set_aside_max_bytes)
 
     def budget_bytes(self, tag_bytes: int) -> int:
         """Bytes the settings may put in the directory (tags at `tag_bytes` each, the set-aside cap) + the margin."""
-        return self.tag_slots * tag_bytes + min(self.set_aside_cap(tag_bytes), self.set_aside_keep * tag_bytes) \
-            + self.margin_bytes
+        return self.tag_slots * tag_bytes + self.set_aside_cap(tag_bytes) + self.margin_bytes
 
 
 @dataclass
@@ -195,10 +196,10 @@ def classify(ckpt_dir: str | Path, policy: BudgetPolicy, known_good: Iterable[st
         entries.append(Entry(name, cat, step, size, mtime, doomed=cat == "surplus"))
     tag_bytes = newest[3] if newest else 0
     # Set-aside copies over their caps go, oldest first (the newest are the likeliest to be asked about).
-    cap, kept_n, kept_b = policy.set_aside_cap(tag_bytes), 0, 0
+    cap, kept_n, kept_b = policy.set_aside_max_bytes, 0, 0
     for e in sorted((e for e in entries if e.category == "set_aside"), key=lambda e: _set_aside_time(e.name, e.mtime),
                     reverse=True):
-        if kept_n < policy.set_aside_keep and kept_b + e.bytes <= cap:
+        if kept_n < policy.set_aside_keep and (cap is None or kept_b + e.bytes <= cap):
             kept_n, kept_b = kept_n + 1, kept_b + e.bytes
         else:
             e.doomed = True
@@ -210,7 +211,7 @@ def _remove(root: Path, name: str) -> bool:
     p = root / name
     try:
         if name.startswith(DELETING_PREFIX):
-            shutil.rmtree(p)
+            shutil.rmtree(p, ignore_errors=True)  # the other remover may be deleting it too
         elif p.is_dir():
             remove_dir(p)
         else:
