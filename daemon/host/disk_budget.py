@@ -85,7 +85,8 @@ class RetentionResult:
 
 def run_retention(sup: Supervisor) -> RetentionResult:
     """Routine retention (surplus tags, set-aside copies over their caps), then room for the next save while the
-    job runs (never its save in flight), the store told what went, and the budget published for the job."""
+    job runs (not while a save is being written: the free space is then still falling, and the job makes room
+    itself before its next save), the store told what went, and the budget published for the job."""
     out = RetentionResult()
     if not sup.ckpt_dir.is_dir():
         return out
@@ -94,7 +95,9 @@ def run_retention(sup: Supervisor) -> RetentionResult:
     budget = classify_run(sup) if out.removed else budget
     predicted = predicted_from_config(sup.config)
     need = next_save_bytes(budget, predicted) + budget.policy.margin_bytes
-    if budget.free_bytes is not None and need > budget.policy.margin_bytes and budget.free_bytes < need:
+    writing = budget.by_category()["in_flight"]["count"] > 0  # its bytes are still arriving: the job checks itself
+    if budget.free_bytes is not None and need > budget.policy.margin_bytes and budget.free_bytes < need \
+            and not writing:
         out.room = bd.make_room(budget, need, include_in_flight=False)
         out.removed += out.room.removed
         if not out.room.fits:
@@ -210,10 +213,11 @@ def fitting_settings(policy: bd.BudgetPolicy, tag: int, room: int) -> str | None
             parts.append("[daemon] set_aside_keep = 0")
         margin = p.margin_bytes
         if spare < p.margin_bytes:
-            margin = spare
-            parts.append(f"[daemon] min_free_gib = {math.floor(spare / GIB * 100) / 100:g}")
-        need = p.budget_bytes(tag) - p.margin_bytes + margin
-        return ", ".join(parts) + f" (needs {bd.describe_bytes(need)})"
+            gib = math.floor(spare / GIB * 100) / 100
+            margin = int(gib * GIB)
+            parts.append(f"[daemon] min_free_gib = {gib:g}")
+        tags = p.budget_bytes(tag) - p.margin_bytes
+        return ", ".join(parts) + f" ({bd.describe_bytes(tags)} for the tags + {bd.describe_bytes(margin)} margin)"
     return None
 
 

@@ -113,6 +113,32 @@ def test_set_aside_copies_piling_up_are_capped_and_shown_in_status(tmp_path):
     assert "set aside 2 (128 B)" in text and "free" in text
 
 
+def test_after_each_save_the_daemon_makes_room_for_the_next_but_never_while_one_is_written(tmp_path, monkeypatch):
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, daemon=NO_MARGIN)
+    sup.start()
+    sup.new_config_version({"checkpoint.keep_last": 5}, "test: a window the disk cannot hold")
+    _emit(sup, kind="event", event="started", step=0)
+    tag, root = 8192, sup.ckpt_dir
+    root.mkdir(parents=True, exist_ok=True)
+    disk = SimDisk(root, capacity=3 * tag + 3000)  # three tags and their manifests
+    monkeypatch.setattr(ck, "bytes_free", disk)
+    for s in (10, 20, 30, 40, 50):
+        _steps(sup, s - 9, s, dt=0.01)
+        assert disk() >= tag, f"no room for the save of step {s}"  # the job would not have to skip it
+        _sized(root, s, tag)
+        _emit(sup, kind="event", event="checkpoint_saved", step=s, tag=ck.tag_for_step(s))
+        sup.tick()
+    # The window shrank, oldest first, to what the disk holds with room left for the next save.
+    assert _tags(sup) == [40, 50] and disk() >= tag
+    # A save being written (no manifest yet): its bytes are still arriving, the window is left alone.
+    _sized(root, 60, tag // 2, valid=False)
+    from ulyssesd.daemon.core.housekeeping import retention
+
+    retention(sup)
+    assert _tags(sup) == [40, 50, 60]
+
+
 def _disk_run(tmp_path, keep_last: int = 3, **daemon):
     fos = FakeOS()
     sup = _sup(tmp_path, fos, daemon={**NO_MARGIN, **daemon}, interval=10)
