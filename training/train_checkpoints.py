@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
+from .checkpoint.budget import room_for_save
 from .control import set_engine_clip
 from .data.batches import DataCursor, SampleSource
 from .faults import FaultInjector
@@ -276,56 +277,19 @@ class TrainerCheckpoints:
         self.dist.barrier()
 
     def _room_for_save(self, tag: str) -> bool:
-        """Collective: rank 0 makes room for this save in the checkpoint budget's order (training/checkpoint/
-        budget.py) and every rank learns whether it fits. A save that does not fit is skipped with a
-        `checkpoint_skipped` event (the numbers), never a crash: the newest valid tag stays the resume point."""
-        box: list[Any] = [self._make_room(tag) if self.rank == 0 else None]
+        """Collective: rank 0 makes room for this save (checkpoint/budget.py `room_for_save`), every rank learns
+        whether it fits. One that does not is skipped with a `checkpoint_skipped` event, never a crash."""
+        box: list[Any] = [room_for_save(self.ckpt_dir, self.run_dir, tag, self.spec.checkpoint.keep_last,
+                                        under_daemon=not self._owns_retention(), log=log) if self.rank == 0 else None]
         if self.world > 1:
             self.dist.broadcast_object_list(box, src=0)
-        skipped = box[0]
-        if skipped is None:
+        if box[0] is None:
             return True
-        log.warning("checkpoint %s skipped: it needs ~%s bytes, %s available in %s", tag, skipped["need_bytes"],
-                    skipped["available_bytes"], self.ckpt_dir)
+        log.warning("checkpoint %s skipped: needs ~%s bytes, %s available", tag, box[0]["need_bytes"],
+                    box[0]["available_bytes"])
         if self.rank == 0:
-            self._event("checkpoint_skipped", **skipped)
+            self._event("checkpoint_skipped", **box[0])
         return False
-
-    def _make_room(self, tag: str) -> dict[str, Any] | None:
-        """Rank 0: None when the save fits (after making room), else the `checkpoint_skipped` fields. Under the
-        daemon the policy and the known-good anchors are the ones it publishes ({run_dir}/checkpoint_budget.json);
-        without that file under a daemon only set-aside copies may go (the anchors are unknown here)."""
-        from .checkpoint import budget as bd
-
-        root = self.ckpt_dir
-        try:
-            if not root.is_dir():
-                return None
-            published = bd.read_budget_file(self.run_dir)
-            if published is not None:
-                policy, known_good, predicted = published
-            else:
-                policy, known_good, predicted = bd.BudgetPolicy(keep_last=self.spec.checkpoint.keep_last), [], 0
-            budget = bd.classify(root, policy, known_good)
-            tag_bytes = budget.tag_bytes or predicted
-            if tag_bytes <= 0 or budget.free_bytes is None:
-                return None  # the first save of a run without a prediction: its failure would say so
-            need = tag_bytes + policy.margin_bytes
-            if budget.free_bytes >= need:
-                return None
-            if published is None and not self._owns_retention():
-                budget.entries = [e for e in budget.entries if e.category in ("set_aside", "surplus", "deleting")]
-            room = bd.make_room(budget, need, include_in_flight=True)
-        except OSError as exc:  # listing or removing failed: the save itself reports a real failure
-            log.warning("making room for checkpoint %s failed: %s", tag, exc)
-            return None
-        if room.removed:
-            log.info("made room for checkpoint %s: removed %s", tag, ", ".join(room.removed))
-        if room.fits:
-            return None
-        return {"tag": tag, "reason": "no_space", "need_bytes": need, "available_bytes": room.available_bytes,
-                "tag_bytes": tag_bytes, "margin_bytes": policy.margin_bytes, "removed": room.removed,
-                "kept": [t for t in (room.newest_valid, room.newest_known_good) if t]}
 
     def _after_durable(self, step: int, tag: str, tag_dir: Path, fields: dict[str, Any]) -> None:
         """A save of `step` has its manifest and `latest`: faults, `checkpoint_saved`, retention."""

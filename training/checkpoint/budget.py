@@ -21,6 +21,7 @@ Stdlib only: the daemon, `ulyssesctl` and the job import it.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from collections.abc import Callable, Iterable
@@ -328,3 +329,39 @@ def describe_bytes(n: int | None) -> str:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
 
+
+
+# ------------------------------------------------------------------------------------ the job's check
+def room_for_save(ckpt_dir: str | Path, run_dir: str | Path, tag: str, keep_last: int, *, under_daemon: bool,
+                  log: logging.Logger) -> dict[str, Any] | None:
+    """The job's check before a save (rank 0): None when the next tag fits, after making room in `room_order`;
+    else the fields of a `checkpoint_skipped` event. Under the daemon the policy and the known-good tags are
+    the ones it publishes (BUDGET_FILE); without that file under a daemon only set-aside and surplus entries
+    may go (the anchors are unknown here). A failure to look or remove is logged and the save goes ahead: a real
+    failure of the write then says what it is."""
+    root = Path(ckpt_dir)
+    try:
+        if not root.is_dir():
+            return None
+        published = read_budget_file(run_dir)
+        policy, known_good, predicted = published or (BudgetPolicy(keep_last=keep_last), [], 0)
+        budget = classify(root, policy, known_good)
+        tag_bytes = budget.tag_bytes or predicted
+        if tag_bytes <= 0 or budget.free_bytes is None:
+            return None  # the first save of a run without a prediction: its failure would say so
+        need = tag_bytes + policy.margin_bytes
+        if budget.free_bytes >= need:
+            return None
+        if published is None and under_daemon:
+            budget.entries = [e for e in budget.entries if e.category in ("set_aside", "surplus", "deleting")]
+        room = make_room(budget, need, include_in_flight=True)
+    except OSError as exc:
+        log.warning("making room for checkpoint %s failed: %s", tag, exc)
+        return None
+    if room.removed:
+        log.info("made room for checkpoint %s: removed %s", tag, ", ".join(room.removed))
+    if room.fits:
+        return None
+    return {"tag": tag, "reason": "no_space", "need_bytes": need, "available_bytes": room.available_bytes,
+            "tag_bytes": tag_bytes, "margin_bytes": policy.margin_bytes, "removed": room.removed,
+            "kept": [t for t in (room.newest_valid, room.newest_known_good) if t]}
