@@ -107,6 +107,7 @@ class PruneOutcome:
     newest_valid: str | None
     newest_known_good: str | None = None
     tags_fit: int | None = None
+    held_bytes: int = 0  # removed but not freed (still open or mapped by a process)
 
     @property
     def enough(self) -> bool:
@@ -160,7 +161,8 @@ def prune_for_space(sup: Supervisor, failure: dict[str, Any] | None = None) -> P
     disk_budget.mark_pruned(sup, removed)
     fit = bd.tags_that_fit(room.available_bytes or 0, room.kept_bytes, tag, budget.policy.margin_bytes) \
         if room.available_bytes is not None else None
-    return PruneOutcome(removed, freed, room.available_bytes, need, room.newest_valid, room.newest_known_good, fit)
+    return PruneOutcome(removed, freed, room.available_bytes, need, room.newest_valid, room.newest_known_good, fit,
+                        room.held_bytes)
 
 
 def resume_after_no_space(sup: Supervisor, iid: int, failure: dict[str, Any] | None) -> bool:
@@ -174,7 +176,7 @@ def resume_after_no_space(sup: Supervisor, iid: int, failure: dict[str, Any] | N
         "rung": "prune_and_restart", "removed": out.removed, "bytes_freed": out.freed_bytes,
         "bytes_free_after": out.free_bytes, "next_save_needs_bytes": out.need_bytes,
         "kept_newest_valid": out.newest_valid, "kept_newest_known_good": out.newest_known_good,
-        "tags_fit": out.tags_fit, "failed_save": failure}
+        "tags_fit": out.tags_fit, "held_bytes": out.held_bytes, "failed_save": failure}
     diff: dict[str, Any] = {}
     from_v = sup.config_version
     if out.enough:

@@ -100,6 +100,8 @@ def run_retention(sup: Supervisor) -> RetentionResult:
             and not writing:
         out.room = bd.make_room(budget, need, include_in_flight=False)
         out.removed += out.room.removed
+        log.info("made room for the next save", removed=out.room.removed, freed=out.room.freed_bytes,
+                 held=out.room.held_bytes, available=out.room.available_bytes, need=need)
         if not out.room.fits:
             warn_no_room(sup, out.room, budget)
         budget = classify_run(sup)

@@ -5,6 +5,7 @@ real 4 MiB tmpfs is in tests/training/test_checkpoint_budget.py, the real 2-rank
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -314,3 +315,50 @@ def test_a_new_user_on_a_disk_too_small_is_refused_before_launch_with_what_fits(
 
 
 _ = (_log, ExitStatus)  # helpers shared with test_daemon_disk_full
+
+
+# -------------------------------------------------------------------- the real 2-rank job on a tmpfs (slow)
+#: One tag of the real 2-rank tiny job at seq 64 (tests/training/test_checkpoint_budget_job.py measured it).
+REAL_TAG = 2_625_500
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem needs root")
+def test_real_job_enospc_mid_save_on_a_small_disk_makes_room_lengthens_the_interval_and_completes(
+        tmp_path, make_sup):
+    from test_daemon_e2e_real import real_spec
+    from uls_daemon_helpers import run_until
+
+    with tmpfs(tmp_path / "disk", str(int(3.3 * REAL_TAG))) as mnt:
+        ckpt = mnt / "ck"
+        ckpt.mkdir()
+        rb = ckpt / "step-00000099.rolledback-1700000000"  # an earlier run's set-aside lineage holds a tag's worth
+        rb.mkdir()
+        (rb / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"r" * REAL_TAG)
+        spec = real_spec(tmp_path, steps=10, interval=2, faults=[{"kind": "disk_full", "at_step": 6}],
+                         daemon={"min_free_gib": 0})
+        text = spec.read_text().replace("keep_last = 10", f'keep_last = 3\ndir = "{ckpt}"')
+        spec.write_text(text)
+        ev: list[str] = []
+        sup = make_sup(spec, ev)
+        sup.start()
+        run_until(sup, lambda s: s.state in (S.COMPLETED, S.FAILED, S.STOPPED), timeout=400, tick=0.2)
+        assert sup.state == S.COMPLETED, ev
+        incs = sup.store.list_incidents(sup.run_id)
+        assert [i.symptom.value for i in incs] == ["disk_full"], [(i.symptom.value, i.summary) for i in incs]
+        prune = next(a for a in sup.store.get_incident(incs[0].id).actions if a.kind.value == "prune")
+        assert prune.parameters["removed"][0] == "step-00000006"          # the failed save's partial first
+        assert not rb.exists()                                            # the set-aside copy went before any tag
+        # The disk holds 3 tags, keep_last 3 + the save in flight want 4: saves every 4 steps instead of 2.
+        assert prune.parameters["tags_fit"] == 3 and sup.config["checkpoint"]["interval_steps"] == 4
+        attempts = sup.store.list_attempts(sup.run_id)
+        assert len(attempts) == 2 and attempts[1].resumed_from == "step-00000004"
+        tele = [json.loads(line) for line in sup.telemetry_path.read_text().splitlines()]
+        failed = [r for r in tele if r.get("event") == "checkpoint_save_failed"]
+        assert len(failed) == 1 and failed[0]["errno"] == "ENOSPC"       # the injected one, never a real one after
+        # Two tags and room for a third: one removal after the last save. While attempt 2 still runs it maps step
+        # 4's files (CPU tensors loaded with mmap), removing step 4 would free nothing and step 8 goes instead
+        # (held_entries); once it has exited, step 4 goes. Before held_entries both went.
+        tags = ck.list_tags(ckpt)
+        assert len(tags) == 2 and tags[-1] == "step-00000010", tags
+        assert all(ck.validate_tag(ckpt / t, True)[0] for t in tags)

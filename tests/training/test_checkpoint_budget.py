@@ -170,3 +170,21 @@ def test_on_a_real_4_mib_filesystem_room_is_made_until_the_next_tag_fits(tmp_pat
         assert ck.list_tags(root) == ["step-00000010", "step-00000030", "step-00000040", "step-00000050"]
         make_tag(root, 60, nbytes=tag)  # and the next save really fits
         assert ck.validate_tag(root / "step-00000060")[0]
+
+
+def test_a_tag_a_process_still_maps_is_left_alone_removing_it_would_free_nothing(tmp_path):
+    import mmap
+
+    for s in (10, 20, 30):
+        make_tag(tmp_path, s)
+    with open(tmp_path / "step-00000010" / "state.bin", "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)  # as torch.load(mmap=True) leaves it
+    try:
+        assert bd.held_entries(tmp_path) == {"step-00000010"}
+        b = bd.classify(tmp_path, bd.BudgetPolicy(keep_last=3))
+        disk = SimDisk(tmp_path, capacity=b.total_bytes)  # full: one tag must go
+        room = bd.make_room(b, need_bytes=TAG, available=lambda _f: disk())
+        assert room.fits and room.removed == ["step-00000020"] and room.skipped_held == ["step-00000010"]
+    finally:
+        mapped.close()
+    assert bd.held_entries(tmp_path) == set()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from collections.abc import Callable, Iterable
@@ -243,6 +244,10 @@ class RoomOutcome:
     newest_valid: str | None = None
     newest_known_good: str | None = None
     kept_bytes: int = 0  # bytes of the tags that remain (what the directory holds besides the next save)
+    #: bytes removed that did not come back as free space: a process still has the file open or mapped (a job
+    #: resumed from that tag, CPU tensors loaded with mmap), or the filesystem frees late; more had to go instead
+    held_bytes: int = 0
+    skipped_held: list[str] = field(default_factory=list)  # left alone: a process maps a file of theirs
 
     @property
     def fits(self) -> bool:
@@ -251,7 +256,8 @@ class RoomOutcome:
     def to_dict(self) -> dict[str, Any]:
         return {"need_bytes": self.need_bytes, "removed": self.removed, "freed_bytes": self.freed_bytes,
                 "available_bytes": self.available_bytes, "fits": self.fits, "newest_valid": self.newest_valid,
-                "newest_known_good": self.newest_known_good}
+                "newest_known_good": self.newest_known_good, "held_bytes": self.held_bytes,
+                "skipped_held": self.skipped_held}
 
 
 def room_order(budget: DirBudget, include_in_flight: bool) -> list[Entry]:
@@ -273,21 +279,56 @@ def room_order(budget: DirBudget, include_in_flight: bool) -> list[Entry]:
     return [e for e in order if not (e.name in seen or seen.add(e.name))]  # type: ignore[func-returns-value]
 
 
+def held_entries(root: Path, proc: Path = Path("/proc")) -> set[str]:
+    """Entries of `root` with a file some process on this host has mapped or open (/proc/*/maps, /proc/*/fd):
+    removing one frees nothing until that process lets go (a job resumed from a tag whose CPU tensors were
+    loaded with mmap). Empty where /proc cannot be read."""
+    prefix = str(root.resolve()) + os.sep
+    held: set[str] = set()
+    try:
+        pids = [p for p in proc.iterdir() if p.name.isdigit()]
+    except OSError:
+        return held
+    def add(path: str) -> None:
+        i = path.find(prefix)
+        if i >= 0:
+            held.add(path[i + len(prefix):].split(os.sep, 1)[0].rstrip("\n"))
+
+    for p in pids:
+        try:
+            with open(p / "maps", errors="replace") as fh:
+                for line in fh:
+                    add(line)
+            for fd in (p / "fd").iterdir():
+                add(os.readlink(fd))
+        except OSError:
+            continue  # gone, or not ours to read
+    return held
+
+
 def make_room(budget: DirBudget, need_bytes: int, *, include_in_flight: bool = False,
               available: Callable[[int], int | None] | None = None) -> RoomOutcome:
     """Remove entries in `room_order` until `available(freed so far)` >= need_bytes (by default the filesystem's
-    free bytes; a caller that cannot trust that reading, e.g. after EDQUOT, counts what it freed instead)."""
+    free bytes; a caller that cannot trust that reading, e.g. after EDQUOT, counts what it freed instead).
+    Entries a process still maps are left alone (`held_entries`): removing them would free nothing now."""
     root = budget.root
     avail = available or (lambda _freed: free_bytes(root))
     out = RoomOutcome(need_bytes, newest_valid=budget.newest_valid, newest_known_good=budget.newest_known_good)
     out.available_bytes = avail(0)
+    held = held_entries(root) if not out.fits else set()
     for e in room_order(budget, include_in_flight):
         if out.fits:
             break
+        if e.name in held:
+            out.skipped_held.append(e.name)
+            continue
+        before = out.available_bytes
         if _remove(root, e.name):
             out.removed.append(e.name)
             out.freed_bytes += e.bytes
         out.available_bytes = avail(out.freed_bytes)
+        if e.name in out.removed[-1:] and before is not None and out.available_bytes is not None:
+            out.held_bytes += max(0, e.bytes - (out.available_bytes - before))
     gone = set(out.removed)
     out.kept_bytes = sum(e.bytes for e in budget.entries if e.name not in gone and e.step is not None
                          and e.category in ("newest_valid", "keep_last", "anchor"))
@@ -359,9 +400,11 @@ def room_for_save(ckpt_dir: str | Path, run_dir: str | Path, tag: str, keep_last
         log.warning("making room for checkpoint %s failed: %s", tag, exc)
         return None
     if room.removed:
-        log.info("made room for checkpoint %s: removed %s", tag, ", ".join(room.removed))
+        log.info("made room for checkpoint %s: removed %s%s", tag, ", ".join(room.removed),
+                 f" ({room.held_bytes} bytes of them still held open, not freed)" if room.held_bytes > 4096 else "")
     if room.fits:
         return None
     return {"tag": tag, "reason": "no_space", "need_bytes": need, "available_bytes": room.available_bytes,
             "tag_bytes": tag_bytes, "margin_bytes": policy.margin_bytes, "removed": room.removed,
+            "held_bytes": room.held_bytes,
             "kept": [t for t in (room.newest_valid, room.newest_known_good) if t]}
