@@ -135,10 +135,10 @@ def sample(ckpt_dir: Path, policy: Any, db: Path, why: str, rec: dict | None) ->
     b = bd.classify(ckpt_dir, policy, known_good_tags(db))
     d = b.to_dict()
     d.pop("policy", None)
-    held = b.total_bytes - d["categories"]["other"]["bytes"]
+    in_dir = b.total_bytes - d["categories"]["other"]["bytes"]
     return {"time": t0, "why": why, "event": (rec or {}).get("event"), "step": (rec or {}).get("step"),
-            "attempt": (rec or {}).get("attempt"), "tag": (rec or {}).get("tag"), **d, "held_bytes": held,
-            "within_budget": b.tag_bytes == 0 or held - d["categories"]["deleting"]["bytes"]
+            "attempt": (rec or {}).get("attempt"), "tag": (rec or {}).get("tag"), **d, "dir_bytes": in_dir,
+            "within_budget": b.tag_bytes == 0 or in_dir - d["categories"]["deleting"]["bytes"]
             <= policy.budget_bytes(b.tag_bytes) - policy.margin_bytes,
             "sample_s": round(time.time() - t0, 3)}
 
@@ -237,7 +237,7 @@ def summarize(out: Path, name: str) -> dict[str, Any]:
         "save_failures": [{k: f.get(k) for k in ("step", "errno", "bytes_free")} for f in failed],
         "enospc": any(f.get("errno") in ("ENOSPC", "EDQUOT") for f in failed),
         "samples": len(samples), "within_budget_every_sample": all(s.get("within_budget", True) for s in samples),
-        "max_held_bytes": max((s.get("held_bytes", 0) for s in samples), default=None),
+        "max_dir_bytes": max((s.get("dir_bytes", 0) for s in samples), default=None),
         "min_free_bytes": min((s["free_bytes"] for s in samples if s.get("free_bytes") is not None), default=None),
         "tag_bytes": max((s.get("tag_bytes", 0) for s in samples), default=None),
         "final_categories": final.get("categories"), "final_set_aside": final.get("set_aside"),
