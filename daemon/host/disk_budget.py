@@ -104,7 +104,10 @@ def run_retention(sup: Supervisor) -> RetentionResult:
                  held=out.room.held_bytes, available=out.room.available_bytes, need=need)
         if not out.room.fits:
             warn_no_room(sup, out.room, budget)
+        cut = [n for n in out.room.removed if budget.by_name()[n].category in ("keep_last", "anchor")]
         budget = classify_run(sup)
+        if cut:
+            warn_window_cut(sup, budget, cut)
     out.budget = budget
     mark_pruned(sup, out.removed)
     try:
@@ -130,6 +133,22 @@ def warn_no_room(sup: Supervisor, room: bd.RoomOutcome, budget: bd.DirBudget) ->
     log.warning("checkpoint disk cannot hold the next save", need=room.need_bytes, available=room.available_bytes)
     sup.say(f"WARNING: {text}")
     sup.alert("incident", text, need_bytes=room.need_bytes, available_bytes=room.available_bytes)
+
+
+def warn_window_cut(sup: Supervisor, budget: bd.DirBudget, cut: list[str]) -> None:
+    """The disk holds fewer tags than the settings keep: said (log, console, alert) once per run."""
+    key = f"{sup.run_id}:window"
+    if _warned.get(key):
+        return
+    _warned[key] = "said"
+    tags = sum(1 for e in budget.entries if e.category in ("newest_valid", "keep_last", "anchor"))
+    text = (f"checkpoint disk: {budget.root} holds {tags} tag(s) of {bd.describe_bytes(budget.tag_bytes)} with room "
+            f"for the next save, fewer than keep_last {budget.policy.keep_last} + anchors: removed {', '.join(cut)} "
+            f"to make room ({bd.describe_bytes(budget.free_bytes)} free now); a smaller [checkpoint] keep_last or "
+            f"a larger checkpoint.dir keeps what is configured")
+    log.warning("checkpoint window cut to what the disk holds", removed=cut, tags=tags, free=budget.free_bytes)
+    sup.say(f"WARNING: {text}")
+    sup.alert("incident", text, tags_held=tags, free_bytes=budget.free_bytes, removed=cut)
 
 
 def mark_pruned(sup: Supervisor, removed: list[str]) -> None:

@@ -117,6 +117,8 @@ def test_set_aside_copies_piling_up_are_capped_and_shown_in_status(tmp_path):
 def test_after_each_save_the_daemon_makes_room_for_the_next_but_never_while_one_is_written(tmp_path, monkeypatch):
     fos = FakeOS()
     sup = _sup(tmp_path, fos, daemon=NO_MARGIN)
+    said: list[str] = []
+    sup.say = said.append
     sup.start()
     sup.new_config_version({"checkpoint.keep_last": 5}, "test: a window the disk cannot hold")
     _emit(sup, kind="event", event="started", step=0)
@@ -132,6 +134,8 @@ def test_after_each_save_the_daemon_makes_room_for_the_next_but_never_while_one_
         sup.tick()
     # The window shrank, oldest first, to what the disk holds with room left for the next save.
     assert _tags(sup) == [40, 50] and disk() >= tag
+    cut = [m for m in said if "fewer than keep_last 5" in m]
+    assert len(cut) == 1 and "holds 2 tag(s)" in cut[0], said  # said once, with the numbers
     # A save being written (no manifest yet): its bytes are still arriving, the window is left alone.
     _sized(root, 60, tag // 2, valid=False)
     from ulyssesd.daemon.core.housekeeping import retention
