@@ -75,7 +75,7 @@ def _tags_with_a_partial_one(sup) -> dict[str, int]:
     partial = sup.ckpt_dir / "step-00000040"
     partial.mkdir()
     (partial / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 4096)  # half a save, no manifest
-    (sup.ckpt_dir / "step-00000005.corrupt-1").mkdir()  # quarantined evidence: never pruned
+    (sup.ckpt_dir / "step-00000005.corrupt-1").mkdir()  # quarantined evidence: kept within the set-aside cap
     return {t: ck.tag_bytes(sup.ckpt_dir / t) for t in ("step-00000020", "step-00000040")}
 
 
