@@ -16,6 +16,7 @@ sample of the checkpoint directory by category (bytes, counts), the free space a
 `summary.json` (also `--analyze` offline).
 
     python bench/gpu_ckpt_disk.py --out $OUT/ckdisk --free-gib 64          # ~9 min: r1 150 s, r2 180 s, r3 180 s
+    python bench/gpu_ckpt_disk.py --out $OUT/ckdisk --runs r2,r3 --seconds 180,180   # a part of it per call
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def spec_for(a: argparse.Namespace, name: str, state: Path) -> dict[str, Any]:
     doc = read_toml(Path(a.config))
     doc["run"] = {"name": f"ckdisk-{name}"}
     doc["train"].update(seq_len=a.seq, steps=100000, warmup_steps=100)
+    if "model" in doc and not a.compile:
+        doc["model"]["compile_blocks"] = False  # a cold inductor cache would eat a run's minutes: not the point
     doc["checkpoint"].update(interval_steps=r["interval"] // a.interval_div, keep_last=r["keep_last"],
                              save_at_end=False)
     doc["detectors"] = {"hang_timeout_floor_s": 120.0}
@@ -268,6 +271,8 @@ def main() -> int:
     ap.add_argument("--seconds", default="150,180,180", help="wall budget of each run, in --runs order")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--config", default=str(CONFIG), help="the run's job config (a CPU smoke: configs/tiny-cpu.toml)")
+    ap.add_argument("--compile", action="store_true", help="keep the config's model.compile_blocks (off: no cold "
+                    "inductor compile in a run's time)")
     ap.add_argument("--free-gib", type=float, default=None, help="fill the disk to leave this much free first")
     ap.add_argument("--kill-at", type=int, default=200, help="r2: SIGKILL rank 0 during the save at/after this step")
     ap.add_argument("--nan-steps", type=lambda s: [int(x) for x in s.split(",")], default=[120, 120, 120, 120],
