@@ -12,11 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_daemon_disk_full import _log, _save_fails
+from test_daemon_disk_full import _save_fails
 from test_daemon_unit_fakeos import FakeOS, _emit, _make_tag, _steps, _sup
 
 from ulyssesd.daemon.host import disk_budget
-from ulyssesd.daemon.host.process import ExitStatus
 from ulyssesd.daemon.store.enums import RunState
 from ulyssesd.training import checkpoint as ck
 from ulyssesd.training.checkpoint import budget as bd
@@ -317,8 +316,6 @@ def test_a_new_user_on_a_disk_too_small_is_refused_before_launch_with_what_fits(
         assert not (mnt / "ckpt").exists() or not any((mnt / "ckpt").iterdir())  # nothing launched or written
         assert not list((tmp_path / "state").glob("runs/*/attempts/*"))
 
-
-_ = (_log, ExitStatus)  # helpers shared with test_daemon_disk_full
 
 
 # -------------------------------------------------------------------- the real 2-rank job on a tmpfs (slow)
