@@ -363,3 +363,27 @@ def test_real_job_enospc_mid_save_on_a_small_disk_makes_room_lengthens_the_inter
         tags = ck.list_tags(ckpt)
         assert len(tags) == 2 and tags[-1] == "step-00000010", tags
         assert all(ck.validate_tag(ckpt / t, True)[0] for t in tags)
+
+
+def test_ulyssesctl_status_shows_the_directory_by_category_and_the_free_space(tmp_path, capsys):
+    from ulyssesd.daemon.operator.ctl import main
+
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, daemon=NO_MARGIN)
+    sup.start()
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 20, dt=0.01)
+    (sup.ckpt_dir / "step-00000030.rolledback-1700000000").mkdir(parents=True)
+    (sup.ckpt_dir / "step-00000030.rolledback-1700000000" / "x.pt").write_bytes(b"r" * 100)
+    _saved(sup, 10)
+    _saved(sup, 20)
+    state = ["--state-dir", str(tmp_path / "state")]
+    capsys.readouterr()
+    assert main([*state, "status", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["checkpoint_disk"]
+    assert d["newest_valid"] == "step-00000020" and d["set_aside"] == ["step-00000030.rolledback-1700000000"]
+    assert d["categories"]["keep_last"]["count"] == 1 and d["categories"]["set_aside"]["bytes"] == 100
+    assert d["free_bytes"] > 0 and d["budget_bytes"] >= d["total_bytes"]
+    assert main([*state, "status"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint disk" in out and "set aside 1 (100 B)" in out and "free" in out
