@@ -520,8 +520,8 @@ def main_store(work: Path, results: str | None) -> int:
 
 # ------------------------------------------------------------------------ storage scenarios (#13)
 # Run with `--scenarios storage`: two supervised runs of the real 2-rank job, one per fault.
-#   disk_full     ENOSPC mid-save -> the daemon prunes every tag but the newest valid and the known-good ones
-#                 (and the half-written one), resumes from the newest valid tag, the run COMPLETES.
+#   disk_full     ENOSPC mid-save -> the daemon removes the half-written tag and makes room in the budget's order
+#                 (docs/CHECKPOINT_DISK.md), resumes from the newest valid tag, the run COMPLETES.
 #   read_only_fs  EROFS at a save -> a clear incident and a clean stop (FAILED "run directory is read-only"),
 #                 nothing deleted.
 # A real ENOSPC/EROFS needs a small or read-only mount (root; this box has ~80 GB free), so both use the job's

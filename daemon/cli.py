@@ -127,6 +127,14 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
     except OSError as exc:  # not ours to write (permissions, read-only file system, ...)
         print(f"ulyssesd: cannot use state dir {spec.daemon.state_dir}: {exc}", file=sys.stderr)
         return EXIT_STATE_DIR
+    if preflight and spec.daemon.preflight:  # the checkpoint disk, for every kind of job
+        from ulyssesd.daemon.host.disk_budget import preflight_disk
+
+        verdict = preflight_disk(spec, predict=spec.job_section.kind == "builtin")
+        if verdict is not None:
+            print(f"ulyssesd: preflight refused the run: {verdict}\n(use --no-preflight to override)", file=sys.stderr)
+            locks.release()
+            return EXIT_PREFLIGHT
     preflight = preflight and spec.daemon.preflight and spec.job_section.kind == "builtin"  # built-in GPT only
     if preflight:
         verdict = _preflight(spec)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
+from .checkpoint.budget import room_for_save
 from .control import set_engine_clip
 from .data.batches import DataCursor, SampleSource
 from .faults import FaultInjector
@@ -233,6 +234,8 @@ class TrainerCheckpoints:
                 log.warning("checkpoint %s was due while %s was still being written: training waited %.2f s for it "
                             "(one save in flight; a longer interval or a faster disk avoids this)",
                             tag, previous[1], waited)
+        if not self._room_for_save(tag):
+            return  # skipped for lack of space (its event says so); training goes on
         self._event("checkpoint_saving", tag=tag, **due)
         t0 = time.time()
         # A failed write (full disk, read-only filesystem, quota, I/O error) is caught on the rank that saw
@@ -272,6 +275,21 @@ class TrainerCheckpoints:
         self._agree_on_save(failure)
         self._after_durable(self.step, tag, tag_dir, {"seconds": round(time.time() - t0, 3), "bytes": nbytes})
         self.dist.barrier()
+
+    def _room_for_save(self, tag: str) -> bool:
+        """Collective: rank 0 makes room for this save (checkpoint/budget.py `room_for_save`), every rank learns
+        whether it fits. One that does not is skipped with a `checkpoint_skipped` event, never a crash."""
+        box: list[Any] = [room_for_save(self.ckpt_dir, self.run_dir, tag, self.spec.checkpoint.keep_last,
+                                        under_daemon=not self._owns_retention(), log=log) if self.rank == 0 else None]
+        if self.world > 1:
+            self.dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return True
+        log.warning("checkpoint %s skipped: needs ~%s bytes, %s available", tag, box[0]["need_bytes"],
+                    box[0]["available_bytes"])
+        if self.rank == 0:
+            self._event("checkpoint_skipped", **box[0])
+        return False
 
     def _after_durable(self, step: int, tag: str, tag_dir: Path, fields: dict[str, Any]) -> None:
         """A save of `step` has its manifest and `latest`: faults, `checkpoint_saved`, retention."""

@@ -59,9 +59,11 @@ def read_telemetry(sup: Supervisor) -> None:
     if not batch and sup.reader.cursor.offset == offset_before:
         return
     now = sup.os.time()
+    saved = False
     for rec, _off in batch:
         if rec.attempt is not None and rec.attempt != sup.attempt:
             continue  # a late line of an earlier attempt
+        saved = saved or (isinstance(rec, EventRecord) and rec.event == "checkpoint_saved")
         try:
             on_record(sup, rec, now)
         except Exception:  # noqa: BLE001 - one record must not end supervision (and not on every restart)
@@ -69,10 +71,21 @@ def read_telemetry(sup: Supervisor) -> None:
             log.exception("handling a telemetry record failed; skipped", run_id=sup.run_id,
                           step=rec.step, kind=rec.kind, count=sup.record_errors)
     sync_known_good(sup)
+    if saved:  # the checkpoint directory's budget after every save, not only on the retention timer
+        retention_after_save(sup)
     # Persisted even when only bad lines were consumed: a restart must not re-read them.
     cur = sup.reader.cursor
     sup.store.set_telemetry_cursor(sup.run_id, path=str(sup.telemetry_path), inode=cur.inode,
                                     offset=cur.offset, last_step=sup.last_step)
+
+
+def retention_after_save(sup: Supervisor) -> None:
+    from ulyssesd.daemon.core.housekeeping import retention
+
+    try:
+        retention(sup)
+    except Exception:  # noqa: BLE001 - the timer runs it again; reading telemetry must go on
+        log.exception("checkpoint retention after a save failed", run_id=sup.run_id)
 
 
 def sync_known_good(sup: Supervisor) -> None:
@@ -107,6 +120,8 @@ def on_event(sup: Supervisor, rec: EventRecord) -> None:
         sup.incidents.verify(rec.step or 0, sup.spec.remediation.grace_steps)
         log.info("checkpoint saved", tag=f["tag"], step=rec.step)
         sup.say(f"checkpoint {f['tag']} saved")
+    elif rec.event == "checkpoint_skipped":
+        disk.save_skipped(sup, rec.step or 0, dict(f))
     elif rec.event == "checkpoint_invalid":
         sid = sup.incidents.incident(Symptom.checkpoint_corrupt, rec.step or 0, Severity.warning,
                              f"job skipped invalid checkpoint {f.get('tag')}: {f.get('reason')}",

@@ -39,7 +39,6 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle
-from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.store.enums import TERMINAL_RUN_STATES, IncidentStatus, RunState, Severity, Symptom
 
 if TYPE_CHECKING:
@@ -278,19 +277,11 @@ def setup(sup: Supervisor) -> None:
 
 
 def retention(sup: Supervisor) -> None:
-    """Prune old checkpoints (keep_last, the disk guard); known-good tags are kept as anchors."""
-    from ulyssesd.training import checkpoint as ck
+    """The checkpoint directory's budget (host/disk_budget.py): surplus tags and set-aside copies over their caps
+    go, room is made for the next save, the store is told. Runs after every `checkpoint_saved` and on a timer."""
+    from ulyssesd.daemon.host import disk_budget
 
-    if not sup.ckpt_dir.is_dir():
-        return
-    anchors = [c.tag for c in sup.store.list_checkpoints(sup.run_id) if getattr(c, "known_good", False)]
-    keep = int(jc.get_dotted(sup.config, "checkpoint.keep_last", 3))
-    removed = ck.prune(sup.ckpt_dir, keep_last=keep, anchors=anchors)
-    removed += ck.disk_guard(sup.ckpt_dir, int(sup.dcfg.min_free_gib * (1 << 30)), keep_min=1, anchors=anchors)
-    for tag in removed:
-        log.info("checkpoint pruned", tag=tag)
-        if hasattr(sup.store, "mark_checkpoint_pruned"):
-            sup.store.mark_checkpoint_pruned(sup.run_id, tag)
+    disk_budget.run_retention(sup)
 
 
 def maintenance(sup: Supervisor) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ulyssesd.daemon.host.logging import get_logger
-from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, Severity, Symptom
+from ulyssesd.daemon.job import config as jc
+from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, Severity, Symptom
 
 if TYPE_CHECKING:
     from ulyssesd.daemon.supervisor import Supervisor
@@ -96,58 +97,141 @@ def storage_errno(save_failure: dict[str, Any] | None, diag_label: str | None, c
 
 @dataclass
 class PruneOutcome:
-    """What pruning for space did: removed tags, bytes they held, free bytes after, what the next save needs."""
+    """What making room after a failed save did: removed entries, bytes they held, bytes available after,
+    what the next save needs, the tags kept, and how many tags the disk can hold."""
 
     removed: list[str]
     freed_bytes: int
     free_bytes: int | None
     need_bytes: int
     newest_valid: str | None
+    newest_known_good: str | None = None
+    tags_fit: int | None = None
+    held_bytes: int = 0  # removed but not freed (still open or mapped by a process)
 
     @property
     def enough(self) -> bool:
-        """The next save fits (it is about the newest tag's size), or the free space is unknown but
-        something was freed."""
+        """The newest valid tag plus the next save fit (the free space is unknown: something was freed)."""
         if self.free_bytes is None:
             return self.freed_bytes > 0
         return self.free_bytes >= self.need_bytes
 
 
-def prune_for_space(sup: Supervisor) -> PruneOutcome:
-    """Remove checkpoints that are neither the newest valid tag nor a known-good anchor (store)."""
-    from ulyssesd.training import checkpoint as ck
+def _reading_trusted(failure: dict[str, Any] | None, need: int) -> bool:
+    """statvfs's free bytes tell whether the next save fits, unless the failure says otherwise: a quota
+    (EDQUOT) does not show in statvfs, nor does a limit below the filesystem's (the write failed with room)."""
+    if not failure:
+        return True
+    if failure.get("errno") == "EDQUOT":
+        return False
+    free_then = failure.get("bytes_free")
+    return not (isinstance(free_then, int) and free_then >= need)
 
-    anchors = [c.tag for c in sup.store.list_checkpoints(sup.run_id) if getattr(c, "known_good", False)]
-    removed, freed, newest = ck.prune_for_space(sup.ckpt_dir, anchors)
-    for tag in removed:
-        log.info("checkpoint pruned for space", tag=tag)
-        try:
-            sup.store.mark_checkpoint_pruned(sup.run_id, tag)
-        except LookupError:
-            pass  # a partial tag (the failed save's) never had a row
-    # The next save writes about what the newest tag holds; never less than "nearly full".
-    need = max(ck.tag_bytes(sup.ckpt_dir / newest) if newest else 0, MIN_FREE_BYTES)
-    return PruneOutcome(removed, freed, ck.bytes_free(sup.ckpt_dir), need, newest)
+
+def prune_for_space(sup: Supervisor, failure: dict[str, Any] | None = None) -> PruneOutcome:
+    """Make room for the next save after a failed one (the job has exited), in the budget's stated order:
+    the failed save's partial and what retention removes anyway, set-aside copies oldest first, anchors beyond
+    the newest known-good, the keep_last window down to the newest valid (training/checkpoint/budget.py)."""
+    from ulyssesd.daemon.host import disk_budget
+    from ulyssesd.training import checkpoint as ck
+    from ulyssesd.training.checkpoint import budget as bd
+
+    budget = disk_budget.classify_run(sup)
+    tag = disk_budget.next_save_bytes(budget, disk_budget.predicted_from_config(sup.config))
+    need = (tag or MIN_FREE_BYTES) + budget.policy.margin_bytes  # unknown size: at least "not nearly full"
+    if _reading_trusted(failure, need):
+        available = None  # the filesystem's own reading after each removal
+    else:
+        start = int((failure or {}).get("bytes_free") or 0) if (failure or {}).get("errno") != "EDQUOT" else 0
+        available = lambda freed: min(start + freed, ck.bytes_free(sup.ckpt_dir) or 0)  # noqa: E731
+    # The failed save's partial and the entries retention dooms go whatever the reading says.
+    first = [e for e in bd.room_order(budget, include_in_flight=True) if e.doomed or e.category == "in_flight"]
+    removed, freed = [], 0
+    for e in first:
+        if bd._remove(budget.root, e.name):
+            removed.append(e.name)
+            freed += e.bytes
+    budget = disk_budget.classify_run(sup)
+    avail = None if available is None else (lambda f: available(freed + f))  # noqa: E731
+    room = bd.make_room(budget, need, include_in_flight=True, available=avail)
+    removed += room.removed
+    freed += room.freed_bytes
+    for tag_name in removed:
+        log.info("checkpoint removed for space", tag=tag_name)
+    disk_budget.mark_pruned(sup, removed)
+    fit = bd.tags_that_fit(room.available_bytes or 0, room.kept_bytes, tag, budget.policy.margin_bytes) \
+        if room.available_bytes is not None else None
+    return PruneOutcome(removed, freed, room.available_bytes, need, room.newest_valid, room.newest_known_good, fit,
+                        room.held_bytes)
 
 
 def resume_after_no_space(sup: Supervisor, iid: int, failure: dict[str, Any] | None) -> bool:
-    """The disk_full rung: prune, record what was freed, and say whether the next attempt can save.
-    False: the incident is closed failed and the run FAILED (nothing left to prune), never a loop."""
-    out = prune_for_space(sup)
-    params = {"rung": "prune_and_restart", "removed": out.removed, "bytes_freed": out.freed_bytes,
-              "bytes_free_after": out.free_bytes, "next_save_needs_bytes": out.need_bytes,
-              "kept_newest_valid": out.newest_valid, "failed_save": failure}
-    sup.incidents.action(iid, ActionKind.prune, params, {}, ApplyMode.none)
-    sup.say(f"  disk full: pruned {len(out.removed)} checkpoint(s) ({', '.join(out.removed) or 'none'}), "
-            f"{out.freed_bytes} bytes freed, {out.free_bytes} free, next save needs ~{out.need_bytes}")
+    """The disk_full rung: make room, record what was freed, lengthen the save interval when the disk holds fewer
+    tags than configured, and say whether the next attempt can save. False only when the disk cannot hold the
+    newest valid tag plus one more: the incident is closed failed and the run FAILED, never a loop."""
+    from ulyssesd.daemon.host import disk_budget
+
+    out = prune_for_space(sup, failure)
+    params: dict[str, Any] = {
+        "rung": "prune_and_restart", "removed": out.removed, "bytes_freed": out.freed_bytes,
+        "bytes_free_after": out.free_bytes, "next_save_needs_bytes": out.need_bytes,
+        "kept_newest_valid": out.newest_valid, "kept_newest_known_good": out.newest_known_good,
+        "tags_fit": out.tags_fit, "held_bytes": out.held_bytes, "failed_save": failure}
+    diff: dict[str, Any] = {}
+    from_v = sup.config_version
     if out.enough:
+        keep = int(jc.get_dotted(sup.config, "checkpoint.keep_last", 3) or 3)
+        base = _base_interval(sup)
+        longer = disk_budget.interval_for(base, out.tags_fit, keep) if base else None
+        if longer is not None and longer != jc.get_dotted(sup.config, "checkpoint.interval_steps"):
+            _, diff = sup.new_config_version(
+                {"checkpoint.interval_steps": longer},
+                f"checkpoint disk holds {out.tags_fit} tags, keep_last {keep} + 1 configured: save every "
+                f"{longer} steps instead of {base}")
+            params["interval_steps"] = longer
+    sup.incidents.action(iid, ActionKind.prune, params, diff, ApplyMode.none, from_v, sup.config_version)
+    msg = (f"disk full: removed {len(out.removed)} ({', '.join(out.removed) or 'none'}), {out.freed_bytes} bytes "
+           f"freed, {out.free_bytes} available, the next save needs ~{out.need_bytes}"
+           + (f"; the disk holds {out.tags_fit} tags" if out.tags_fit is not None else "")
+           + (f"; saves every {params['interval_steps']} steps now" if "interval_steps" in params else ""))
+    sup.say(f"  {msg}")
+    if out.enough:
+        if out.removed or diff:
+            sup.alert("incident", f"checkpoint {msg}", **{k: params[k] for k in ("bytes_freed", "bytes_free_after",
+                                                                                 "next_save_needs_bytes", "tags_fit")})
         return True
-    reason = (f"disk full: nothing left to prune in {sup.ckpt_dir} (kept the newest valid tag "
-              f"{out.newest_valid} and the known-good anchors); {out.free_bytes} bytes free, the next save "
-              f"needs ~{out.need_bytes}: free space on that filesystem, then start the run again")
+    kept = " and ".join(t for t in dict.fromkeys([out.newest_valid, out.newest_known_good]) if t)
+    reason = (f"disk full: {sup.ckpt_dir} cannot hold the newest valid tag plus one more: everything else was "
+              f"removed (kept {kept or 'nothing: no valid tag'}), {out.free_bytes} bytes are available and the "
+              f"next save needs ~{out.need_bytes} (one tag + daemon.min_free_gib): free space on that filesystem "
+              f"or set checkpoint.dir to a larger one, then start the run again")
     sup.incidents.stopped(iid, reason)
     sup.fail(reason)
     return False
+
+
+def _base_interval(sup: Supervisor) -> int | None:
+    """The run's own save interval (its first config version's): a lengthened one is never lengthened again."""
+    try:
+        first = sup.store.list_config_versions(sup.run_id)[0].config
+    except (IndexError, AttributeError, LookupError):
+        first = sup.config
+    value = jc.get_dotted(first, "checkpoint.interval_steps")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def save_skipped(sup: Supervisor, step: int, fields: dict[str, Any]) -> None:
+    """The job skipped a save for lack of space (its `checkpoint_skipped` event): training goes on; an incident
+    with the numbers and an alert, and retention runs at once to make room for the next one."""
+    need, avail = fields.get("need_bytes"), fields.get("available_bytes")
+    text = (f"checkpoint {fields.get('tag')} skipped for lack of space: needs ~{need} bytes, {avail} available in "
+            f"{sup.ckpt_dir} after removing {len(fields.get('removed') or [])} entries; training goes on")
+    iid = sup.incidents.incident(Symptom.disk_full, step, Severity.warning, text, {"checkpoint_skipped": fields})
+    sup.store.update_incident_status(iid, IncidentStatus.resolved, "training went on; the next save is tried at "
+                                     "its interval")
+    log.warning("checkpoint skipped for lack of space", tag=fields.get("tag"), need=need, available=avail)
+    sup.say(f"WARNING: {text}")
+    sup.alert("incident", text, need_bytes=need, available_bytes=avail)
 
 
 def stop_read_only(sup: Supervisor, where: str, evidence: dict[str, Any], iid: int | None = None) -> None:

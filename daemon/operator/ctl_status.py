@@ -187,6 +187,7 @@ def status_data(store, run) -> dict[str, Any]:
         "mem_max_allocated_gib": step.get("mem_max_allocated_gib"),
         "latest_checkpoint": latest.tag if latest else None,
         "known_good_checkpoint": good.tag if good else None,
+        "checkpoint_disk": _checkpoint_disk(store, run),
         "config_version": run.config_version, "config_diff_from_v1": diff,
         "open_incidents": len(open_inc),
         "open_incident_list": [{"id": i.id, "symptom": i.symptom.value, "status": i.status.value, "step": i.step,
@@ -214,6 +215,15 @@ def _telemetry_health(run, state: str, attempt: int | None) -> dict[str, Any] | 
         return None
     health["silent"] = bool(health.get("silent")) and state in TRAINING_STATES
     return health
+
+
+def _checkpoint_disk(store, run) -> dict[str, Any] | None:
+    from ulyssesd.daemon.host.disk_budget import disk_status
+
+    try:
+        return disk_status(store, run)
+    except Exception as exc:  # noqa: BLE001 - status must answer; the directory view is one row of it
+        return {"dir": None, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def job_processes(attempt, live: dict[str, Any] | None, launcher: dict[str, Any]) -> dict[str, Any]:
@@ -333,6 +343,10 @@ def render_status(d: dict[str, Any]) -> Table:
     t.add_row("max memory (GiB)", f"{mem:.2f}" if isinstance(mem, int | float) else EMPTY)
     t.add_row("checkpoint (latest / known good)",
               f"{or_empty(d['latest_checkpoint'])} / {or_empty(d['known_good_checkpoint'])}")
+    if d.get("checkpoint_disk") is not None:
+        from ulyssesd.daemon.host.disk_budget import render_disk
+
+        t.add_row("checkpoint disk", escape(render_disk(d["checkpoint_disk"])))
     diff = d["config_diff_from_v1"]
     t.add_row("config", f"v{d['config_version']}" + ("" if not diff else "; vs v1: " + escape(", ".join(
         f"{k}: {b!r} -> {a!r}" for k, (b, a) in diff.items()))))

@@ -404,7 +404,8 @@ def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str
                f"<td class='mono' colspan='3'>{_e(run.run_dir)}</td></tr><tr><th>telemetry</th>"
                f"<td class='mono' colspan='3'>{_e(path)}"
                f"{f' (last loss {last_step[1]:.4g})' if last_step and last_step[1] is not None else ''}</td></tr>"
-               f"</table>")
+               f"<tr><th>checkpoint disk</th><td class='mono' colspan='3'>{_e(_checkpoint_disk(store, run))}</td>"
+               f"</tr></table>")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>ulyssesd report: {_e(run.id)}</title>
 <meta name="viewport" content="width=device-width, initial-scale=1"><style>{_CSS}</style></head>
@@ -425,6 +426,16 @@ def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str
 </tr>{rows_cfg}</table>
 <script>{_JS}</script></body></html>
 """
+
+
+def _checkpoint_disk(store: Any, run: Any) -> str:
+    """The checkpoint directory by category and the free space (daemon/host/disk_budget.py), as of now."""
+    from ulyssesd.daemon.host.disk_budget import disk_status, render_disk
+
+    try:
+        return render_disk(disk_status(store, run))
+    except Exception as exc:  # noqa: BLE001 - a report is written even when the directory cannot be read
+        return f"unreadable: {type(exc).__name__}: {exc}"
 
 
 def _diff_html(versions: list[Any], v: Any) -> str:
