@@ -27,6 +27,7 @@ from .data.loader import PrefetchLoader
 from .ds_config import build_ds_config
 from .faults import FaultInjector
 from .model.gpt import GPT
+from .planner.inputs import GPU_MEMORY_CAP_ENV
 from .scalars import ScalarWriter, check_monitor_dependencies, drop_unwritable_monitors, mfu, step_scalars
 from .spec import JobSpec, SpecError
 from .startup import STARTUP, init_process_group
@@ -49,10 +50,6 @@ def lr_at(step: int, spec: JobSpec) -> float:
     span = max(1, tr.steps - tr.warmup_steps)
     progress = min(1.0, (step - tr.warmup_steps) / span)
     return tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-#: Benchmarks only: make a bigger GPU behave as a smaller one (an H200 standing in for an 80 GB H100).
-GPU_MEMORY_CAP_ENV = "ULYSSESD_GPU_MEMORY_CAP_GIB"
 
 
 def cap_gpu_memory(local: int) -> float | None:

@@ -34,6 +34,7 @@ from ulyssesd.training.planner import (
     plan,
     search_fixes,
 )
+from ulyssesd.training.planner.inputs import gpu_memory_cap_gib
 from ulyssesd.training.planner.rendering import is_advice
 from ulyssesd.training.planner.step_cost import cost_table
 from ulyssesd.training.spec import JobSpec, SpecError
@@ -87,8 +88,14 @@ def detect_local_cluster(nnodes: int, nproc_per_node: int) -> Cluster | None:
                 host_gib = int(line.split()[1]) / (1 << 20)
     except OSError:
         pass
-    return Cluster(gpus_per_node=nproc_per_node, nodes=nnodes, gpu_mem_gib=mib / 1024 - DRIVER_RESERVED_GIB,
+    return Cluster(gpus_per_node=nproc_per_node, nodes=nnodes, gpu_mem_gib=_capped(mib / 1024 - DRIVER_RESERVED_GIB),
                    host_mem_gib=host_gib or 1024.0, gpu_name=name)
+
+
+def _capped(gpu_gib: float) -> float:
+    """A GPU's memory as the jobs of this host may use it: ULYSSESD_GPU_MEMORY_CAP_GIB (benchmarks) caps it."""
+    cap = gpu_memory_cap_gib()
+    return min(gpu_gib, cap) if cap else gpu_gib
 
 
 def host_ram_gib() -> float | None:
@@ -125,7 +132,7 @@ def this_host_cluster(nnodes: int, nproc_per_node: int) -> Cluster | None:
     gpu = torch_gpu()
     if gpu is not None:
         ram = host_ram_gib()
-        return Cluster(gpus_per_node=nproc_per_node, nodes=nnodes, gpu_mem_gib=gpu[1], host_mem_gib=ram or 1024.0,
+        return Cluster(gpus_per_node=nproc_per_node, nodes=nnodes, gpu_mem_gib=_capped(gpu[1]), host_mem_gib=ram or 1024.0,
                        gpu_name=gpu[0]).with_origin(
             f"measured on this host: GPU memory {gpu[1]:.2f} GiB (torch.cuda total_memory of {gpu[0]}), host RAM "
             + (f"{ram:.0f} GiB (/proc/meminfo)" if ram else "ASSUMED 1024 GiB (/proc/meminfo unreadable; --host-mem "

@@ -24,6 +24,23 @@ HOST_PER_RANK_GIB = 3.0     # RSS of one rank's process (torch, CUDA libs, DeepS
 HOST_OS_RESERVE = 0.03      # fraction of host RAM left to the OS and page cache (at least 4 GiB)
 
 
+#: Benchmarks only: a bigger GPU made to behave as a smaller one (an H200 standing in for an 80 GB H100). The job
+#: caps its allocator there (training/train.py `cap_gpu_memory`); the planner of the same host plans for the cap.
+GPU_MEMORY_CAP_ENV = "ULYSSESD_GPU_MEMORY_CAP_GIB"
+
+
+def gpu_memory_cap_gib(environ: Any = None) -> float | None:
+    """The cap of GPU_MEMORY_CAP_ENV in GiB, None when unset or not a positive number."""
+    import os
+
+    raw = (os.environ if environ is None else environ).get(GPU_MEMORY_CAP_ENV)
+    try:
+        cap = float(raw) if raw else None
+    except ValueError:
+        return None
+    return cap if cap and cap > 0 else None
+
+
 class PlanInputError(ValueError):
     """The spec/cluster/ds_config cannot be planned (message names the offending key)."""
 
