@@ -107,6 +107,10 @@ def on_event(sup: Supervisor, rec: EventRecord) -> None:
         sup.incidents.verify(rec.step or 0, sup.spec.remediation.grace_steps)
         log.info("checkpoint saved", tag=f["tag"], step=rec.step)
         sup.say(f"checkpoint {f['tag']} saved")
+    elif rec.event == "checkpoint_loaded" and isinstance(f.get("tag"), str) and sup.spec.job_section.kind == "command":
+        from ulyssesd.daemon.job.checkpoint_watch import reported_resume
+
+        reported_resume(sup, f["tag"], rec.step)   # the attempt's "resumed from" follows what the job says
     elif rec.event == "checkpoint_invalid":
         sid = sup.incidents.incident(Symptom.checkpoint_corrupt, rec.step or 0, Severity.warning,
                              f"job skipped invalid checkpoint {f.get('tag')}: {f.get('reason')}",

@@ -27,11 +27,14 @@ def _ckpt(root, name, files=("model.pt",)):
 
 def test_resume_rule_prefers_valid_manifests_and_else_the_highest_complete_number(tmp_path):
     plain = tmp_path / "plain"
-    _ckpt(plain, "checkpoint-500", ("model.pt", "trainer_state.json"))
+    for step in (500, 90):
+        (_ckpt(plain, f"checkpoint-{step}", ("model.pt",)) / "trainer_state.json").write_text(
+            json.dumps({"global_step": step}))
     _ckpt(plain, "checkpoint-1000", ("model.pt",))  # being written: no trainer_state.json yet
-    _ckpt(plain, "checkpoint-90", ("model.pt", "trainer_state.json"))
     assert newest_complete_checkpoint(plain, ["trainer_state.json"]).name == "checkpoint-500"
-    assert newest_complete_checkpoint(plain).name == "checkpoint-1000"
+    # HF's own completion marker: without resume_requires too
+    assert newest_complete_checkpoint(plain).name == "checkpoint-500"
+    assert newest_complete_checkpoint(plain, max_step=499).name == "checkpoint-90"
     assert newest_complete_checkpoint(tmp_path / "absent") is None
     man = tmp_path / "man"
     for step in (10, 20, 30):
