@@ -6,7 +6,8 @@ before it prints the step's line → the daemon
 rolls back to the last known-good checkpoint found on disk (step_000040, not step 0) and sets step_000050
 aside → attempt 2 crashes at step 45 (unrelated) → attempt 3 again resumes step_000040 (never the poisoned
 one) → an operator SIGKILLs the rank after step_000070 → attempt 4 resumes step_000070 → the run COMPLETES.
-`status`, `incidents`, `report` and the store all say what each attempt resumed from.
+`status`, `incidents`, `report` and the store all say what each attempt resumed from. And a checkpoint dir
+whose layout nothing recognises is an open incident naming the setting, never a silent "from scratch".
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import torch
 
 from ulyssesd.daemon.store import open_store
 
-pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parent / "plain_torch_job.py"
 CTL = Path(sys.executable).parent / "ulyssesctl"
 
@@ -99,6 +99,7 @@ def _spec(tmp: Path) -> Path:
     })
 
 
+@pytest.mark.slow   # ~60-90 s: four attempts of a real script at 0.12 s a step
 def test_plain_script_nan_rollback_crash_and_sigkill_resume_from_the_right_checkpoints(tmp_path):
     spec = _spec(tmp_path)
     state, ckpt = tmp_path / "state", tmp_path / "ckpt"
@@ -170,3 +171,50 @@ def test_plain_script_nan_rollback_crash_and_sigkill_resume_from_the_right_check
     page = out.read_text()
     for tag in ("step_000040", newest_before_kill):
         assert f"<td>{tag}</td>" in page
+
+
+_UNKNOWN_LAYOUT_JOB = """
+import sys, time, pathlib
+out = pathlib.Path(sys.argv[1]) / "weights"
+out.mkdir(parents=True, exist_ok=True)
+for step in range(1, 400):
+    (out / "final.npz").write_bytes(b"x" * 64)   # its own format, no step in the name: nothing to resume from
+    print(f"step {step} | loss: {1.0 / step:.4f}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_a_checkpoint_dir_that_never_yields_a_checkpoint_is_an_open_incident_naming_the_setting(tmp_path):
+    from ulyssesd.daemon.host.process import RealOS
+    from ulyssesd.daemon.spec import load_run_spec
+    from ulyssesd.daemon.supervisor import Supervisor
+
+    script = tmp_path / "job.py"
+    script.write_text(_UNKNOWN_LAYOUT_JOB)
+    sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
+    spec_path = write_spec(tmp_path / "run.toml", {
+        "run": {"name": "unknownckpt"},
+        "job": {"kind": "command", "checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_settle_s": 0.2,
+                "checkpoint_unknown_after_s": 1.5, "command": [str(script), "{checkpoint_dir}"]},
+        "telemetry": {"source": "stdout"},
+        "launcher": {"kind": "local", "python": sys.executable},
+        "daemon": {"state_dir": str(tmp_path / "state"), "socket_path": str(sock), "tick_s": 0.1, "preflight": False},
+    })
+    spec = load_run_spec(spec_path)
+    store = open_store(spec.daemon.resolved_db_path())
+    sup = Supervisor(spec, store, RealOS())
+    sup.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sup.ckpt_watch_incident is None:
+            sup.tick()
+            time.sleep(0.05)
+        assert sup.ckpt_watch_incident is not None, sup.state
+        open_inc = [i for i in store.list_incidents(sup.run_id, status="open") if i.id == sup.ckpt_watch_incident]
+        assert open_inc and open_inc[0].symptom.value == "checkpoint_corrupt"   # `status` lists open incidents
+        assert "checkpoint_pattern" in open_inc[0].summary and "weights" in open_inc[0].summary
+        assert store.latest_checkpoint(sup.run_id) is None   # and nothing was invented
+    finally:
+        if sup.job is not None:
+            sup.os.signal_pids(sup.os.job_pids(sup.job, sup.marker()), signal.SIGKILL)
+        store.close()
