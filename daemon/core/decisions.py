@@ -126,6 +126,10 @@ def on_event(sup: Supervisor, rec: EventRecord) -> None:
 def handle_outputs(sup: Supervisor, out: Iterable[Finding | Decision], step: int) -> None:
     findings, decisions = _split_outputs(out)
     for fnd in findings:
+        if fnd.symptom == "nan_loss" and fnd.step is not None and sup.spec.job_section.kind == "command":
+            from ulyssesd.daemon.job.checkpoint_watch import poisoned_from
+
+            poisoned_from(sup, fnd.step)   # a save already on disk at or after this step is never resumed
         if fnd.symptom == "hang":
             if sup.spec.remediation.mode == "observe":
                 iid = sup.incidents.finding(fnd)

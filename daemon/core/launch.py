@@ -153,6 +153,10 @@ def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, in
             found, passed_over = checkpoint_watch.launch_choice(sup, rollback_to_step)
             notes: list[str] = []   # (a command job's checkpoints are never quarantined: nothing is invalid)
             tag = found.name if found else "none"
+            if found and not checkpoint_watch.gives_resume(sup.spec.job_section):
+                # Not handed to the job: the record cannot claim it (the job's own report may, later).
+                found, tag = None, "none"
+                passed_over = [*passed_over, "the command has no {resume}: the job chooses its own checkpoint"]
             resume, resume_step = (found.path, found.step) if found else (None, None)
             for note in passed_over:
                 log.warning("checkpoint passed over", note=note)

@@ -198,8 +198,7 @@ def classify(path: Path, root: Path, requires: tuple[str, ...] = ()) -> Found | 
                 step = int(json.loads(state.read_text())["global_step"])
             except (OSError, ValueError, KeyError, TypeError):
                 ok, why = False, "trainer_state.json unreadable or without global_step"
-    elif base.startswith("iter_") and (root / "latest_checkpointed_iteration.txt").exists() or \
-            base.startswith("iter_") and (path.parent / "latest_checkpointed_iteration.txt").exists():
+    elif base.startswith("iter_") and (path.parent / "latest_checkpointed_iteration.txt").exists():
         layout = "megatron"
         done = _read_int(path.parent / "latest_checkpointed_iteration.txt")
         if done is None or step is None or step > done:
@@ -239,10 +238,18 @@ def entries(root: Path, pattern: str | None = None) -> list[Path]:
         return []
 
 
-def look(root: Path, pattern: str | None = None, requires: tuple[str, ...] = ()) -> tuple[list[Found], list[str]]:
-    """One look: (the checkpoints recognised, the names of entries that are not)."""
+def look(root: Path, pattern: str | None = None, requires: tuple[str, ...] = (),
+         skip: frozenset[str] | set[str] = frozenset()) -> tuple[list[Found], list[str]]:
+    """One look: (the checkpoints recognised, the names of entries that are not). `skip`: names not examined
+    (already reported: a look must not re-read every file of every old checkpoint)."""
+    from ulyssesd.client.manifest import MANIFEST_NAME
+
     found, other = [], []
-    for p in entries(Path(root), pattern):
+    listed = entries(Path(root), pattern)
+    uses_manifests = any((p / MANIFEST_NAME).is_file() for p in listed)
+    for p in listed:
+        if skip and p.relative_to(root).as_posix() in skip:
+            continue
         try:
             f = classify(p, Path(root), tuple(requires))
         except OSError:
@@ -252,7 +259,7 @@ def look(root: Path, pattern: str | None = None, requires: tuple[str, ...] = ())
                 other.append(p.name)
         else:
             found.append(f)
-    if any(f.layout == "manifest" for f in found):
+    if uses_manifests:
         # The job writes manifests (ulyssesd.client): a directory without one is a save not finished.
         found = [f if f.layout == "manifest" or f.layout in ("file", "lightning") or not f.marker_ok else
                  Found(f.path, f.name, f.step, f.layout, False, "no manifest.json (the job writes one after each "

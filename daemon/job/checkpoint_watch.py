@@ -9,6 +9,7 @@
   incident (status, journal, webhook) naming the setting that fixes it; never a silent "from scratch".
 - `launch_choice`: the checkpoint the next attempt is given as `{resume}` (and recorded as resumed from); on
   a rollback everything after it is set aside and the bound persisted (checkpoint_files.RollbackBounds).
+- `poisoned_from`: a NaN at step N: a checkpoint at or after N already on disk is never resumed.
 - `reported_resume`: what the job says it loaded (`checkpoint_loaded`) corrects the attempt's record.
 """
 
@@ -24,6 +25,7 @@ from ulyssesd.daemon.job.checkpoint_files import (
     Found,
     RollbackBounds,
     WatchConfig,
+    complete,
     look,
     resume_point,
     set_aside_after,
@@ -56,7 +58,7 @@ class Watch:
 
     def look(self, now: float, bounds: RollbackBounds | None = None) -> list[Found]:
         """The checkpoints that became complete since the last look (each reported once), oldest first."""
-        found, other = look(self.cfg.root, self.cfg.pattern, self.cfg.requires)
+        found, other = look(self.cfg.root, self.cfg.pattern, self.cfg.requires, skip=self.reported)
         new = [f for f in found if f.name not in self.reported and f.marker_ok
                and self.last.get(f.name) == f.signature and not (bounds and bounds.poisoned(f))]
         self.last = {f.name: f.signature for f in found}
@@ -99,7 +101,13 @@ def launch_choice(sup: Supervisor, rollback_to_step: int | None) -> tuple[Found 
     if rollback_to_step is None:
         return chosen, notes
     if chosen is None and rollback_to_step > 0:
-        notes.append(f"no complete checkpoint at or before step {rollback_to_step}: resuming from the start")
+        # The rollback target is gone (deleted, pruned): as for the built-in job, the closest complete one
+        # after it beats starting the run over; everything after that one is still set aside.
+        later = [f for f in complete(cfg)[0] if f.step > rollback_to_step and not bounds.poisoned(f)]
+        chosen = min(later, key=lambda f: f.step) if later else None
+        notes.append(f"no complete checkpoint at or before step {rollback_to_step}; "
+                     + (f"rolled back to the oldest complete one after it, {chosen.name}" if chosen
+                        else "resuming from the start"))
     limit = chosen.step if chosen else 0
     _forget_after(sup.engine, limit)
     w: Watch | None = sup.ckpt_watch
@@ -114,6 +122,24 @@ def launch_choice(sup: Supervisor, rollback_to_step: int | None) -> tuple[Found 
     bounds.add(limit, time.time())
     sup.latest_ckpt = (chosen.name, chosen.step) if chosen else None
     return chosen, notes
+
+
+def poisoned_from(sup: Supervisor, bad_step: int) -> None:
+    """The job's loss went NaN at `bad_step`: a checkpoint at or after that step already on disk (saved
+    before the NaN was read: the race between a save and detection) holds the bad weights and is never a
+    resume point, whatever the next launch is (a rollback, or a restart after a crash the NaN caused). The
+    job's later saves (files newer than now) are not affected."""
+    bounds = RollbackBounds(sup.run_dir)
+    now = time.time()
+    if any(b["to_step"] == bad_step - 1 and now - b["since"] < 5 for b in bounds.read()):
+        return   # just noted (a finding repeated within its episode)
+    bounds.add(bad_step - 1, now)
+    log.info("checkpoints from the NaN step on are not resumed", first_bad_step=bad_step)
+
+
+def gives_resume(job: Any) -> bool:
+    """Whether the job is handed `{resume}` (else what it resumes from is only what it reports)."""
+    return any("{resume}" in arg for arg in job.command)
 
 
 def tick(sup: Supervisor, on_record: Callable[[Supervisor, EventRecord, float], None]) -> None:

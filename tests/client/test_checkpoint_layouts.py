@@ -249,3 +249,25 @@ def test_a_layout_nothing_recognises_is_loud_with_the_setting_to_give(tmp_path):
     w = Watch(WatchConfig(root=hf, unknown_after_s=10), started=0.0)
     w.look(20.0)
     assert "trainer_state.json" in (w.problem(20.0) or "")
+
+
+def test_a_save_already_on_disk_at_the_nan_step_is_never_resumed(tmp_path):
+    from types import SimpleNamespace
+
+    from ulyssesd.daemon.job.checkpoint_watch import poisoned_from
+
+    cfg = WatchConfig(root=tmp_path / "ck")
+    for step in (40, 50):   # 50: saved in the same breath as the step whose loss went NaN
+        d = cfg.root / f"step_{step}"
+        d.mkdir(parents=True)
+        torch.save(_model().state_dict(), d / "model.pt")
+    before = time.time() - 1
+    for p in cfg.root.rglob("*.pt"):
+        os.utime(p, (before, before))
+    assert resume_point(cfg, RollbackBounds(tmp_path))[0].name == "step_50"
+    poisoned_from(SimpleNamespace(run_dir=tmp_path), 50)   # the daemon reads the NaN line of step 50
+    chosen, notes = resume_point(cfg, RollbackBounds(tmp_path))   # e.g. the job then crashed: a plain restart
+    assert chosen.name == "step_40" and "step_50" in notes[0]
+    time.sleep(0.02)
+    torch.save(_model().state_dict(), cfg.root / "step_50" / "model.pt")   # the new trajectory saves step 50
+    assert resume_point(cfg, RollbackBounds(tmp_path))[0].name == "step_50"
