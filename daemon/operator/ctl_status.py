@@ -60,10 +60,15 @@ BAR_WIDTH = 24
 
 def recent_steps_from_telemetry(run_dir: str | None, limit: int = RATE_WINDOW_STEPS) -> list[dict[str, Any]]:
     """The newest `limit` step records in telemetry.jsonl, oldest first (read from its end; works with the
-    daemon down)."""
+    daemon down). A `[telemetry] source = "stdout"` run's records are in telemetry-stdout.jsonl (parsed from
+    the job's log): the newer of the two files is read."""
     if not run_dir:
         return []
-    path = Path(run_dir) / "telemetry.jsonl"
+    from ulyssesd.daemon.job.log_source import STDOUT_TELEMETRY_NAME
+
+    candidates = [Path(run_dir) / "telemetry.jsonl", Path(run_dir) / STDOUT_TELEMETRY_NAME]
+    mtimes = {p: p.stat().st_mtime for p in candidates if p.is_file()}
+    path = max(mtimes, key=lambda p: mtimes[p]) if mtimes else candidates[0]
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)

@@ -162,6 +162,7 @@ def test_plain_script_nan_rollback_crash_and_sigkill_resume_from_the_right_check
     st = json.loads(_ctl(state, "status", "--json").stdout)
     assert st["state"] == "COMPLETED" and st["resumed_from"] == newest_before_kill, st
     assert st["latest_checkpoint"] == "step_000100", st
+    assert st["step"] == 100 and isinstance(st["loss"], float), st   # from the stdout-parsed records
     text = _ctl(state, "status").stdout
     assert f"resumed from {newest_before_kill}" in text, text
     inc = _ctl(state, "incidents").stdout
