@@ -219,3 +219,56 @@ def test_a_checkpoint_dir_that_never_yields_a_checkpoint_is_an_open_incident_nam
         if sup.job is not None:
             sup.os.signal_pids(sup.os.job_pids(sup.job, sup.marker()), signal.SIGKILL)
         store.close()
+
+
+def test_a_new_daemon_keeps_the_known_good_checkpoints_it_found_on_disk(tmp_path):
+    """Daemon A finds step_000010 and step_000020 on disk (known good after 2 clean steps); it dies; daemon B
+    re-adopts the live job: it does not report them again, its engine has them as rollback targets, and the
+    job's later saves are still found; the run completes in one attempt."""
+    from ulyssesd.daemon.host.process import RealOS
+    from ulyssesd.daemon.spec import load_run_spec
+    from ulyssesd.daemon.supervisor import Supervisor
+
+    sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
+    spec_path = write_spec(tmp_path / "run.toml", {
+        "run": {"name": "readoptckpt"},
+        "job": {"kind": "command", "checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_settle_s": 0.15,
+                "command": [str(SCRIPT), "--ckpt-dir", "{checkpoint_dir}", "--steps", "40", "--save-every", "10",
+                            "--resume", "{resume}"]},
+        "telemetry": {"source": "stdout"},
+        "launcher": {"kind": "local", "python": sys.executable,
+                     "env": {"OMP_NUM_THREADS": "1", "PLAIN_STEP_SLEEP": "0.08"}},
+        "daemon": {"state_dir": str(tmp_path / "state"), "socket_path": str(sock), "tick_s": 0.1, "preflight": False},
+        "detectors": {"warmup_steps": 3, "window": 10, "hang_timeout_floor_s": 30.0},
+        "remediation": {"known_good_steps": 2},
+    })
+    spec = load_run_spec(spec_path)
+    store = open_store(spec.daemon.resolved_db_path())
+    a = Supervisor(spec, store, RealOS())
+    a.start()
+    job = None
+    try:
+        deadline = time.monotonic() + 90
+        while not {"step_000010", "step_000020"} <= {t for t, _ in a.engine.known_good}:
+            assert time.monotonic() < deadline, (a.state, a.last_step, a.engine.known_good)
+            a.tick()
+            time.sleep(0.05)
+        job = a.job
+        b = Supervisor(spec, store, RealOS())   # daemon A is gone (never ticked again); B re-adopts its run
+        b.start()
+        assert b.job is not None and b.attempt == 1
+        b.tick()
+        assert {"step_000010", "step_000020"} <= {t for t, _ in b.engine.known_good}
+        while b.state.value not in ("COMPLETED", "FAILED"):
+            assert time.monotonic() < deadline + 60, (b.state, b.last_step)
+            b.tick()
+            time.sleep(0.05)
+        job = b.job
+        assert b.state.value == "COMPLETED"
+        tags = [c.tag for c in store.list_checkpoints(b.run_id)]
+        assert tags == sorted(set(tags)) and {"step_000030", "step_000040"} <= set(tags), tags
+        assert [x.resumed_from for x in store.list_attempts(b.run_id)] == [None]
+    finally:
+        if job is not None:
+            a.os.signal_pids(a.os.job_pids(job, a.marker()), signal.SIGKILL)
+        store.close()
