@@ -238,38 +238,50 @@ def entries(root: Path, pattern: str | None = None) -> list[Path]:
         return []
 
 
+def _uses_manifests(listed: list[Path]) -> bool:
+    from ulyssesd.client.manifest import MANIFEST_NAME
+
+    return any((p / MANIFEST_NAME).is_file() for p in listed)
+
+
+def _examine(p: Path, root: Path, requires: tuple[str, ...], uses_manifests: bool) -> Found | None:
+    """`classify`, and once the job writes manifests (ulyssesd.client) a directory without one is a save
+    not finished."""
+    try:
+        f = classify(p, root, requires)
+    except OSError:
+        return None
+    if f is not None and uses_manifests and f.marker_ok and f.layout not in ("manifest", "file", "lightning"):
+        f = Found(f.path, f.name, f.step, f.layout, False, "no manifest.json (the job writes one after each save; "
+                  "this save has not finished)", f.signature, f.mtime)
+    return f
+
+
 def look(root: Path, pattern: str | None = None, requires: tuple[str, ...] = (),
          skip: frozenset[str] | set[str] = frozenset()) -> tuple[list[Found], list[str]]:
     """One look: (the checkpoints recognised, the names of entries that are not). `skip`: names not examined
     (already reported: a look must not re-read every file of every old checkpoint)."""
-    from ulyssesd.client.manifest import MANIFEST_NAME
-
+    root = Path(root)
     found, other = [], []
-    listed = entries(Path(root), pattern)
-    uses_manifests = any((p / MANIFEST_NAME).is_file() for p in listed)
+    listed = entries(root, pattern)
+    uses_manifests = _uses_manifests(listed)
     for p in listed:
         if skip and p.relative_to(root).as_posix() in skip:
             continue
-        try:
-            f = classify(p, Path(root), tuple(requires))
-        except OSError:
-            f = None
+        f = _examine(p, root, tuple(requires), uses_manifests)
         if f is None:
             if not is_set_aside(p.name) and p.name not in _NOT_CHECKPOINTS and not p.name.startswith("."):
                 other.append(p.name)
         else:
             found.append(f)
-    if uses_manifests:
-        # The job writes manifests (ulyssesd.client): a directory without one is a save not finished.
-        found = [f if f.layout == "manifest" or f.layout in ("file", "lightning") or not f.marker_ok else
-                 Found(f.path, f.name, f.step, f.layout, False, "no manifest.json (the job writes one after each "
-                       "save; this save has not finished)", f.signature, f.mtime) for f in found]
     return found, other
 
 
 BOUNDS_NAME = "rollback-bounds.json"
 #: How long `resume_point` waits between its two looks when no earlier look is at hand (the job has exited).
 RELOOK_S = 0.2
+#: Second looks one launch may take (files that keep changing while the job is down: an uploader, a copy).
+MAX_RELOOKS = 5
 #: Bounds kept (oldest dropped): enough for any run's rollbacks, small enough to read every launch.
 MAX_BOUNDS = 64
 
@@ -333,18 +345,44 @@ def complete(cfg: WatchConfig, earlier: dict[str, tuple[int, int, int]] | None =
 
 
 def resume_point(cfg: WatchConfig, bounds: RollbackBounds | None = None, max_step: int | None = None,
-                 earlier: dict[str, tuple[int, int, int]] | None = None) -> tuple[Found | None, list[str]]:
-    """The checkpoint to resume from (None: none) and why others were passed over (newest first)."""
-    done, _ = complete(cfg, earlier)
+                 earlier: dict[str, tuple[int, int, int]] | None = None,
+                 relook_s: float = RELOOK_S) -> tuple[Found | None, list[str]]:
+    """The checkpoint to resume from (None: none) and why newer ones were passed over. Examined newest first
+    by the step in their names, stopping at the first that is complete, within `max_step` and not from an
+    abandoned trajectory: a launch reads one checkpoint's files twice, not every file of every checkpoint.
+    Size stability: against `earlier` signatures where given, else a second look `relook_s` later."""
+    root = Path(cfg.root)
+    listed = entries(root, cfg.pattern)
+    uses_manifests = _uses_manifests(listed)
+
+    def name_step(p: Path) -> int:
+        step = step_of_name(p.relative_to(root).as_posix())
+        return -1 if step is None else step
+
     notes: list[str] = []
-    for f in sorted(done, key=lambda f: (f.step, f.mtime), reverse=True):
-        if max_step is not None and f.step > max_step:
+    relooks = 0
+    for p in sorted(listed, key=lambda p: (name_step(p), p.name), reverse=True):
+        if max_step is not None and name_step(p) > max_step:
+            continue
+        f = _examine(p, root, cfg.requires, uses_manifests)
+        if f is None or not f.marker_ok or (max_step is not None and f.step > max_step):
             continue
         why = bounds.poisoned(f) if bounds is not None else None
         if why:
             notes.append(f"{f.name} passed over: {why}")
             continue
-        return f, notes
+        if earlier is not None:
+            stable = earlier.get(f.name) == f.signature
+        elif relooks < MAX_RELOOKS:
+            relooks += 1
+            time.sleep(relook_s)
+            g = _examine(p, root, cfg.requires, uses_manifests)
+            stable = g is not None and g.marker_ok and g.signature == f.signature
+        else:
+            stable = False
+        if stable:
+            return f, notes
+        notes.append(f"{f.name} passed over: still being written (its files changed between two looks)")
     return None, notes
 
 

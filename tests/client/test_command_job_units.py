@@ -120,3 +120,9 @@ def test_remediations_config_changes_land_in_the_jobs_own_ds_config(tmp_path):
     assert ds["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 1000}
     assert "optimizer" not in ds  # the job's config has no optimizer section: no lr invented
     assert json.loads((tmp_path / "ds_config.json").read_text())["gradient_clipping"] == 1.0  # the copy stays
+
+
+@pytest.mark.parametrize("pattern", ["/abs/*.ckpt", "../elsewhere/*.pt"])
+def test_a_checkpoint_pattern_outside_the_checkpoint_dir_is_refused_with_an_example(pattern):
+    with pytest.raises(ValueError, match="relative to checkpoint_dir.*lightning_logs"):
+        JobSection(kind="command", command=["train.py"], checkpoint_pattern=pattern)
