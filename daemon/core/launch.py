@@ -200,6 +200,8 @@ def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, in
         from ulyssesd.training.checkpoint import step_of_tag
 
         sup.latest_ckpt = (tag, step_of_tag(tag) or 0) if tag != "none" else None
+        # The set-aside tags' candidacy goes too: a poisoned save must not turn known-good on the new trajectory.
+        checkpoint_watch.forget_after(sup.engine, sup.latest_ckpt[1] if sup.latest_ckpt else 0)
     if sup.attempt > 0 and sup.preflight is not None:
         verdict = sup.preflight(sup.config)  # fails closed: a planner error is a refusal too
         if verdict is not None:
