@@ -138,9 +138,11 @@ class JobSection(_Section):
     ds_config: str | None = Field(None, description="kind=command: the job's own DeepSpeed config JSON, copied to "
                                   "{run_dir}/ds_config.json ({ds_config}) on the first launch.")
     checkpoint_dir: str | None = Field(None, description="kind=command: where the job saves checkpoints "
-                                       "({checkpoint_dir}; default {run_dir}/checkpoints).")
+                                       "({checkpoint_dir}; default {run_dir}/checkpoints); watched: the daemon "
+                                       "finds its checkpoints there, whatever the job prints.")
     resume_requires: list[str] = Field(default_factory=list, description="kind=command: files a checkpoint "
-                                       "directory without a manifest must hold to count as complete for {resume}.")
+                                       "directory must also hold to count as complete (besides its format's own "
+                                       "marker and a stable size).")
     checkpoint_pattern: str | None = Field(None, min_length=1, description="kind=command: a glob, relative to "
                                            "checkpoint_dir, of the job's checkpoints when they are not its direct "
                                            "entries (e.g. 'lightning_logs/*/checkpoints/*.ckpt'); each name carries "
