@@ -139,9 +139,21 @@ class JobSection(_Section):
     ds_config: str | None = Field(None, description="kind=command: the job's own DeepSpeed config JSON, copied to "
                                   "{run_dir}/ds_config.json ({ds_config}) on the first launch.")
     checkpoint_dir: str | None = Field(None, description="kind=command: where the job saves checkpoints "
-                                       "({checkpoint_dir}; default {run_dir}/checkpoints).")
+                                       "({checkpoint_dir}; default {run_dir}/checkpoints); watched: the daemon "
+                                       "finds its checkpoints there, whatever the job prints.")
     resume_requires: list[str] = Field(default_factory=list, description="kind=command: files a checkpoint "
-                                       "directory without a manifest must hold to count as complete for {resume}.")
+                                       "directory must also hold to count as complete (besides its format's own "
+                                       "marker and a stable size).")
+    checkpoint_pattern: str | None = Field(None, min_length=1, description="kind=command: a glob, relative to "
+                                           "checkpoint_dir, of the job's checkpoints when they are not its direct "
+                                           "entries (e.g. 'lightning_logs/*/checkpoints/*.ckpt'); each name carries "
+                                           "its step.")
+    checkpoint_settle_s: float = Field(2.0, gt=0, le=600, description="kind=command: a checkpoint is complete when "
+                                       "its size is the same in two looks this far apart (and its format's "
+                                       "completion marker is there).")
+    checkpoint_unknown_after_s: float = Field(900.0, gt=0, description="kind=command: running this long with "
+                                              "no checkpoint recognised in a non-empty checkpoint_dir opens an "
+                                              "incident naming the setting to give.")
     resume_first: StrictBool = Field(False, description="kind=command: fill {resume} on the first attempt too "
                                "(continue a run whose checkpoints already exist).")
     total_steps: int | None = Field(None, ge=1, description="kind=command: the run's length in optimizer steps, "
@@ -158,6 +170,10 @@ class JobSection(_Section):
             raise ValueError("command is only used with kind='command'")
         if self.kind == "builtin" and self.total_steps is not None:
             raise ValueError("total_steps is only used with kind='command' (the built-in job's is [train] steps)")
+        if self.checkpoint_pattern is not None and (self.checkpoint_pattern.startswith("/")
+                                                    or ".." in Path(self.checkpoint_pattern).parts):
+            raise ValueError(f"checkpoint_pattern {self.checkpoint_pattern!r} must be relative to checkpoint_dir "
+                             f"(no leading '/', no '..'): e.g. 'lightning_logs/*/checkpoints/*.ckpt'")
         problems = placeholder_problems(self.command)
         if problems:
             raise ValueError("; ".join(problems))

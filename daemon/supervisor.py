@@ -44,8 +44,8 @@ from ulyssesd.daemon.core.states import TERMINAL, check_transition, transition_r
 from ulyssesd.daemon.core.termination import UNREQUESTED, RankWatch, Termination, TerminationPlan, Then
 from ulyssesd.daemon.host.logging import bind_run, get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle, OSInterface
+from ulyssesd.daemon.job import checkpoint_watch, log_source, slurm_supervise
 from ulyssesd.daemon.job import config as jc
-from ulyssesd.daemon.job import log_source, slurm_supervise
 from ulyssesd.daemon.job.launcher import job_marker
 from ulyssesd.daemon.job.standby import StandbyKeeper
 from ulyssesd.daemon.job.telemetry_reader import TelemetryReader
@@ -119,6 +119,10 @@ class Supervisor:
         self.save_failures: dict[int, dict[str, Any]] = {}  # attempt -> its job's checkpoint_save_failed event
         self.latest_ckpt: tuple[str, int] | None = None
         self.known_good_marked: set[str] = set()
+        # A command job's checkpoint dir, watched (job/checkpoint_watch.py), and its open "none recognised" incident.
+        self.ckpt_watch: Any = None
+        self.ckpt_watch_incident: int | None = None
+        self.ckpt_watch_warned = False
         self.ready_sent = False
         self.started_wall = self.os.time()
         # Every tick step runs through it: a bug in one is logged, recorded and bounded (core/housekeeping.py).
@@ -228,6 +232,7 @@ class Supervisor:
             if self.engine is not None and self.term is None and self.state in (S.RUNNING, S.STARTING):
                 step("engine", lambda: decisions.handle_outputs(self, self.engine.tick(self.os.time()),
                                                                 step=self.last_step or 0))
+            step("checkpoints", lambda: checkpoint_watch.tick(self, decisions.on_record))   # a command job's saves, from its files
         if self.term is not None:
             step("termination", self._advance_termination)
         if self.job is not None:

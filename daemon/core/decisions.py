@@ -122,6 +122,10 @@ def on_event(sup: Supervisor, rec: EventRecord) -> None:
         sup.say(f"checkpoint {f['tag']} saved")
     elif rec.event == "checkpoint_skipped":
         disk.save_skipped(sup, rec.step or 0, dict(f))
+    elif rec.event == "checkpoint_loaded" and isinstance(f.get("tag"), str) and sup.spec.job_section.kind == "command":
+        from ulyssesd.daemon.job.checkpoint_watch import reported_resume
+
+        reported_resume(sup, f["tag"], rec.step)   # the attempt's "resumed from" follows what the job says
     elif rec.event == "checkpoint_invalid":
         sid = sup.incidents.incident(Symptom.checkpoint_corrupt, rec.step or 0, Severity.warning,
                              f"job skipped invalid checkpoint {f.get('tag')}: {f.get('reason')}",
@@ -137,6 +141,10 @@ def on_event(sup: Supervisor, rec: EventRecord) -> None:
 def handle_outputs(sup: Supervisor, out: Iterable[Finding | Decision], step: int) -> None:
     findings, decisions = _split_outputs(out)
     for fnd in findings:
+        if fnd.symptom == "nan_loss" and fnd.step is not None and sup.spec.job_section.kind == "command":
+            from ulyssesd.daemon.job.checkpoint_watch import poisoned_from
+
+            poisoned_from(sup, fnd.step)   # a save already on disk at or after this step is never resumed
         if fnd.symptom == "hang":
             if sup.spec.remediation.mode == "observe":
                 iid = sup.incidents.finding(fnd)

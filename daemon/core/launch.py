@@ -23,6 +23,7 @@ from ulyssesd.daemon.core.termination import RankWatch
 from ulyssesd.daemon.host import disk
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import JobHandle
+from ulyssesd.daemon.job import checkpoint_watch
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job.launcher import LaunchPlan, build_launch
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
@@ -144,8 +145,24 @@ def launch(sup: Supervisor, reason: str, rollback_to_step: int | None = None, in
 
 
 def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, incident_id: int | None) -> bool:
+    command_job = sup.spec.job_section.kind == "command"
+    resume: Path | None | bool = True
+    resume_step: int | None = None
     try:
-        tag, notes = checkpoint_for(sup, rollback_to_step)
+        if command_job:  # the user's own checkpoints, read from its checkpoint_dir (job/checkpoint_watch.py)
+            found, passed_over = checkpoint_watch.launch_choice(sup, rollback_to_step)
+            notes: list[str] = []   # (a command job's checkpoints are never quarantined: nothing is invalid)
+            tag = found.name if found else "none"
+            if found and not checkpoint_watch.gives_resume(sup.spec.job_section):
+                # Not handed to the job: the record cannot claim it (the job's own report may, later).
+                found, tag = None, "none"
+                passed_over = [*passed_over, "the command has no {resume}: the job chooses its own checkpoint"]
+            resume, resume_step = (found.path, found.step) if found else (None, None)
+            for note in passed_over:
+                log.warning("checkpoint passed over", note=note)
+                sup.say(f"  {note}")
+        else:
+            tag, notes = checkpoint_for(sup, rollback_to_step)
     except (PermissionError, OSError) as exc:
         if disk.errno_of(exc) is not None:
             raise  # our own write failed (full / read-only disk): not a checkpoint problem (_launch)
@@ -179,10 +196,12 @@ def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, in
         sup.store.update_incident_status(sid, IncidentStatus.resolved, f"previous valid checkpoint {tag} used")
         log.warning("checkpoint problem", notes=notes, using=tag)
         sup.say(f"checkpoint problem: {'; '.join(notes)} -> using {tag}")
-    if rollback_to_step is not None:
+    if rollback_to_step is not None and not command_job:  # (a command job's: launch_choice)
         from ulyssesd.training.checkpoint import step_of_tag
 
         sup.latest_ckpt = (tag, step_of_tag(tag) or 0) if tag != "none" else None
+        # The set-aside tags' candidacy goes too: a poisoned save must not turn known-good on the new trajectory.
+        checkpoint_watch.forget_after(sup.engine, sup.latest_ckpt[1] if sup.latest_ckpt else 0)
     if sup.attempt > 0 and sup.preflight is not None:
         verdict = sup.preflight(sup.config)  # fails closed: a planner error is a refusal too
         if verdict is not None:
@@ -197,7 +216,7 @@ def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, in
                                                                           if v is not None}}})
     plan = build_launch(launcher, run_id=sup.run_id, run_dir=sup.run_dir, attempt=sup.attempt,
                         config_version=sup.config_version, job=sup.spec.job_section,
-                        rollback_to_step=rollback_to_step, slurm=sup.spec.slurm)
+                        rollback_to_step=rollback_to_step, slurm=sup.spec.slurm, resume=resume)
     takeover = sup.standby.take(sup, plan)  # a warm standby's gate opened, or why not (job/standby.py)
     plan, reason = takeover.plan or plan, reason + takeover.note
     try:
@@ -228,7 +247,7 @@ def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, in
         sup.set_state(S.STARTING, f"attempt {sup.attempt} launched ({reason}) from "
                        + (tag if tag != "none" else "the start (no checkpoint)"))
     log.info("launched", run_id=sup.run_id, attempt=sup.attempt, pid=job.pid, resume=tag, reason=reason,
-             config_version=sup.config_version)
+             config_version=sup.config_version, **({"resume_step": resume_step} if resume_step is not None else {}))
     sup.say(f"attempt {sup.attempt} launched (pid {job.pid}, config v{sup.config_version}, resume {tag}): {reason}")
     return True
 

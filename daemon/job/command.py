@@ -12,21 +12,20 @@ The launcher of `[launcher]` starts `command` on every rank (a `.py` first eleme
 launcher's Python). Placeholders: {run_dir} {attempt} {config_version} {ds_config} {checkpoint_dir}
 {resume}. An argument that formats to the empty string is dropped (a bare "{resume}" when there is nothing
 to resume from also drops the `--option` right before it).
-{resume} = the newest complete checkpoint under checkpoint_dir: with manifests (ulyssesd.client), the
-highest step whose manifest validates (sizes); without, the directory with the highest number in its name
-(checkpoint-500, global_step100, step-00000010) that holds every file of `resume_requires`.
+{resume} = the newest complete checkpoint under checkpoint_dir (the layouts and what "complete" means:
+checkpoint_files.py; never one a rollback abandoned: checkpoint_watch.py).
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 import string
 from pathlib import Path
 from typing import Any
 
+from ulyssesd.daemon.job.checkpoint_files import RollbackBounds, WatchConfig, resume_point
+
 PLACEHOLDERS = ("run_dir", "attempt", "config_version", "ds_config", "checkpoint_dir", "resume")
-_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 
 
 def placeholder_problems(command: list[str]) -> list[str]:
@@ -45,31 +44,24 @@ def placeholder_problems(command: list[str]) -> list[str]:
     return problems
 
 
+def watch_config(job: Any, run_dir: Path) -> WatchConfig:
+    """What the checkpoint watch and `{resume}` look at, from the spec's `[job]`."""
+    return WatchConfig(root=checkpoint_root(job, run_dir), pattern=getattr(job, "checkpoint_pattern", None),
+                       requires=tuple(job.resume_requires),
+                       settle_s=float(getattr(job, "checkpoint_settle_s", 2.0)),
+                       unknown_after_s=float(getattr(job, "checkpoint_unknown_after_s", 900.0)))
+
+
+def checkpoint_root(job: Any, run_dir: Path) -> Path:
+    return Path(job.checkpoint_dir) if job.checkpoint_dir else Path(run_dir) / "checkpoints"
+
+
 def newest_complete_checkpoint(root: Path, requires: list[str] | tuple[str, ...] = (),
                                max_step: int | None = None) -> Path | None:
-    """The checkpoint directory a restart resumes from (see the module docstring); None when there is none.
+    """The newest complete checkpoint under `root` (checkpoint_watch.resume_point, no rollback bounds);
     `max_step`: a rollback's bound (the newest complete checkpoint at or before that step)."""
-    from ulyssesd.client.manifest import MANIFEST_NAME, read_manifest, validate_manifest
-
-    try:
-        dirs = [d for d in Path(root).iterdir() if d.is_dir() and ".corrupt-" not in d.name]
-    except OSError:
-        return None
-    with_manifest = [d for d in dirs if (d / MANIFEST_NAME).exists()]
-    if with_manifest:
-        valid = []
-        for d in with_manifest:
-            if validate_manifest(d, verify_checksums=False)[0]:
-                step = read_manifest(d)["step"]
-                if max_step is None or step <= max_step:
-                    valid.append((step, d.name, d))
-        return max(valid)[2] if valid else None
-    numbered = []
-    for d in dirs:
-        m = _NUMBER.search(d.name)
-        if m and all((d / r).exists() for r in requires) and (max_step is None or int(m.group(1)) <= max_step):
-            numbered.append((int(m.group(1)), d.name, d))
-    return max(numbered)[2] if numbered else None
+    found, _ = resume_point(WatchConfig(root=Path(root), requires=tuple(requires)), None, max_step)
+    return found.path if found else None
 
 
 # Remediation's config keys (the built-in job's names) -> where they live in a DeepSpeed config.
@@ -136,18 +128,23 @@ def patched_ds_config(run_dir: Path, config_version: int) -> Path:
 
 
 def render_command(job: Any, *, run_dir: Path, attempt: int, config_version: int,
-                   rollback_to_step: int | None = None) -> list[str]:
+                   rollback_to_step: int | None = None, resume: Path | None | bool = True) -> list[str]:
     """The job's command with its placeholders filled in; copies the job's ds_config into the run dir once
-    and hands the job the copy with remediation's changes applied (`patched_ds_config`)."""
+    and hands the job the copy with remediation's changes applied (`patched_ds_config`). `resume`: the
+    checkpoint the launch chose (core/job_checkpoints.py; None: none), True: pick it here (`resume_point`
+    with the run's rollback bounds)."""
     run_dir = Path(run_dir)
     ds_config = run_dir / "ds_config.json"
     if job.ds_config and not ds_config.exists():
         shutil.copyfile(job.ds_config, ds_config)
     if job.ds_config:
         ds_config = patched_ds_config(run_dir, config_version)
-    ckpt_root = Path(job.checkpoint_dir) if job.checkpoint_dir else run_dir / "checkpoints"
-    resume = (newest_complete_checkpoint(ckpt_root, job.resume_requires, rollback_to_step)
-              if attempt > 1 or job.resume_first else None)
+    ckpt_root = checkpoint_root(job, run_dir)
+    if not (attempt > 1 or job.resume_first):
+        resume = None
+    elif resume is True:
+        chosen, _ = resume_point(watch_config(job, run_dir), RollbackBounds(run_dir), rollback_to_step)
+        resume = chosen.path if chosen else None
     values = {"run_dir": str(run_dir), "attempt": str(attempt), "config_version": str(config_version),
               "ds_config": str(ds_config), "checkpoint_dir": str(ckpt_root), "resume": str(resume) if resume else ""}
     out: list[str] = []

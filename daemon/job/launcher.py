@@ -61,9 +61,9 @@ def rank_command(launcher: LauncherSection, config_path: Path, run_dir: Path, at
 def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attempt: int, config_version: int,
                  base_env: dict[str, str] | None = None, job: Any = None,
                  rollback_to_step: int | None = None, standby_gate: Path | None = None,
-                 slurm: Any = None) -> LaunchPlan:
+                 slurm: Any = None, resume: Path | None | bool = True) -> LaunchPlan:
     """`job`: the spec's `[job]` section; kind=command runs the user's program (daemon/job/command.py), whose
-    {resume} is bounded by `rollback_to_step` on a rollback. `standby_gate`: a warm standby of the built-in job."""
+    {resume} is bounded by `rollback_to_step` on a rollback (`resume`: the checkpoint the launch chose; True: pick it). `standby_gate`: a warm standby of the built-in job."""
     python = launcher.python or sys.executable
     # `slurm`: the spec's `[slurm]`; mode="submit" makes the attempt a Slurm job that daemon/job/slurm_watch.py
     # submits and watches (docs/SLURM.md); lost nodes ({run_dir}/slurm/exclude.json) are excluded either way.
@@ -84,7 +84,7 @@ def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attem
         from ulyssesd.daemon.job.command import render_command
 
         user = render_command(job, run_dir=run_dir, attempt=attempt, config_version=config_version,
-                              rollback_to_step=rollback_to_step)
+                              rollback_to_step=rollback_to_step, resume=resume)
         script = user[0].endswith(".py")
         # A non-Python program: the launchers' own "do not prepend python" switches.
         direct = [python, *user] if script else user

@@ -45,12 +45,25 @@ def incidents(json_out: bool = typer.Option(False, "--json", help="machine-reada
     if json_out:
         out([r.to_dict() for r in rows], True)
         return
-    console.print(incidents_table(rows))
+    console.print(incidents_table(rows, resumes=next_resumes(store, rows)))
 
 
-def incidents_table(rows, store=None) -> Table:
+def next_resumes(store, rows) -> dict[tuple[str, int], str]:
+    """(run, attempt) -> what the attempt after it resumed from ("the start" when nothing): the outcome of
+    an incident's restart, rollback or fix, as the store recorded the launch (and the job's own report)."""
+    out: dict[tuple[str, int], str] = {}
+    for rid in sorted({r.run_id for r in rows}):
+        attempts = {a.number: a for a in store.list_attempts(rid)}
+        for n, a in attempts.items():
+            if n - 1 >= 1:
+                out[(rid, n - 1)] = a.resumed_from or "the start"
+    return out
+
+
+def incidents_table(rows, store=None, resumes: dict[tuple[str, int], str] | None = None) -> Table:
     """The incidents listing; each row's actions are the ones it carries (`list_incidents(with_actions=True)`).
-    Rows listed without them and a `store`: their actions are read per run listed (not per incident)."""
+    Rows listed without them and a `store`: their actions are read per run listed (not per incident).
+    `resumes` (`next_resumes`): a restart-mode action shows what the next attempt resumed from."""
     if store is not None and not any(r.actions for r in rows):
         by_incident: dict[int | None, tuple] = {}
         for rid in sorted({r.run_id for r in rows}):
@@ -59,13 +72,16 @@ def incidents_table(rows, store=None) -> Table:
         rows = [r.replace(actions=by_incident.get(r.id, ())) for r in rows]
     t = Table(title="incidents")
     for col, kw in (("id", {"no_wrap": True}), ("UTC", {"no_wrap": True}), ("att", {}), ("step", {}),
-                    ("symptom", {"no_wrap": True}), ("status", {"no_wrap": True}), ("action", {"no_wrap": True}),
+                    ("symptom", {"no_wrap": True}), ("status", {"no_wrap": True}), ("action", {"overflow": "fold"}),
                     ("config", {"no_wrap": True}), ("summary", {"overflow": "fold", "ratio": 1})):
         t.add_column(col, **kw)
     for r in rows:
         acts = r.actions
         act = ", ".join(f"{a.kind.value}" + (f" ({a.mode.value})" if a.mode.value not in ("none",) else "")
                         for a in acts) or "-"
+        nxt = (resumes or {}).get((r.run_id, r.attempt)) if r.attempt is not None else None
+        if nxt is not None and any(a.mode.value == "restart" for a in acts):
+            act += f" -> resumed from {nxt}"
         cfg = ", ".join(f"v{a.from_config_version}->v{a.to_config_version}" for a in acts
                         if a.to_config_version and a.to_config_version != a.from_config_version) or "-"
         color = {"resolved": "green", "failed": "red", "escalated": "yellow"}.get(r.status.value, "cyan")

@@ -179,6 +179,8 @@ def status_data(store, run) -> dict[str, Any]:
         "run_id": run.id, "state": state, "state_reason": run.state_reason,
         "daemon": daemon, "daemon_pid": daemon_info().get("pid") if daemon != "not running" else None,
         "attempt": attempts[-1].number if attempts else None,
+        # What the newest attempt was given to resume from (or reported loading); None: from the start.
+        "resumed_from": attempts[-1].resumed_from if attempts else None,
         "restarts": relaunches.restarts, "operator_relaunches": relaunches.operator_relaunches,
         "step": step.get("step", cursor.last_step if cursor else None),
         "loss": step.get("loss"),
@@ -320,7 +322,9 @@ def render_status(d: dict[str, Any]) -> Table:
     reason = f" ({escape(d['state_reason'])})" if d.get("state_reason") else ""
     t.add_row("state", f"[{color}]{d['state']}[/{color}]{reason}")
     t.add_row("daemon", d["daemon"] + (f" (pid {d['daemon_pid']})" if d.get("daemon_pid") else ""))
-    t.add_row("attempt", or_empty(d["attempt"]))
+    t.add_row("attempt", or_empty(d["attempt"]) + ("" if d.get("attempt") is None else
+                                                    f" (resumed from {escape(d['resumed_from'])})"
+                                                    if d.get("resumed_from") else " (from the start)"))
     t.add_row("restarts / operator relaunches", f"{d['restarts']} / {d['operator_relaunches']}")
     pct = f" ({d['progress']:.1%})" if isinstance(d.get("progress"), float) else ""
     t.add_row("step / total", f"{or_empty(d['step'])} / {total_cell(d)}{pct}")

@@ -27,11 +27,14 @@ def _ckpt(root, name, files=("model.pt",)):
 
 def test_resume_rule_prefers_valid_manifests_and_else_the_highest_complete_number(tmp_path):
     plain = tmp_path / "plain"
-    _ckpt(plain, "checkpoint-500", ("model.pt", "trainer_state.json"))
+    for step in (500, 90):
+        (_ckpt(plain, f"checkpoint-{step}", ("model.pt",)) / "trainer_state.json").write_text(
+            json.dumps({"global_step": step}))
     _ckpt(plain, "checkpoint-1000", ("model.pt",))  # being written: no trainer_state.json yet
-    _ckpt(plain, "checkpoint-90", ("model.pt", "trainer_state.json"))
     assert newest_complete_checkpoint(plain, ["trainer_state.json"]).name == "checkpoint-500"
-    assert newest_complete_checkpoint(plain).name == "checkpoint-1000"
+    # HF's own completion marker: without resume_requires too
+    assert newest_complete_checkpoint(plain).name == "checkpoint-500"
+    assert newest_complete_checkpoint(plain, max_step=499).name == "checkpoint-90"
     assert newest_complete_checkpoint(tmp_path / "absent") is None
     man = tmp_path / "man"
     for step in (10, 20, 30):
@@ -117,3 +120,9 @@ def test_remediations_config_changes_land_in_the_jobs_own_ds_config(tmp_path):
     assert ds["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 1000}
     assert "optimizer" not in ds  # the job's config has no optimizer section: no lr invented
     assert json.loads((tmp_path / "ds_config.json").read_text())["gradient_clipping"] == 1.0  # the copy stays
+
+
+@pytest.mark.parametrize("pattern", ["/abs/*.ckpt", "../elsewhere/*.pt"])
+def test_a_checkpoint_pattern_outside_the_checkpoint_dir_is_refused_with_an_example(pattern):
+    with pytest.raises(ValueError, match="relative to checkpoint_dir.*lightning_logs"):
+        JobSection(kind="command", command=["train.py"], checkpoint_pattern=pattern)
