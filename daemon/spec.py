@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
-from ulyssesd.daemon.job.framework_files import file_source_problems
+from ulyssesd.daemon.telemetry.framework_files import file_source_problems
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.job import job_values
 from ulyssesd.training.spec import (

@@ -44,11 +44,12 @@ from ulyssesd.daemon.core.states import TERMINAL, check_transition, transition_r
 from ulyssesd.daemon.core.termination import UNREQUESTED, RankWatch, Termination, TerminationPlan, Then
 from ulyssesd.daemon.host.logging import bind_run, get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle, OSInterface
-from ulyssesd.daemon.job import checkpoint_watch, log_source, slurm_supervise
+from ulyssesd.daemon.job import checkpoint_watch, slurm_supervise
+from ulyssesd.daemon.telemetry import log_source
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job.launcher import job_marker
 from ulyssesd.daemon.job.standby import StandbyKeeper
-from ulyssesd.daemon.job.telemetry_reader import TelemetryReader
+from ulyssesd.daemon.telemetry.telemetry_reader import TelemetryReader
 from ulyssesd.daemon.spec import RunSpec, engine_job_values
 from ulyssesd.daemon.store.enums import IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.remediation.records import StepRecord
@@ -136,7 +137,7 @@ class Supervisor:
 
     @property
     def telemetry_path(self) -> Path:
-        if log_source.stdout_source(self.config):  # records parsed from the job's log (daemon/job/log_source.py)
+        if log_source.stdout_source(self.config):  # records parsed from the job's log (daemon/telemetry/log_source.py)
             return self.run_dir / log_source.STDOUT_TELEMETRY_NAME
         p = jc.get_dotted(self.config, "telemetry.path")
         return Path(p) if p else self.run_dir / "telemetry.jsonl"

@@ -18,7 +18,7 @@ from ulyssesd.daemon.core.termination import TerminationPlan, Then
 from ulyssesd.daemon.host import disk
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.job import config as jc
-from ulyssesd.daemon.job import log_source
+from ulyssesd.daemon.telemetry import log_source
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.engine import Decision

@@ -64,7 +64,7 @@ def recent_steps_from_telemetry(run_dir: str | None, limit: int = RATE_WINDOW_ST
     down)."""
     if not run_dir:
         return []
-    from ulyssesd.daemon.job.log_source import telemetry_file_of
+    from ulyssesd.daemon.telemetry.log_source import telemetry_file_of
 
     path = telemetry_file_of(run_dir, spec)
     try:
@@ -208,7 +208,7 @@ def status_data(store, run) -> dict[str, Any]:
 
 def _telemetry_health(run, state: str, attempt: int | None) -> dict[str, Any] | None:
     """What the daemon's reading of a log / framework files found for the current attempt (derived sources)."""
-    from ulyssesd.daemon.job.log_source import read_health, stdout_source
+    from ulyssesd.daemon.telemetry.log_source import read_health, stdout_source
 
     if not stdout_source(run.spec or {}):
         return None
@@ -313,7 +313,7 @@ def total_cell(d: dict[str, Any]) -> str:
 def render_status(d: dict[str, Any]) -> Table:
     from rich.markup import escape
 
-    from ulyssesd.daemon.job.log_source import health_text
+    from ulyssesd.daemon.telemetry.log_source import health_text
 
     t = Table(title=f"run {escape(d['run_id'])}", show_header=False)
     t.add_column("key", style="bold")

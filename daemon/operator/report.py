@@ -341,7 +341,7 @@ def telemetry_path_of(run: Any) -> Path | None:
     """The run's telemetry file: the job's telemetry.jsonl, or the records the daemon parsed from its log."""
     if not run.run_dir:
         return None
-    from ulyssesd.daemon.job.log_source import STDOUT_TELEMETRY_NAME
+    from ulyssesd.daemon.telemetry.log_source import STDOUT_TELEMETRY_NAME
 
     for name in ("telemetry.jsonl", STDOUT_TELEMETRY_NAME):
         p = Path(run.run_dir) / name

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from ulyssesd.daemon.job import log_source
-from ulyssesd.daemon.job.framework_files import tag_role
+from ulyssesd.daemon.telemetry import log_source
+from ulyssesd.daemon.telemetry.framework_files import tag_role
 from ulyssesd.remediation.records import parse_record
 
 

@@ -7,7 +7,7 @@ import os
 import threading
 
 from ulyssesd.daemon.core.housekeeping import LoopScheduler
-from ulyssesd.daemon.job.telemetry_reader import Cursor, TelemetryReader
+from ulyssesd.daemon.telemetry.telemetry_reader import Cursor, TelemetryReader
 
 
 def test_scheduler_coalesces_and_runs_on_the_loop_thread():
@@ -70,7 +70,7 @@ def test_reader_partial_line_garbage_truncation_and_replacement(tmp_path):
 
 # ------------------------------------------------------------- hostile telemetry (issue 13 regressions)
 def test_reader_skips_a_5_mib_line_across_several_batches_and_never_rereads_it(tmp_path):
-    from ulyssesd.daemon.job.telemetry_reader import MAX_BATCH_BYTES
+    from ulyssesd.daemon.telemetry.telemetry_reader import MAX_BATCH_BYTES
 
     p = tmp_path / "telemetry.jsonl"
     huge = b'{"kind": "event", "event": "x", "blob": "' + b"a" * (5 << 20) + b'"}'

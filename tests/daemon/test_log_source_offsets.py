@@ -10,7 +10,7 @@ import multiprocessing
 import time
 from pathlib import Path
 
-from ulyssesd.daemon.job.log_source import OFFSETS_NAME, STDOUT_TELEMETRY_NAME, LogSource
+from ulyssesd.daemon.telemetry.log_source import OFFSETS_NAME, STDOUT_TELEMETRY_NAME, LogSource
 
 
 def _lines(first: int, last: int) -> str:

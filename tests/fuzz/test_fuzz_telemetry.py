@@ -12,7 +12,7 @@ from fuzz_strategies import telemetry_lines
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ulyssesd.daemon.job.telemetry_reader import TelemetryReader
+from ulyssesd.daemon.telemetry.telemetry_reader import TelemetryReader
 from ulyssesd.remediation.records import (
     INT64_MAX,
     INT64_MIN,

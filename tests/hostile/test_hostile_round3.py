@@ -331,7 +331,7 @@ def startup_state(tmp_path) -> Path:
 
 
 def test_a_garbage_startup_field_is_read_past_by_the_daemons_telemetry_reader(startup_state):
-    from ulyssesd.daemon.job.telemetry_reader import TelemetryReader
+    from ulyssesd.daemon.telemetry.telemetry_reader import TelemetryReader
 
     records = [r for r, _ in TelemetryReader(startup_state / "runs" / "r1" / "telemetry.jsonl").read()]
     assert records and getattr(records[-1], "step", None) == 3   # the step after the garbage is still read

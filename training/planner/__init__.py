@@ -15,8 +15,6 @@ re-exports the public names of its modules.
 
 from __future__ import annotations
 
-import copy
-from dataclasses import replace
 from typing import Any
 
 from ..spec import JobSpec
@@ -34,6 +32,7 @@ from .inputs import (
     ZeroSettings,
     user_ds_config,
 )
+from .overrides import apply_overrides
 from .rendering import Item, Plan, Suggestion
 from .search import search_suggestions
 
@@ -67,33 +66,6 @@ def plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any] | None = None
         result.suggestions = search_suggestions(job, cluster, ds, result, allocator_headroom=allocator_headroom,
                                                 cuda_context_gib=cuda_context_gib, restart=restart)
     return result
-
-
-def apply_overrides(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any],
-                    overrides: dict[str, Any]) -> tuple[JobSpec, Cluster, dict[str, Any]]:
-    """Apply a Suggestion's `overrides` (dotted keys: `train.*`, `parallel.*`, `deepspeed.config.*`,
-    `cluster.*`, ...) and return the changed (job, cluster, ds_config). `restart.*` keys (the daemon's
-    section, not the job's) are left to `apply_restart_overrides`; `launcher.env.*` (the allocator) to the
-    caller's allocator headroom."""
-    data = job.model_dump()
-    ds = copy.deepcopy(ds_config)
-    for dotted, val in overrides.items():
-        parts = dotted.split(".")
-        if parts[0] in ("restart", "launcher"):
-            continue
-        if parts[0] == "cluster":
-            if parts[1] == "gpu":
-                cluster = Cluster.preset(val, cluster.gpus_per_node, cluster.nodes, host_mem_gib=cluster.host_mem_gib,
-                                         nvme_gib=cluster.nvme_gib)
-            else:
-                cluster = replace(cluster, **{parts[1]: val})
-            continue
-        node = ds if parts[:2] == ["deepspeed", "config"] else data
-        parts = parts[2:] if node is ds else parts
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = val
-    return JobSpec.model_validate(data), cluster, ds
 
 
 def apply_restart_overrides(restart: RestartLike, overrides: dict[str, Any]) -> Restart:

@@ -28,6 +28,7 @@ from ..spec import JobSpec
 from .cost_model import compute_plan
 from .host_extras import NO_STANDBY, RestartLike
 from .inputs import EXPANDABLE_HEADROOM, Cluster, GiB, PlanInputError, ZeroSettings
+from .overrides import apply_overrides
 from .rendering import Plan
 from .step_cost import (
     LIVE_PARAMS_HALVED,
@@ -317,6 +318,5 @@ def _undominated(found: list[tuple[float, int, tuple[int, ...], Fix]], lv: list[
 
 def _apply(job: JobSpec, cluster: Cluster, ds: dict[str, Any],
            overrides: dict[str, Any]) -> tuple[JobSpec, Cluster, dict[str, Any]]:
-    from . import apply_overrides  # the package's own (a module-level import would be circular)
 
     return apply_overrides(job, cluster, ds, overrides)

@@ -10,7 +10,7 @@ be behind (its last write lost), the lines re-read yield no second record: the p
 step this attempt already has in the output file. A record's `time` is the line's own timestamp or the time
 the daemon read it.
 
-`source = "trainer_state" | "tensorboard"` read what the framework writes instead (daemon/job/framework_files.py)
+`source = "trainer_state" | "tensorboard"` read what the framework writes instead (daemon/telemetry/framework_files.py)
 into the same output file. For every derived source, `{run_dir}/telemetry-stdout.health.json` says what the
 current attempt's reading found (lines, step records, bad lines, counter discontinuities, the newest line that
 looked like progress but gave no record) and whether it has been silent: no step record for
@@ -214,12 +214,12 @@ class FileSource(LogSource):
         self.files = Path(files)
         self.after_step = self.parser._last_step
         self.problem: str | None = None
-        from ulyssesd.daemon.job.framework_files import TensorBoardReader
+        from ulyssesd.daemon.telemetry.framework_files import TensorBoardReader
 
         self._tb = TensorBoardReader(self.files) if kind == "tensorboard" else None
 
     def pump(self, now: float) -> int:
-        from ulyssesd.daemon.job.framework_files import newest_trainer_state, trainer_state_records
+        from ulyssesd.daemon.telemetry.framework_files import newest_trainer_state, trainer_state_records
 
         if self._tb is not None:
             found = self._tb.read(self.after_step)
