@@ -134,6 +134,10 @@ class RemediationEngine:
         self.candidates: list[list[Any]] = []
         self.known_good: list[tuple[str, int]] = []
         self.saved: list[tuple[str, int]] = []
+        self.tainted: set[str] = set()   # saved while the loss was out of its band or non-finite
+        self._last_loss_finite = True
+        self.no_rollback_why = ""   # why the last rollback plan found no target
+        self.failures: list[str] = []   # decisions the daemon could not apply (newest last)
         # Recent sample ranges for rollback-and-skip.
         self._samples: deque[tuple[int, tuple[int, int]]] = deque(
             maxlen=4 * self.policy.skip_max_batches + self.policy.rollback_steps_back)
@@ -165,6 +169,8 @@ class RemediationEngine:
         # Training steps this record stands for (windows are in steps, not records; see StepSpan).
         span = 1 if prev is None or record.step < prev else record.step - prev
         self.last_step = record.step
+        loss = record.loss
+        self._last_loss_finite = loss - loss == 0.0
         if record.samples is not None:  # recent sample ranges, for rollback-and-skip
             self._samples.append((record.step, record.samples))
         findings: list[Finding] | None = None
@@ -253,6 +259,10 @@ class RemediationEngine:
         self._ckpt_step_at_restart = self.max_ckpt_step
 
     def checkpoint_saved(self, tag: str, step: int) -> None:
+        # A save while a weight symptom is active (or right after a non-finite loss) holds suspect weights:
+        # it is never a rollback target (the known-good rule needs a clean window after it anyway).
+        if any(self._active(sym) for sym in WEIGHT_SYMPTOMS) or not self._last_loss_finite:
+            self.tainted.add(tag)
         self.saved.append((tag, step))
         self.saved = self.saved[-64:]
         if self.max_ckpt_step is None or step > self.max_ckpt_step:
@@ -334,7 +344,11 @@ class RemediationEngine:
             return []
         return self._decide(ladder, f.symptom, f, step, now, f.message)
 
-    def _rollback_plan(self, anomaly_step: int | None) -> RollbackPlan:
+    def _rollback_plan(self, anomaly_step: int | None) -> RollbackPlan | None:
+        """Where a rollback goes: a known-good tag at least `rollback_steps_back` before the onset, else the
+        newest one before it, else the newest checkpoint saved before the onset with in-band, finite loss
+        (not tainted). None (with `no_rollback_why`) when there is none and the run has made real progress:
+        step 0 is never chosen automatically then."""
         pol = self.policy
         a = anomaly_step if anomaly_step is not None else (self.last_step or 0)
         target: tuple[str | None, int] | None = None
@@ -345,7 +359,23 @@ class RemediationEngine:
                 break
         if target is None:
             earlier = [(t, s) for t, s in self.known_good if s < a]
-            target = earlier[-1] if earlier else (None, 0)
+            if earlier:
+                target = earlier[-1]
+        if target is None:
+            # The detector's onset may trail the true one by its smoothing: keep a margin before it.
+            margin = 2 * self.config.loss_source_smooth
+            clean = [(t, s) for t, s in self.saved if s < a - margin and t not in self.tainted]
+            if clean:
+                target = clean[-1]
+        if target is None:
+            progress = self.max_ckpt_step is not None or (self.last_step or 0) >= pol.known_good_steps
+            if progress:
+                self.no_rollback_why = (
+                    f"no checkpoint saved before the onset at step {a} with finite, in-band loss "
+                    f"({len(self.saved)} saved, {len(self.tainted)} during the anomaly); a run at step "
+                    f"{self.last_step} is never rolled back to step 0 automatically")
+                return None
+            target = (None, 0)
         tag, to_step = target
         n = max(pol.skip_min_batches, min(pol.skip_max_batches, 2 * (a - to_step)))
         first = max(to_step + 1, a - n // 2)
@@ -415,7 +445,13 @@ class RemediationEngine:
                 st.position += 1
                 st.uses = 0
                 continue
-            built = action.build(ctx)
+            if action.apply == "rollback_skip" and ctx.rollback is None:
+                built = self.no_rollback_why or "no rollback target"
+            else:
+                try:
+                    built = action.build(ctx)
+                except Exception as exc:  # noqa: BLE001 - a rung that cannot be built is skipped, with why
+                    built = f"could not be built ({type(exc).__name__}: {exc})"
             if isinstance(built, str):
                 skipped.append(f"{action.kind} skipped: {built}")
                 st.position += 1
@@ -426,6 +462,11 @@ class RemediationEngine:
         apply: Apply = built.apply or action.apply
         patch = dict(built.patch)
         plan = built.rollback
+        if apply == "rollback_skip" and plan is None and ctx.rollback is None:
+            # A rung that restarts with a rollback (the NaN ladder's) has no target: stop instead.
+            action, apply, patch = STOP, "stop", {}
+            built = Proposal(what="stop the run and alert (keep everything)")
+            skipped.append(f"no rollback: {self.no_rollback_why}")
         if apply == "rollback_skip" and plan is None:
             plan = ctx.rollback
             extra = ROLLBACK.build(ctx)  # the skip-range patch of a plain rollback
@@ -445,6 +486,9 @@ class RemediationEngine:
         reason = f"{built.what} because {why[0].lower() + why[1:] if why else 'of ' + symptom}"
         if revert_note:
             reason += f"; reverting the last action: {revert_note}"
+        implicates = finding.evidence.get("implicates") if finding else None
+        if implicates:
+            reason += f"; the evidence implicates {implicates}"
         if skipped:
             reason += f" ({'; '.join(skipped)})"
         hot = dict(built.hot_control)
@@ -483,6 +527,22 @@ class RemediationEngine:
             d.would_apply, d.apply = apply, "none"
             d.reason = f"observe-only: would have {action.kind} ({apply}): {reason}"
         return [d]
+
+    def not_applied(self, d: Decision, why: str) -> None:
+        """The daemon could not apply decision `d` (building its config or writing it failed): undo the
+        bookkeeping `_decide` did, so no later decision claims a verification window of a rung that never
+        ran, and move past that rung (it is skipped next time, with `why`)."""
+        st = self.ladders.get(d.ladder)
+        for k in d.config_patch:
+            self.values[k] = d.previous.get(k)
+        self.failed = False if d.apply != "stop" else self.failed
+        if st is None or st.last is not d:
+            return
+        st.last, st.verify_left, st.await_left = None, 0, 0
+        st.uses = 0
+        st.position += 1
+        self.failures.append(f"{d.action_kind} for {d.symptom} was not applied: {why}")
+        self.failures = self.failures[-16:]
 
     def _maybe_revert(self, st: LadderState) -> tuple[dict[str, Any], str]:
         last = st.last

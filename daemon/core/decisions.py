@@ -140,8 +140,35 @@ def handle_outputs(sup: Supervisor, out: Iterable[Finding | Decision], step: int
             apply_decision(sup, dec, step)
         except OSError as exc:
             if disk.errno_of(exc) is None:
-                raise
+                decision_failed(sup, dec, step, exc)
+                continue
             decision_write_failed(sup, dec, exc)
+        except Exception as exc:  # noqa: BLE001 - recorded as the incident's failed action, never skipped
+            decision_failed(sup, dec, step, exc)
+
+
+def decision_failed(sup: Supervisor, dec: Decision, step: int, exc: BaseException) -> None:
+    """Building or applying a decision raised (e.g. its config patch fails validation): the incident gets
+    the failed action with the error, the operator an alert, and the engine forgets the rung (no later
+    decision may claim its verification window); the job keeps training unchanged."""
+    what = f"{dec.action_kind} for {dec.symptom}"
+    err = f"{type(exc).__name__}: {exc}"
+    log.warning("a decision could not be applied; recorded, the job continues unchanged", decision=what,
+                error=err)
+    if sup.engine is not None and hasattr(sup.engine, "not_applied"):
+        sup.engine.not_applied(dec, err)
+    symptom = Symptom(dec.symptom)
+    pending = sup.incidents.take_unacted(symptom.value)
+    iid = pending[0][0] if pending else sup.incidents.incident(
+        symptom, dec.step if dec.step is not None else step, Severity.warning, dec.reason or what, {})
+    sup.incidents.action(iid, ActionKind.alert, {"rung": dec.action_kind, "ladder": dec.ladder, "apply": "none",
+                                                 "failed": err, "not_applied": True, "patch": dec.config_patch,
+                                                 "reason": dec.reason}, {}, ApplyMode.none)
+    sup.store.update_incident_status(iid, IncidentStatus.escalated, f"{what} could not be applied: {err}")
+    sup.say(f"  could not apply {what}: {err} (recorded; the job continues unchanged)")
+    sup.alert("incident", f"could not apply {what}: {err}", symptom=symptom.value, escalated=True)
+    if sup.state == S.REMEDIATING and sup.term is None:
+        sup.set_state(S.RUNNING, f"decision not applied: {err}")
 
 
 def decision_write_failed(sup: Supervisor, dec: Decision, exc: OSError) -> None:

@@ -1,5 +1,11 @@
 """Loss spike: the loss is a real outlier of its own recent window (median + k·robust sigma, and a minimum
-relative jump), so a noisy but healthy curve does not trip it."""
+relative jump), so a noisy but healthy curve does not trip it.
+
+When the job reports where its samples came from (`loss_by_source`), each source is judged in its own band
+(loss_band.py) and a spike is what a user would call an instability: the loss of several sources above
+their bands at once (the optimizer or the schedule), or one source's smoothed loss above its band for
+`loss_source_persist` of its observations in a row (that source's data). A copy task whose loss sits at 5
+while prose sits at 0.6 is two levels, not a spike."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import cast
 
 from ulyssesd.remediation.config import DetectorsConfig
 from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
+from ulyssesd.remediation.detectors.loss_band import BandVerdict, SourceBand
 from ulyssesd.remediation.records import Record, StepRecord
 
 _MAD_TO_SIGMA = 1.4826
@@ -35,6 +42,7 @@ class LossSpikeDetector(EpisodeDetector):
         self._win_steps: deque[int] = deque(maxlen=cfg.window)
         self._min = min(cfg.loss_spike_min_records, cfg.window)
         self._keep = max(self._min, SPAN_MIN_RECORDS)   # window >= 5, so the deque holds them
+        self.bands: dict[str, SourceBand] = {}   # per data source, once a record names one
         super().__init__(cfg)
 
     def reset(self) -> None:
@@ -55,6 +63,88 @@ class LossSpikeDetector(EpisodeDetector):
         # (and whenever a value crosses it, to confirm against fresh statistics).
         self._every = max(1, self.cfg.window // 4)
         self._age = self._every
+        # The per-source bands outlive a restart (the run's own distribution does); what is in flight does not.
+        for band in self.bands.values():
+            band.restart()
+        self._src_runs: dict[str, int] = {}        # consecutive anomalous observations per source
+        self._src_onset: int | None = None
+
+    # Records without `loss_by_source` in a run that reports sources are judged as this source.
+    UNLABELLED = "(unlabelled)"
+
+    def _band(self, name: str) -> SourceBand:
+        band = self.bands.get(name)
+        if band is None:
+            if len(self.bands) >= 256:   # bounded: a job naming every sample is not naming sources
+                name = self.UNLABELLED
+                band = self.bands.get(name)
+                if band is not None:
+                    return band
+            c = self.cfg
+            band = self.bands[name] = SourceBand(
+                name, window=c.window, smooth=c.loss_source_smooth, k=c.loss_spike_mad,
+                min_rel=c.loss_spike_min_rel, severe_rel=c.loss_spike_severe_rel,
+                min_history=c.loss_source_min_history)
+        return band
+
+    def _observe_sources(self, rec: StepRecord, by_source: dict[str, float], now: float) -> list[Finding]:
+        span = self._clock.advance(rec.step)
+        warm = self._clock.since_start(rec.step) >= self.cfg.warmup_steps
+        verdicts: list[BandVerdict] = []
+        for name, loss in by_source.items():
+            if loss - loss != 0.0:
+                continue   # non-finite: the NaN detector's
+            v = self._band(name).observe(loss, rec.step)
+            verdicts.append(v)
+            self._src_runs[name] = self._src_runs.get(name, 0) + 1 if v.anomalous and warm else 0
+        # Sources seen lately (each within its own recent observations) and those above their bands now.
+        horizon = 4 * self.cfg.loss_source_smooth * max(1, len(self.bands))
+        live = [b for b in self.bands.values() if b.last_verdict is not None and b.last_verdict.ready
+                and b.last_step is not None and rec.step - b.last_step <= horizon]
+        high = [b for b in live if b.last_verdict is not None and b.last_verdict.anomalous
+                and self._src_runs.get(b.name, 0) > 0]
+        persist = [b for b in high if self._src_runs.get(b.name, 0) >= self.cfg.loss_source_persist]
+        across = len(high) >= 2 and 2 * len(high) >= len(live)
+        if not warm or not (across or persist):
+            self._src_onset = None
+            if self._ep.active:
+                self._ep.normal(rec.step)
+            return []
+        if self._src_onset is None:
+            self._src_onset = rec.step - span + 1
+        severe = any(b.last_verdict is not None and b.last_verdict.severe for b in high)
+        onset = not self._ep.active
+        fire = self._ep.anomalous(rec.step)
+        if onset:
+            self._ep_severe = False
+            self._ep.started_step = min(self._src_onset, rec.step)
+        escalated = severe and not self._ep_severe
+        self._ep_severe = self._ep_severe or severe
+        if not (fire or escalated):
+            return []
+        implicated = sorted(b.name for b in high)
+        detail = {b.name: {"loss": b.last_verdict.value, "level": b.last_verdict.level,
+                           "threshold": b.last_verdict.threshold, "sigma": b.last_verdict.scale}
+                  for b in high if b.last_verdict is not None}
+        worst = max(high, key=lambda b: (b.last_verdict.value - b.last_verdict.level)
+                    / max(b.last_verdict.scale, 1e-12) if b.last_verdict else 0.0)
+        wv = worst.last_verdict
+        assert wv is not None
+        where = (f"{len(high)} of {len(live)} data sources ({', '.join(implicated)}) above their own bands at once"
+                 if across else f"data source {worst.name!r} above its own band for "
+                                f"{self._src_runs.get(worst.name, 0)} of its steps in a row")
+        ev = {"loss": rec.loss, "median": wv.level, "sigma": wv.scale, "threshold": wv.threshold,
+              "window": len(self.bands), "since_step": self._ep.started_step, "severe": severe,
+              "sources": detail, "implicated": implicated,
+              "implicates": "the optimizer or the schedule (all sources at once)" if across and len(high) == len(live)
+              else f"the data of source(s) {', '.join(implicated)}" if not across else "several sources"}
+        msg = (f"step {rec.step}: {where}; {worst.name} loss {fmt(wv.value)} vs its level {fmt(wv.level)} "
+               f"(threshold {fmt(wv.threshold)}){', severe' if severe else ''}.")
+        return [Finding(self.symptom, rec.step, "critical" if severe else "warning", ev, msg, now)]
+
+    def source_summary(self) -> list[dict[str, float | int | str | None]]:
+        """Each source's band (level, sigma, threshold, first smoothed value): for status and tune."""
+        return [b.summary() for b in self.bands.values()]
 
     def _check_ready(self, step: int) -> bool:
         self._ready = self._clock.since_start(step) >= self.cfg.warmup_steps and len(self._win) >= self._min
@@ -81,6 +171,9 @@ class LossSpikeDetector(EpisodeDetector):
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if not isinstance(rec, StepRecord):
             return []
+        by_source = rec.loss_by_source
+        if by_source is not None or self.bands:
+            return self._observe_sources(rec, by_source or {self.UNLABELLED: rec.loss}, now)
         loss = rec.loss
         if loss - loss != 0.0:  # nan or ±inf (math.isfinite without the call)
             return []

@@ -1,0 +1,128 @@
+"""The loss band of one data source, learned from the run itself: its level, its spread and its trend.
+
+A job that says where each step's samples came from (`loss_by_source` in telemetry: the synthetic families,
+a blend's datasets, a client's `source=`) gives one band per source. Each band judges the median of its
+source's last few losses (one outlier sample moves nothing) against the source's own level (the median of
+its healthy history), with a threshold fitted to the run's own residuals: the residual (smoothed value -
+level) of every healthy observation is kept, and a value is anomalous only when its residual exceeds the
+residuals' own centre (never below 0: a loss that stops falling is a plateau, not a spike) by `k` robust
+sigmas, and the level by a relative floor. A high loss on a hard source is that source's level, not a spike;
+a source whose loss keeps falling keeps a negative residual.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+_MAD_TO_SIGMA = 1.4826
+
+
+def _median(vals: list[float]) -> float:
+    s = sorted(vals)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+@dataclass(slots=True)
+class BandVerdict:
+    """One source's judgment of its latest observation."""
+
+    source: str
+    value: float        # the smoothed value judged (median of the source's last `smooth` losses)
+    level: float        # the source's level (median of its healthy history)
+    threshold: float    # the value above which it is anomalous
+    scale: float        # robust sigma of the healthy residuals
+    anomalous: bool
+    severe: bool
+    ready: bool         # enough history to judge
+
+
+class SourceBand:
+    """One source's band. `observe(loss)` returns its verdict; healthy observations feed the history."""
+
+    __slots__ = ("name", "k", "min_rel", "severe_rel", "min_history", "_hist", "_recent", "_resid", "_level",
+                 "_scale", "_centre", "_age", "_every", "count", "last_step", "last_verdict", "first_value")
+
+    def __init__(self, name: str, *, window: int, smooth: int, k: float, min_rel: float, severe_rel: float,
+                 min_history: int):
+        self.name = name
+        self.k, self.min_rel, self.severe_rel, self.min_history = k, min_rel, severe_rel, min_history
+        self._hist: deque[float] = deque(maxlen=window)          # healthy raw values, one smoothing window late
+        self._recent: deque[float] = deque(maxlen=smooth)        # the last `smooth` raw values
+        self._resid: deque[float] = deque(maxlen=max(4 * window, 50))   # healthy residuals
+        self._level = math.nan
+        self._scale = math.nan
+        self._centre = 0.0
+        # The medians are O(window) in Python: refreshed every `_every` observations (and on a crossing).
+        self._every = max(1, window // 10)
+        self._age = self._every
+        self.count = 0                    # observations since reset
+        self.last_step: int | None = None
+        self.last_verdict: BandVerdict | None = None
+        self.first_value: float | None = None   # the source's first smoothed value (its progress in status)
+
+    def _refresh(self) -> None:
+        hist = list(self._hist)
+        self._level = _median(hist)
+        res = list(self._resid)
+        if len(res) >= 5:
+            centre = _median(res)
+            mad = _median([abs(r - centre) for r in res])
+            self._centre = max(0.0, centre)
+            self._scale = max(_MAD_TO_SIGMA * mad, 1e-3 * abs(self._level), 1e-12)
+        self._age = 0
+
+    def threshold(self) -> float:
+        lvl = self._level
+        return max(lvl + self._centre + self.k * self._scale, lvl + self.min_rel * abs(lvl))
+
+    def observe(self, loss: float, step: int) -> BandVerdict:
+        self.count += 1
+        self.last_step = step
+        recent = self._recent
+        leaving = recent[0] if len(recent) == recent.maxlen else None
+        recent.append(loss)
+        value = _median(list(recent))
+        if self.first_value is None and len(recent) == recent.maxlen:
+            self.first_value = value
+        ready = len(self._hist) >= self.min_history and len(self._resid) >= self.min_history // 2
+        self._age += 1
+        if len(self._hist) >= 3 and (self._age >= self._every or math.isnan(self._level)):
+            self._refresh()
+        anomalous = severe = False
+        thr = math.inf
+        if ready:
+            thr = self.threshold()
+            if value > thr:
+                self._refresh()   # confirm against fresh statistics
+                thr = self.threshold()
+            anomalous = value > thr
+            severe = anomalous and value >= self._level + self.severe_rel * abs(self._level)
+        if not anomalous:
+            if not math.isnan(self._level) and len(recent) == recent.maxlen:
+                self._resid.append(value - self._level)
+            # A raw value joins the level's history once it leaves the smoothing window, so a lasting rise
+            # does not lift its own level before it is judged.
+            if leaving is not None:
+                self._hist.append(leaving)
+            elif len(self._hist) < 3:
+                self._hist.append(loss)   # the first few: something to start the level from
+        v = BandVerdict(self.name, value, self._level, thr, self._scale, anomalous, severe, ready)
+        self.last_verdict = v
+        return v
+
+    def restart(self) -> None:
+        """A new attempt: the values in flight (maybe of the fault that caused it) are dropped; the level,
+        the residuals and the history stay (they are the run's healthy distribution)."""
+        self._recent.clear()
+        self.last_verdict = None
+
+    def summary(self) -> dict[str, float | int | str | None]:
+        """For status and evidence: the level, its spread and where the source started."""
+        return {"source": self.name, "level": None if math.isnan(self._level) else self._level,
+                "sigma": None if math.isnan(self._scale) else self._scale,
+                "threshold": None if not self.last_verdict or math.isinf(self.last_verdict.threshold)
+                else self.last_verdict.threshold,
+                "first": self.first_value, "observations": self.count}
