@@ -29,6 +29,7 @@ class DetectorsConfig(_Section):
     loss_spike_persist_steps: int = Field(1, ge=1, description="Steps a loss must stay above the threshold before it is a spike (1 = at once; noisy tiny presets: more).")
     loss_spike_severe_rel: float = Field(0.5, gt=0, description="A spike this fraction above the median is severe: the engine's shorter severe grace applies.")
     loss_source_smooth: int = Field(5, ge=1, description="Per-source loss (loss_by_source): each source's band judges the median of its last N losses (one outlier sample moves nothing).")
+    loss_source_level_records: int = Field(25, ge=3, description="A source's level is the median of its last N healthy losses (short: a falling loss is not left behind).")
     loss_source_min_history: int = Field(20, ge=3, description="Observations of a source before its band judges it.")
     loss_source_persist: int = Field(3, ge=1, description="One source alone is a spike after this many of its observations in a row above its band (several sources at once: at once).")
     loss_zero_min_prev: float = Field(0.1, ge=0, description="A loss of exactly 0 right after a loss of at least this is a broken loss (nan_loss), not convergence.")

@@ -344,29 +344,33 @@ class RemediationEngine:
             return []
         return self._decide(ladder, f.symptom, f, step, now, f.message)
 
-    def _rollback_plan(self, anomaly_step: int | None) -> RollbackPlan | None:
-        """Where a rollback goes: a known-good tag at least `rollback_steps_back` before the onset, else the
-        newest one before it, else the newest checkpoint saved before the onset with in-band, finite loss
-        (not tainted). None (with `no_rollback_why`) when there is none and the run has made real progress:
+    def _rollback_plan(self, anomaly_step: int | None, precise: bool = False) -> RollbackPlan | None:
+        """Where a rollback goes. With a `precise` onset (a per-source band's): the newest checkpoint saved
+        before it (less a margin for the smoothing) whose loss at save was finite and in band (not tainted).
+        Otherwise a known-good tag at least `rollback_steps_back` before the onset (PaLM: ~100; a detector's
+        onset may lag the true one), else the newest known-good before it, else the newest clean save. None (with `no_rollback_why`) when there is none and the run has made real progress:
         step 0 is never chosen automatically then."""
         pol = self.policy
         a = anomaly_step if anomaly_step is not None else (self.last_step or 0)
         target: tuple[str | None, int] | None = None
         tag: str | None
+        # The detector's onset may trail the true one by its smoothing: keep a margin before it.
+        margin = 2 * self.config.loss_source_smooth
+        clean = [(t, s) for t, s in self.saved if s < a - margin and t not in self.tainted]
+        if precise and clean:
+            # A per-source band dates its onset to the first value out of band: the newest checkpoint saved
+            # before it with finite, in-band loss costs the least work (less than one save interval).
+            target = clean[-1]
         for tag, s in reversed(self.known_good):
-            if s <= a - pol.rollback_steps_back:
+            if target is None and s <= a - pol.rollback_steps_back:
                 target = (tag, s)
                 break
         if target is None:
             earlier = [(t, s) for t, s in self.known_good if s < a]
             if earlier:
                 target = earlier[-1]
-        if target is None:
-            # The detector's onset may trail the true one by its smoothing: keep a margin before it.
-            margin = 2 * self.config.loss_source_smooth
-            clean = [(t, s) for t, s in self.saved if s < a - margin and t not in self.tainted]
-            if clean:
-                target = clean[-1]
+        if target is None and clean:
+            target = clean[-1]
         if target is None:
             progress = self.max_ckpt_step is not None or (self.last_step or 0) >= pol.known_good_steps
             if progress:
@@ -424,7 +428,8 @@ class RemediationEngine:
         in_verify = st.verify_left > 0
         reverted, revert_note = self._maybe_revert(st) if in_verify else ({}, "")
         anomaly_step = finding.evidence.get("since_step", finding.step) if finding else step
-        ctx = Context(self.values, self.initial, self.launched, self.policy, self._rollback_plan(anomaly_step),
+        precise = finding is not None and "sources" in finding.evidence
+        ctx = Context(self.values, self.initial, self.launched, self.policy, self._rollback_plan(anomaly_step, precise),
                       finding.evidence if finding else {})
         if memory is None and finding is not None and finding.symptom == "memory_spike":
             memory = memory_evidence.choose_spike(finding.evidence, ctx, self.replanner,

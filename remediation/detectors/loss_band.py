@@ -33,7 +33,7 @@ class BandVerdict:
     value: float        # the smoothed value judged (median of the source's last `smooth` losses)
     level: float        # the source's level (median of its healthy history)
     threshold: float    # the value above which it is anomalous
-    scale: float        # robust sigma of the healthy residuals
+    scale: float        # robust sigma of the healthy relative residuals, log(value / level)
     anomalous: bool
     severe: bool
     ready: bool         # enough history to judge
@@ -45,18 +45,20 @@ class SourceBand:
     __slots__ = ("name", "k", "min_rel", "severe_rel", "min_history", "_hist", "_recent", "_resid", "_level",
                  "_scale", "_centre", "_age", "_every", "count", "last_step", "last_verdict", "first_value")
 
-    def __init__(self, name: str, *, window: int, smooth: int, k: float, min_rel: float, severe_rel: float,
-                 min_history: int):
+    def __init__(self, name: str, *, window: int, level_records: int, smooth: int, k: float, min_rel: float,
+                 severe_rel: float, min_history: int):
         self.name = name
         self.k, self.min_rel, self.severe_rel, self.min_history = k, min_rel, severe_rel, min_history
-        self._hist: deque[float] = deque(maxlen=window)          # healthy raw values, one smoothing window late
+        # The level: the median of the source's last `level_records` healthy raw values, one smoothing window
+        # late (short, so a falling loss does not leave it behind; the residuals measure the rest).
+        self._hist: deque[float] = deque(maxlen=level_records)
         self._recent: deque[float] = deque(maxlen=smooth)        # the last `smooth` raw values
-        self._resid: deque[float] = deque(maxlen=max(4 * window, 50))   # healthy residuals
+        self._resid: deque[float] = deque(maxlen=max(2 * window, 50))   # healthy relative residuals
         self._level = math.nan
         self._scale = math.nan
         self._centre = 0.0
         # The medians are O(window) in Python: refreshed every `_every` observations (and on a crossing).
-        self._every = max(1, window // 10)
+        self._every = max(1, level_records // 5)
         self._age = self._every
         self.count = 0                    # observations since reset
         self.last_step: int | None = None
@@ -71,12 +73,14 @@ class SourceBand:
             centre = _median(res)
             mad = _median([abs(r - centre) for r in res])
             self._centre = max(0.0, centre)
-            self._scale = max(_MAD_TO_SIGMA * mad, 1e-3 * abs(self._level), 1e-12)
+            self._scale = max(_MAD_TO_SIGMA * mad, 1e-3)
         self._age = 0
 
     def threshold(self) -> float:
+        """Residuals are relative (log(value / level)): a loss's noise scales with its level (arithmetic at
+        0.004 and copy at 4 have the same relative spread, not the same absolute one)."""
         lvl = self._level
-        return max(lvl + self._centre + self.k * self._scale, lvl + self.min_rel * abs(lvl))
+        return max(lvl * math.exp(self._centre + self.k * self._scale), lvl + self.min_rel * abs(lvl))
 
     def observe(self, loss: float, step: int) -> BandVerdict:
         self.count += 1
@@ -87,7 +91,7 @@ class SourceBand:
         value = _median(list(recent))
         if self.first_value is None and len(recent) == recent.maxlen:
             self.first_value = value
-        ready = len(self._hist) >= self.min_history and len(self._resid) >= self.min_history // 2
+        ready = self.count > self.min_history and len(self._resid) >= self.min_history // 2
         self._age += 1
         if len(self._hist) >= 3 and (self._age >= self._every or math.isnan(self._level)):
             self._refresh()
@@ -101,8 +105,8 @@ class SourceBand:
             anomalous = value > thr
             severe = anomalous and value >= self._level + self.severe_rel * abs(self._level)
         if not anomalous:
-            if not math.isnan(self._level) and len(recent) == recent.maxlen:
-                self._resid.append(value - self._level)
+            if self._level > 0 and value > 0 and len(recent) == recent.maxlen:
+                self._resid.append(math.log(value / self._level))
             # A raw value joins the level's history once it leaves the smoothing window, so a lasting rise
             # does not lift its own level before it is judged.
             if leaving is not None:
@@ -122,7 +126,7 @@ class SourceBand:
     def summary(self) -> dict[str, float | int | str | None]:
         """For status and evidence: the level, its spread and where the source started."""
         return {"source": self.name, "level": None if math.isnan(self._level) else self._level,
-                "sigma": None if math.isnan(self._scale) else self._scale,
+                "sigma_rel": None if math.isnan(self._scale) else self._scale,
                 "threshold": None if not self.last_verdict or math.isinf(self.last_verdict.threshold)
                 else self.last_verdict.threshold,
                 "first": self.first_value, "observations": self.count}

@@ -67,6 +67,7 @@ class LossSpikeDetector(EpisodeDetector):
         for band in self.bands.values():
             band.restart()
         self._src_runs: dict[str, int] = {}        # consecutive anomalous observations per source
+        self._src_first: dict[str, int] = {}       # the step where each source's current anomalous run began
         self._src_onset: int | None = None
 
     # Records without `loss_by_source` in a run that reports sources are judged as this source.
@@ -82,7 +83,7 @@ class LossSpikeDetector(EpisodeDetector):
                     return band
             c = self.cfg
             band = self.bands[name] = SourceBand(
-                name, window=c.window, smooth=c.loss_source_smooth, k=c.loss_spike_mad,
+                name, window=c.window, level_records=c.loss_source_level_records, smooth=c.loss_source_smooth, k=c.loss_spike_mad,
                 min_rel=c.loss_spike_min_rel, severe_rel=c.loss_spike_severe_rel,
                 min_history=c.loss_source_min_history)
         return band
@@ -96,7 +97,9 @@ class LossSpikeDetector(EpisodeDetector):
                 continue   # non-finite: the NaN detector's
             v = self._band(name).observe(loss, rec.step)
             verdicts.append(v)
-            self._src_runs[name] = self._src_runs.get(name, 0) + 1 if v.anomalous and warm else 0
+            run = self._src_runs[name] = self._src_runs.get(name, 0) + 1 if v.anomalous and warm else 0
+            if run == 1:
+                self._src_first[name] = rec.step
         # Sources seen lately (each within its own recent observations) and those above their bands now.
         horizon = 4 * self.cfg.loss_source_smooth * max(1, len(self.bands))
         live = [b for b in self.bands.values() if b.last_verdict is not None and b.last_verdict.ready
@@ -111,7 +114,8 @@ class LossSpikeDetector(EpisodeDetector):
                 self._ep.normal(rec.step)
             return []
         if self._src_onset is None:
-            self._src_onset = rec.step - span + 1
+            # The onset: where the first implicated source's run above its band began.
+            self._src_onset = min([self._src_first.get(b.name, rec.step) for b in high] + [rec.step - span + 1])
         severe = any(b.last_verdict is not None and b.last_verdict.severe for b in high)
         onset = not self._ep.active
         fire = self._ep.anomalous(rec.step)
@@ -124,7 +128,7 @@ class LossSpikeDetector(EpisodeDetector):
             return []
         implicated = sorted(b.name for b in high)
         detail = {b.name: {"loss": b.last_verdict.value, "level": b.last_verdict.level,
-                           "threshold": b.last_verdict.threshold, "sigma": b.last_verdict.scale}
+                           "threshold": b.last_verdict.threshold, "sigma_rel": b.last_verdict.scale}
                   for b in high if b.last_verdict is not None}
         worst = max(high, key=lambda b: (b.last_verdict.value - b.last_verdict.level)
                     / max(b.last_verdict.scale, 1e-12) if b.last_verdict else 0.0)
@@ -133,7 +137,7 @@ class LossSpikeDetector(EpisodeDetector):
         where = (f"{len(high)} of {len(live)} data sources ({', '.join(implicated)}) above their own bands at once"
                  if across else f"data source {worst.name!r} above its own band for "
                                 f"{self._src_runs.get(worst.name, 0)} of its steps in a row")
-        ev = {"loss": rec.loss, "median": wv.level, "sigma": wv.scale, "threshold": wv.threshold,
+        ev = {"loss": rec.loss, "median": wv.level, "sigma_rel": wv.scale, "threshold": wv.threshold,
               "window": len(self.bands), "since_step": self._ep.started_step, "severe": severe,
               "sources": detail, "implicated": implicated,
               "implicates": "the optimizer or the schedule (all sources at once)" if across and len(high) == len(live)
