@@ -70,6 +70,12 @@ class DetectorsConfig(_Section):
     hang_startup_timeout_s: float = Field(1800.0, gt=0, description="Timeout from start until the first step record (model build, load).")
 
 
+    # --- calibration from the run's own healthy history (remediation/calibration.py)
+    calibrate: StrictBool = Field(True, description="After calibrate_after_steps healthy steps, fit the step-time and timeout thresholds to the run's own history (bounded); off = the values above as set.")
+    calibrate_after_steps: int = Field(200, ge=100, description="Healthy steps of history (after warm-up) the fit reads.")
+    calibrate_false_alarm_rate: float = Field(1e-5, gt=0, lt=0.01, description="False alarms per step the fitted thresholds target.")
+
+
 class RemediationConfig(_Section):
     mode: Literal["act", "observe"] = Field("act", description="observe = record what would be done, do nothing.")
     max_restarts_per_hour: int = Field(6, ge=0, description="Restart budget; beyond it the run ends FAILED.")

@@ -102,7 +102,8 @@ def _same_episode(a: Finding, b: Finding) -> bool:
 class RemediationEngine:
     def __init__(self, config: DetectorsConfig | None = None, policy: RemediationConfig | None = None,
                  job: Mapping[str, Any] | None = None, *, start_time: float | None = None, attempt: int | None = None):
-        self.config = config or DetectorsConfig()
+        # A copy: calibration sets fitted thresholds on it, never on the caller's spec.
+        self.config = (config or DetectorsConfig()).model_copy()
         self.policy = policy or RemediationConfig()
         vals = job_values(job)
         self.values: dict[str, Any] = {k: (vals[k] if vals.get(k) is not None else v) for k, v in DEFAULTS.items()}
@@ -138,6 +139,12 @@ class RemediationEngine:
         self._last_loss_finite = True
         self.no_rollback_why = ""   # why the last rollback plan found no target
         self.failures: list[str] = []   # decisions the daemon could not apply (newest last)
+        # Calibration: the run's healthy records until the fit (bounded), the fit, and whether it is new.
+        self._history: deque[Record] | None = deque(maxlen=4 * self.config.calibrate_after_steps) \
+            if self.config.calibrate else None
+        self._healthy_steps = 0
+        self.calibration: dict[str, Any] | None = None
+        self.calibration_new = False
         # Recent sample ranges for rollback-and-skip.
         self._samples: deque[tuple[int, tuple[int, int]]] = deque(
             maxlen=4 * self.policy.skip_max_batches + self.policy.rollback_steps_back)
@@ -157,6 +164,8 @@ class RemediationEngine:
         out: list[Finding | Decision] = []
         self.hang.observe(record, now)
         self.footprint.observe(record)
+        if self._history is not None:
+            self._history.append(record)
         if isinstance(record, EventRecord):
             if record.event == "started":
                 self.on_restart(now, attempt=record.attempt)
@@ -194,10 +203,37 @@ class RemediationEngine:
                     continue
                 out.append(f)
                 out.extend(self._on_finding(f, record.step, now))
+        if self._history is not None:
+            self._count_healthy(findings, now)
         # Bookkeeping has nothing to do without a finding, a checkpoint candidate, a ladder or a pending symptom.
         if weight_anomaly or self.candidates or self.ladders or self.pending:
             self._step_bookkeeping(record, now, weight_anomaly, out, span)
         return out
+
+    def _count_healthy(self, findings: list[Finding] | None, now: float) -> None:
+        """Calibrate once `calibrate_after_steps` step records passed without a finding or a ladder."""
+        if findings or self.ladders or self.pending:
+            self._healthy_steps = 0
+            return
+        self._healthy_steps += 1
+        if self._healthy_steps >= self.config.calibrate_after_steps:
+            self.calibrate(now)
+
+    def calibrate(self, now: float | None = None, records: list[Record] | None = None) -> dict[str, Any] | None:
+        """Fit the thresholds to the run's healthy history (remediation/calibration.py) and use them;
+        `records` defaults to the engine's own buffer. Returns the fit (also in `self.calibration`)."""
+        from ulyssesd.remediation import calibration
+
+        recs = records if records is not None else list(self._history or ())
+        spike = self._by_symptom.get("loss_spike")
+        bands = spike.source_summary() if spike is not None and hasattr(spike, "source_summary") else None
+        f = calibration.fit(recs, self.config, self.config.calibrate_false_alarm_rate, bands)
+        changed = calibration.apply(self.config, f)
+        self.calibration = {**f.as_dict(), "changed": {k: list(v) for k, v in changed.items()},
+                            "at_step": self.last_step, "time": now}
+        self.calibration_new = True
+        self._history = None   # fitted once per engine; `ulyssesctl tune` refits on demand
+        return self.calibration
 
     def on_finding(self, finding: Finding, now: float) -> list[Decision]:
         """Feed a finding from elsewhere (e.g. the daemon's own probes) through grace and the ladders."""

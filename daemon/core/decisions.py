@@ -9,6 +9,7 @@ the crash path after an attempt ended is `exits.py`, the termination phases are 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -96,6 +97,25 @@ def on_record(sup: Supervisor, rec: Record, now: float) -> None:
         on_event(sup, rec)
     if sup.engine is not None:
         handle_outputs(sup, sup.engine.observe(rec, now), step=rec.step if rec.step is not None else (sup.last_step or 0))
+        if getattr(sup.engine, "calibration_new", False):
+            save_calibration(sup)
+
+
+def save_calibration(sup: Supervisor) -> None:
+    """The engine fitted its thresholds to the run's healthy history: kept in {run_dir}/calibration.json
+    (what `ulyssesctl status` shows, with its evidence) and said in the daemon's log."""
+    from ulyssesd.training.durable import atomic_write_text
+
+    sup.engine.calibration_new = False
+    fit = sup.engine.calibration
+    try:
+        atomic_write_text(sup.run_dir / "calibration.json", json.dumps(fit, indent=1, default=str) + "\n")
+    except OSError as exc:   # a full disk: the fit is in use all the same; only its record is missing
+        log.warning("could not write calibration.json", run_id=sup.run_id, error=repr(exc))
+    changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in (fit.get("changed") or {}).items())
+    log.info("detector thresholds fitted to the run's healthy history", run_id=sup.run_id,
+             steps=fit.get("steps"), changed=changed)
+    sup.say(f"calibrated from {fit.get('steps')} healthy steps: {changed or 'no change'}")
 
 
 def on_event(sup: Supervisor, rec: EventRecord) -> None:
