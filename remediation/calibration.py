@@ -30,7 +30,7 @@ from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 # Bounds of the fitted values: a fit can make a detector neither blind nor trigger-happy.
 SLOW_RATIO_BOUNDS = (1.5, 10.0)
 HANG_FLOOR_BOUNDS_S = (60.0, 3600.0)
-CKPT_TIMEOUT_BOUNDS_S = (120.0, 3600.0)
+CKPT_TIMEOUT_BOUNDS_S = (300.0, 3600.0)
 STARTUP_TIMEOUT_BOUNDS_S = (120.0, 7200.0)
 MARGIN = 3.0          # a timeout is this many times the longest healthy duration seen
 MIN_STEPS = 100       # fewer healthy steps fit nothing

@@ -72,8 +72,17 @@ class DetectorsConfig(_Section):
 
     # --- calibration from the run's own healthy history (remediation/calibration.py)
     calibrate: StrictBool = Field(True, description="After calibrate_after_steps healthy steps, fit the step-time and timeout thresholds to the run's own history (bounded); off = the values above as set.")
-    calibrate_after_steps: int = Field(200, ge=100, description="Healthy steps of history (after warm-up) the fit reads.")
+    calibrate_after_steps: int = Field(100, ge=50, description="Healthy steps of history the fit reads (the first fit; `ulyssesctl tune` refits on demand).")
+    step_time_warmup_steps: int | None = Field(None, ge=0, description="With calibrate on: steps before the step-time detectors (slow step, throughput drop, drift) judge the first time (None = `window`: a full baseline); their thresholds are fitted to these (a shared box's noise is learned, not flagged).")
     calibrate_false_alarm_rate: float = Field(1e-5, gt=0, lt=0.01, description="False alarms per step the fitted thresholds target.")
+
+
+    def step_time_warmup(self) -> int:
+        """Warm-up of the step-time detectors: the longer `step_time_warmup_steps` until the first fit."""
+        if not self.calibrate:
+            return self.warmup_steps
+        first = self.window if self.step_time_warmup_steps is None else self.step_time_warmup_steps
+        return max(self.warmup_steps, first)
 
 
 class RemediationConfig(_Section):

@@ -229,6 +229,7 @@ class RemediationEngine:
         bands = spike.source_summary() if spike is not None and hasattr(spike, "source_summary") else None
         f = calibration.fit(recs, self.config, self.config.calibrate_false_alarm_rate, bands)
         changed = calibration.apply(self.config, f)
+        self.config.step_time_warmup_steps = 0   # fitted: later (re)starts warm up as the other detectors
         self.calibration = {**f.as_dict(), "changed": {k: list(v) for k, v in changed.items()},
                             "at_step": self.last_step, "time": now}
         self.calibration_new = True

@@ -69,6 +69,8 @@ class LossSpikeDetector(EpisodeDetector):
         self._src_runs: dict[str, int] = {}        # consecutive anomalous observations per source
         self._src_first: dict[str, int] = {}       # the step where each source's current anomalous run began
         self._src_onset: int | None = None
+        self._any_ready = False   # some source's band judges (once true, until the bands are dropped)
+        self._last_span = 1
 
     # Records without `loss_by_source` in a run that reports sources are judged as this source.
     UNLABELLED = "(unlabelled)"
@@ -89,7 +91,7 @@ class LossSpikeDetector(EpisodeDetector):
         return band
 
     def _observe_sources(self, rec: StepRecord, by_source: dict[str, float], now: float) -> list[Finding]:
-        span = self._clock.advance(rec.step)
+        span = self._last_span = self._clock.advance(rec.step)
         warm = self._clock.since_start(rec.step) >= self.cfg.warmup_steps
         verdicts: list[BandVerdict] = []
         for name, loss in by_source.items():
@@ -104,6 +106,8 @@ class LossSpikeDetector(EpisodeDetector):
         horizon = 4 * self.cfg.loss_source_smooth * max(1, len(self.bands))
         live = [b for b in self.bands.values() if b.last_verdict is not None and b.last_verdict.ready
                 and b.last_step is not None and rec.step - b.last_step <= horizon]
+        if not live:
+            return []   # no band judges yet: the whole loss is judged meanwhile (observe)
         high = [b for b in live if b.last_verdict is not None and b.last_verdict.anomalous
                 and self._src_runs.get(b.name, 0) > 0]
         persist = [b for b in high if self._src_runs.get(b.name, 0) >= self.cfg.loss_source_persist]
@@ -177,7 +181,21 @@ class LossSpikeDetector(EpisodeDetector):
             return []
         by_source = rec.loss_by_source
         if by_source is not None or self.bands:
-            return self._observe_sources(rec, by_source or {self.UNLABELLED: rec.loss}, now)
+            found = self._observe_sources(rec, by_source or {self.UNLABELLED: rec.loss}, now)
+            if self._bands_ready:
+                return found
+            # No source has history enough for its band yet (the first tens of steps): the whole loss is
+            # judged as before meanwhile (its clock is the bands' own).
+            return self._observe_total(rec, now, advance=False)
+        return self._observe_total(rec, now)
+
+    @property
+    def _bands_ready(self) -> bool:
+        if not self._any_ready:
+            self._any_ready = any(b.last_verdict is not None and b.last_verdict.ready for b in self.bands.values())
+        return self._any_ready
+
+    def _observe_total(self, rec: StepRecord, now: float, advance: bool = True) -> list[Finding]:
         loss = rec.loss
         if loss - loss != 0.0:  # nan or ±inf (math.isfinite without the call)
             return []
@@ -190,10 +208,11 @@ class LossSpikeDetector(EpisodeDetector):
             sm.append(loss)
             self._smooth_sum += loss
             if len(sm) < cast(int, sm.maxlen):
-                self._clock.advance(rec.step)
+                if advance:
+                    self._clock.advance(rec.step)
                 return []
             loss = self._smooth_sum / len(sm)
-        span = self._clock.advance(rec.step)
+        span = self._clock.advance(rec.step) if advance else self._last_span
         # Once ready, ready until reset (steps and the window only grow): skip the test then.
         ready = self._ready or self._check_ready(rec.step)
         if ready:
