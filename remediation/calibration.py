@@ -87,15 +87,15 @@ def fit(records: Iterable[Record], cfg: DetectorsConfig, rate: float = 1e-5,
     started_at: float | None = None
     for rec in records:
         if isinstance(rec, EventRecord):
-            ev = rec.event
-            if ev.startswith("checkpoint_") or ev == "control_applied":
+            name = rec.event
+            if name.startswith("checkpoint_") or name == "control_applied":
                 skip_next = True
-            if ev == "checkpoint_saving" and rec.time is not None:
+            if name == "checkpoint_saving" and rec.time is not None:
                 saving_at = rec.time
-            elif ev == "checkpoint_saved" and rec.time is not None and saving_at is not None:
+            elif name == "checkpoint_saved" and rec.time is not None and saving_at is not None:
                 longest_save = max(longest_save, rec.time - saving_at)
                 saving_at = None
-            elif ev == "started":
+            elif name == "started":
                 st = rec.fields.get("startup")
                 began = st.get("process_started_at") if isinstance(st, dict) else None
                 started_at = float(began) if isinstance(began, int | float) else rec.time

@@ -77,6 +77,10 @@ class DetectorsConfig(_Section):
     calibrate_false_alarm_rate: float = Field(1e-5, gt=0, lt=0.01, description="False alarms per step the fitted thresholds target.")
 
 
+    # --- early warning (remediation/early_warning.py)
+    early_warning: StrictBool = Field(True, description="Alert when the grad norm leaves the run's own distribution (EMA z-score per source set) and stays there: a warning, no ladder action.")
+    early_warning_z: float = Field(4.0, gt=1, description="A step's grad norm is out of distribution above this z (log scale, EMA mean/variance).")
+
     def step_time_warmup(self) -> int:
         """Warm-up of the step-time detectors: the longer `step_time_warmup_steps` until the first fit."""
         if not self.calibrate:

@@ -15,6 +15,7 @@ from ulyssesd.remediation import memory_evidence
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding, HangDetector, build_detectors
 from ulyssesd.remediation.detectors.throughput_drop import tokens_per_s
+from ulyssesd.remediation.early_warning import GradNormWatch
 from ulyssesd.remediation.job import job_values
 from ulyssesd.remediation.memory_evidence import Replan
 from ulyssesd.remediation.playbook import (
@@ -145,6 +146,9 @@ class RemediationEngine:
         self._healthy_steps = 0
         self.calibration: dict[str, Any] | None = None
         self.calibration_new = False
+        # Early warning (grad norm out of its own distribution): alerts, drained by the daemon.
+        self.grad_watch = GradNormWatch(z=self.config.early_warning_z) if self.config.early_warning else None
+        self.new_warnings: list[dict[str, Any]] = []
         # Recent sample ranges for rollback-and-skip.
         self._samples: deque[tuple[int, tuple[int, int]]] = deque(
             maxlen=4 * self.policy.skip_max_batches + self.policy.rollback_steps_back)
@@ -205,6 +209,11 @@ class RemediationEngine:
                 out.extend(self._on_finding(f, record.step, now))
         if self._history is not None:
             self._count_healthy(findings, now)
+        if self.grad_watch is not None and record.grad_norm is not None:
+            warning = self.grad_watch.observe(record)
+            if warning is not None:
+                self.new_warnings.append(warning)
+                del self.new_warnings[:-16]
         # Bookkeeping has nothing to do without a finding, a checkpoint candidate, a ladder or a pending symptom.
         if weight_anomaly or self.candidates or self.ladders or self.pending:
             self._step_bookkeeping(record, now, weight_anomaly, out, span)
@@ -281,6 +290,8 @@ class RemediationEngine:
         self.launched = dict(self.values)
         for det in self.detectors:
             det.reset()
+        if self.grad_watch is not None:
+            self.grad_watch.reset()
         self.hang.reset(now)
         self.pending.clear()
         for st in self.ladders.values():

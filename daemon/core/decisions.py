@@ -99,6 +99,19 @@ def on_record(sup: Supervisor, rec: Record, now: float) -> None:
         handle_outputs(sup, sup.engine.observe(rec, now), step=rec.step if rec.step is not None else (sup.last_step or 0))
         if getattr(sup.engine, "calibration_new", False):
             save_calibration(sup)
+        if getattr(sup.engine, "new_warnings", None):
+            early_warnings(sup)
+
+
+def early_warnings(sup: Supervisor) -> None:
+    """The engine's early warnings (grad norm out of its own distribution): said, logged and alerted as a
+    warning first; no incident until a detector finds the blow-up, no ladder rung."""
+    for w in sup.engine.new_warnings:
+        log.warning("early warning", run_id=sup.run_id, step=w.get("step"), z=w.get("z"), source=w.get("source"))
+        sup.say(f"  early warning: {w.get('message')}")
+        sup.alert("incident", f"early warning at step {w.get('step')}: {w.get('message')}", warning=True,
+                  evidence={k: v for k, v in w.items() if k != "message"})
+    sup.engine.new_warnings = []
 
 
 def save_calibration(sup: Supervisor) -> None:

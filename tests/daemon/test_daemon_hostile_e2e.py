@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import pytest
-import tomllib
 from test_daemon_e2e_real import _daemon, real_spec
 
 from ulyssesd.daemon.store import open_store

@@ -194,3 +194,30 @@ def test_client_source_and_record_round_trip(tmp_path):
     import json
     assert all(validate_record(json.loads(x)) == [] for x in lines)
     assert validate_record({"v": 1, "kind": "step", "step": 1, "loss": 1.0, "loss_by_source": [1.0]})
+
+
+# ---------------------------------------------------------------------------------------- early warning
+def _with_grad_norms(recs, blow_at: int | None, seed: int = 0):
+    """Grad norms per family (copy batches' several times motif's, as measured on the tiny run), noisy;
+    from `blow_at` - 5 they climb (the optimizer goes first, the loss follows)."""
+    rng = random.Random(seed)
+    base = {"motif": 1.4, "copy": 5.0, "arithmetic": 2.0}
+    for r in recs:
+        if isinstance(r, StepRecord):
+            fam = next(iter(r.loss_by_source))
+            g = base[fam] * math.exp(rng.gauss(0, 0.25))
+            if blow_at is not None and r.step >= blow_at - 5:
+                g *= 3.0 + 0.5 * (r.step - blow_at + 5)
+            r.grad_norm = g
+    return recs
+
+
+def test_early_warning_is_quiet_on_healthy_multi_modal_grad_norms_and_leads_a_blowup():
+    for seed in range(3):
+        eng, found, _ = run(_with_grad_norms(mixed(6000, seed=seed), None, seed))
+        assert found == [] and eng.grad_watch is not None and eng.grad_watch.warnings == [], eng.grad_watch.warnings
+    eng, found, _ = run(_with_grad_norms(mixed(3000, seed=1, blow_at=2500), 2500, 1))
+    assert eng.grad_watch is not None and eng.grad_watch.warnings
+    warn = eng.grad_watch.warnings[0]["step"]
+    first = min(f.step for f in found if f.symptom == "loss_spike")
+    assert 2495 <= warn < first, (warn, first)

@@ -14,10 +14,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from ulyssesd.daemon.store import open_store
 from ulyssesd.daemon.store.enums import RunState
@@ -115,9 +115,17 @@ def test_tiny_preset_without_detectors_block_healthy_then_lr_blowup(tmp_path):
     assert loss_incs, [(i.step, i.symptom.value) for i in incs]
     found = min(i.step for i in loss_incs)
     assert ONSET <= found <= ONSET + 20, (found, [(i.step, i.symptom.value, i.summary[:160]) for i in loss_incs])
-    actions = [a for i in incs for a in store.list_actions(i.id)]
+    actions = [a for i in incs for a in store.get_incident(i.id).actions]
+    assert actions, "the blow-up was found but nothing was done"
     rollbacks = [a.parameters.get("rollback_to_step") for a in actions if a.kind.value == "rollback_skip"]
     assert all(r not in (None, 0) for r in rollbacks), rollbacks
+    # status: each family's loss with its trend, and the thresholds fitted from this run's healthy steps.
+    from ulyssesd.daemon.operator.ctl_status import status_data
+    d = status_data(store, run)
+    assert {s["source"] for s in d["loss_by_source"]} == {"motif", "copy", "arithmetic"}, d["loss_by_source"]
+    cal = d["calibration"]
+    assert cal and cal["steps"] >= 100 and "slow_step_ratio" in cal["values"], cal
     print(f"\nhealthy steps 1-{ONSET - 1}: family levels early {early}, late {late}; 0 incidents, 0 restarts;"
           f" blow-up at {ONSET} found at {found}; actions {[(a.kind.value, a.parameters.get('rung')) for a in actions]};"
+          f" calibration {cal['changed']};"
           f" {time.monotonic() - started:.0f} s")

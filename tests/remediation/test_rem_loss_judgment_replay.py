@@ -42,3 +42,7 @@ def test_replay_healthy_part_quiet_and_lr_blowup_found_within_20_steps():
     first = loss_findings[0]
     assert ONSET <= (first.step or 0) <= ONSET + 20, [(f.step, f.message) for f in loss_findings]
     assert first.evidence["since_step"] >= ONSET
+    # The early warning (grad norm out of its own per-source distribution) came first, and never before.
+    assert eng.grad_watch is not None
+    warned = [w["step"] for w in eng.grad_watch.warnings]
+    assert warned and ONSET <= warned[0] < (first.step or 0), (warned, first.step)
