@@ -25,10 +25,10 @@ import json
 import shutil
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
+import tomllib
 from daemon_run import end_daemon, new_socket_path, run_dir_of, save_logs, save_store_and_events, start_daemon
 
 ROOT = Path(__file__).resolve().parents[1]

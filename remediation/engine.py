@@ -392,7 +392,7 @@ class RemediationEngine:
             return []
         return self._decide(ladder, f.symptom, f, step, now, f.message)
 
-    def _rollback_plan(self, anomaly_step: int | None, precise: bool = False) -> RollbackPlan | None:
+    def _rollback_plan(self, anomaly_step: int | None, precise: bool = False, sources: int = 1) -> RollbackPlan | None:
         """Where a rollback goes. With a `precise` onset (a per-source band's): the newest checkpoint saved
         before it (less a margin for the smoothing) whose loss at save was finite and in band (not tainted).
         Otherwise a known-good tag at least `rollback_steps_back` before the onset (PaLM: ~100; a detector's
@@ -402,8 +402,9 @@ class RemediationEngine:
         a = anomaly_step if anomaly_step is not None else (self.last_step or 0)
         target: tuple[str | None, int] | None = None
         tag: str | None
-        # The detector's onset may trail the true one by its smoothing: keep a margin before it.
-        margin = 2 * self.config.loss_source_smooth
+        # The detector's onset may trail the true one by its smoothing (each source is seen about every
+        # `sources` steps): keep a margin before it.
+        margin = 2 * self.config.loss_source_smooth * max(1, sources)
         clean = [(t, s) for t, s in self.saved if s < a - margin and t not in self.tainted]
         if precise and clean:
             # A per-source band dates its onset to the first value out of band: the newest checkpoint saved
@@ -477,7 +478,9 @@ class RemediationEngine:
         reverted, revert_note = self._maybe_revert(st) if in_verify else ({}, "")
         anomaly_step = finding.evidence.get("since_step", finding.step) if finding else step
         precise = finding is not None and "sources" in finding.evidence
-        ctx = Context(self.values, self.initial, self.launched, self.policy, self._rollback_plan(anomaly_step, precise),
+        n_sources = int(finding.evidence.get("window") or 1) if precise and finding is not None else 1
+        ctx = Context(self.values, self.initial, self.launched, self.policy,
+                      self._rollback_plan(anomaly_step, precise, n_sources),
                       finding.evidence if finding else {})
         if memory is None and finding is not None and finding.symptom == "memory_spike":
             memory = memory_evidence.choose_spike(finding.evidence, ctx, self.replanner,

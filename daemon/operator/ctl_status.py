@@ -147,6 +147,10 @@ def hang_timeout_s(recent: list[dict[str, Any]], detectors: dict[str, Any] | Non
     return det.timeout()[0] if recent else None
 
 
+#: Steps over which `status` shows each data source's loss and its trend (older half vs newer half).
+PER_SOURCE_STEPS = 200
+
+
 def per_source_loss(recent: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from ulyssesd.remediation.loss_view import per_source
 
@@ -208,7 +212,7 @@ def status_data(store, run) -> dict[str, Any]:
         **progress,
         "total_steps_source": total_source,
         "hang_timeout_s": hang_s,
-        "loss_by_source": per_source_loss(recent),
+        "loss_by_source": per_source_loss(recent_steps_from_telemetry(run.run_dir, limit=PER_SOURCE_STEPS)),
         "calibration": calibration_of(run.run_dir),
         "last_step_overdue": bool(state in TRAINING_STATES and age is not None and hang_s is not None
                                   and age > hang_s),

@@ -159,7 +159,8 @@ def test_a_per_source_onset_rolls_back_to_the_newest_clean_save_before_it():
         decided += [i for i in eng.observe(r, r.time or 0.0) if isinstance(i, Decision)]
     d = decided[0]
     assert d.action_kind == "rollback_skip", d.reason
-    assert d.rollback_to_step is not None and 2480 <= d.rollback_to_step < 2500, d.rollback_to_step
+    # Margin: 2 x the 5-value smoothing x 3 sources (each source is seen every ~3 steps) before the onset.
+    assert d.rollback_to_step is not None and 2440 <= d.rollback_to_step < 2500, d.rollback_to_step
     assert d.rollback_tag not in eng.tainted
 
 

@@ -120,8 +120,9 @@ def test_tiny_preset_without_detectors_block_healthy_then_lr_blowup(tmp_path):
     rollbacks = [a.parameters.get("rollback_to_step") for a in actions if a.kind.value == "rollback_skip"]
     assert all(r not in (None, 0) for r in rollbacks), rollbacks
     # status: each family's loss with its trend, and the thresholds fitted from this run's healthy steps.
-    from ulyssesd.daemon.operator.ctl_status import status_data
-    d = status_data(store, run)
+    res = subprocess.run([sys.executable, "-m", "ulyssesd.daemon.operator.ctl", "--state-dir", str(tmp_path / "state"),
+                          "status", "--json"], capture_output=True, text=True, timeout=120)
+    d = json.loads(res.stdout)
     assert {s["source"] for s in d["loss_by_source"]} == {"motif", "copy", "arithmetic"}, d["loss_by_source"]
     cal = d["calibration"]
     assert cal and cal["steps"] >= 100 and "slow_step_ratio" in cal["values"], cal
