@@ -310,7 +310,8 @@ class Trainer(TrainerCheckpoints):
         losses = []
         names = self.source_names
         # Per source: [sum of token losses, labelled tokens] over this rank's micro-batches.
-        by_source = torch.zeros(2, len(names), dtype=torch.float64) if names is not None else None
+        # On the device: no sync per micro-step (read once, after the step's own synchronize).
+        by_source = torch.zeros(2, len(names), dtype=torch.float32, device=self.device) if names is not None else None
         for micro, host_tokens in enumerate(batches.micro):
             tokens = host_tokens.to(self.device, non_blocking=True)
             inputs, labels, positions = slice_for_sp(tokens, self.sp_rank, self.sp)
@@ -321,9 +322,9 @@ class Trainer(TrainerCheckpoints):
             losses.append(loss.detach().float())
             sample_loss = getattr(eng.module, "last_sample_loss", None)
             if by_source is not None and batches.sources is not None and sample_loss is not None:
-                ids = torch.tensor(batches.sources[micro], dtype=torch.long)
-                by_source[0].index_add_(0, ids, sample_loss[0].double().cpu() * factor)
-                by_source[1].index_add_(0, ids, sample_loss[1].double().cpu())
+                ids = torch.tensor(batches.sources[micro], dtype=torch.long).to(self.device, non_blocking=True)
+                by_source[0].index_add_(0, ids, sample_loss[0].float() * factor)
+                by_source[1].index_add_(0, ids, sample_loss[1].float())
             # DeepSpeed counts micro-steps inside step(): it must be called after every backward and only
             # applies the optimizer at the accumulation boundary (the final call below).
             if micro < len(batches.micro) - 1:
