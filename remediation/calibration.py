@@ -8,6 +8,7 @@ rate it targets) and clamped between a floor (never trigger-happy) and a ceiling
   so the statistic is the minimum ratio over each such run of steps; its tail above the 90th percentile is
   fitted with an exponential (mean excess) and extrapolated to the target rate per step. A box whose step
   time follows its neighbours gets a higher ratio; a quiet GPU keeps the configured one (its floor).
+- throughput_drop_frac: the same for the tokens/s drop below its median over `throughput_persist_steps`.
 - hang_timeout_floor_s: from the longest healthy gap between two records (saves and evaluation included).
 - hang_checkpoint_timeout_s: from the longest save (checkpoint_saving -> checkpoint_saved).
 - hang_startup_timeout_s: from the run's own start-ups (process start -> first step record).
@@ -32,6 +33,7 @@ SLOW_RATIO_BOUNDS = (1.5, 10.0)
 HANG_FLOOR_BOUNDS_S = (60.0, 3600.0)
 CKPT_TIMEOUT_BOUNDS_S = (300.0, 3600.0)
 STARTUP_TIMEOUT_BOUNDS_S = (120.0, 7200.0)
+THROUGHPUT_DROP_CEILING = 0.9   # a throughput drop of 90 % is always found
 MARGIN = 3.0          # a timeout is this many times the longest healthy duration seen
 MIN_STEPS = 100       # fewer healthy steps fit nothing
 
@@ -85,6 +87,9 @@ def fit(records: Iterable[Record], cfg: DetectorsConfig, rate: float = 1e-5,
     longest_save = 0.0
     startups: list[float] = []
     started_at: float | None = None
+    tps_win: deque[float] = deque(maxlen=cfg.window)
+    drop_run: deque[float] = deque(maxlen=cfg.throughput_persist_steps)
+    drops: list[float] = []
     for rec in records:
         if isinstance(rec, EventRecord):
             name = rec.event
@@ -112,6 +117,14 @@ def fit(records: Iterable[Record], cfg: DetectorsConfig, rate: float = 1e-5,
             if prev_time is not None:
                 longest_gap = max(longest_gap, rec.time - prev_time)
             prev_time = rec.time
+        tps = rec.tokens_per_s
+        if tps is not None and tps > 0 and math.isfinite(tps):
+            if len(tps_win) >= min(cfg.window, 20):
+                base = sorted(tps_win)[len(tps_win) // 2]
+                drop_run.append(1 - tps / base)
+                if len(drop_run) == drop_run.maxlen:
+                    drops.append(min(drop_run))
+            tps_win.append(tps)
         t = rec.step_time_max_s if rec.step_time_max_s is not None else rec.step_time_s
         if t is None or not t > 0:
             continue
@@ -140,6 +153,13 @@ def fit(records: Iterable[Record], cfg: DetectorsConfig, rate: float = 1e-5,
                                            "quantile_at_rate": q, "bounds": bounds}
     else:
         out.skipped["slow_step_ratio"] = f"{len(stats)} step-time ratios; needs {MIN_STEPS // 2}"
+    if len(drops) >= MIN_STEPS // 2:
+        q, ev = tail_quantile(drops, rate)
+        bounds = (cfg.throughput_drop_frac, THROUGHPUT_DROP_CEILING)
+        out.values["throughput_drop_frac"] = round(_clamp(1.2 * q, *bounds), 3)
+        out.evidence["throughput_drop_frac"] = {**ev, "statistic": f"min tokens/s drop below the median over "
+                                                f"{cfg.throughput_persist_steps} steps in a row",
+                                                "quantile_at_rate": q, "bounds": bounds}
     if longest_gap > 0:
         out.values["hang_timeout_floor_s"] = round(_clamp(MARGIN * longest_gap, *HANG_FLOOR_BOUNDS_S), 1)
         out.evidence["hang_timeout_floor_s"] = {"longest_gap_s": longest_gap, "margin": MARGIN,

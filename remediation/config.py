@@ -32,6 +32,7 @@ class DetectorsConfig(_Section):
     loss_source_level_records: int = Field(25, ge=3, description="A source's level is the median of its last N healthy losses (short: a falling loss is not left behind).")
     loss_source_min_history: int = Field(20, ge=3, description="Observations of a source before its band judges it.")
     loss_source_persist: int = Field(3, ge=1, description="One source alone is a spike after this many of its observations in a row above its band (several sources at once: at once).")
+    loss_mixture: StrictBool = Field(True, description="Without loss_by_source: once the run's loss is multi-modal (its own modes apart by 35 %+ and 4 sigma), judge each value within the mode it belongs to.")
     loss_zero_min_prev: float = Field(0.1, ge=0, description="A loss of exactly 0 right after a loss of at least this is a broken loss (nan_loss), not convergence.")
     # --- loss oscillation
     loss_osc_window: int = Field(20, ge=4, description="Short window (steps) over which the step-to-step loss swing is measured.")

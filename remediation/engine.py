@@ -40,6 +40,8 @@ from ulyssesd.remediation.playbook import (
 )
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
+# Healthy records kept for the calibration refits (about 60 bytes of references each).
+CALIBRATION_HISTORY = 5000
 # Symptoms that may recover by themselves: act only if they persist or recur past the grace window.
 GRACE_SYMPTOMS = frozenset({"loss_spike", "loss_oscillation", "memory_spike", "slow_step", "straggler",
                             "throughput_drop"})
@@ -141,9 +143,11 @@ class RemediationEngine:
         self.no_rollback_why = ""   # why the last rollback plan found no target
         self.failures: list[str] = []   # decisions the daemon could not apply (newest last)
         # Calibration: the run's healthy records until the fit (bounded), the fit, and whether it is new.
-        self._history: deque[Record] | None = deque(maxlen=4 * self.config.calibrate_after_steps) \
-            if self.config.calibrate else None
+        # The run's healthy records (step records without a finding, and events), bounded; refits read them.
+        self._history: deque[Record] | None = deque(maxlen=CALIBRATION_HISTORY) if self.config.calibrate else None
+        self._configured = self.config.model_copy()   # what the fits start from (their floors and ceilings)
         self._healthy_steps = 0
+        self._next_fit = self.config.calibrate_after_steps
         self.calibration: dict[str, Any] | None = None
         self.calibration_new = False
         # Early warning (grad norm out of its own distribution): alerts, drained by the daemon.
@@ -168,7 +172,7 @@ class RemediationEngine:
         out: list[Finding | Decision] = []
         self.hang.observe(record, now)
         self.footprint.observe(record)
-        if self._history is not None:
+        if self._history is not None and isinstance(record, EventRecord):
             self._history.append(record)
         if isinstance(record, EventRecord):
             if record.event == "started":
@@ -208,7 +212,7 @@ class RemediationEngine:
                 out.append(f)
                 out.extend(self._on_finding(f, record.step, now))
         if self._history is not None:
-            self._count_healthy(findings, now)
+            self._count_healthy(record, findings, now)
         if self.grad_watch is not None and record.grad_norm is not None:
             warning = self.grad_watch.observe(record)
             if warning is not None:
@@ -219,13 +223,18 @@ class RemediationEngine:
             self._step_bookkeeping(record, now, weight_anomaly, out, span)
         return out
 
-    def _count_healthy(self, findings: list[Finding] | None, now: float) -> None:
-        """Calibrate once `calibrate_after_steps` step records passed without a finding or a ladder."""
-        if findings or self.ladders or self.pending:
-            self._healthy_steps = 0
+    def _count_healthy(self, record: StepRecord, findings: list[Finding] | None, now: float) -> None:
+        """Keep healthy step records (no finding, no ladder at work); fit after `calibrate_after_steps` of
+        them, then refit at 10x and 100x that, and every 100x after (the box may get busier later)."""
+        if findings or self.ladders or self.pending or any(d.active for d in self.detectors):
             return
+        assert self._history is not None
+        self._history.append(record)
         self._healthy_steps += 1
-        if self._healthy_steps >= self.config.calibrate_after_steps:
+        if self._healthy_steps >= self._next_fit:
+            first = self.config.calibrate_after_steps
+            self._next_fit = (10 * first if self._healthy_steps < 10 * first else
+                              100 * first if self._healthy_steps < 100 * first else self._healthy_steps + 100 * first)
             self.calibrate(now)
 
     def calibrate(self, now: float | None = None, records: list[Record] | None = None) -> dict[str, Any] | None:
@@ -236,13 +245,14 @@ class RemediationEngine:
         recs = records if records is not None else list(self._history or ())
         spike = self._by_symptom.get("loss_spike")
         bands = spike.source_summary() if spike is not None and hasattr(spike, "source_summary") else None
-        f = calibration.fit(recs, self.config, self.config.calibrate_false_alarm_rate, bands)
-        changed = calibration.apply(self.config, f)
+        f = calibration.fit(recs, self._configured, self.config.calibrate_false_alarm_rate, bands)
+        before = {k: getattr(self._configured, k) for k in f.values}
+        calibration.apply(self.config, f)
+        changed = {k: (before[k], v) for k, v in f.values.items() if before[k] != v}
         self.config.step_time_warmup_steps = 0   # fitted: later (re)starts warm up as the other detectors
         self.calibration = {**f.as_dict(), "changed": {k: list(v) for k, v in changed.items()},
                             "at_step": self.last_step, "time": now}
         self.calibration_new = True
-        self._history = None   # fitted once per engine; `ulyssesctl tune` refits on demand
         return self.calibration
 
     def on_finding(self, finding: Finding, now: float) -> list[Decision]:

@@ -130,3 +130,49 @@ class SourceBand:
                 "threshold": None if not self.last_verdict or math.isinf(self.last_verdict.threshold)
                 else self.last_verdict.threshold,
                 "first": self.first_value, "observations": self.count}
+
+
+def split_modes(values: list[float], min_share: float = 0.15, min_gap: float = 0.3,
+                sigmas: float = 4.0) -> list[float] | None:
+    """Centres (log scale, ascending) of the modes of a multi-modal loss, or None when it is one mode.
+
+    1-D k-means optimum (k = 3, then 2) over the sorted log losses (prefix sums: O(n^2) for k = 3); the split
+    is accepted when every mode holds `min_share` of the values and neighbouring modes' medians are apart by
+    at least `min_gap` (log: 35 %) and `sigmas` x the larger mode's robust spread. A falling or noisy
+    unimodal loss never passes (its "modes" touch)."""
+    xs = sorted(math.log(v) for v in values if v > 0 and math.isfinite(v))
+    n = len(xs)
+    if n < 30:
+        return None
+    ps, pq = [0.0], [0.0]
+    for x in xs:
+        ps.append(ps[-1] + x)
+        pq.append(pq[-1] + x * x)
+
+    def sse(i: int, j: int) -> float:   # values xs[i:j]
+        m = j - i
+        s = ps[j] - ps[i]
+        return pq[j] - pq[i] - s * s / m
+
+    lo = max(1, int(min_share * n))
+    best3: tuple[float, int, int] | None = None
+    for i in range(lo, n - 2 * lo + 1):
+        left = sse(0, i)
+        for j in range(i + lo, n - lo + 1):
+            c = left + sse(i, j) + sse(j, n)
+            if best3 is None or c < best3[0]:
+                best3 = (c, i, j)
+    best2 = min(((sse(0, i) + sse(i, n), i) for i in range(lo, n - lo + 1)), default=None)
+    candidates = []
+    if best3 is not None:
+        candidates.append([(0, best3[1]), (best3[1], best3[2]), (best3[2], n)])
+    if best2 is not None:
+        candidates.append([(0, best2[1]), (best2[1], n)])
+    for parts in candidates:
+        groups = [xs[a:b] for a, b in parts]
+        meds = [_median(g) for g in groups]
+        spread = [_MAD_TO_SIGMA * _median([abs(x - m) for x in g]) for g, m in zip(groups, meds, strict=True)]
+        if all(meds[k + 1] - meds[k] >= max(min_gap, sigmas * max(spread[k], spread[k + 1]))
+               for k in range(len(groups) - 1)):
+            return meds
+    return None

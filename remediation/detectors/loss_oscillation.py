@@ -11,12 +11,19 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from ulyssesd.remediation.config import DetectorsConfig
 from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
+from ulyssesd.remediation.detectors.loss_spike import LossSpikeDetector
 from ulyssesd.remediation.records import Record, StepRecord
 
 
 class LossOscillationDetector(EpisodeDetector):
     symptom = "loss_oscillation"
+
+    def __init__(self, cfg: DetectorsConfig, modes_of: LossSpikeDetector | None = None):
+        # The loss-spike detector's modes of an unlabelled multi-modal loss (de-mixed like sources).
+        self.modes_of = modes_of
+        super().__init__(cfg)
 
     def reset(self) -> None:
         n = self.cfg.loss_osc_window
@@ -54,8 +61,11 @@ class LossOscillationDetector(EpisodeDetector):
         loss = rec.loss
         if loss - loss != 0.0:  # nan or ±inf (math.isfinite without the call)
             return []
-        if rec.loss_by_source:
-            demixed = self._demix(rec.loss_by_source)
+        by_source = rec.loss_by_source
+        if not by_source and self.modes_of is not None and self.modes_of.modes and loss > 0:
+            by_source = {self.modes_of.mode_of(loss): loss}   # an unlabelled multi-modal loss: its own modes
+        if by_source:
+            demixed = self._demix(by_source)
             if demixed is None:
                 return []
             loss = demixed

@@ -62,12 +62,19 @@ def test_a_healthy_mixed_run_with_sources_raises_nothing_at_default_thresholds()
         assert found == [] and decided == [], [(f.symptom, f.step, f.message) for f in found][:5]
 
 
-def test_the_same_run_without_sources_is_what_the_old_per_step_rule_misjudged():
-    # The case the per-source view exists for: one 100-record median sits at the motif level, every copy
-    # step looks like a spike. (Kept as the "before" of docs/REMEDIATION.md; a job that names its sources
-    # is judged per source.)
-    _, found, _ = run(mixed(3000, seed=0, sources=False))
-    assert len([f for f in found if f.symptom == "loss_spike"]) >= 5
+def test_without_sources_the_loss_is_judged_within_its_own_modes():
+    # Before: one band over the mixed loss (loss_mixture off): every copy step a spike. After: once the run's
+    # loss is multi-modal, each value is judged within its mode (only the ones before the modes separate are
+    # judged the old way).
+    for seed in range(3):
+        _, before, _ = run(mixed(6000, seed=seed, sources=False), DetectorsConfig(loss_mixture=False))
+        eng, after, _ = run(mixed(6000, seed=seed, sources=False))
+        assert len(before) >= 300, len(before)
+        assert len(after) <= 10 and all((f.step or 0) < 1000 for f in after), [(f.step, f.message) for f in after]
+        assert len(eng.detectors[1].modes) >= 2   # type: ignore[attr-defined]
+    _, found, _ = run(mixed(3000, seed=1, blow_at=2500, sources=False))
+    late = [f for f in found if (f.step or 0) >= 2500]
+    assert late and (late[0].step or 0) <= 2530, [(f.step, f.message) for f in late[:3]]
 
 
 def test_a_blowup_across_sources_is_found_within_20_steps_and_implicates_the_optimizer():
@@ -222,3 +229,16 @@ def test_early_warning_is_quiet_on_healthy_multi_modal_grad_norms_and_leads_a_bl
     warn = eng.grad_watch.warnings[0]["step"]
     first = min(f.step for f in found if f.symptom == "loss_spike")
     assert 2495 <= warn < first, (warn, first)
+
+
+def test_before_the_bands_judge_only_a_jump_of_every_source_is_a_spike():
+    recs = mixed(60, seed=5)
+    for r in recs:
+        if isinstance(r, StepRecord) and 25 <= r.step < 28:   # x6 on every source, 3 steps (the demo's fault)
+            r.loss *= 6
+            r.loss_by_source = {k: v * 6 for k, v in r.loss_by_source.items()}
+    _, found, _ = run(recs)
+    spikes = [f for f in found if f.symptom == "loss_spike"]
+    assert spikes and spikes[0].step in (26, 27) and spikes[0].severity == "critical", [f.message for f in found]
+    _, found, _ = run(mixed(60, seed=5))   # the same first 60 steps, families far apart: quiet
+    assert found == []
