@@ -13,7 +13,7 @@ import math
 from collections import deque
 from itertools import repeat
 from operator import sub
-from typing import cast
+from typing import Any, cast
 
 from ulyssesd.remediation.config import DetectorsConfig
 from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
@@ -155,7 +155,7 @@ class LossSpikeDetector(EpisodeDetector):
         where = (f"{len(high)} of {len(live)} {many} ({', '.join(implicated)}) above their own bands at once"
                  if across else f"{one} {worst.name!r} above its own band for "
                                 f"{self._src_runs.get(worst.name, 0)} of its observations in a row")
-        ev = {"loss": rec.loss, "median": wv.level, "sigma_rel": wv.scale, "threshold": wv.threshold,
+        ev: dict[str, Any] = {"loss": rec.loss, "median": wv.level, "sigma_rel": wv.scale, "threshold": wv.threshold,
               "window": len(self.bands), "since_step": self._ep.started_step, "severe": severe,
               "sources": detail, "implicated": implicated,
               "implicates": "the optimizer or the schedule (all sources at once)" if across and len(high) == len(live)
