@@ -71,14 +71,14 @@ class DetectorsConfig(_Section):
     hang_startup_timeout_s: float = Field(1800.0, gt=0, description="Timeout from start until the first step record (model build, load).")
 
 
-    # --- calibration from the run's own healthy history (remediation/calibration.py)
+    # --- calibration from the run's own healthy history (remediation/learned/fit.py)
     calibrate: StrictBool = Field(True, description="After calibrate_after_steps healthy steps, fit the step-time and timeout thresholds to the run's own history (bounded); off = the values above as set.")
     calibrate_after_steps: int = Field(100, ge=50, description="Healthy steps of history the fit reads (the first fit; `ulyssesctl tune` refits on demand).")
     step_time_warmup_steps: int | None = Field(None, ge=0, description="With calibrate on: steps before the step-time detectors (slow step, throughput drop, drift) judge the first time (None = `window`: a full baseline); their thresholds are fitted to these (a shared box's noise is learned, not flagged).")
     calibrate_false_alarm_rate: float = Field(1e-5, gt=0, lt=0.01, description="False alarms per step the fitted thresholds target.")
 
 
-    # --- early warning (remediation/early_warning.py)
+    # --- early warning (remediation/learned/early_warning.py)
     early_warning: StrictBool = Field(True, description="Alert when the grad norm leaves the run's own distribution (EMA z-score per source set) and stays there: a warning, no ladder action.")
     early_warning_z: float = Field(4.0, gt=1, description="A step's grad norm is out of distribution above this z (log scale, EMA mean/variance).")
 

@@ -152,7 +152,7 @@ PER_SOURCE_STEPS = 200
 
 
 def per_source_loss(recent: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from ulyssesd.remediation.loss_view import per_source
+    from ulyssesd.remediation.learned.loss_view import per_source
 
     return per_source(recent)
 

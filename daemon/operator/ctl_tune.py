@@ -1,6 +1,6 @@
 """`ulyssesctl tune [RUN]`: fit the detector thresholds to a run's own healthy history, on demand.
 
-Reads the run's telemetry (the daemon may be down), fits what remediation/calibration.py fits (step time,
+Reads the run's telemetry (the daemon may be down), fits what remediation/learned/fit.py fits (step time,
 hang, checkpoint and start-up timeouts; the per-source loss bands' residual scales), prints the fit with its
 evidence and the `[detectors]` lines that set it, and with `--write` keeps it as {run_dir}/calibration.json
 (what `ulyssesctl status` shows). The daemon fits the same way by itself after `calibrate_after_steps`.
@@ -49,7 +49,7 @@ def register_tune(app: typer.Typer) -> None:
              telemetry: Path | None = typer.Option(None, "--telemetry", help="a telemetry.jsonl instead of a run"),
              spec: Path | None = typer.Option(None, "--spec", help="run spec TOML whose [detectors] the fit starts from"),
              rate: float | None = typer.Option(None, "--rate", help="false alarms per step to target (default 1e-5)"),
-             write: bool = typer.Option(False, "--write", help="keep the fit as {run_dir}/calibration.json"),
+             write: bool = typer.Option(False, "--write", help="keep the fit as calibration.json in the run directory"),
              json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
         """Fit detector thresholds to the run's own healthy history (bounded) and show them with their evidence."""
         run_dir: Path | None = None
