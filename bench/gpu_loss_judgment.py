@@ -11,7 +11,7 @@ Afterwards the recorded telemetry is replayed offline twice through the same eng
 as recorded (per-source loss: "after") and with `loss_by_source` removed ("before": one band over the mixed
 loss, what issue 39 measured), so the before/after figures come from the same steps.
 
-At ~0.22 s/step at 8K on one H100 the default (2,050 + 80 steps) takes ~8 min of wall time with start-up; the
+At ~0.22 s/step at 8K on one H100 the default (2,050 + 50 steps) takes ~8 min of wall time with start-up; the
 script stops the run at --deadline-s whatever happens and still analyzes what it has. Raw material under --out.
 
     python bench/gpu_loss_judgment.py --out $OUT/loss_judgment
@@ -121,12 +121,16 @@ def _median(v: list[float]) -> float | None:
 
 
 def replay_counts(recs: list[dict[str, Any]], onset: int, strip_sources: bool) -> dict[str, Any]:
-    """Findings and would-be decisions of the engine over the recorded telemetry (default thresholds)."""
+    """Findings and would-be decisions of the engine over the recorded telemetry. After: default thresholds.
+    Before (`strip_sources`): no `loss_by_source`, and the loss modes, the calibration and the early warning
+    off - the judgment issue 39 measured."""
+    from ulyssesd.remediation.config import DetectorsConfig
     from ulyssesd.remediation.detectors import Finding
     from ulyssesd.remediation.engine import Decision, RemediationEngine
     from ulyssesd.remediation.records import parse_record
 
-    eng = RemediationEngine()
+    eng = RemediationEngine(DetectorsConfig(loss_mixture=False, calibrate=False, early_warning=False)
+                            if strip_sources else DetectorsConfig())
     found: list[Finding] = []
     decided: list[Decision] = []
     for d in recs:
@@ -149,7 +153,16 @@ def replay_counts(recs: list[dict[str, Any]], onset: int, strip_sources: bool) -
         "blowup_decisions": [(d.step, d.action_kind, d.apply, d.rollback_to_step) for d in decided
                              if (d.step or 0) >= onset],
         "calibration": eng.calibration and {k: eng.calibration[k] for k in ("values", "changed", "steps")},
+        **_warnings(eng, onset, after_loss[0].step if after_loss else None),
     }
+
+
+def _warnings(eng: Any, onset: int, found_at: int | None) -> dict[str, Any]:
+    """The early warning: warnings on the healthy part (goal 0) and its lead over the first loss finding."""
+    ws = [w["step"] for w in (eng.grad_watch.warnings if eng.grad_watch is not None else [])]
+    first = next((s for s in ws if s >= onset), None)
+    return {"healthy_warnings": [s for s in ws if s < onset], "first_warning_after_onset": first,
+            "warning_lead_steps": (found_at - first) if first is not None and found_at is not None else None}
 
 
 def analyze(out: Path) -> dict[str, Any]:
@@ -202,12 +215,12 @@ def main() -> int:
     p.add_argument("--config", default=str(ROOT / "configs" / "gpt-1b-1xh200.toml"))
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--healthy", type=int, default=2050, help="healthy steps before the LR is raised (>= 2000)")
-    p.add_argument("--inject-steps", type=int, default=80, help="steps run with the raised LR")
+    p.add_argument("--inject-steps", type=int, default=50, help="steps run with the raised LR")
     p.add_argument("--lr-factor", type=float, default=30.0)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--mode", default="observe", choices=("observe", "act"))
-    p.add_argument("--deadline-s", type=float, default=540.0, help="stop the run after this many seconds of wall time")
+    p.add_argument("--deadline-s", type=float, default=550.0, help="stop the run after this many seconds of wall time")
     a = p.parse_args()
     if a.analyze:
         out = Path(a.analyze)
