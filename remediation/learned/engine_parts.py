@@ -131,9 +131,15 @@ class LearnedParts:
                 return None
             target = (None, 0)
         tag, to_step = target
-        n = max(pol.skip_min_batches, min(pol.skip_max_batches, 2 * (a - to_step)))
-        first = max(to_step + 1, a - n // 2)
-        last = first + n  # exclusive
+        if precise and target in clean:
+            # A dated onset: skip the batches from the checkpoint through the detection (they hold the
+            # onset's), plus the margin after it - not a fixed few hundred (bounded by skip_max_batches).
+            first = to_step + 1
+            last = min(first + pol.skip_max_batches, max(a, self.last_step or a) + margin + 1)  # exclusive
+        else:
+            n = max(pol.skip_min_batches, min(pol.skip_max_batches, 2 * (a - to_step)))
+            first = max(to_step + 1, a - n // 2)
+            last = first + n  # exclusive
         start, est1 = self._sample_start(first)
         end, est2 = self._sample_start(last)
         return RollbackPlan(to_step=to_step, tag=tag, skip_ranges=[(start, end)], skip_steps=(first, last),

@@ -169,6 +169,9 @@ def test_a_per_source_onset_rolls_back_to_the_newest_clean_save_before_it():
     # Margin: 2 x the 5-value smoothing x 3 sources (each source is seen every ~3 steps) before the onset.
     assert d.rollback_to_step is not None and 2440 <= d.rollback_to_step < 2500, d.rollback_to_step
     assert d.rollback_tag not in eng.tainted
+    # The skipped batches run from the checkpoint through the detection (the onset's among them), not 200+.
+    first, last = d.skip_ranges[0]
+    assert first == d.rollback_to_step and 2500 < last <= (d.step or 0) + 31 and last - first < 200, d.skip_ranges
 
 
 def test_a_decision_that_could_not_be_applied_is_forgotten_not_claimed_later():
