@@ -74,6 +74,9 @@ def build_spec(a: argparse.Namespace, work: Path) -> Path:
     tr.update(steps=a.healthy + a.inject_steps, seq_len=a.seq, warmup_steps=a.warmup, lr=a.lr,
               min_lr=min(tr.get("min_lr", a.lr / 10), a.lr))
     spec.setdefault("remediation", {})["mode"] = a.mode
+    # gpt-1b tags are ~17 GB and the one-GPU machine has 64 GiB of disk: saves at 1,000 and 2,000 only (the
+    # onset at 2,051 then has a clean checkpoint 51 steps before it: less than one save interval of work).
+    spec.setdefault("checkpoint", {}).update(interval_steps=a.save_every, keep_last=2)
     spec["daemon"] = {"state_dir": str(work / "state"), "socket_path": str(new_socket_path()), "tick_s": 0.5,
                       "stop_grace_s": 60.0, "preflight": False}
     faults = [{"kind": "lr_spike", "at_step": a.healthy + 1, "steps": 100_000, "magnitude": a.lr_factor}]
@@ -220,6 +223,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--mode", default="observe", choices=("observe", "act"))
+    p.add_argument("--save-every", type=int, default=1000, help="checkpoint interval (steps)")
     p.add_argument("--deadline-s", type=float, default=550.0, help="stop the run after this many seconds of wall time")
     a = p.parse_args()
     if a.analyze:
