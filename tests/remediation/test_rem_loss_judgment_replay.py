@@ -46,3 +46,21 @@ def test_replay_healthy_part_quiet_and_lr_blowup_found_within_20_steps():
     assert eng.grad_watch is not None
     warned = [w["step"] for w in eng.grad_watch.warnings]
     assert warned and ONSET <= warned[0] < (first.step or 0), (warned, first.step)
+
+
+def test_ulyssesctl_tune_fits_the_recorded_run(tmp_path, capsys):
+    import json
+    import shutil
+
+    from ulyssesd.daemon.operator.ctl import main
+
+    tele = tmp_path / "telemetry.jsonl"
+    shutil.copy(FIXTURE, tele)
+    assert main(["tune", "--telemetry", str(tele), "--write", "--json"]) in (0, None)
+    fit = json.loads(capsys.readouterr().out)
+    assert fit["steps"] == 400 and fit["false_alarm_rate_per_step"] == 1e-5
+    assert 2.0 <= fit["values"]["slow_step_ratio"] <= 10.0
+    assert fit["values"]["hang_startup_timeout_s"] == 120.0   # 5 x its 4.4 s start-up, at the floor
+    bands = {b["source"] for b in fit["evidence"]["loss_bands"]["per_source"]}
+    assert bands == {"motif", "copy", "arithmetic"}
+    assert json.loads((tmp_path / "calibration.json").read_text())["values"] == fit["values"]
