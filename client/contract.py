@@ -148,6 +148,10 @@ def validate_record(rec: Any) -> list[str]:
         total = rec.get("total_steps")
         if isinstance(total, int) and not isinstance(total, bool) and total < 1:
             problems.append(f"total_steps={total!r}: expected a positive integer")
+        by_source = rec.get("loss_by_source")
+        if by_source is not None and not (isinstance(by_source, dict) and all(
+                isinstance(k, str) and k and _is_number(v) for k, v in by_source.items())):
+            problems.append(f"loss_by_source={by_source!r}: expected an object {{source name: loss}}")
         samples = rec.get("samples")
         if samples is not None and not (len(samples) == 2 and all(isinstance(x, int) for x in samples)
                                         and samples[0] <= samples[1]):

@@ -103,13 +103,21 @@ class Reporter:
             raise ValueError(f"total_steps must be a positive integer or None, got {total_steps!r}")
         self.total_steps = total_steps
 
-    def step(self, step: int, loss: Any, **fields: Any) -> None:
+    def step(self, step: int, loss: Any, *, source: str | None = None, **fields: Any) -> None:
         """Record one optimizer step. `loss` and fields may be floats or 0-d tensors (a tensor's `.item()`
-        runs here: pass floats you already have to avoid a device sync). Never blocks."""
+        runs here: pass floats you already have to avoid a device sync). Never blocks.
+
+        `source`: the data source this step's batch came from (a dataset of a blend, a task, a language):
+        the daemon then judges the loss against that source's own level (a hard source's high loss is not
+        a spike). A batch mixing sources passes `loss_by_source={name: loss, ...}` instead."""
         if not self.enabled or self._closed:
             return
         if type(loss) not in _PLAIN:  # a tensor: read it on the caller's thread, where it is current
             loss = jsonable(loss)
+        if source is not None:
+            if not isinstance(source, str) or not source:
+                raise ValueError(f"source must be a non-empty string naming the data source, got {source!r}")
+            fields["loss_by_source"] = {source: loss}
         rec = {"v": SCHEMA_VERSION, "kind": "step", "time": time.time(), "attempt": self.attempt,
                "step": int(step), "loss": loss, "config_version": self.config_version}
         if self.total_steps is not None:

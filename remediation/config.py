@@ -28,6 +28,11 @@ class DetectorsConfig(_Section):
     loss_smooth_records: int = Field(1, ge=1, description="Loss spike tests the mean of the last N losses (1 = each raw loss; a preset whose per-step loss is multi-modal: more).")
     loss_spike_persist_steps: int = Field(1, ge=1, description="Steps a loss must stay above the threshold before it is a spike (1 = at once; noisy tiny presets: more).")
     loss_spike_severe_rel: float = Field(0.5, gt=0, description="A spike this fraction above the median is severe: the engine's shorter severe grace applies.")
+    loss_source_smooth: int = Field(5, ge=1, description="Per-source loss (loss_by_source): each source's band judges the median of its last N losses (one outlier sample moves nothing).")
+    loss_source_level_records: int = Field(25, ge=3, description="A source's level is the median of its last N healthy losses (short: a falling loss is not left behind).")
+    loss_source_min_history: int = Field(20, ge=3, description="Observations of a source before its band judges it.")
+    loss_source_persist: int = Field(3, ge=1, description="One source alone is a spike after this many of its observations in a row above its band (several sources at once: at once).")
+    loss_mixture: StrictBool = Field(True, description="Without loss_by_source: once the run's loss is multi-modal (its own modes apart by 35 %+ and 4 sigma), judge each value within the mode it belongs to.")
     loss_zero_min_prev: float = Field(0.1, ge=0, description="A loss of exactly 0 right after a loss of at least this is a broken loss (nan_loss), not convergence.")
     # --- loss oscillation
     loss_osc_window: int = Field(20, ge=4, description="Short window (steps) over which the step-to-step loss swing is measured.")
@@ -64,6 +69,25 @@ class DetectorsConfig(_Section):
     hang_step_multiplier: float = Field(10.0, gt=1, description="Hang timeout = max(floor, multiplier × p99 recent step time).")
     hang_checkpoint_timeout_s: float = Field(1800.0, gt=0, description="Timeout while a checkpoint save/load is in progress (at least the step-based one).")
     hang_startup_timeout_s: float = Field(1800.0, gt=0, description="Timeout from start until the first step record (model build, load).")
+
+
+    # --- calibration from the run's own healthy history (remediation/learned/fit.py)
+    calibrate: StrictBool = Field(True, description="After calibrate_after_steps healthy steps, fit the step-time and timeout thresholds to the run's own history (bounded); off = the values above as set.")
+    calibrate_after_steps: int = Field(100, ge=50, description="Healthy steps of history the fit reads (the first fit; `ulyssesctl tune` refits on demand).")
+    step_time_warmup_steps: int | None = Field(None, ge=0, description="With calibrate on: steps before the step-time detectors (slow step, throughput drop, drift) judge the first time (None = `window`: a full baseline); their thresholds are fitted to these (a shared box's noise is learned, not flagged).")
+    calibrate_false_alarm_rate: float = Field(1e-5, gt=0, lt=0.01, description="False alarms per step the fitted thresholds target.")
+
+
+    # --- early warning (remediation/learned/early_warning.py)
+    early_warning: StrictBool = Field(True, description="Alert when the grad norm leaves the run's own distribution (EMA z-score per source set) and stays there: a warning, no ladder action.")
+    early_warning_z: float = Field(4.0, gt=1, description="A step's grad norm is out of distribution above this z (log scale, EMA mean/variance).")
+
+    def step_time_warmup(self) -> int:
+        """Warm-up of the step-time detectors: the longer `step_time_warmup_steps` until the first fit."""
+        if not self.calibrate:
+            return self.warmup_steps
+        first = self.window if self.step_time_warmup_steps is None else self.step_time_warmup_steps
+        return max(self.warmup_steps, first)
 
 
 class RemediationConfig(_Section):

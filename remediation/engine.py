@@ -16,13 +16,12 @@ from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding, HangDetector, build_detectors
 from ulyssesd.remediation.detectors.throughput_drop import tokens_per_s
 from ulyssesd.remediation.job import job_values
+from ulyssesd.remediation.learned.engine_parts import LearnedParts
 from ulyssesd.remediation.memory_evidence import Replan
 from ulyssesd.remediation.playbook import (
     DEFAULTS,
     K_CLIP,
-    K_GA,
     K_LR,
-    K_MB,
     K_SKIP,
     LADDERS,
     NON_FATAL,
@@ -34,7 +33,6 @@ from ulyssesd.remediation.playbook import (
     Apply,
     Context,
     Proposal,
-    RollbackPlan,
     ladder_for_crash,
 )
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
@@ -99,10 +97,11 @@ def _same_episode(a: Finding, b: Finding) -> bool:
             and a.evidence.get("since_step") == b.evidence.get("since_step"))
 
 
-class RemediationEngine:
+class RemediationEngine(LearnedParts):
     def __init__(self, config: DetectorsConfig | None = None, policy: RemediationConfig | None = None,
                  job: Mapping[str, Any] | None = None, *, start_time: float | None = None, attempt: int | None = None):
-        self.config = config or DetectorsConfig()
+        # A copy: calibration sets fitted thresholds on it, never on the caller's spec.
+        self.config = (config or DetectorsConfig()).model_copy()
         self.policy = policy or RemediationConfig()
         vals = job_values(job)
         self.values: dict[str, Any] = {k: (vals[k] if vals.get(k) is not None else v) for k, v in DEFAULTS.items()}
@@ -134,6 +133,7 @@ class RemediationEngine:
         self.candidates: list[list[Any]] = []
         self.known_good: list[tuple[str, int]] = []
         self.saved: list[tuple[str, int]] = []
+        self._init_learned()
         # Recent sample ranges for rollback-and-skip.
         self._samples: deque[tuple[int, tuple[int, int]]] = deque(
             maxlen=4 * self.policy.skip_max_batches + self.policy.rollback_steps_back)
@@ -153,6 +153,8 @@ class RemediationEngine:
         out: list[Finding | Decision] = []
         self.hang.observe(record, now)
         self.footprint.observe(record)
+        if self._history is not None and isinstance(record, EventRecord):
+            self._history.append(record)
         if isinstance(record, EventRecord):
             if record.event == "started":
                 self.on_restart(now, attempt=record.attempt)
@@ -165,6 +167,8 @@ class RemediationEngine:
         # Training steps this record stands for (windows are in steps, not records; see StepSpan).
         span = 1 if prev is None or record.step < prev else record.step - prev
         self.last_step = record.step
+        loss = record.loss
+        self._last_loss_finite = loss - loss == 0.0
         if record.samples is not None:  # recent sample ranges, for rollback-and-skip
             self._samples.append((record.step, record.samples))
         findings: list[Finding] | None = None
@@ -188,6 +192,10 @@ class RemediationEngine:
                     continue
                 out.append(f)
                 out.extend(self._on_finding(f, record.step, now))
+        if self._history is not None:
+            self._count_healthy(record, findings, now)
+        if self.grad_watch is not None and record.grad_norm is not None:
+            self._watch_grad(record)
         # Bookkeeping has nothing to do without a finding, a checkpoint candidate, a ladder or a pending symptom.
         if weight_anomaly or self.candidates or self.ladders or self.pending:
             self._step_bookkeeping(record, now, weight_anomaly, out, span)
@@ -238,6 +246,8 @@ class RemediationEngine:
         self.launched = dict(self.values)
         for det in self.detectors:
             det.reset()
+        if self.grad_watch is not None:
+            self.grad_watch.reset()
         self.hang.reset(now)
         self.pending.clear()
         for st in self.ladders.values():
@@ -253,6 +263,10 @@ class RemediationEngine:
         self._ckpt_step_at_restart = self.max_ckpt_step
 
     def checkpoint_saved(self, tag: str, step: int) -> None:
+        # A save while a weight symptom is active (or right after a non-finite loss) holds suspect weights:
+        # it is never a rollback target (the known-good rule needs a clean window after it anyway).
+        if any(self._active(sym) for sym in WEIGHT_SYMPTOMS) or not self._last_loss_finite:
+            self.tainted.add(tag)
         self.saved.append((tag, step))
         self.saved = self.saved[-64:]
         if self.max_ckpt_step is None or step > self.max_ckpt_step:
@@ -334,41 +348,6 @@ class RemediationEngine:
             return []
         return self._decide(ladder, f.symptom, f, step, now, f.message)
 
-    def _rollback_plan(self, anomaly_step: int | None) -> RollbackPlan:
-        pol = self.policy
-        a = anomaly_step if anomaly_step is not None else (self.last_step or 0)
-        target: tuple[str | None, int] | None = None
-        tag: str | None
-        for tag, s in reversed(self.known_good):
-            if s <= a - pol.rollback_steps_back:
-                target = (tag, s)
-                break
-        if target is None:
-            earlier = [(t, s) for t, s in self.known_good if s < a]
-            target = earlier[-1] if earlier else (None, 0)
-        tag, to_step = target
-        n = max(pol.skip_min_batches, min(pol.skip_max_batches, 2 * (a - to_step)))
-        first = max(to_step + 1, a - n // 2)
-        last = first + n  # exclusive
-        start, est1 = self._sample_start(first)
-        end, est2 = self._sample_start(last)
-        return RollbackPlan(to_step=to_step, tag=tag, skip_ranges=[(start, end)], skip_steps=(first, last),
-                            estimated=est1 or est2)
-
-    def _sample_start(self, step: int) -> tuple[int, bool]:
-        """First global sample index of `step`: recorded when seen recently, else extrapolated."""
-        known = dict(self._samples)
-        if step in known:
-            return known[step][0], False
-        last = self._samples[-1][1] if self._samples else None
-        sps = (last[1] - last[0]) if last else float(int(self.values.get(K_MB) or 1) * int(self.values.get(K_GA) or 1)
-                                 * max(1, int(self.values.get("parallel.world_size") or 1)
-                                       // int(self.values.get("parallel.sequence_parallel_size") or 1)))
-        if known:
-            k = min(known, key=lambda s: abs(s - step))
-            return int(known[k][0] + (step - k) * sps), True
-        return int((step - 1) * sps) if step > 0 else 0, True
-
     def _budget_stop(self, now: float, no_progress: bool = True) -> tuple[str, str] | None:
         while self.restart_times and self.restart_times[0] < now - 3600.0:
             self.restart_times.popleft()
@@ -394,7 +373,10 @@ class RemediationEngine:
         in_verify = st.verify_left > 0
         reverted, revert_note = self._maybe_revert(st) if in_verify else ({}, "")
         anomaly_step = finding.evidence.get("since_step", finding.step) if finding else step
-        ctx = Context(self.values, self.initial, self.launched, self.policy, self._rollback_plan(anomaly_step),
+        precise = finding is not None and "sources" in finding.evidence
+        n_sources = int(finding.evidence.get("window") or 1) if precise and finding is not None else 1
+        ctx = Context(self.values, self.initial, self.launched, self.policy,
+                      self._rollback_plan(anomaly_step, precise, n_sources),
                       finding.evidence if finding else {})
         if memory is None and finding is not None and finding.symptom == "memory_spike":
             memory = memory_evidence.choose_spike(finding.evidence, ctx, self.replanner,
@@ -415,7 +397,13 @@ class RemediationEngine:
                 st.position += 1
                 st.uses = 0
                 continue
-            built = action.build(ctx)
+            if action.apply == "rollback_skip" and ctx.rollback is None:
+                built = self.no_rollback_why or "no rollback target"
+            else:
+                try:
+                    built = action.build(ctx)
+                except Exception as exc:  # noqa: BLE001 - a rung that cannot be built is skipped, with why
+                    built = f"could not be built ({type(exc).__name__}: {exc})"
             if isinstance(built, str):
                 skipped.append(f"{action.kind} skipped: {built}")
                 st.position += 1
@@ -426,6 +414,11 @@ class RemediationEngine:
         apply: Apply = built.apply or action.apply
         patch = dict(built.patch)
         plan = built.rollback
+        if apply == "rollback_skip" and plan is None and ctx.rollback is None:
+            # A rung that restarts with a rollback (the NaN ladder's) has no target: stop instead.
+            action, apply, patch = STOP, "stop", {}
+            built = Proposal(what="stop the run and alert (keep everything)")
+            skipped.append(f"no rollback: {self.no_rollback_why}")
         if apply == "rollback_skip" and plan is None:
             plan = ctx.rollback
             extra = ROLLBACK.build(ctx)  # the skip-range patch of a plain rollback
@@ -445,6 +438,8 @@ class RemediationEngine:
         reason = f"{built.what} because {why[0].lower() + why[1:] if why else 'of ' + symptom}"
         if revert_note:
             reason += f"; reverting the last action: {revert_note}"
+        if finding is not None and finding.evidence.get("implicates"):
+            reason += f"; the evidence implicates {finding.evidence['implicates']}"
         if skipped:
             reason += f" ({'; '.join(skipped)})"
         hot = dict(built.hot_control)

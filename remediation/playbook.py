@@ -22,6 +22,7 @@ RESTARTING = ("restart_latest", "rollback_skip")
 ZERO = "deepspeed.config.zero_optimization."
 K_CLIP = "train.gradient_clipping"
 K_LR = "train.lr"
+K_MIN_LR = "train.min_lr"
 K_FP32 = "precision.fp32_layers"
 K_LAYERS = "model.num_layers"
 K_MB = "train.micro_batch_size"
@@ -183,7 +184,16 @@ def _lr_down(c: Context) -> Proposal | str:
     if new >= cur * (1 - 1e-9):
         return f"learning rate {cur:g} is at its floor {floor:g} ({c.policy.lr_floor_frac:g} x initial {initial:g})"
     launched = float(c.launched.get(K_LR) or initial)
-    return Proposal({K_LR: new}, {"lr_scale": new / launched}, what=f"learning rate {cur:g} -> {new:g}")
+    patch: dict[str, Any] = {K_LR: new}
+    what = f"learning rate {cur:g} -> {new:g}"
+    min_lr = c.values.get(K_MIN_LR)
+    if min_lr is not None and float(min_lr) > 0:
+        # The schedule keeps its shape: min_lr comes down by the same factor (lr = min_lr, a constant
+        # schedule, would otherwise give a config with min_lr above lr that the job refuses).
+        new_min = float(min_lr) * new / cur
+        patch[K_MIN_LR] = new_min
+        what += f", min_lr {float(min_lr):g} -> {new_min:g}"
+    return Proposal(patch, {"lr_scale": new / launched}, what=what)
 
 
 def _rollback_skip(c: Context) -> Proposal | str:

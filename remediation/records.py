@@ -94,6 +94,8 @@ class StepRecord:
     mem_reserved_gib: float | None = None
     samples: tuple[int, int] | None = None
     config_version: int | None = None
+    # {data source: mean loss of its samples in this step} (optional; docs/CONTRACTS.md `loss_by_source`).
+    loss_by_source: dict[str, float] | None = None
     v: int = 1
     kind: str = "step"
 
@@ -173,7 +175,7 @@ _INT = frozenset((int, type(None)))
 # Positional order of StepRecord's fields (kwargs matching 20 names per record is measurably slow).
 _ORDER = ("step", "loss", "time", "attempt", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s",
           "step_time_max_s", "slowest_rank", "tokens", "tokens_per_s", "mem_allocated_gib", "mem_max_allocated_gib",
-          "mem_max_rank", "mem_reserved_gib", "samples", "config_version")
+          "mem_max_rank", "mem_reserved_gib", "samples", "config_version", "loss_by_source")
 _FLOAT_AT = itemgetter(*(_ORDER.index(k) for k in (*_FLOATS, "time")))
 _INT_AT = itemgetter(*(_ORDER.index(k) for k in _INTS))
 
@@ -184,6 +186,8 @@ def _fast_step(d: dict[str, Any]) -> StepRecord | None:
     # Any: the checks below establish each field's type before StepRecord(*vals) is built.
     vals: tuple[Any, ...] = tuple(map(d.get, _ORDER))
     step, loss, sk, smp = vals[0], vals[1], vals[7], vals[17]
+    if vals[19] is not None:   # loss_by_source: the validating path checks its keys and values
+        return None
     if (type(step) is not int or step < 0 or type(loss) not in _NUM or loss is None
             or not _NUM.issuperset(map(type, _FLOAT_AT(vals))) or not _INT.issuperset(map(type, _INT_AT(vals)))
             or (sk is not None and type(sk) is not bool)):
@@ -244,6 +248,7 @@ if _msgspec is not None:
         mem_reserved_gib: _F = None
         samples: tuple[_I64, _I64] | None = None
         config_version: _OptI64 = None
+        loss_by_source: dict[str, float] | None = None
         v: _I64 = 1
         kind: Literal["step"]
 
@@ -251,6 +256,25 @@ if _msgspec is not None:
     _step_decode = _msgspec.json.Decoder(_WireStep).decode
     _astuple = _msgspec.structs.astuple
     _DecodeError = _msgspec.DecodeError
+
+
+MAX_SOURCES = 256   # per record: a blend of more named datasets is not a per-step loss view
+
+
+def _loss_by_source(val: Any) -> dict[str, float]:
+    if not isinstance(val, dict):
+        raise RecordError(f"field 'loss_by_source' must be an object {{source: loss}}, got {bounded_repr(val)}")
+    if len(val) > MAX_SOURCES:
+        raise RecordError(f"field 'loss_by_source' names {len(val)} sources; at most {MAX_SOURCES}")
+    out: dict[str, float] = {}
+    for name, loss in val.items():
+        if not isinstance(name, str) or not name or len(name) > 200:
+            raise RecordError(f"field 'loss_by_source' needs non-empty source names (<= 200 characters), "
+                              f"got {bounded_repr(name)}")
+        got = _float({"v": loss}, "v", required=True)
+        assert got is not None
+        out[name] = got
+    return out
 
 
 def parse_record(d: Any) -> Record:
@@ -294,6 +318,9 @@ def parse_record(d: Any) -> Record:
             if not all(INT64_MIN <= x <= INT64_MAX for x in smp):
                 raise RecordError(f"field 'samples' is out of the 64-bit integer range: {bounded_repr(smp)}")
             rec.samples = (smp[0], smp[1])
+        by_source = d.get("loss_by_source")
+        if by_source is not None:
+            rec.loss_by_source = _loss_by_source(by_source)
         if "v" in d:
             rec.v = _int(d, "v") or 1
         return rec

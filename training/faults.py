@@ -29,7 +29,7 @@ CUDA_OOM_TEXT = ("CUDA out of memory. Tried to allocate {gib:.2f} GiB. GPU {gpu}
 
 _STEP_KINDS = ("raise", "sigkill", "hang", "slow_rank", "cuda_oom", "memory_spike")
 _LOSS_KINDS = ("nan_loss", "loss_spike")
-_DURATION_KINDS = ("loss_spike", "slow_rank", "memory_spike")
+_DURATION_KINDS = ("loss_spike", "slow_rank", "memory_spike", "lr_spike")
 _SAVE_KINDS = ("enospc_on_save", "corrupt_checkpoint")
 # Act inside the real save path, on every file DeepSpeed's checkpoint engine writes, on EVERY rank: a full
 # or read-only filesystem is shared by all ranks of a node (and by all nodes on a shared filesystem).
@@ -129,6 +129,18 @@ class FaultInjector:
                 factor = float("nan")
             else:
                 factor *= f.magnitude
+        return factor
+
+    def lr_factor(self, step: int) -> float:
+        """Factor on the scheduled learning rate (`lr_spike`: a real blow-up, the optimizer's own doing);
+        1.0 normally. Announced at the window's first step."""
+        factor = 1.0
+        for i, f in enumerate(self.faults):
+            if f.kind != "lr_spike" or not self._due(i, f, step):
+                continue
+            if f.at_step is None or step == f.at_step:
+                self._announce(f, step)
+            factor *= f.magnitude
         return factor
 
     def before_save(self, step: int, tag_dir: Path) -> None:

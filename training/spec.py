@@ -310,14 +310,14 @@ class ScalarsSpec(_Section):
 
 # --------------------------------------------------------------------------------------- faults
 class FaultSpec(_Section):
-    kind: Literal["raise", "sigkill", "hang", "nan_loss", "loss_spike", "memory_spike", "slow_rank", "cuda_oom",
-                  "enospc_on_save", "corrupt_checkpoint", "exit_at_start", "disk_full", "read_only_fs"] = Field(
+    kind: Literal["raise", "sigkill", "hang", "nan_loss", "loss_spike", "lr_spike", "memory_spike", "slow_rank",
+                  "cuda_oom", "enospc_on_save", "corrupt_checkpoint", "exit_at_start", "disk_full", "read_only_fs"] = Field(
         ..., description="What to inject.")
     at_step: int | None = Field(None, ge=0, description="Step at which it fires (None = every step, by probability).")
     probability: float = Field(1.0, ge=0, le=1, description="Chance per eligible step.")
     rank: int = Field(0, ge=0, description="Global rank that misbehaves.")
-    steps: int = Field(1, ge=1, description="Duration in steps (loss_spike, slow_rank, memory_spike).")
-    magnitude: float = Field(10.0, gt=0, description="Loss multiplier, GiB held, or seconds slept, by kind.")
+    steps: int = Field(1, ge=1, description="Duration in steps (loss_spike, slow_rank, memory_spike, lr_spike).")
+    magnitude: float = Field(10.0, gt=0, description="Loss multiplier, LR multiplier (lr_spike), GiB held, or seconds slept, by kind.")
     attempts: list[int] | None = Field(None, description="Only on these attempt numbers (None = first attempt only).")
     corruption: Literal["truncate", "flip"] = Field(
         "truncate", description="corrupt_checkpoint: truncate a shard to half its size, or flip bytes (same size).")

@@ -56,15 +56,25 @@ class StepStats:
     mem_max_allocated_gib: float
     mem_max_rank: int
     stop_requested: bool
+    extra: list[float] | None = None   # the callers' extra values, summed over ranks
+
+
+def loss_by_source(names: list[str], sums_and_counts: list[float]) -> dict[str, float]:
+    """{source: mean token loss of its samples in this step} from [sums per source..., counts per source...];
+    sources with no sample in the step are left out."""
+    k = len(names)
+    sums, counts = sums_and_counts[:k], sums_and_counts[k:2 * k]
+    return {name: s / c for name, s, c in zip(names, sums, counts, strict=True) if c > 0}
 
 
 def gather_step_stats(loss: float, step_time_s: float, mem_max_gib: float, stop: bool,
-                      device: torch.device) -> StepStats:
-    """One all_gather of [loss, step_time, mem, stop] across the world (gloo or NCCL)."""
+                      device: torch.device, extra: list[float] | None = None) -> StepStats:
+    """One all_gather of [loss, step_time, mem, stop, *extra] across the world (gloo or NCCL); `extra`
+    comes back summed over ranks (the per-source loss sums and token counts)."""
     import torch.distributed as dist
 
-    mine = torch.tensor([loss, step_time_s, mem_max_gib, 1.0 if stop else 0.0], dtype=torch.float64,
-                        device=device)
+    mine = torch.tensor([loss, step_time_s, mem_max_gib, 1.0 if stop else 0.0, *(extra or ())],
+                        dtype=torch.float64, device=device)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         rows = mine[None]
     else:
@@ -77,4 +87,5 @@ def gather_step_stats(loss: float, step_time_s: float, mem_max_gib: float, stop:
     m_rank = int(torch.argmax(rows[:, 2]))
     return StepStats(loss=float(rows[:, 0].mean()), step_time_max_s=float(rows[t_rank, 1]), slowest_rank=t_rank,
                      mem_max_allocated_gib=float(rows[m_rank, 2]), mem_max_rank=m_rank,
-                     stop_requested=bool((rows[:, 3] > 0).any()))
+                     stop_requested=bool((rows[:, 3] > 0).any()),
+                     extra=rows[:, 4:].sum(0).tolist() if extra is not None else None)

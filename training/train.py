@@ -31,7 +31,7 @@ from .planner.inputs import GPU_MEMORY_CAP_ENV
 from .scalars import ScalarWriter, check_monitor_dependencies, drop_unwritable_monitors, mfu, step_scalars
 from .spec import JobSpec, SpecError
 from .startup import STARTUP, init_process_group
-from .telemetry import TelemetryWriter, gather_step_stats, memory_gib
+from .telemetry import TelemetryWriter, gather_step_stats, loss_by_source, memory_gib
 from .train_checkpoints import EXIT_SAVE_FAILED, CheckpointLoadError, CheckpointSaveError, TrainerCheckpoints
 
 log = logging.getLogger("ulyssesd.training")
@@ -187,6 +187,10 @@ class Trainer(TrainerCheckpoints):
         self.source = SampleSource(spec.data, spec.train.seq_len, m.vocab_size, spec.train.seed)
         self.cursor = DataCursor(0, list(spec.data.skip_ranges))
         self.loader: PrefetchLoader | None = None  # started at the first step, after a resume moved the cursor
+        # Multi-source data (the synthetic families, a blend): the loss is also reported per source, so the
+        # daemon judges each step against its own source's level (docs/CONTRACTS.md `loss_by_source`).
+        self.source_names = self.source.source_names
+        model.track_sample_loss = self.source_names is not None
 
     # --------------------------------------------------------------------------- telemetry
     def _event(self, name: str, **fields: Any) -> None:
@@ -197,7 +201,7 @@ class Trainer(TrainerCheckpoints):
 
     # ------------------------------------------------------------------------------- control
     def _set_lr(self, step: int) -> float:
-        lr = lr_at(step, self.spec) * self.control.state.lr_scale
+        lr = lr_at(step, self.spec) * self.control.state.lr_scale * self.faults.lr_factor(step)
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -326,6 +330,10 @@ class Trainer(TrainerCheckpoints):
         lr = self._set_lr(step)
         factor = self.faults.loss_factor(step)
         losses = []
+        names = self.source_names
+        # Per source: [sum of token losses, labelled tokens] over this rank's micro-batches.
+        # On the device: no sync per micro-step (read once, after the step's own synchronize).
+        by_source = torch.zeros(2, len(names), dtype=torch.float32, device=self.device) if names is not None else None
         for micro, host_tokens in enumerate(batches.micro):
             tokens = host_tokens.to(self.device, non_blocking=True)
             inputs, labels, positions = slice_for_sp(tokens, self.sp_rank, self.sp)
@@ -334,6 +342,11 @@ class Trainer(TrainerCheckpoints):
                 loss = loss * factor
             eng.backward(loss)
             losses.append(loss.detach().float())
+            sample_loss = getattr(eng.module, "last_sample_loss", None)
+            if by_source is not None and batches.sources is not None and sample_loss is not None:
+                ids = torch.tensor(batches.sources[micro], dtype=torch.long).to(self.device, non_blocking=True)
+                by_source[0].index_add_(0, ids, sample_loss[0].float() * factor)
+                by_source[1].index_add_(0, ids, sample_loss[1].float())
             # DeepSpeed counts micro-steps inside step(): it must be called after every backward and only
             # applies the optimizer at the accumulation boundary (the final call below).
             if micro < len(batches.micro) - 1:
@@ -346,7 +359,8 @@ class Trainer(TrainerCheckpoints):
             torch.cuda.synchronize(self.device)
         step_time = time.perf_counter() - t0
         alloc, max_alloc, reserved = memory_gib(self.device, self.faults.extra_mem_gib)
-        stats = gather_step_stats(local_loss, step_time, max_alloc, self.stop_signal, self.device)
+        extra = by_source.flatten().tolist() if by_source is not None else None
+        stats = gather_step_stats(local_loss, step_time, max_alloc, self.stop_signal, self.device, extra)
         self.last_loss = stats.loss
         if step % tr.log_every == 0 or stats.stop_requested or step == tr.steps:
             self._record_step(step, stats, lr, step_time, tokens_per_step, samples, alloc, max_alloc, reserved)
@@ -364,6 +378,8 @@ class Trainer(TrainerCheckpoints):
             tokens_per_s=round(tokens / max(stats.step_time_max_s, 1e-9), 3),
             mem_allocated_gib=round(alloc, 4), mem_reserved_gib=round(reserved, 4),
             clip=engine_clip(eng), samples=list(samples), data_wait_s=round(self._data_wait_s, 6))
+        if self.source_names is not None and stats.extra is not None:
+            rec["loss_by_source"] = loss_by_source(self.source_names, stats.extra)
         step_mfu = mfu(self.spec, self.world, tokens, stats.step_time_max_s)
         if step_mfu is not None:
             rec["mfu"] = round(step_mfu, 6)

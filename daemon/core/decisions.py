@@ -9,6 +9,7 @@ the crash path after an attempt ended is `exits.py`, the termination phases are 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -109,6 +110,38 @@ def on_record(sup: Supervisor, rec: Record, now: float) -> None:
         on_event(sup, rec)
     if sup.engine is not None:
         handle_outputs(sup, sup.engine.observe(rec, now), step=rec.step if rec.step is not None else (sup.last_step or 0))
+        if getattr(sup.engine, "calibration_new", False):
+            save_calibration(sup)
+        if getattr(sup.engine, "new_warnings", None):
+            early_warnings(sup)
+
+
+def early_warnings(sup: Supervisor) -> None:
+    """The engine's early warnings (grad norm out of its own distribution): said, logged and alerted as a
+    warning first; no incident until a detector finds the blow-up, no ladder rung."""
+    for w in sup.engine.new_warnings:
+        log.warning("early warning", run_id=sup.run_id, step=w.get("step"), z=w.get("z"), source=w.get("source"))
+        sup.say(f"  early warning: {w.get('message')}")
+        sup.alert("incident", f"early warning at step {w.get('step')}: {w.get('message')}", warning=True,
+                  evidence={k: v for k, v in w.items() if k != "message"})
+    sup.engine.new_warnings = []
+
+
+def save_calibration(sup: Supervisor) -> None:
+    """The engine fitted its thresholds to the run's healthy history: kept in {run_dir}/calibration.json
+    (what `ulyssesctl status` shows, with its evidence) and said in the daemon's log."""
+    from ulyssesd.training.durable import atomic_write_text
+
+    sup.engine.calibration_new = False
+    fit = sup.engine.calibration
+    try:
+        atomic_write_text(sup.run_dir / "calibration.json", json.dumps(fit, indent=1, default=str) + "\n")
+    except OSError as exc:   # a full disk: the fit is in use all the same; only its record is missing
+        log.warning("could not write calibration.json", run_id=sup.run_id, error=repr(exc))
+    changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in (fit.get("changed") or {}).items())
+    log.info("detector thresholds fitted to the run's healthy history", run_id=sup.run_id,
+             steps=fit.get("steps"), changed=changed)
+    sup.say(f"calibrated from {fit.get('steps')} healthy steps: {changed or 'no change'}")
 
 
 def on_event(sup: Supervisor, rec: EventRecord) -> None:
@@ -163,8 +196,35 @@ def handle_outputs(sup: Supervisor, out: Iterable[Finding | Decision], step: int
             apply_decision(sup, dec, step)
         except OSError as exc:
             if disk.errno_of(exc) is None:
-                raise
+                decision_failed(sup, dec, step, exc)
+                continue
             decision_write_failed(sup, dec, exc)
+        except Exception as exc:  # noqa: BLE001 - recorded as the incident's failed action, never skipped
+            decision_failed(sup, dec, step, exc)
+
+
+def decision_failed(sup: Supervisor, dec: Decision, step: int, exc: BaseException) -> None:
+    """Building or applying a decision raised (e.g. its config patch fails validation): the incident gets
+    the failed action with the error, the operator an alert, and the engine forgets the rung (no later
+    decision may claim its verification window); the job keeps training unchanged."""
+    what = f"{dec.action_kind} for {dec.symptom}"
+    err = f"{type(exc).__name__}: {exc}"
+    log.warning("a decision could not be applied; recorded, the job continues unchanged", decision=what,
+                error=err)
+    if sup.engine is not None and hasattr(sup.engine, "not_applied"):
+        sup.engine.not_applied(dec, err)
+    symptom = Symptom(dec.symptom)
+    pending = sup.incidents.take_unacted(symptom.value)
+    iid = pending[0][0] if pending else sup.incidents.incident(
+        symptom, dec.step if dec.step is not None else step, Severity.warning, dec.reason or what, {})
+    sup.incidents.action(iid, ActionKind.alert, {"rung": dec.action_kind, "ladder": dec.ladder, "apply": "none",
+                                                 "failed": err, "not_applied": True, "patch": dec.config_patch,
+                                                 "reason": dec.reason}, {}, ApplyMode.none)
+    sup.store.update_incident_status(iid, IncidentStatus.escalated, f"{what} could not be applied: {err}")
+    sup.say(f"  could not apply {what}: {err} (recorded; the job continues unchanged)")
+    sup.alert("incident", f"could not apply {what}: {err}", symptom=symptom.value, escalated=True)
+    if sup.state == S.REMEDIATING and sup.term is None:
+        sup.set_state(S.RUNNING, f"decision not applied: {err}")
 
 
 def decision_write_failed(sup: Supervisor, dec: Decision, exc: OSError) -> None:

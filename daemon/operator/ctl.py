@@ -84,12 +84,13 @@ def _register_commands() -> None:
     from ulyssesd.daemon.operator.ctl_plan import register_plan
     from ulyssesd.daemon.operator.ctl_records import register_records
     from ulyssesd.daemon.operator.ctl_status import register_status
+    from ulyssesd.daemon.operator.ctl_tune import register_tune
 
     register_status(app)
     register_logs(app)
     register_records(app, db_app)
     register_control(app)
-    for register_fn in (register, register_diagnose, register_plan):
+    for register_fn in (register, register_diagnose, register_plan, register_tune):
         register_fn(app)
 
 

@@ -150,6 +150,24 @@ def hang_timeout_s(recent: list[dict[str, Any]], detectors: dict[str, Any] | Non
     return det.timeout()[0] if recent else None
 
 
+#: Steps over which `status` shows each data source's loss and its trend (older half vs newer half).
+PER_SOURCE_STEPS = 200
+
+
+def per_source_loss(recent: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from ulyssesd.remediation.learned.loss_view import per_source
+
+    return per_source(recent)
+
+
+def calibration_of(run_dir: str | None) -> dict[str, Any] | None:
+    """The daemon's fit of the detector thresholds ({run_dir}/calibration.json), None before one."""
+    try:
+        return json.loads((Path(run_dir) / "calibration.json").read_text()) if run_dir else None
+    except (OSError, ValueError):
+        return None
+
+
 def status_data(store, run) -> dict[str, Any]:
     from ulyssesd.daemon.store import flat_diff
 
@@ -200,6 +218,8 @@ def status_data(store, run) -> dict[str, Any]:
         **progress,
         "total_steps_source": total_source,
         "hang_timeout_s": hang_s,
+        "loss_by_source": per_source_loss(recent_steps_from_telemetry(run.run_dir, limit=PER_SOURCE_STEPS)),
+        "calibration": calibration_of(run.run_dir),
         "last_step_overdue": bool(state in TRAINING_STATES and age is not None and hang_s is not None
                                   and age > hang_s),
         "telemetry_health": _telemetry_health(run, state, attempt),
@@ -340,6 +360,15 @@ def render_status(d: dict[str, Any]) -> Table:
         t.add_row("telemetry", ("[red]SILENT[/red] " if h.get("silent") else "") + escape(health_text(h)))
     loss = d["loss"]
     t.add_row("loss", fmt_loss(loss))
+    for src in d.get("loss_by_source") or []:
+        before = f" (was {src['before']:.4g})" if src.get("before") is not None else ""
+        t.add_row("", f"{escape(src['source'])}: {src['loss']:.4g}{before}, {src['trend']} over its last {src['n']} steps")
+    cal = d.get("calibration")
+    if cal:
+        changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in (cal.get("changed") or {}).items())
+        t.add_row("thresholds", f"fitted at step {cal.get('at_step')} from {cal.get('steps')} healthy steps "
+                                f"(target {cal.get('false_alarm_rate_per_step'):g} false alarms/step): "
+                                f"{escape(changed or 'no change')}")
     tps = d["tokens_per_s"]
     t.add_row("tokens/s", f"{tps:,.0f}" if isinstance(tps, int | float) else EMPTY)
     t.add_row("MFU", f"{d['mfu']:.1%}" if isinstance(d.get("mfu"), int | float) else EMPTY)

@@ -22,8 +22,9 @@ from ulyssesd.remediation.detectors.throughput_drop import ThroughputDropDetecto
 
 def build_detectors(cfg: DetectorsConfig, min_loss_scale: float | None = None) -> list[Detector]:
     """All step-stream detectors (hang is separate: it is driven by the clock)."""
-    return [NanLossDetector(cfg, min_loss_scale=min_loss_scale), LossSpikeDetector(cfg),
-            LossOscillationDetector(cfg), MemorySpikeDetector(cfg),
+    spike = LossSpikeDetector(cfg)
+    return [NanLossDetector(cfg, min_loss_scale=min_loss_scale), spike,
+            LossOscillationDetector(cfg, modes_of=spike), MemorySpikeDetector(cfg),
             OverflowStormDetector(cfg, min_loss_scale=min_loss_scale), SlowStepDetector(cfg), StragglerDetector(cfg),
             ThroughputDropDetector(cfg), ThroughputDriftDetector(cfg)]
 

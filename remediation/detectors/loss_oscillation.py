@@ -1,17 +1,29 @@
 """Loss oscillation: the step-to-step loss swing (median |Δloss| over a short window, robust to a single
-spike) is several times the run's own baseline swing, and the loss keeps reversing direction."""
+spike) is several times the run's own baseline swing, and the loss keeps reversing direction.
+
+A record with `loss_by_source` is first de-mixed: the value followed is the mean over its sources of
+log(loss / that source's own running level), so steps that alternate between an easy and a hard source
+(a healthy mixed run at micro-batch 1) swing by their within-source noise only, not by the gap between
+the sources' levels."""
 
 from __future__ import annotations
 
 import math
 from collections import deque
 
+from ulyssesd.remediation.config import DetectorsConfig
 from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
+from ulyssesd.remediation.detectors.loss_spike import LossSpikeDetector
 from ulyssesd.remediation.records import Record, StepRecord
 
 
 class LossOscillationDetector(EpisodeDetector):
     symptom = "loss_oscillation"
+
+    def __init__(self, cfg: DetectorsConfig, modes_of: LossSpikeDetector | None = None):
+        # The loss-spike detector's modes of an unlabelled multi-modal loss (de-mixed like sources).
+        self.modes_of = modes_of
+        super().__init__(cfg)
 
     def reset(self) -> None:
         n = self.cfg.loss_osc_window
@@ -24,6 +36,24 @@ class LossOscillationDetector(EpisodeDetector):
         self._baseline: deque[float] = deque(maxlen=max(5, self.cfg.window // n * 4))
         self._since_sample = 0
         self._base: float | None = None
+        self._levels: dict[str, float] = {}   # per source: running mean of log loss (EMA)
+
+    def _demix(self, by_source: dict[str, float]) -> float | None:
+        """Mean over the record's sources of log(loss) minus that source's running level; None until a
+        source has a level (its first loss only starts it)."""
+        alpha = 2.0 / (self.cfg.window + 1)
+        parts = []
+        for name, val in by_source.items():
+            if not (val > 0 and math.isfinite(val)):
+                continue
+            x = math.log(val)
+            lvl = self._levels.get(name)
+            if lvl is None:
+                self._levels[name] = x
+                continue
+            parts.append(x - lvl)
+            self._levels[name] = lvl + alpha * (x - lvl)
+        return sum(parts) / len(parts) if parts else None
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if not isinstance(rec, StepRecord):
@@ -31,6 +61,14 @@ class LossOscillationDetector(EpisodeDetector):
         loss = rec.loss
         if loss - loss != 0.0:  # nan or ±inf (math.isfinite without the call)
             return []
+        by_source = rec.loss_by_source
+        if not by_source and self.modes_of is not None and self.modes_of.modes and loss > 0:
+            by_source = {self.modes_of.mode_of(loss): loss}   # an unlabelled multi-modal loss: its own modes
+        if by_source:
+            demixed = self._demix(by_source)
+            if demixed is None:
+                return []
+            loss = demixed
         self._clock.advance(rec.step)
         prev = self._prev
         self._prev = loss

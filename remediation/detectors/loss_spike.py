@@ -1,5 +1,11 @@
 """Loss spike: the loss is a real outlier of its own recent window (median + k·robust sigma, and a minimum
-relative jump), so a noisy but healthy curve does not trip it."""
+relative jump), so a noisy but healthy curve does not trip it.
+
+When the job reports where its samples came from (`loss_by_source`), each source is judged in its own band
+(loss_band.py) and a spike is what a user would call an instability: the loss of several sources above
+their bands at once (the optimizer or the schedule), or one source's smoothed loss above its band for
+`loss_source_persist` of its observations in a row (that source's data). A copy task whose loss sits at 5
+while prose sits at 0.6 is two levels, not a spike."""
 
 from __future__ import annotations
 
@@ -7,10 +13,11 @@ import math
 from collections import deque
 from itertools import repeat
 from operator import sub
-from typing import cast
+from typing import Any, cast
 
 from ulyssesd.remediation.config import DetectorsConfig
 from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
+from ulyssesd.remediation.detectors.loss_band import BandVerdict, SourceBand, split_modes
 from ulyssesd.remediation.records import Record, StepRecord
 
 _MAD_TO_SIGMA = 1.4826
@@ -22,6 +29,8 @@ SIGMA_MIN_RECORDS = 10
 # otherwise keep only the last two, whose spread says nothing about the per-row noise (a noisy healthy log then
 # looks like a spike on every swing).
 SPAN_MIN_RECORDS = 5
+# Before the per-source bands judge: a spike is every source of the step at this many times its largest loss.
+EARLY_FACTOR = 3.0
 
 
 class LossSpikeDetector(EpisodeDetector):
@@ -35,6 +44,12 @@ class LossSpikeDetector(EpisodeDetector):
         self._win_steps: deque[int] = deque(maxlen=cfg.window)
         self._min = min(cfg.loss_spike_min_records, cfg.window)
         self._keep = max(self._min, SPAN_MIN_RECORDS)   # window >= 5, so the deque holds them
+        self.bands: dict[str, SourceBand] = {}   # per data source, once a record names one
+        self._sourced = False                     # a record named its sources
+        # Without sources: the loss's own modes (a mixture), once the run shows it is multi-modal.
+        self.modes: list[tuple[str, float]] = []  # (band name, log centre), ascending
+        self._probe: deque[float] = deque(maxlen=max(cfg.window, 60))
+        self._probe_age = 0
         super().__init__(cfg)
 
     def reset(self) -> None:
@@ -55,6 +70,106 @@ class LossSpikeDetector(EpisodeDetector):
         # (and whenever a value crosses it, to confirm against fresh statistics).
         self._every = max(1, self.cfg.window // 4)
         self._age = self._every
+        # The per-source bands outlive a restart (the run's own distribution does); what is in flight does not.
+        for band in self.bands.values():
+            band.restart()
+        self._src_runs: dict[str, int] = {}        # consecutive anomalous observations per source
+        self._src_first: dict[str, int] = {}       # the step where each source's current anomalous run began
+        self._src_onset: int | None = None
+        self._any_ready = False   # some source's band judges (once true, until the bands are dropped)
+        self._early_max: dict[str, float] = {}   # per source: its largest loss before the bands judge
+        self._early_run = 0
+
+    # Records without `loss_by_source` in a run that reports sources are judged as this source.
+    UNLABELLED = "(unlabelled)"
+
+    def _band(self, name: str) -> SourceBand:
+        band = self.bands.get(name)
+        if band is None:
+            if len(self.bands) >= 256:   # bounded: a job naming every sample is not naming sources
+                name = self.UNLABELLED
+                band = self.bands.get(name)
+                if band is not None:
+                    return band
+            c = self.cfg
+            band = self.bands[name] = SourceBand(
+                name, window=c.window, level_records=c.loss_source_level_records, smooth=c.loss_source_smooth, k=c.loss_spike_mad,
+                min_rel=c.loss_spike_min_rel, severe_rel=c.loss_spike_severe_rel,
+                min_history=c.loss_source_min_history)
+        return band
+
+    def _observe_sources(self, rec: StepRecord, by_source: dict[str, float], now: float) -> list[Finding]:
+        span = self._clock.advance(rec.step)
+        warm = self._clock.since_start(rec.step) >= self.cfg.warmup_steps
+        verdicts: list[BandVerdict] = []
+        for name, loss in by_source.items():
+            if loss - loss != 0.0:
+                continue   # non-finite: the NaN detector's
+            v = self._band(name).observe(loss, rec.step)
+            verdicts.append(v)
+            run = self._src_runs[name] = self._src_runs.get(name, 0) + 1 if v.anomalous and warm else 0
+            if run == 1:
+                self._src_first[name] = rec.step
+        # Sources seen lately (each within its own recent observations) and those above their bands now.
+        horizon = 4 * self.cfg.loss_source_smooth * max(1, len(self.bands))
+        live = [b for b in self.bands.values() if b.last_verdict is not None and b.last_verdict.ready
+                and b.last_step is not None and rec.step - b.last_step <= horizon]
+        if not live:
+            return []   # no band judges yet: the whole loss is judged meanwhile (observe)
+        high = [b for b in live if b.last_verdict is not None and b.last_verdict.anomalous
+                and self._src_runs.get(b.name, 0) > 0]
+        mixture = bool(self.modes) and not self._sourced
+        if mixture:
+            # Modes of an unlabelled loss: a value between two modes is the lower one's outlier by construction;
+            # only values above the top mode are judged (a blow-up lifts every value above it).
+            high = [b for b in high if b.name == self.modes[-1][0]]
+        persist = [b for b in high if self._src_runs.get(b.name, 0) >= self.cfg.loss_source_persist]
+        across = not mixture and len(high) >= 2 and 2 * len(high) >= len(live)
+        if not warm or not (across or persist):
+            self._src_onset = None
+            if self._ep.active:
+                self._ep.normal(rec.step)
+            return []
+        if self._src_onset is None:
+            # The onset: where the first implicated source's run above its band began.
+            self._src_onset = min([self._src_first.get(b.name, rec.step) for b in high] + [rec.step - span + 1])
+        severe = any(b.last_verdict is not None and b.last_verdict.severe for b in high)
+        onset = not self._ep.active
+        fire = self._ep.anomalous(rec.step)
+        if onset:
+            self._ep_severe = False
+            self._ep.started_step = min(self._src_onset, rec.step)
+        escalated = severe and not self._ep_severe
+        self._ep_severe = self._ep_severe or severe
+        if not (fire or escalated):
+            return []
+        implicated = sorted(b.name for b in high)
+        detail = {b.name: {"loss": b.last_verdict.value, "level": b.last_verdict.level,
+                           "threshold": b.last_verdict.threshold, "sigma_rel": b.last_verdict.scale}
+                  for b in high if b.last_verdict is not None}
+        worst = max(high, key=lambda b: (b.last_verdict.value - b.last_verdict.level)
+                    / max(b.last_verdict.scale, 1e-12) if b.last_verdict else 0.0)
+        wv = worst.last_verdict
+        assert wv is not None
+        one, many = ("data source", "data sources") if not mixture else ("mode of the loss", "modes of the loss")
+        where = (f"{len(high)} of {len(live)} {many} ({', '.join(implicated)}) above their own bands at once"
+                 if across else f"{one} {worst.name!r} above its own band for "
+                                f"{self._src_runs.get(worst.name, 0)} of its observations in a row")
+        ev: dict[str, Any] = {"loss": rec.loss, "median": wv.level, "sigma_rel": wv.scale, "threshold": wv.threshold,
+              "window": len(self.bands), "since_step": self._ep.started_step, "severe": severe,
+              "sources": detail, "implicated": implicated,
+              "implicates": "the optimizer or the schedule (all sources at once)" if across and len(high) == len(live)
+              else f"the data of source(s) {', '.join(implicated)}" if not across else "several sources"}
+        if self.modes and not self._sourced:
+            ev["implicates"] = "the loss above its own modes (no sources reported)"
+            ev["modes"] = {name: math.exp(c) for name, c in self.modes}
+        msg = (f"step {rec.step}: {where}; {worst.name} loss {fmt(wv.value)} vs its level {fmt(wv.level)} "
+               f"(threshold {fmt(wv.threshold)}){', severe' if severe else ''}.")
+        return [Finding(self.symptom, rec.step, "critical" if severe else "warning", ev, msg, now)]
+
+    def source_summary(self) -> list[dict[str, float | int | str | None]]:
+        """Each source's band (level, sigma, threshold, first smoothed value): for status and tune."""
+        return [b.summary() for b in self.bands.values()]
 
     def _check_ready(self, step: int) -> bool:
         self._ready = self._clock.since_start(step) >= self.cfg.warmup_steps and len(self._win) >= self._min
@@ -81,6 +196,99 @@ class LossSpikeDetector(EpisodeDetector):
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if not isinstance(rec, StepRecord):
             return []
+        by_source = rec.loss_by_source
+        if by_source is not None:
+            self._sourced = True
+        elif self.modes and not self._sourced:
+            loss = rec.loss
+            by_source = {self.mode_of(loss): loss} if loss - loss == 0.0 and loss > 0 else {}
+        if by_source is not None or self._sourced:
+            found = self._observe_sources(rec, by_source if by_source is not None else {self.UNLABELLED: rec.loss}, now)
+            if self._bands_ready:
+                return found
+            return self._observe_early(rec, by_source if by_source is not None else {self.UNLABELLED: rec.loss}, now)
+        found = self._observe_total(rec, now)
+        # A hand-set smoothing (loss_smooth_records > 1) is the user's own answer to a multi-modal loss.
+        if not found and self.cfg.loss_mixture and self._smooth is None:
+            self._probe_modes(rec)
+        return found
+
+    def mode_of(self, loss: float) -> str:
+        """The mode whose centre is nearest in log scale (a value above the top mode is the top mode's)."""
+        x = math.log(loss)
+        return min(self.modes, key=lambda m: abs(x - m[1]))[0]
+
+    def _probe_modes(self, rec: StepRecord) -> None:
+        """Collect healthy raw losses; every `window` records test whether they are multi-modal, and if they
+        are, judge the loss from now on within its mode (a band per mode, seeded with the window)."""
+        loss = rec.loss
+        if loss - loss != 0.0 or loss <= 0 or self._ep.active:
+            return
+        self._probe.append(loss)
+        self._probe_age += 1
+        # Tested every quarter window once full (O(n^2) in Python: ~1 ms per test).
+        if self._probe_age < max(1, self.cfg.window // 4) or len(self._probe) < cast(int, self._probe.maxlen):
+            return
+        self._probe_age = 0
+        centres = split_modes(list(self._probe))
+        if centres is None:
+            return
+        # A mixture draws its modes at random; a loss that alternates between two levels step after step is
+        # an oscillation (a symptom), not a mixture: the switch rate says which.
+        labels = [min(range(len(centres)), key=lambda k: abs(math.log(v) - centres[k])) for v in self._probe]
+        shares = [labels.count(k) / len(labels) for k in range(len(centres))]
+        switches = sum(a != b for a, b in zip(labels, labels[1:], strict=False)) / (len(labels) - 1)
+        if switches > 1 - sum(w * w for w in shares) + 0.15:
+            return
+        # ...and it draws them throughout: a level that moved (a restart, a resumed run) is two blocks in time,
+        # not two modes. Each mode must show in every quarter of the window.
+        q = len(labels) // 4
+        for part in (labels[i * q:(i + 1) * q] for i in range(4)):
+            if any(part.count(k) < 0.3 * shares[k] * len(part) for k in range(len(centres))):
+                return
+        self.modes = [(f"mode-{k + 1}", c) for k, c in enumerate(centres)]
+        for v in self._probe:   # seed each mode's band with its members, in time order
+            self._band(self.mode_of(v)).observe(v, rec.step)
+
+    def _observe_early(self, rec: StepRecord, by_source: dict[str, float], now: float) -> list[Finding]:
+        """Before any source's band judges (the first tens of steps, when the sources' levels already
+        differ): only a jump every source of the step makes, to `EARLY_FACTOR` x its own largest loss so far,
+        for 2 records in a row, is a spike. The whole loss is not judged: its modes would be spikes."""
+        jumped, detail = bool(by_source), {}
+        for name, loss in by_source.items():
+            band = self.bands.get(name)
+            top = self._early_max.get(name)
+            if band is None or top is None or band.count < 3 or not loss > EARLY_FACTOR * top:
+                jumped = False
+            else:
+                detail[name] = {"loss": loss, "max_before": top}
+            if not jumped and loss - loss == 0.0:
+                self._early_max[name] = max(top if top is not None else loss, loss)
+        warm = self._clock.since_start(rec.step) >= self.cfg.warmup_steps
+        self._early_run = self._early_run + 1 if jumped and warm else 0
+        if self._early_run < 2:
+            if self._ep.active and not jumped:
+                self._ep.normal(rec.step)
+            return []
+        onset = not self._ep.active
+        if not self._ep.anomalous(rec.step):
+            return []
+        if onset:
+            self._ep.started_step = rec.step - 1
+        names = sorted(detail)
+        ev = {"loss": rec.loss, "sources_early": detail, "since_step": self._ep.started_step, "severe": True,
+              "implicated": names, "implicates": "the optimizer or the schedule (every source of the step)"}
+        msg = (f"step {rec.step}: every source of the step ({', '.join(names)}) jumped above {EARLY_FACTOR:g}x its "
+               f"own largest loss so far, two steps in a row (the sources' bands are not ready yet).")
+        return [Finding(self.symptom, rec.step, "critical", ev, msg, now)]
+
+    @property
+    def _bands_ready(self) -> bool:
+        if not self._any_ready:
+            self._any_ready = any(b.last_verdict is not None and b.last_verdict.ready for b in self.bands.values())
+        return self._any_ready
+
+    def _observe_total(self, rec: StepRecord, now: float) -> list[Finding]:
         loss = rec.loss
         if loss - loss != 0.0:  # nan or ±inf (math.isfinite without the call)
             return []

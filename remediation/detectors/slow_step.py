@@ -32,7 +32,7 @@ class SlowStepDetector(MedianWindowDetector):
         cfg = self.cfg
         win = self._win
         med = win.med
-        if med is None or self._clock.since_start(rec.step) < cfg.warmup_steps or t <= cfg.slow_step_ratio * med:
+        if med is None or self._clock.since_start(rec.step) < cfg.step_time_warmup() or t <= cfg.slow_step_ratio * med:
             self._normal_step(rec.step)
             win.add(t)
             return []

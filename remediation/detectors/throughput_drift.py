@@ -83,7 +83,7 @@ class ThroughputDriftDetector(EpisodeDetector):
         spread = (rec.step_time_max_s / rec.step_time_s
                   if rec.step_time_max_s and rec.step_time_s and rec.step_time_max_s == rec.step_time_max_s else None)
         base = self._base.med
-        warm = self._clock.since_start(rec.step) >= cfg.warmup_steps
+        warm = self._clock.since_start(rec.step) >= cfg.step_time_warmup()
         if self._rebase_from is not None:
             # After an alarm: learn the new level; the episode ends once the new baseline stands.
             self._base.add(t)

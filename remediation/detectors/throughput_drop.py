@@ -41,7 +41,7 @@ class ThroughputDropDetector(MedianWindowDetector):
         cfg = self.cfg
         win = self._win
         base = win.med  # = self.baseline()
-        if base is None or self._clock.since_start(rec.step) < cfg.warmup_steps or v >= (1 - cfg.throughput_drop_frac) * base:
+        if base is None or self._clock.since_start(rec.step) < cfg.step_time_warmup() or v >= (1 - cfg.throughput_drop_frac) * base:
             self._normal_step(rec.step)
             win.add(v)
             return []

@@ -61,7 +61,9 @@ def test_nan_acts_at_once_at_every_log_interval(interval):
     def nan_from(step, r):
         if step >= ONSET:
             r.loss = float("nan")
-    _, items = run(logged(healthy(4000, seed=8, mutate=nan_from), interval))
+    # Checkpoints every 500 steps: a rollback target exists (without one, 3,000 steps in, the run stops
+    # rather than start over from step 0).
+    _, items = run(logged(healthy(4000, seed=8, mutate=nan_from), interval), ckpt_every=500)
     d = decisions(items)[0]
     assert (d.symptom, d.step, d.apply) == ("nan_loss", ONSET, "rollback_skip")
 

@@ -151,6 +151,24 @@ class SampleSource:
         """(component, that component's sample index) of a global sample index."""
         return self.schedule.locate(global_index) if self.schedule is not None else (0, global_index)
 
+    @property
+    def source_names(self) -> list[str] | None:
+        """Names of the data sources a sample may come from (the synthetic families, a blend's datasets);
+        None for a single source (its loss needs no per-source view)."""
+        if self.kind == "synthetic":
+            return list(_SyntheticPatterns.FAMILIES)
+        if self.schedule is not None:
+            names = [Path(name).name or name for name, _ in self.components]
+            # Two datasets of one basename in different folders: keep them apart by their full prefix.
+            return names if len(set(names)) == len(names) else [name for name, _ in self.components]
+        return None
+
+    def source_of(self, global_index: int) -> int:
+        """Index into `source_names` of sample `global_index` (0 for a single source)."""
+        if self.kind == "synthetic":
+            return self._synthetic.family_of(global_index)
+        return self.locate(global_index)[0]
+
     def sample(self, global_index: int) -> torch.Tensor:
         if global_index < 0:
             raise IndexError(f"global sample index must be >= 0, got {global_index}")
@@ -251,6 +269,8 @@ class _SyntheticPatterns:
     """
 
     NUM_MOTIFS = 16
+    # The family names, in the order of `family_of`'s ids (reported per step as the loss's sources).
+    FAMILIES = ("motif", "copy", "arithmetic")
 
     def __init__(self, seed: int, vocab_size: int):
         self.seed = seed
@@ -258,6 +278,11 @@ class _SyntheticPatterns:
         rng = np.random.default_rng([seed & MASK64, 0xD0])
         self.motifs = [rng.integers(0, self.alphabet, size=int(rng.integers(3, 9)), dtype=np.int64)
                        for _ in range(self.NUM_MOTIFS)]
+
+    def family_of(self, index: int) -> int:
+        """The family id (index into FAMILIES) of sample `index`: the first draw of its generator."""
+        family = np.random.default_rng([self.seed & MASK64, index, 0xDA7A]).random()
+        return 0 if family < 0.5 else 1 if family < 0.75 else 2
 
     def sample(self, index: int, length: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed & MASK64, index, 0xDA7A])

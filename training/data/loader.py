@@ -29,6 +29,7 @@ class StepBatches:
     indices: list[list[int]]  # per micro-step global sample indices
     samples: tuple[int, int]  # the step's global [start, end)
     wait_s: float = 0.0  # time the training loop waited for these batches
+    sources: list[list[int]] | None = None  # per micro-step the source id of each sample (multi-source data)
 
 
 class _Failure:
@@ -58,7 +59,9 @@ class PrefetchLoader:
         micro = [self.source.batch(ix) for ix in per_micro]
         if self.pin:
             micro = [t.pin_memory() for t in micro]
-        return StepBatches(micro, per_micro, samples)
+        sources = ([[self.source.source_of(i) for i in ix] for ix in per_micro]
+                   if self.source.source_names is not None else None)
+        return StepBatches(micro, per_micro, samples, sources=sources)
 
     def _fill(self, cursor: DataCursor) -> None:
         while not self._stop.is_set():

@@ -244,6 +244,11 @@ class GPT(nn.Module):
         self.checkpoint_every = checkpoint_every
         # Tiled loss: head + fp32 cross-entropy over chunks of this many local tokens (0 = whole sequence).
         self.loss_chunk_tokens = loss_chunk_tokens
+        # Per-sample loss for the per-source telemetry (the job sets it for multi-source data): each forward
+        # then leaves (sum of token losses, count of labelled tokens) per sample, detached, in
+        # `last_sample_loss`; the mean loss it returns is the same value.
+        self.track_sample_loss = False
+        self.last_sample_loss: tuple[torch.Tensor, torch.Tensor] | None = None
         if loss_chunk_tokens:
             log.info("tiled LM loss: head + fp32 cross-entropy over chunks of %d local tokens", loss_chunk_tokens)
         # Selective recompute: the first N blocks are checkpointed one by one, the rest keep activations.
@@ -295,6 +300,15 @@ class GPT(nn.Module):
         logits = self._logits(x)
         return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
+    def _chunk_token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self._logits(x)
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+
+    def _keep_sample_loss(self, token_loss: torch.Tensor, labels: torch.Tensor) -> None:
+        b = labels.shape[0]
+        self.last_sample_loss = (token_loss.detach().view(b, -1).sum(1),
+                                 (labels != IGNORE_INDEX).view(b, -1).sum(1))
+
     def _tiled_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean token loss computed `loss_chunk_tokens` tokens at a time: equal to the untiled mean up to
         fp32 summation order. Under autograd each chunk is checkpointed, so only one chunk's logits (and
@@ -303,6 +317,15 @@ class GPT(nn.Module):
         flat_x, flat_labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
         recompute = self.training and torch.is_grad_enabled()
         total = torch.zeros((), dtype=torch.float32, device=x.device)
+        if self.track_sample_loss:
+            parts = []
+            for xc, yc in zip(flat_x.split(n), flat_labels.split(n), strict=True):
+                tok = (checkpoint(self._chunk_token_losses, xc, yc, use_reentrant=False) if recompute
+                       else self._chunk_token_losses(xc, yc))
+                total = total + tok.sum()
+                parts.append(tok.detach())
+            self._keep_sample_loss(torch.cat(parts), labels)
+            return total / (flat_labels != IGNORE_INDEX).sum()
         for xc, yc in zip(flat_x.split(n), flat_labels.split(n), strict=True):
             if recompute:
                 part = checkpoint(self._chunk_loss_sum, xc, yc, use_reentrant=False)
@@ -347,4 +370,9 @@ class GPT(nn.Module):
         if self.loss_chunk_tokens > 0:
             return self._tiled_loss(x, labels)
         logits = self._logits(x)
+        if self.track_sample_loss:
+            tok = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1),
+                                  ignore_index=IGNORE_INDEX, reduction="none")
+            self._keep_sample_loss(tok, labels)
+            return tok.sum() / (labels != IGNORE_INDEX).sum()
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))

@@ -1,0 +1,179 @@
+"""The engine's parts that learn from the run itself (issue 39), as a mixin of `RemediationEngine`: the
+calibration schedule over its healthy records, the rollback target from its own checkpoints (never step 0
+once the run has made progress), and forgetting a decision the daemon could not apply."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
+from ulyssesd.remediation.detectors import Finding
+from ulyssesd.remediation.learned.early_warning import GradNormWatch
+from ulyssesd.remediation.playbook import K_GA, K_MB, RollbackPlan
+from ulyssesd.remediation.records import Record, StepRecord
+
+if TYPE_CHECKING:
+    from ulyssesd.remediation.engine import Decision, LadderState
+
+# Healthy records kept for the calibration refits (references to records already parsed).
+CALIBRATION_HISTORY = 5000
+
+
+class LearnedParts:
+    # Set by RemediationEngine.__init__ (declared for the type checker).
+    config: DetectorsConfig
+    policy: RemediationConfig
+    values: dict[str, Any]
+    detectors: list[Any]
+    ladders: dict[str, LadderState]
+    pending: dict[str, Any]
+    known_good: list[tuple[str, int]]
+    saved: list[tuple[str, int]]
+    max_ckpt_step: int | None
+    last_step: int | None
+    failed: bool
+    _samples: deque[tuple[int, tuple[int, int]]]
+    _by_symptom: dict[str, Any]
+
+    def _init_learned(self) -> None:
+        self.tainted: set[str] = set()   # saved while the loss was out of its band or non-finite
+        self._last_loss_finite = True
+        self.no_rollback_why = ""   # why the last rollback plan found no target
+        self.failures: list[str] = []   # decisions the daemon could not apply (newest last)
+        # The run's healthy records (step records without a finding, and events), bounded; refits read them.
+        self._history: deque[Record] | None = deque(maxlen=CALIBRATION_HISTORY) if self.config.calibrate else None
+        self._configured = self.config.model_copy()   # what the fits start from (their floors and ceilings)
+        self._healthy_steps = 0
+        self._next_fit = self.config.calibrate_after_steps
+        self.calibration: dict[str, Any] | None = None
+        self.calibration_new = False
+        # Early warning (grad norm out of its own distribution): alerts, drained by the daemon.
+        self.grad_watch = GradNormWatch(z=self.config.early_warning_z) if self.config.early_warning else None
+        self.new_warnings: list[dict[str, Any]] = []
+
+    def _watch_grad(self, record: StepRecord) -> None:
+        assert self.grad_watch is not None
+        warning = self.grad_watch.observe(record)
+        if warning is not None:
+            self.new_warnings.append(warning)
+            del self.new_warnings[:-16]
+
+    def _count_healthy(self, record: StepRecord, findings: list[Finding] | None, now: float) -> None:
+        """Keep healthy step records (no finding, no ladder at work); fit after `calibrate_after_steps` of
+        them, then refit at 10x and 100x that, and every 100x after (the box may get busier later)."""
+        if findings or self.ladders or self.pending or any(d.active for d in self.detectors):
+            return
+        assert self._history is not None
+        self._history.append(record)
+        self._healthy_steps += 1
+        if self._healthy_steps >= self._next_fit:
+            first = self.config.calibrate_after_steps
+            self._next_fit = (10 * first if self._healthy_steps < 10 * first else
+                              100 * first if self._healthy_steps < 100 * first else self._healthy_steps + 100 * first)
+            self.calibrate(now)
+
+
+    def calibrate(self, now: float | None = None, records: list[Record] | None = None) -> dict[str, Any] | None:
+        """Fit the thresholds to the run's healthy history (learned/fit.py) and use them;
+        `records` defaults to the engine's own buffer. Returns the fit (also in `self.calibration`)."""
+        from ulyssesd.remediation.learned import fit as calibration
+
+        recs = records if records is not None else list(self._history or ())
+        spike = self._by_symptom.get("loss_spike")
+        bands = spike.source_summary() if spike is not None and hasattr(spike, "source_summary") else None
+        f = calibration.fit(recs, self._configured, self.config.calibrate_false_alarm_rate, bands)
+        before = {k: getattr(self._configured, k) for k in f.values}
+        calibration.apply(self.config, f)
+        changed = {k: (before[k], v) for k, v in f.values.items() if before[k] != v}
+        self.config.step_time_warmup_steps = 0   # fitted: later (re)starts warm up as the other detectors
+        self.calibration = {**f.as_dict(), "changed": {k: list(v) for k, v in changed.items()},
+                            "at_step": self.last_step, "time": now}
+        self.calibration_new = True
+        return self.calibration
+
+
+    def _rollback_plan(self, anomaly_step: int | None, precise: bool = False, sources: int = 1) -> RollbackPlan | None:
+        """Where a rollback goes. With a `precise` onset (a per-source band's): the newest checkpoint saved
+        before it (less a margin for the smoothing) whose loss at save was finite and in band (not tainted).
+        Otherwise a known-good tag at least `rollback_steps_back` before the onset (PaLM: ~100; a detector's
+        onset may lag the true one), else the newest known-good before it, else the newest clean save. None (with `no_rollback_why`) when there is none and the run has made real progress:
+        step 0 is never chosen automatically then."""
+        pol = self.policy
+        a = anomaly_step if anomaly_step is not None else (self.last_step or 0)
+        target: tuple[str | None, int] | None = None
+        tag: str | None
+        # The detector's onset may trail the true one by its smoothing (each source is seen about every
+        # `sources` steps): keep a margin before it.
+        margin = 2 * self.config.loss_source_smooth * max(1, sources)
+        clean = [(t, s) for t, s in self.saved if s < a - margin and t not in self.tainted]
+        if precise and clean:
+            # A per-source band dates its onset to the first value out of band: the newest checkpoint saved
+            # before it with finite, in-band loss costs the least work (less than one save interval).
+            target = clean[-1]
+        for tag, s in reversed(self.known_good):
+            if target is None and s <= a - pol.rollback_steps_back:
+                target = (tag, s)
+                break
+        if target is None:
+            earlier = [(t, s) for t, s in self.known_good if s < a]
+            if earlier:
+                target = earlier[-1]
+        if target is None and clean:
+            target = clean[-1]
+        if target is None:
+            progress = self.max_ckpt_step is not None or (self.last_step or 0) >= pol.known_good_steps
+            if progress:
+                self.no_rollback_why = (
+                    f"no checkpoint saved before the onset at step {a} with finite, in-band loss "
+                    f"({len(self.saved)} saved, {len(self.tainted)} during the anomaly); a run at step "
+                    f"{self.last_step} is never rolled back to step 0 automatically")
+                return None
+            target = (None, 0)
+        tag, to_step = target
+        if precise and target in clean:
+            # A dated onset: skip the batches from the checkpoint through the detection (they hold the
+            # onset's), plus the margin after it - not a fixed few hundred (bounded by skip_max_batches).
+            first = to_step + 1
+            last = min(first + pol.skip_max_batches, max(a, self.last_step or a) + margin + 1)  # exclusive
+        else:
+            n = max(pol.skip_min_batches, min(pol.skip_max_batches, 2 * (a - to_step)))
+            first = max(to_step + 1, a - n // 2)
+            last = first + n  # exclusive
+        start, est1 = self._sample_start(first)
+        end, est2 = self._sample_start(last)
+        return RollbackPlan(to_step=to_step, tag=tag, skip_ranges=[(start, end)], skip_steps=(first, last),
+                            estimated=est1 or est2)
+
+
+    def _sample_start(self, step: int) -> tuple[int, bool]:
+        """First global sample index of `step`: recorded when seen recently, else extrapolated."""
+        known = dict(self._samples)
+        if step in known:
+            return known[step][0], False
+        last = self._samples[-1][1] if self._samples else None
+        sps = (last[1] - last[0]) if last else float(int(self.values.get(K_MB) or 1) * int(self.values.get(K_GA) or 1)
+                                 * max(1, int(self.values.get("parallel.world_size") or 1)
+                                       // int(self.values.get("parallel.sequence_parallel_size") or 1)))
+        if known:
+            k = min(known, key=lambda s: abs(s - step))
+            return int(known[k][0] + (step - k) * sps), True
+        return int((step - 1) * sps) if step > 0 else 0, True
+
+
+    def not_applied(self, d: Decision, why: str) -> None:
+        """The daemon could not apply decision `d` (building its config or writing it failed): undo the
+        bookkeeping `_decide` did, so no later decision claims a verification window of a rung that never
+        ran, and move past that rung (it is skipped next time, with `why`)."""
+        st = self.ladders.get(d.ladder)
+        for k in d.config_patch:
+            self.values[k] = d.previous.get(k)
+        self.failed = False if d.apply != "stop" else self.failed
+        if st is None or st.last is not d:
+            return
+        st.last, st.verify_left, st.await_left = None, 0, 0
+        st.uses = 0
+        st.position += 1
+        self.failures.append(f"{d.action_kind} for {d.symptom} was not applied: {why}")
+        self.failures = self.failures[-16:]
+
