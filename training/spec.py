@@ -5,9 +5,8 @@ A run spec is one TOML file. The sections defined here describe the job itself; 
 The effective job config of each config version is this model dumped to JSON
 (`{run_dir}/configs/v{N}.json`), so everything here must round-trip through `model_dump(mode="json")`.
 
-Every field has a one-line doc; cross-field rules live in `JobSpec._cross_checks` and name both key
-paths in their message, e.g. `model.num_attention_heads=96 is not divisible by
-parallel.sequence_parallel_size=5`.
+Every field has a one-line doc; cross-field rules live in `JobSpec._cross_checks` and name both key paths
+in their message, e.g. `model.num_attention_heads=96 is not divisible by parallel.sequence_parallel_size=5`.
 """
 
 from __future__ import annotations
@@ -168,10 +167,7 @@ class LossScaleSpec(_Section):
 class PrecisionSpec(_Section):
     dtype: Literal["fp32", "bf16", "fp16"] = Field("bf16", description="Compute/parameter dtype.")
     fp32_layers: int = Field(0, ge=0, description="Run the first N blocks' compute in fp32 (a loss-ladder remediation).")
-    fp32_mode: Literal["full", "tf32", "residual"] = Field(
-        "full", description="What the fp32 blocks keep in fp32: full = everything (matmuls and attention "
-        "too; slowest), tf32 = the same with TF32 tensor-core matmuls, residual = the residual stream and "
-        "LayerNorms only (matmuls and attention in precision.dtype; cheapest). Costs: docs/REMEDIATION.md.")
+    fp32_mode: Literal["full", "tf32", "residual"] = Field("full", description="fp32 blocks: all, TF32 matmuls, or residual+norms only.")
     loss_scale: LossScaleSpec = Field(default_factory=LossScaleSpec, description="fp16 dynamic loss scaling.")
 
 

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
+from ulyssesd.daemon.operator import ctl_status
 from ulyssesd.daemon.operator.ctl_common import (
     CTX,
     EXIT_DB_DAMAGED,
     EXIT_NOT_FOUND,
     EXIT_USAGE,
+    aware,
     clip,
     console,
     current_run,
@@ -23,6 +27,7 @@ from ulyssesd.daemon.operator.ctl_common import (
     die,
     fmt_time,
     open_ro_store,
+    or_empty,
     out,
     parse_since,
     store_exit_code,
@@ -268,8 +273,63 @@ def report(run_id: str = typer.Argument(None, metavar="RUN",
     print(target.resolve())
 
 
+# ------------------------------------------------------------------------------------------------ runs
+def runs_data(store) -> list[dict[str, Any]]:
+    """One summary per run in the store, newest first: id, state, step/total, started, last change, incidents."""
+    rows = []
+    for run in store.list_runs():
+        versions = store.list_config_versions(run.id)
+        cur_v = next((v for v in versions if v.version == run.config_version), versions[-1] if versions else None)
+        recent = ctl_status.recent_steps_from_telemetry(run.run_dir, limit=1, spec=run.spec)
+        total, _ = ctl_status.total_steps_of(run.spec, cur_v.config if cur_v else None, recent)
+        cursor = store.get_telemetry_cursor(run.id)
+        step = recent[-1].get("step") if recent else (cursor.last_step if cursor else None)
+        incs = store.list_incidents(run.id)
+        rows.append({"run_id": run.id, "state": run.state.value, "step": step,
+                     "total_steps": total,
+                     "attempts": len(store.list_attempts(run.id)),
+                     "started": aware(run.created_at).isoformat(), "last_change": aware(run.updated_at).isoformat(),
+                     "ended": aware(run.ended_at).isoformat() if run.ended_at else None,
+                     "incidents": len(incs),
+                     "open_incidents": sum(1 for i in incs if i.status.value in ("open", "remediating")),
+                     "run_dir": run.run_dir})
+    return rows
+
+
+def runs_table(rows: list[dict[str, Any]]) -> Table:
+    from rich.markup import escape
+
+    t = Table(title="runs")
+    for col in ("run", "state", "step / total", "attempts", "started (UTC)", "last change (UTC)", "incidents"):
+        t.add_column(col, no_wrap=col != "run")
+    for r in rows:
+        color = {"COMPLETED": "green", "FAILED": "red", "RUNNING": "green", "PAUSED": "yellow"}.get(r["state"], "cyan")
+        incs = str(r["incidents"]) + (f" ({r['open_incidents']} open)" if r["open_incidents"] else "")
+        t.add_row(escape(r["run_id"]), f"[{color}]{r['state']}[/{color}]",
+                  f"{or_empty(r['step'])} / {ctl_status.total_cell(r)}", str(r["attempts"]),
+                  fmt_time(datetime.fromisoformat(r["started"])), fmt_time(datetime.fromisoformat(r["last_change"])),
+                  incs)
+    return t
+
+
+def runs(json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """Every run, newest first. State, step/total, attempts, started, last change, incidents."""
+    store = open_ro_store(json_out)
+    try:
+        rows = runs_data(store)
+    finally:
+        store.close()
+    if json_out:
+        out(rows, True)
+    elif not rows:
+        console.print("no runs yet")
+    else:
+        console.print(runs_table(rows))
+
+
 def register_records(app: typer.Typer, db_app: typer.Typer) -> None:
     """Add the read-only store views to ulyssesctl (and `db` to its sub-app)."""
+    app.command("runs")(runs)
     app.command("incidents")(incidents)
     app.command("incident")(incident)
     app.command("config")(config)

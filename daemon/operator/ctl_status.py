@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -36,7 +37,6 @@ from ulyssesd.daemon.operator.ctl_common import (
     daemon_pid_alive,
     fmt_duration,
     fmt_loss,
-    fmt_time,
     json_text,
     open_ro_store,
     or_empty,
@@ -479,61 +479,6 @@ def _watch_lines(store, json_out: bool, interval: float) -> int:
     return EXIT_OK
 
 
-# ------------------------------------------------------------------------------------------------ runs
-def runs_data(store) -> list[dict[str, Any]]:
-    """One summary per run in the store, newest first: id, state, step/total, started, last change, incidents."""
-    rows = []
-    for run in store.list_runs():
-        versions = store.list_config_versions(run.id)
-        cur_v = next((v for v in versions if v.version == run.config_version), versions[-1] if versions else None)
-        recent = recent_steps_from_telemetry(run.run_dir, limit=1, spec=run.spec)
-        total, _ = total_steps_of(run.spec, cur_v.config if cur_v else None, recent)
-        cursor = store.get_telemetry_cursor(run.id)
-        step = recent[-1].get("step") if recent else (cursor.last_step if cursor else None)
-        incs = store.list_incidents(run.id)
-        rows.append({"run_id": run.id, "state": run.state.value, "step": step,
-                     "total_steps": total,
-                     "attempts": len(store.list_attempts(run.id)),
-                     "started": aware(run.created_at).isoformat(), "last_change": aware(run.updated_at).isoformat(),
-                     "ended": aware(run.ended_at).isoformat() if run.ended_at else None,
-                     "incidents": len(incs),
-                     "open_incidents": sum(1 for i in incs if i.status.value in ("open", "remediating")),
-                     "run_dir": run.run_dir})
-    return rows
-
-
-def runs_table(rows: list[dict[str, Any]]) -> Table:
-    from rich.markup import escape
-
-    t = Table(title="runs")
-    for col in ("run", "state", "step / total", "attempts", "started (UTC)", "last change (UTC)", "incidents"):
-        t.add_column(col, no_wrap=col != "run")
-    for r in rows:
-        color = {"COMPLETED": "green", "FAILED": "red", "RUNNING": "green", "PAUSED": "yellow"}.get(r["state"], "cyan")
-        incs = str(r["incidents"]) + (f" ({r['open_incidents']} open)" if r["open_incidents"] else "")
-        t.add_row(escape(r["run_id"]), f"[{color}]{r['state']}[/{color}]",
-                  f"{or_empty(r['step'])} / {total_cell(r)}", str(r["attempts"]),
-                  fmt_time(datetime.fromisoformat(r["started"])), fmt_time(datetime.fromisoformat(r["last_change"])),
-                  incs)
-    return t
-
-
-def runs(json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
-    """Every run, newest first. State, step/total, attempts, started, last change, incidents."""
-    store = open_ro_store(json_out)
-    try:
-        rows = runs_data(store)
-    finally:
-        store.close()
-    if json_out:
-        out(rows, True)
-    elif not rows:
-        console.print("no runs yet")
-    else:
-        console.print(runs_table(rows))
-
-
 def register_status(app: typer.Typer) -> None:
-    """Add `status` and `runs` to ulyssesctl."""
+    """Add `status` to ulyssesctl (`runs` is in ctl_records)."""
     app.command("status")(status)
-    app.command("runs")(runs)
