@@ -45,13 +45,13 @@ from ulyssesd.daemon.core.termination import UNREQUESTED, RankWatch, Termination
 from ulyssesd.daemon.host.logging import bind_run, get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle, OSInterface
 from ulyssesd.daemon.job import checkpoint_watch, slurm_supervise
-from ulyssesd.daemon.telemetry import log_source
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job.launcher import job_marker
 from ulyssesd.daemon.job.standby import StandbyKeeper
-from ulyssesd.daemon.telemetry.telemetry_reader import TelemetryReader
 from ulyssesd.daemon.spec import RunSpec, engine_job_values
 from ulyssesd.daemon.store.enums import IncidentStatus, RunState, Severity, Symptom
+from ulyssesd.daemon.telemetry import log_source
+from ulyssesd.daemon.telemetry.telemetry_reader import TelemetryReader
 from ulyssesd.remediation.records import StepRecord
 from ulyssesd.training.control import STACK_DUMP_DIR, stack_dump_files
 

@@ -19,8 +19,8 @@ from ulyssesd.daemon.core.termination import TerminationPlan, Then
 from ulyssesd.daemon.host import disk
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.job import config as jc
-from ulyssesd.daemon.telemetry import log_source
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
+from ulyssesd.daemon.telemetry import log_source
 from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.engine import Decision
 from ulyssesd.remediation.hang_stacks import read_hang

@@ -18,8 +18,8 @@ from ulyssesd.daemon.core.termination import UNREQUESTED, TerminationPlan, Then
 from ulyssesd.daemon.host import disk, host_oom
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus
-from ulyssesd.daemon.telemetry import declared_total
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
+from ulyssesd.daemon.telemetry import declared_total
 from ulyssesd.remediation.diagnosis import Diagnosis
 from ulyssesd.remediation.diagnosis.facts import scheduler_ended
 from ulyssesd.remediation.playbook import ladder_for_crash

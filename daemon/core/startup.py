@@ -22,11 +22,11 @@ from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import JobHandle
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job import slurm_supervise
-from ulyssesd.daemon.telemetry.telemetry_reader import Cursor, TelemetryReader
 from ulyssesd.daemon.spec import engine_job_values
 from ulyssesd.daemon.store.enums import ApplyMode, RunState
 from ulyssesd.daemon.store.permissions import private_dir
 from ulyssesd.daemon.store.recovery import refuse_unknown_run_dirs
+from ulyssesd.daemon.telemetry.telemetry_reader import Cursor, TelemetryReader
 from ulyssesd.remediation.engine import LadderState
 from ulyssesd.remediation.playbook import DEFAULTS, LADDERS, NON_FATAL
 from ulyssesd.remediation.records import StepRecord

@@ -11,8 +11,8 @@ import pytest
 from ulyssesd.client import write_manifest
 from ulyssesd.daemon.job.command import newest_complete_checkpoint, render_command
 from ulyssesd.daemon.job.launcher import build_launch
-from ulyssesd.daemon.telemetry.log_source import LogSource
 from ulyssesd.daemon.spec import JobSection, LauncherSection, run_spec_from_dict
+from ulyssesd.daemon.telemetry.log_source import LogSource
 from ulyssesd.remediation.records import parse_line
 from ulyssesd.training.spec import SpecError
 
