@@ -139,12 +139,21 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         disk.stop_read_only(sup, str((save_failure or {}).get("path") or sup.ckpt_dir), evidence)
         return
     returncode = status.returncode
+    meaningless = False
     if returncode not in (2, 3) and status.signal is None:
-        # torchrun exits 1 whatever its ranks exited with; their own codes are in its failure report, and
-        # the job's `exiting` event says why first (a rank that refused its config may still die by SIGABRT
-        # in the process group's teardown, and torchrun then reports -6 and -15, not 2).
-        returncode = next((c for c in (2, 3) if c in rank_codes), returncode)
-        returncode = disk.JOB_REFUSAL_EXIT.get(sup.last_exiting or "", returncode)
+        if exit_codes_declared(sup):
+            # torchrun exits 1 whatever its ranks exited with; their own codes are in its failure report, and
+            # the job's `exiting` event says why first (a rank that refused its config may still die by
+            # SIGABRT in the process group's teardown, and torchrun then reports -6 and -15, not 2).
+            returncode = next((c for c in (2, 3) if c in rank_codes), returncode)
+        returncode = disk.JOB_REFUSAL_EXIT.get(sup.last_exiting or "", returncode)  # the job said why
+    elif returncode in (2, 3) and not exit_codes_declared(sup) and \
+            disk.JOB_REFUSAL_EXIT.get(sup.last_exiting or "") != returncode:
+        # A command job that never declared the contract: its own `exit 3` is a crash like any other (it
+        # was read as "no valid checkpoint left" and ended the run without a retry).
+        meaningless = True
+        evidence["exit_code_meaning"] = ("none: the job did not declare ulyssesd's exit codes ([job] "
+                                         "exit_codes = \"ulyssesd\", or the client's `exiting` event)")
     symptom = Symptom.launch_failure if early and diag_label == "launcher_error" else Symptom.crash
     if diag_label == "cuda_oom":
         symptom = Symptom.cuda_oom
@@ -152,6 +161,7 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         symptom = Symptom.disk_full
     if diag_label == "config_rejected" and returncode != 3:
         returncode = 2  # the diagnosis found the refusal (a DeepSpeed/HF config check): the same as exit 2
+        meaningless = False
     if diag_label == "killed" and any(_SCHEDULER_END.search(e) for e in diag_evidence or []):
         # The scheduler ended the job (time limit, preemption, cancel): restarting inside the allocation is
         # pointless; the scheduler's requeue (if any) restarts the service, which resumes from the checkpoint.
@@ -160,7 +170,7 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         sup.incidents.stopped(iid, what)
         sup.fail(what)
         return
-    if returncode in (2, 3) and status.signal is None:
+    if returncode in (2, 3) and status.signal is None and not meaningless:
         # CONTRACTS.md: 2 = the job rejected its config, 3 = no loadable checkpoint left. Relaunching the
         # same thing cannot help, and starting from scratch would silently discard the run's progress.
         via = "" if returncode == status.returncode else f" from a rank; the launcher exited {status.returncode}"
@@ -298,6 +308,15 @@ def exit_handling_failed(sup: Supervisor, status: ExitStatus, plan: TerminationP
             except Exception:  # noqa: BLE001
                 log.critical("could not record the run as FAILED; the daemon stays up, the run needs a human",
                              run_id=sup.run_id)
+
+
+def exit_codes_declared(sup: Supervisor) -> bool:
+    """Whether the job's exit codes 2 and 3 carry ulyssesd's meaning (config rejected, no checkpoint left):
+    the built-in job's do; a command job's only with `[job] exit_codes = "ulyssesd"` (a job written to the
+    contract). Otherwise only the client's `exiting` event (reason config_rejected / no_checkpoint) gives a
+    code that meaning; a bare `exit 3` of a user's script is a crash."""
+    js = getattr(sup.spec, "job_section", None)
+    return js is None or js.kind == "builtin" or getattr(js, "exit_codes", "none") == "ulyssesd"
 
 
 def _memory_replanner(sup: Supervisor) -> Any:
