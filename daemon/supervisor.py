@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.daemon.core import commands, decisions, exits, housekeeping, startup, termination
+from ulyssesd.daemon.core import commands, decisions, exits, housekeeping, hung_stop, startup, termination
 from ulyssesd.daemon.core import launch as launching
 from ulyssesd.daemon.core.files import _size
 from ulyssesd.daemon.core.housekeeping import LoopScheduler, StepGuard
@@ -352,6 +352,7 @@ class Supervisor:
         t = self.term
         if t is None or self.job is None:
             return
+        hung_stop.shorten_grace_if_hung(self, t, self.os.monotonic())
         termination.advance(t, self.os, self.job, self.spec.launcher.module, self.marker(), self.os.monotonic(),
                             collect=lambda: self.collect_stacks(t), say=self.say)
 

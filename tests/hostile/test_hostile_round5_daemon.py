@@ -144,3 +144,49 @@ def test_every_numeric_field_has_a_finite_upper_bound():
     for name, model in _spec_sections().items():
         walk(model, f"{name}.")
     assert seen > 100
+
+
+def _stop_when(sup: Supervisor, step: int, timeout: float = 60.0) -> float:
+    """Tick until the job reached `step`, then ask the run to stop (as a remediation or an operator does
+    with the full stop grace); the monotonic time of the stop."""
+    deadline = time.monotonic() + timeout
+    while (sup.last_step or 0) < step:
+        assert time.monotonic() < deadline, f"step {step} never reached: {sup.state}"
+        sup.tick()
+        time.sleep(0.05)
+    sup.stop_run("operator stop")
+    return time.monotonic()
+
+
+def _until_done(sup: Supervisor, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    try:
+        while sup.state not in DONE:
+            assert time.monotonic() < deadline, f"state={sup.state}"
+            sup.tick()
+            time.sleep(0.05)
+    finally:
+        if sup.job is not None:
+            sup.os.signal_pids(sup.os.job_pids(sup.job, sup.marker()), signal.SIGKILL)
+
+
+def test_a_hung_job_is_stopped_on_the_hang_timescale_not_after_the_full_stop_grace(tmp_path):
+    # The job hangs at step 10 and ignores SIGTERM; the stop (not the hang detector's) has a 60 s grace.
+    spec = command_spec(tmp_path / "hung", ["--steps", "400", "--sleep", "0.05", "--hang-at", "10", "--ignore-term"],
+                        daemon={"stop_grace_s": 60.0, "hang_grace_s": 1.0})
+    sup = Supervisor(load_run_spec(spec), open_store(tmp_path / "hung" / "state" / "ulyssesd.db"), RealOS())
+    sup.start()
+    t0 = _stop_when(sup, 9)
+    _until_done(sup, 40)
+    took = time.monotonic() - t0
+    assert sup.state == RunState.STOPPED and took < 3.0 + 1.0 + 6.0, took  # hang timeout + hang grace + slack
+
+    # The healthy case: a job that keeps making progress while it takes its time to exit gets its grace.
+    spec = command_spec(tmp_path / "busy", ["--steps", "4000", "--sleep", "0.05", "--hang-at", "0",
+                                            "--ignore-term"], daemon={"stop_grace_s": 6.0, "hang_grace_s": 1.0})
+    sup = Supervisor(load_run_spec(spec), open_store(tmp_path / "busy" / "state" / "ulyssesd.db"), RealOS())
+    sup.start()
+    t0 = _stop_when(sup, 5)
+    _until_done(sup, 40)
+    took = time.monotonic() - t0
+    assert sup.state == RunState.STOPPED and took >= 6.0, took
