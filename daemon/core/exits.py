@@ -301,9 +301,16 @@ def exit_handling_failed(sup: Supervisor, status: ExitStatus, plan: TerminationP
             sup.store.update_incident_status(iid, IncidentStatus.remediating, "relaunching")
             schedule_relaunch(sup, plan.relaunch or Relaunch(f"internal error handling attempt {attempt}'s exit", iid))
     except Exception:  # noqa: BLE001 - the last resort: end the run honestly, keep the daemon up
-        log.exception("recovering from the failed exit handling failed too; the run ends FAILED")
+        log.exception("recovering from the failed exit handling failed too; the run ends as its plan said, "
+                      "else FAILED")
         if sup.state not in TERMINAL:
             try:
+                if plan.then in (Then.STOP, Then.PAUSE):  # the operator's stop or pause needs no store to hold
+                    if sup.state != S.STOPPING and plan.then is Then.STOP:
+                        sup.set_state(S.STOPPING, "operator stop")
+                    sup.set_state(S.STOPPED if plan.then is Then.STOP else S.PAUSED,
+                                  f"job exited after {plan.then.value}; its exit could not be recorded")
+                    return
                 sup.fail(f"{what}; recovering from it failed too (see the daemon log)")
             except Exception:  # noqa: BLE001
                 log.critical("could not record the run as FAILED; the daemon stays up, the run needs a human",

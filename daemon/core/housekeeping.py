@@ -167,6 +167,15 @@ class StepGuard:
         """Log, record and count `exc` (called from its `except`); `bounded`: end the run after `limit` in a
         row. A control request that raised is not bounded: it is the operator's call, not the loop spinning."""
         sup = self.sup
+        from ulyssesd.daemon.core.store_health import is_store_write_error
+
+        if is_store_write_error(exc) and sup.run_id:
+            # Not a bug of the step: the store (state dir) cannot be written. Degraded mode, retried with
+            # backoff, never counted toward step_error_limit (that would end a healthy job FAILED).
+            sup.store_health.failed(exc, sup.os.time(), sup.say, step)
+            if on_error is not None:
+                on_error(exc)
+            return
         errors = self.steps.setdefault(step, StepErrors())
         errors.in_a_row += 1
         errors.total += 1
