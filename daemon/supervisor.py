@@ -34,7 +34,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.daemon.core import commands, decisions, exits, housekeeping, hung_stop, startup, termination
+from ulyssesd.daemon.core import (
+    commands,
+    decisions,
+    exits,
+    housekeeping,
+    hung_stop,
+    liveness,
+    startup,
+    termination,
+)
 from ulyssesd.daemon.core import launch as launching
 from ulyssesd.daemon.core.files import _size
 from ulyssesd.daemon.core.housekeeping import LoopScheduler, StepGuard
@@ -124,7 +133,8 @@ class Supervisor:
         self.started_wall = self.os.time()
         # Every tick step runs through it: a bug in one is logged, recorded and bounded (core/housekeeping.py).
         self.guard = StepGuard(self, self.dcfg.step_error_limit)
-        self.store_health = StoreHealth()  # the store cannot be written: degraded mode (core/store_health.py)
+        self.store_health = StoreHealth()
+        self.gone_check = liveness.GoneCheck()  # a job not found is "gone" only when confirmed (core/liveness.py)  # the store cannot be written: degraded mode (core/store_health.py)
 
     # ------------------------------------------------------------------------------- helpers
     @property
@@ -406,7 +416,12 @@ class Supervisor:
         assert self.job is not None
         status = self.os.exit_status(self.job, self.exit_file)
         if status is None:
+            self.gone_check.since = None
             return
+        confirmed = liveness.confirm(self, status, self.gone_check)  # "gone" on more than one sign
+        if confirmed is None:
+            return
+        status = confirmed
         job, term = self.job, self.term
         # The job's last words (exiting event, final checkpoint); a bug there must not keep the exit unhandled.
         self.guard.run("telemetry", lambda: decisions.read_telemetry(self))
