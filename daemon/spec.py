@@ -199,6 +199,7 @@ class DaemonSection(_Section):
     min_free_gib: float = Field(5.0, ge=0, description="Disk guard: prune old checkpoints when free space falls below this.")
     verify_max_gib: float = Field(4.0, ge=0, description="Before a relaunch the daemon sha256-checks tags up to this size (larger: sizes only; the job verifies checksums itself) so the loop never blocks for long.")
     sweep_every_s: float = Field(30.0, gt=0, description="Period of the stale-attempt sweep (attempts marked live whose process is gone).")
+    attempt_log_max_mib: float = Field(1024.0, ge=1, le=1 << 20, description="An attempt's log (the job's stdout and stderr) is rotated past this size: its last half goes to attempt-N.log.1, the live file is truncated (at most 1.5x this on disk per attempt; the newest output is kept).")
     step_error_limit: int = Field(5, ge=1, le=1000, description="A tick step (telemetry, engine, exit, relaunch, ...) raising this many ticks in a row ends the run FAILED (job stopped with the stop grace) instead of spinning.")
 
     @model_validator(mode="after")

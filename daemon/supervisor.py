@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ulyssesd.daemon.core import (
+    attempt_log,
     commands,
     decisions,
     exits,
@@ -259,6 +260,8 @@ class Supervisor:
                     and not health.failing:
                 step("engine", lambda: decisions.handle_outputs(self, self.engine.tick(self.os.time()),
                                                                 step=self.last_step or 0))
+        if self.job is not None and writes:
+            step("attempt_log", lambda: attempt_log.rotate_if_big(self))  # bounded attempt logs
         if self.term is not None:
             step("termination", self._advance_termination)
         if self.job is not None and writes:
@@ -424,6 +427,8 @@ class Supervisor:
         status = confirmed
         job, term = self.job, self.term
         # The job's last words (exiting event, final checkpoint); a bug there must not keep the exit unhandled.
+        # All of them: a job that printed much before it exited is read to its end first (core/attempt_log.py).
+        self.guard.run("telemetry", lambda: attempt_log.drain_before_exit(self))
         self.guard.run("telemetry", lambda: decisions.read_telemetry(self))
         attempt = self.attempt
         plan = self.term.plan if self.term is not None else UNREQUESTED

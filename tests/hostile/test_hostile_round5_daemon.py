@@ -190,3 +190,28 @@ def test_a_hung_job_is_stopped_on_the_hang_timescale_not_after_the_full_stop_gra
     _until_done(sup, 40)
     took = time.monotonic() - t0
     assert sup.state == RunState.STOPPED and took >= 6.0, took
+
+
+def test_a_running_jobs_log_is_rotated_past_its_cap_without_losing_a_step_line(tmp_path):
+    # 12 MiB of noise, then steps slow enough that the per-tick rotation sees the log while the job runs.
+    sup, say = supervise(command_spec(tmp_path, ["--steps", "60", "--sleep", "0.05", "--junk-mib", "12"],
+                                      daemon={"attempt_log_max_mib": 4}), timeout=240)
+    assert sup.state == RunState.COMPLETED and sup.last_step == 60, (sup.last_step, say[-5:])
+    logs = sup.run_dir / "logs"
+    assert (logs / "attempt-1.log.1").stat().st_size <= 2 << 20 and (logs / "attempt-1.log").stat().st_size <= 4 << 20
+    recs = [json.loads(x) for x in (sup.run_dir / "telemetry-stdout.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r.get("kind") == "step"] == list(range(1, 61))
+
+
+def test_much_output_before_the_step_lines_is_read_to_the_end_and_the_attempt_log_stays_bounded(tmp_path):
+    """The probe: 100 MiB on stdout before the step lines; the pump read 4 MiB per tick and the run ended
+    "COMPLETED at step None"; the attempt log had no cap. Here 40 MiB, a 8 MiB cap, then 20 steps and exit 0."""
+    sup, say = supervise(command_spec(tmp_path, ["--steps", "20", "--sleep", "0.01", "--junk-mib", "40"],
+                                      daemon={"attempt_log_max_mib": 8}), timeout=240)
+    assert sup.state == RunState.COMPLETED and sup.last_step == 20, (sup.last_step, say[-5:])
+    logs = sup.run_dir / "logs"
+    live, rotated = logs / "attempt-1.log", logs / "attempt-1.log.1"
+    assert live.stat().st_size <= 8 << 20 and (not rotated.exists() or rotated.stat().st_size <= 4 << 20)
+    assert live.read_text().rstrip().endswith("done") and "step=20 loss=" in live.read_text()  # the tail kept
+    recs = [json.loads(x) for x in (sup.run_dir / "telemetry-stdout.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r.get("kind") == "step"] == list(range(1, 21))

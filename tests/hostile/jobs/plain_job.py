@@ -1,7 +1,7 @@
 """A user's own training script, stdlib only, for the hostile daemon tests: prints `step=N loss=X` lines
 and misbehaves as told, on the attempt told (ULYSSESD_ATTEMPT).
 
-    plain_job.py --steps N --sleep S [--chatty-hang-at K] [--exit3-at K] [--hang-at K] [--attempt A]
+    plain_job.py --steps N --sleep S [--chatty-hang-at K] [--exit3-at K] [--hang-at K] [--junk-mib M] [--attempt A]
 """
 
 import argparse
@@ -16,6 +16,7 @@ p.add_argument("--sleep", type=float, default=0.05)
 p.add_argument("--chatty-hang-at", type=int, default=0)
 p.add_argument("--exit3-at", type=int, default=0)
 p.add_argument("--hang-at", type=int, default=0)
+p.add_argument("--junk-mib", type=int, default=0, help="print this many MiB of noise before the first step")
 p.add_argument("--ignore-term", action="store_true", help="a hung job does not react to SIGTERM")
 p.add_argument("--attempt", type=int, default=1, help="misbehave on this attempt only")
 a = p.parse_args()
@@ -23,6 +24,10 @@ attempt = int(os.environ.get("ULYSSESD_ATTEMPT", "1"))
 bad = attempt == a.attempt
 if a.ignore_term and bad:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+line = "noise " * 20 + "\n"
+for _ in range(a.junk_mib * (1 << 20) // len(line)):
+    sys.stdout.write(line)
+sys.stdout.flush()
 for step in range(1, a.steps + 1):
     if bad and step == a.exit3_at:
         print("my own reason to stop: dataset shard missing", flush=True)
