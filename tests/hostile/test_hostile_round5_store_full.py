@@ -110,3 +110,25 @@ def test_stop_is_accepted_while_the_store_cannot_be_written_and_stored_once_it_c
         assert sup.store.get_run(sup.run_id).state == RunState.STOPPED
     finally:
         _kill(sup)
+
+
+def test_ulyssesctl_status_shows_a_store_that_cannot_be_written():
+    from rich.console import Console
+
+    from ulyssesd.daemon.operator.ctl_status import render_status
+
+    d = {"run_id": "r1", "state": "RUNNING", "state_reason": None, "daemon": "running", "daemon_pid": 7,
+         "attempt": 1, "restarts": 0, "operator_relaunches": 0, "step": 5, "loss": 2.0, "tokens_per_s": None,
+         "mem_max_allocated_gib": None, "latest_checkpoint": None, "known_good_checkpoint": None,
+         "config_version": 1, "config_diff_from_v1": {}, "open_incidents": 0, "open_incident_list": [],
+         "run_dir": "/x", "daemon_state": "STOPPED",
+         "store": {"writable": False, "error": "OperationalError: database or disk is full", "since_s": 12.0,
+                   "next_retry_s": 3.0, "note": "free space there"}}
+    console = Console(record=True, width=300)
+    console.print(render_status(d))
+    text = console.export_text()
+    assert "NOT WRITABLE" in text and "database or disk is full" in text and "the daemon's state: STOPPED" in text
+    d["store"] = {"writable": True}
+    console = Console(record=True, width=300)
+    console.print(render_status(d))
+    assert "NOT WRITABLE" not in console.export_text()
