@@ -51,7 +51,12 @@ from ulyssesd.daemon.core.housekeeping import LoopScheduler, StepGuard
 from ulyssesd.daemon.core.incident_log import IncidentLog, Position
 from ulyssesd.daemon.core.relaunch import Counters, Relaunch
 from ulyssesd.daemon.core.states import TERMINAL, TRANSITIONS, check_transition, transition_reason
-from ulyssesd.daemon.core.store_health import StoreHealth, flush_pending_states, is_store_write_error
+from ulyssesd.daemon.core.store_health import (
+    StoreHealth,
+    flush_pending_states,
+    is_store_write_error,
+    probe_state_dir,
+)
 from ulyssesd.daemon.core.termination import UNREQUESTED, RankWatch, Termination, TerminationPlan, Then
 from ulyssesd.daemon.host.logging import bind_run, get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle, OSInterface
@@ -251,7 +256,7 @@ class Supervisor:
         if writes and health.pending_states:
             writes = step("store_flush", lambda: flush_pending_states(self)) and not health.pending_states
             if writes and self.state in TERMINAL:
-                health.recovered(self.os.time(), self.say)
+                health.recovered(self.os.time(), self.say)  # the run's end is stored: nothing else to write
         if self.state in TERMINAL:
             return
         if self.job is not None and writes:
@@ -272,8 +277,9 @@ class Supervisor:
         if self.state == S.BACKOFF and self.job is None and self.backoff_until is not None and writes \
                 and self.os.time() >= self.backoff_until:
             step("relaunch", self._relaunch_after_backoff)
-        if writes and health.failing and health.failures == failures_before and not health.pending_states:
-            health.recovered(self.os.time(), self.say)  # a retry ran clean
+        if writes and health.failing and health.failures == failures_before and not health.pending_states \
+                and step("store_probe", lambda: probe_state_dir(self.dcfg.state_dir)):
+            health.recovered(self.os.time(), self.say)  # a retry ran clean and the state dir takes writes
         step("publish", self._publish)
         if self.notifier is not None:
             step("watchdog", self.notifier.maybe_watchdog)

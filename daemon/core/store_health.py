@@ -18,7 +18,9 @@ not a bug of a tick step: the supervisor enters a degraded mode in which
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import sqlite3
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +107,24 @@ class StoreHealth:
                 "unrecorded_state_changes": len(self.pending_states),
                 "note": "the state dir's disk is full or failing; the job is left alone until the store can be "
                         "written; free space there"}
+
+
+PROBE_BYTES = 256 << 10
+
+
+def probe_state_dir(state_dir: str | os.PathLike[str]) -> None:
+    """Write, sync and remove a small file in the state dir: raises OSError (ENOSPC, EROFS, EIO) while it
+    cannot take writes. The degraded mode ends only after a retry ran clean AND this succeeds, so a quiet
+    retry (nothing to write) on a still-full disk does not end it."""
+    path = os.path.join(os.fspath(state_dir), ".ulyssesd-write-probe")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, b"\0" * PROBE_BYTES)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def flush_pending_states(sup: Any) -> None:

@@ -132,3 +132,27 @@ def test_ulyssesctl_status_shows_a_store_that_cannot_be_written():
     console = Console(record=True, width=300)
     console.print(render_status(d))
     assert "NOT WRITABLE" not in console.export_text()
+
+
+def test_only_a_store_that_cannot_take_writes_enters_the_degraded_mode(tmp_path):
+    import errno
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    full = OperationalError("INSERT ...", {}, sqlite3.OperationalError("database or disk is full"))
+    assert store_health.is_store_write_error(full)
+    assert store_health.is_store_write_error(OSError(errno.ENOSPC, "No space left on device"))
+    try:
+        try:
+            raise OSError(errno.EROFS, "Read-only file system")
+        except OSError as inner:
+            raise RuntimeError("writing the attempt row failed") from inner
+    except RuntimeError as chained:
+        assert store_health.is_store_write_error(chained)
+    # A bug is a bug: the step guard's incident and step_error_limit still apply to it.
+    for exc in (ValueError("bad"), OperationalError("SELECT", {}, sqlite3.OperationalError("no such table: runs")),
+                OSError(errno.ENOENT, "No such file")):
+        assert not store_health.is_store_write_error(exc)
+    store_health.probe_state_dir(tmp_path)  # a writable dir: no error, no file left
+    assert not list(tmp_path.iterdir())
