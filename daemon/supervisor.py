@@ -139,8 +139,11 @@ class Supervisor:
         self.started_wall = self.os.time()
         # Every tick step runs through it: a bug in one is logged, recorded and bounded (core/housekeeping.py).
         self.guard = StepGuard(self, self.dcfg.step_error_limit)
-        self.store_health = StoreHealth()
-        self.gone_check = liveness.GoneCheck()  # a job not found is "gone" only when confirmed (core/liveness.py)  # the store cannot be written: degraded mode (core/store_health.py)
+        self.store_health = StoreHealth()  # the store cannot be written: degraded mode (core/store_health.py)
+        self.gone_check = liveness.GoneCheck()  # a job not found is "gone" only when confirmed (core/liveness.py)
+        # An exit the store could not record, kept to be handled again at the next retry (its status is read
+        # once: a reaped child's code is not read twice).
+        self.unrecorded_exit: ExitStatus | None = None
 
     # ------------------------------------------------------------------------------- helpers
     @property
@@ -423,14 +426,14 @@ class Supervisor:
     # ------------------------------------------------------------------------------ exits
     def _notice_exit(self) -> None:
         assert self.job is not None
-        status = self.os.exit_status(self.job, self.exit_file)
+        status = self.unrecorded_exit or self.os.exit_status(self.job, self.exit_file)
         if status is None:
             self.gone_check.since = None
             return
-        confirmed = liveness.confirm(self, status, self.gone_check)  # "gone" on more than one sign
+        confirmed = status if self.unrecorded_exit else liveness.confirm(self, status, self.gone_check)
         if confirmed is None:
-            return
-        status = confirmed
+            return  # "gone" needs more than one sign (core/liveness.py)
+        status, self.unrecorded_exit = confirmed, None
         job, term = self.job, self.term
         # The job's last words (exiting event, final checkpoint); a bug there must not keep the exit unhandled.
         # All of them: a job that printed much before it exited is read to its end first (core/attempt_log.py).
@@ -445,7 +448,7 @@ class Supervisor:
                 # The store cannot record this exit: keep it unprocessed (the exit file stays) and handle it
                 # again at the next retry; nothing is relaunched or decided meanwhile. (A stop or pause is
                 # honoured at once below: there is nothing left to keep safe.)
-                self.job, self.term = job, term
+                self.job, self.term, self.unrecorded_exit = job, term, status
                 return
             exits.exit_handling_failed(self, status, plan, attempt, exc)
 

@@ -89,6 +89,8 @@ def test_a_full_state_dir_is_reported_the_job_left_alone_and_the_run_goes_on_onc
         assert sup.state == RunState.COMPLETED, sup.state
         assert sup.handle_command({"cmd": "status"})["status"]["store"]["writable"] is True
         assert sup.store.get_run(sup.run_id).state == RunState.COMPLETED
+        first = sup.store.list_attempts(sup.run_id)[0]  # the exit kept while the store was full keeps its code
+        assert first.returncode is not None or first.signal is not None, first
     finally:
         _kill(sup)
 
