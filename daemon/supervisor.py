@@ -437,8 +437,7 @@ class Supervisor:
         job, term = self.job, self.term
         # The job's last words (exiting event, final checkpoint); a bug there must not keep the exit unhandled.
         # All of them: a job that printed much before it exited is read to its end first (core/attempt_log.py).
-        self.guard.run("telemetry", lambda: attempt_log.drain_before_exit(self))
-        self.guard.run("telemetry", lambda: decisions.read_telemetry(self))
+        self.guard.run("telemetry", lambda: (attempt_log.drain_before_exit(self), decisions.read_telemetry(self)))
         attempt = self.attempt
         plan = self.term.plan if self.term is not None else UNREQUESTED
         # A failed exit handling has its own recovery: the run goes where the plan said (core/exits.py).
