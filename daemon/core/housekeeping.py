@@ -132,6 +132,12 @@ class StepErrors:
     ending_since: float | None = None  # monotonic time the run was told to end for this step's errors
 
 
+#: The tick steps that write the store or the state dir: their "cannot write" errors are the degraded mode's
+#: (core/store_health.py), retried with backoff; the same error elsewhere is an ordinary step error.
+STORE_WRITING_STEPS = frozenset({"telemetry", "engine", "attempt_log", "exit_check", "exit", "rank_watch",
+                                 "relaunch", "store_flush", "store_probe"})
+
+
 class StepGuard:
     """Runs each tick step so that its exception is logged, recorded, counted and bounded, never fatal."""
 
@@ -169,7 +175,7 @@ class StepGuard:
         sup = self.sup
         from ulyssesd.daemon.core.store_health import is_store_write_error
 
-        if is_store_write_error(exc) and sup.run_id:
+        if step in STORE_WRITING_STEPS and is_store_write_error(exc) and sup.run_id:
             # Not a bug of the step: the store (state dir) cannot be written. Degraded mode, retried with
             # backoff, never counted toward step_error_limit (that would end a healthy job FAILED).
             sup.store_health.failed(exc, sup.os.time(), sup.say, step)
