@@ -437,7 +437,7 @@ class Supervisor:
         job, term = self.job, self.term
         # The job's last words (exiting event, final checkpoint); a bug there must not keep the exit unhandled.
         # All of them: a job that printed much before it exited is read to its end first (core/attempt_log.py).
-        self.guard.run("telemetry", lambda: (attempt_log.drain_before_exit(self), decisions.read_telemetry(self)))
+        self.guard.run("telemetry", self._read_to_the_end)
         attempt = self.attempt
         plan = self.term.plan if self.term is not None else UNREQUESTED
         # A failed exit handling has its own recovery: the run goes where the plan said (core/exits.py).
@@ -452,6 +452,11 @@ class Supervisor:
             exits.exit_handling_failed(self, status, plan, attempt, exc)
 
         self.guard.run("exit", lambda: self._on_exit(status, attempt), on_error=on_error)
+
+    def _read_to_the_end(self) -> None:
+        """An ended attempt's output read to its end (core/attempt_log.py), then its last records acted upon."""
+        attempt_log.drain_before_exit(self)
+        decisions.read_telemetry(self)
 
     def _on_exit(self, status: ExitStatus, attempt: int) -> None:
         slurm_end = slurm_supervise.before_exit(self, status)  # submit mode: Slurm's record decides first
