@@ -5,6 +5,7 @@ thread); one daemon writer thread encodes, appends, flushes each batch (the daem
 fsyncs after events (an `exiting` or `checkpoint_saved` must survive a host crash). A full queue drops the
 STEP record (counted, reported as a `telemetry_dropped` event) rather than stall the training loop; events
 are never dropped: they wait up to `event_put_timeout_s`. `close()` (also at interpreter exit) drains.
+A file whose last line is torn (a writer killed mid-line) gets that line ended before the first append.
 Only global rank 0 writes; on other ranks every call is a cheap no-op.
 `total_steps` (the constructor's, or `set_total_steps` once the script knows its length) goes into every
 step record: `ulyssesctl status` shows it as a command job's total (an older daemon ignores the field).
@@ -55,6 +56,26 @@ class ReporterConfig:
     after a record (fault injection) and would lose what sits in the queue."""
 
 
+def repair_torn_tail(fh: Any) -> bool:
+    """End a torn last line (a writer killed mid-line) with a newline before anything is appended, so the
+    fragment stays a line of its own (the reader skips it as garbage) and the next record is not glued onto it
+    and lost. True when a fragment was closed. `fh` is the append-mode handle."""
+    try:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            return False
+        with open(fh.name, "rb") as rd:
+            rd.seek(size - 1)
+            if rd.read(1) == b"\n":
+                return False
+        fh.write("\n")
+        fh.flush()
+        return True
+    except OSError as exc:  # a file we cannot read back: appending is still better than not reporting
+        log.warning("telemetry file %s: could not check its last line (%s)", fh.name, exc)
+        return False
+
+
 class Reporter:
     """Telemetry writer for any training script (docs/CLIENT.md).
 
@@ -88,6 +109,7 @@ class Reporter:
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()/the writer
+            self.repaired_tail = repair_torn_tail(self._fh)
             self._lock = threading.Lock()
             if not self.config.synchronous:
                 self._thread = threading.Thread(target=self._run, name="ulyssesd-reporter", daemon=True)

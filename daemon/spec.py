@@ -159,6 +159,10 @@ class JobSection(_Section):
     total_steps: int | None = Field(None, ge=1, description="kind=command: the run's length in optimizer steps, "
                                     "for ulyssesctl status's total and ETA when the job's telemetry does not "
                                     "report one (unknown otherwise; [train] steps is the built-in job's).")
+    exit_codes: Literal["none", "ulyssesd"] = Field(
+        "none", description="kind=command: what the job's exit codes mean. none = any non-zero exit is a crash "
+        "(retried); ulyssesd = the job follows ulyssesd's contract, 2 = config rejected and 3 = no valid "
+        "checkpoint left, both end the run without a retry (the client's `exiting` event declares it too).")
 
     @model_validator(mode="after")
     def _check(self) -> JobSection:
@@ -168,6 +172,8 @@ class JobSection(_Section):
             raise ValueError("command is required for kind='command' (the program and its arguments)")
         if self.kind == "builtin" and self.command:
             raise ValueError("command is only used with kind='command'")
+        if self.kind == "builtin" and self.exit_codes != "none":
+            raise ValueError("exit_codes is only used with kind='command' (the built-in job follows the contract)")
         if self.kind == "builtin" and self.total_steps is not None:
             raise ValueError("total_steps is only used with kind='command' (the built-in job's is [train] steps)")
         if self.checkpoint_pattern is not None and (self.checkpoint_pattern.startswith("/")
@@ -215,6 +221,7 @@ class DaemonSection(_Section):
     set_aside_max_gib: float | None = Field(None, ge=0, description="... and at most this many GiB of them (default: no byte cap besides the count).")
     verify_max_gib: float = Field(4.0, ge=0, description="Before a relaunch the daemon sha256-checks tags up to this size (larger: sizes only; the job verifies checksums itself) so the loop never blocks for long.")
     sweep_every_s: float = Field(30.0, gt=0, description="Period of the stale-attempt sweep (attempts marked live whose process is gone).")
+    attempt_log_max_mib: float = Field(1024.0, ge=1, le=1 << 20, description="An attempt's log (the job's stdout and stderr) is rotated past this size: its last half goes to attempt-N.log.1, the live file is truncated (at most 1.5x this on disk per attempt; the newest output is kept).")
     step_error_limit: int = Field(5, ge=1, le=1000, description="A tick step (telemetry, engine, exit, relaunch, ...) raising this many ticks in a row ends the run FAILED (job stopped with the stop grace) instead of spinning.")
 
     @model_validator(mode="after")
@@ -270,8 +277,24 @@ class RunSpec(BaseModel):
     job_section: JobSection = Field(default_factory=JobSection)
 
 
+def _spec_sections() -> dict[str, type[BaseModel]]:
+    """Each top-level table of a spec file and its model (for the number bounds, spec_bounds.py)."""
+    from ulyssesd.daemon import spec_bounds
+
+    out: dict[str, type[BaseModel]] = {"job": JobSection}
+    for model in (JobSpec, DaemonSpec):
+        for name, field in model.model_fields.items():
+            subs = spec_bounds._models(field.annotation)
+            if subs:
+                out.setdefault(name, subs[0])
+    return out
+
+
 def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: Path | None = None) -> RunSpec:
-    problems: list[str] = []
+    from ulyssesd.daemon import spec_bounds
+
+    # Every number finite and within a physical range, named with the field and the range.
+    problems: list[str] = spec_bounds.problems(data, _spec_sections())
     daemon_part = {k: v for k, v in data.items() if k in DAEMON_SECTIONS}
     job_section = JobSection()
     if "job" in data:  # `[job]` is the daemon's: the job's own sections never see it

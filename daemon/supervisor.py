@@ -34,13 +34,29 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.daemon.core import commands, decisions, exits, housekeeping, startup, termination
+from ulyssesd.daemon.core import (
+    attempt_log,
+    commands,
+    decisions,
+    exits,
+    housekeeping,
+    hung_stop,
+    liveness,
+    startup,
+    termination,
+)
 from ulyssesd.daemon.core import launch as launching
 from ulyssesd.daemon.core.files import _size
 from ulyssesd.daemon.core.housekeeping import LoopScheduler, StepGuard
 from ulyssesd.daemon.core.incident_log import IncidentLog, Position
 from ulyssesd.daemon.core.relaunch import Counters, Relaunch
-from ulyssesd.daemon.core.states import TERMINAL, check_transition, transition_reason
+from ulyssesd.daemon.core.states import TERMINAL, TRANSITIONS, check_transition, transition_reason
+from ulyssesd.daemon.core.store_health import (
+    StoreHealth,
+    flush_pending_states,
+    is_store_write_error,
+    probe_state_dir,
+)
 from ulyssesd.daemon.core.termination import UNREQUESTED, RankWatch, Termination, TerminationPlan, Then
 from ulyssesd.daemon.host.logging import bind_run, get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle, OSInterface
@@ -128,6 +144,11 @@ class Supervisor:
         self.started_wall = self.os.time()
         # Every tick step runs through it: a bug in one is logged, recorded and bounded (core/housekeeping.py).
         self.guard = StepGuard(self, self.dcfg.step_error_limit)
+        self.store_health = StoreHealth()  # the store cannot be written: degraded mode (core/store_health.py)
+        self.gone_check = liveness.GoneCheck()  # a job not found is "gone" only when confirmed (core/liveness.py)
+        # An exit the store could not record, kept to be handled again at the next retry (its status is read
+        # once: a reaped child's code is not read twice).
+        self.unrecorded_exit: ExitStatus | None = None
 
     # ------------------------------------------------------------------------------- helpers
     @property
@@ -155,7 +176,17 @@ class Supervisor:
             return
         table_reason = check_transition(self.state, to)
         full = transition_reason(reason, table_reason)
-        self.store.set_run_state(self.run_id, to, full, attempt=self.attempt or None)
+        if self.store_health.pending_states:  # keep the order: this one is written after the earlier ones
+            self.store_health.pending_states.append((to, full, self.attempt or None))
+        else:
+            try:
+                self.store.set_run_state(self.run_id, to, full, attempt=self.attempt or None)
+            except Exception as exc:
+                if not is_store_write_error(exc):
+                    raise
+                # The state machine moves on in memory (a stop is accepted); the store gets it when it can.
+                self.store_health.pending_states.append((to, full, self.attempt or None))
+                self.store_health.failed(exc, self.os.time(), self.say, "state")
         # FAILED is the one line an operator must not miss (journald priority 2, `journalctl -p crit`).
         (log.critical if to == S.FAILED else log.info)("state", run_id=self.run_id, frm=self.state.value,
                                                          to=to.value, reason=full)
@@ -226,24 +257,38 @@ class Supervisor:
         if self.scheduler is not None:
             step("scheduler", self.scheduler.run_due)
         step("standby", lambda: self.standby.tick(self))  # start, check or stop the warm standby
+        # The store cannot be written (core/store_health.py): the steps that write run only at the retry time.
+        health = self.store_health
+        writes = health.due(self.os.time())
+        failures_before = health.failures
+        if writes and health.pending_states:
+            writes = step("store_flush", lambda: flush_pending_states(self)) and not health.pending_states
+            if writes and self.state in TERMINAL:
+                health.recovered(self.os.time(), self.say)  # the run's end is stored: nothing else to write
         if self.state in TERMINAL:
             return
-        if self.job is not None:
+        if self.job is not None and writes:
             step("telemetry", lambda: decisions.read_telemetry(self))
-            if self.engine is not None and self.term is None and self.state in (S.RUNNING, S.STARTING):
+            if self.engine is not None and self.term is None and self.state in (S.RUNNING, S.STARTING) \
+                    and not health.failing:
                 step("engine", lambda: decisions.handle_outputs(self, self.engine.tick(self.os.time()),
                                                                 step=self.last_step or 0))
             step("checkpoints", lambda: checkpoint_watch.tick(self, decisions.on_record))   # a command job's saves, from its files
+        if self.job is not None and writes:
+            step("attempt_log", lambda: attempt_log.rotate_if_big(self))  # bounded attempt logs
         if self.term is not None:
             step("termination", self._advance_termination)
-        if self.job is not None:
+        if self.job is not None and writes:
             step("exit_check", self._notice_exit)
-        if self.job is not None and self.term is None and self.last_exiting is None \
+        if self.job is not None and self.term is None and self.last_exiting is None and writes \
                 and self.state in (S.RUNNING, S.STARTING) and self.rank_watch.due(self.os.monotonic()):
             step("rank_watch", self._watch_ranks)
-        if self.state == S.BACKOFF and self.job is None and self.backoff_until is not None \
+        if self.state == S.BACKOFF and self.job is None and self.backoff_until is not None and writes \
                 and self.os.time() >= self.backoff_until:
             step("relaunch", self._relaunch_after_backoff)
+        if writes and health.failing and health.failures == failures_before and not health.pending_states \
+                and step("store_probe", lambda: probe_state_dir(self.dcfg.state_dir)):
+            health.recovered(self.os.time(), self.say)  # a retry ran clean and the state dir takes writes
         step("publish", self._publish)
         if self.notifier is not None:
             step("watchdog", self.notifier.maybe_watchdog)
@@ -294,9 +339,10 @@ class Supervisor:
     def run_forever(self, poll: Callable[[float], object] | None = None) -> RunState:
         """Tick until the run ends or the daemon is told to detach. `poll(timeout)` doubles as the sleep
         (the control socket's poll, which answers requests on this thread)."""
-        while not self.detach and self.state not in TERMINAL:
+        # A run that ended while its store could not be written stays served (status) until the end is stored.
+        while not self.detach and (self.state not in TERMINAL or self.store_health.pending_states):
             self.tick()
-            if self.state in TERMINAL or self.detach:
+            if (self.state in TERMINAL and not self.store_health.pending_states) or self.detach:
                 break
             # The socket's poll is the sleep; if it raises, the loop still sleeps (never a busy spin), and the
             # training goes on: a broken socket is an incident, not a reason to end a run.
@@ -358,6 +404,7 @@ class Supervisor:
         t = self.term
         if t is None or self.job is None:
             return
+        hung_stop.shorten_grace_if_hung(self, t, self.os.monotonic())
         termination.advance(t, self.os, self.job, self.spec.launcher.module, self.marker(), self.os.monotonic(),
                             collect=lambda: self.collect_stacks(t), say=self.say)
 
@@ -374,24 +421,48 @@ class Supervisor:
             self.backoff_until, self.pending_relaunch = None, None
             if fail:
                 self.fail(reason)
-            elif pause:
-                self.set_state(S.PAUSED, reason)
-            else:
-                self.set_state(S.STOPPED, reason)
+                return
+            to = S.PAUSED if pause else S.STOPPED
+            if self.state not in TERMINAL and (self.state, to) not in TRANSITIONS:
+                # No job to stop but a state that cannot end directly (a run whose exit could not be
+                # recorded sits RUNNING with no job): pass through STOPPING, as a stop with a job does.
+                self.set_state(S.STOPPING, reason)
+            self.set_state(to, reason)
 
     # ------------------------------------------------------------------------------ exits
     def _notice_exit(self) -> None:
         assert self.job is not None
-        status = self.os.exit_status(self.job, self.exit_file)
+        status = self.unrecorded_exit or self.os.exit_status(self.job, self.exit_file)
         if status is None:
+            self.gone_check.since = None
             return
+        confirmed = status if self.unrecorded_exit else liveness.confirm(self, status, self.gone_check)
+        if confirmed is None:
+            return  # "gone" needs more than one sign (core/liveness.py)
+        status, self.unrecorded_exit = confirmed, None
+        job, term = self.job, self.term
         # The job's last words (exiting event, final checkpoint); a bug there must not keep the exit unhandled.
-        self.guard.run("telemetry", lambda: decisions.read_telemetry(self))
+        # All of them: a job that printed much before it exited is read to its end first (core/attempt_log.py).
+        self.guard.run("telemetry", self._read_to_the_end)
         attempt = self.attempt
         plan = self.term.plan if self.term is not None else UNREQUESTED
         # A failed exit handling has its own recovery: the run goes where the plan said (core/exits.py).
-        self.guard.run("exit", lambda: self._on_exit(status, attempt),
-                       on_error=lambda exc: exits.exit_handling_failed(self, status, plan, attempt, exc))
+        def on_error(exc: BaseException) -> None:
+            if is_store_write_error(exc) and self.job is None and self.state not in TERMINAL \
+                    and plan.then in (Then.CRASH, Then.RELAUNCH):
+                # The store cannot record this exit: keep it unprocessed (the exit file stays) and handle it
+                # again at the next retry; nothing is relaunched or decided meanwhile. (A stop or pause is
+                # honoured at once below: there is nothing left to keep safe.)
+                self.job, self.term, self.unrecorded_exit = job, term, status
+                return
+            exits.exit_handling_failed(self, status, plan, attempt, exc)
+
+        self.guard.run("exit", lambda: self._on_exit(status, attempt), on_error=on_error)
+
+    def _read_to_the_end(self) -> None:
+        """An ended attempt's output read to its end (core/attempt_log.py), then its last records acted upon."""
+        attempt_log.drain_before_exit(self)
+        decisions.read_telemetry(self)
 
     def _on_exit(self, status: ExitStatus, attempt: int) -> None:
         slurm_end = slurm_supervise.before_exit(self, status)  # submit mode: Slurm's record decides first
@@ -436,6 +507,7 @@ class Supervisor:
             "garbage_telemetry_lines": self.reader.garbage_lines if self.reader else 0,
             "telemetry_record_errors": self.record_errors,
             "tick_step_errors": self.guard.counts(),  # raises per tick step since the daemon started
+            "store": self.store_health.status(self.os.time()),  # writable, or why not (core/store_health.py)
             "run_dir": str(self.run_dir), "daemon_pid": os.getpid(),
             "standby": self.standby.describe(self),  # the warm next attempt, or None (daemon/job/standby.py)
         }

@@ -45,7 +45,8 @@ def _training_threads(text: str) -> list[list[tuple[str, str, str]]]:
     """The threads running the training loop (one per rank in the text; most recent call first), else the
     dump's current thread, else the first thread with Python frames."""
     starts = [m.start() for m in _THREAD_RE.finditer(text)]
-    blocks = [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)], strict=True)] or [text]
+    # No thread header at all (a chatty hang's log excerpt, a truncated dump): the whole text is one block.
+    blocks = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)] if starts else [text]
     # The data prefetch thread (training/data/loader.py) runs training code too, but never a collective: not the loop.
     training = [f for f in map(_frames, blocks) if any(_TRAINING in p for p, _, _ in f)
                 and not any(p.endswith("training/data/loader.py") and fn == "_fill" for p, _, fn in f)]
@@ -78,7 +79,16 @@ def read_rank(text: str, rank: int | None) -> RankStack:
 
 
 def read_hang(per_rank: dict[int, str] | None = None, unattributed: str = "") -> HangReading:
-    """Classify a hang from per-rank dumps (preferred) or from one log excerpt with every rank mixed in."""
+    """Classify a hang from per-rank dumps (preferred) or from one log excerpt with every rank mixed in.
+    Never raises: the dumps are whatever a hung job printed, and a reading that fails must not stop the
+    hang's own remediation (the restart); it is reported as unreadable instead."""
+    try:
+        return _read_hang(per_rank, unattributed)
+    except Exception as exc:  # noqa: BLE001 - any text at all; the relaunch must go on
+        return HangReading(None, (), (), f"the stack dumps could not be read ({type(exc).__name__}: {exc})")
+
+
+def _read_hang(per_rank: dict[int, str] | None, unattributed: str) -> HangReading:
     ranks = tuple(read_rank(t, r) for r, t in sorted((per_rank or {}).items()) if t.strip())
     if not ranks and unattributed.strip():
         ranks = (read_rank(unattributed, None),)

@@ -12,6 +12,10 @@ checked (second gate) at accept, before a byte is read: an unauthorized peer get
 the connection is never read (half-closed, closed after REFUSED_LINGER_S), so nothing it sends is ever
 parsed. The handler gets the validated envelope plus `"peer": {"pid", "uid", "gid"}` so actions can be
 attributed.
+
+A socket file deleted under a live daemon (a tmp cleaner, an operator's `rm`) is found by poll() within
+SOCKET_CHECK_S and bound again (same mode and group): `ulyssesctl` would otherwise say "not running" for a
+live daemon, and pause/stop would be impossible. A path now held by something else is left alone (logged).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from .peers import Peer, PeerAuthorizer, peer_credentials
 from .protocol import MAX_REQUEST_BYTES, ControlSocketError, error_response, parse_request
 
 REFUSED_LINGER_S = 1.0  # a refused connection stays open (never read) this long, then is closed
+SOCKET_CHECK_S = 2.0  # how often poll() checks that the socket file is still there (and rebinds it if not)
 _AF_UNIX_MAX = 107  # sizeof(sun_path) - 1 on Linux
 
 
@@ -64,6 +69,10 @@ class ControlServer:
         self.refused = 0  # connections refused by the authorizer since start
         self._lingering: list[tuple[float, socket.socket]] = []  # refused, answered, closed at this deadline
         self._sel = selectors.DefaultSelector()
+        self._mode, self._group = mode, group
+        self.rebinds = 0  # times the socket file was found gone and bound again
+        self._next_check = time.monotonic() + SOCKET_CHECK_S
+        self._foreign_logged = False
         self._listener = self._listen(mode, group)
         self._ino = os.stat(self.path).st_ino
         self._sel.register(self._listener, selectors.EVENT_READ, "accept")
@@ -140,6 +149,38 @@ class ControlServer:
         except BlockingIOError:
             pass  # pipe full: a wakeup is already pending
 
+    def ensure_bound(self) -> bool:
+        """Bind the socket again when its file is gone; True when it was rebound. A path that now holds a
+        different file (another daemon's socket, anything else) is not touched: logged once."""
+        try:
+            ino = os.lstat(self.path).st_ino
+        except FileNotFoundError:
+            ino = None
+        except OSError as exc:
+            self._log.warning("cannot check the control socket file", error=str(exc))
+            return False
+        if ino == self._ino:
+            return False
+        if ino is not None:
+            if not self._foreign_logged:
+                self._log.error("the control socket path now holds another file; not replacing it "
+                                "(ulyssesctl reaches whatever listens there)")
+                self._foreign_logged = True
+            return False
+        try:
+            listener = self._listen(self._mode, self._group)
+        except ControlSocketError as exc:
+            self._log.error("the control socket file was deleted and cannot be bound again", error=str(exc))
+            return False
+        self._sel.unregister(self._listener)
+        self._listener.close()
+        self._listener = listener
+        self._ino = os.stat(self.path).st_ino
+        self._sel.register(self._listener, selectors.EVENT_READ, "accept")
+        self.rebinds += 1
+        self._log.warning("the control socket file was deleted; bound it again", rebinds=self.rebinds)
+        return True
+
     # -- the loop's part -------------------------------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> int:
         """Wait up to timeout_s; handle what is ready; return the number of requests answered.
@@ -149,6 +190,9 @@ class ControlServer:
         """
         deadline = time.monotonic() + max(0.0, timeout_s)
         answered = 0
+        if deadline >= self._next_check:
+            self._next_check = time.monotonic() + SOCKET_CHECK_S
+            self.ensure_bound()
         while True:
             now = time.monotonic()
             wait = max(0.0, deadline - now)

@@ -150,12 +150,21 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         disk.stop_read_only(sup, str((save_failure or {}).get("path") or sup.ckpt_dir), evidence)
         return
     returncode = status.returncode
+    meaningless = False
     if returncode not in (2, 3) and status.signal is None:
-        # torchrun exits 1 whatever its ranks exited with; their own codes are in its failure report, and
-        # the job's `exiting` event says why first (a rank that refused its config may still die by SIGABRT
-        # in the process group's teardown, and torchrun then reports -6 and -15, not 2).
-        returncode = next((c for c in (2, 3) if c in rank_codes), returncode)
-        returncode = disk.JOB_REFUSAL_EXIT.get(sup.last_exiting or "", returncode)
+        if exit_codes_declared(sup):
+            # torchrun exits 1 whatever its ranks exited with; their own codes are in its failure report, and
+            # the job's `exiting` event says why first (a rank that refused its config may still die by
+            # SIGABRT in the process group's teardown, and torchrun then reports -6 and -15, not 2).
+            returncode = next((c for c in (2, 3) if c in rank_codes), returncode)
+        returncode = disk.JOB_REFUSAL_EXIT.get(sup.last_exiting or "", returncode)  # the job said why
+    elif returncode in (2, 3) and not exit_codes_declared(sup) and \
+            disk.JOB_REFUSAL_EXIT.get(sup.last_exiting or "") != returncode:
+        # A command job that never declared the contract: its own `exit 3` is a crash like any other (it
+        # was read as "no valid checkpoint left" and ended the run without a retry).
+        meaningless = True
+        evidence["exit_code_meaning"] = ("none: the job did not declare ulyssesd's exit codes ([job] "
+                                         "exit_codes = \"ulyssesd\", or the client's `exiting` event)")
     symptom = Symptom.launch_failure if early and diag_label == "launcher_error" else Symptom.crash
     if diag_label == "cuda_oom":
         symptom = Symptom.cuda_oom
@@ -163,6 +172,7 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         symptom = Symptom.disk_full
     if diag_label == "config_rejected" and returncode != 3:
         returncode = 2  # the diagnosis found the refusal (a DeepSpeed/HF config check): the same as exit 2
+        meaningless = False
     if diag_label == "killed" and any(_SCHEDULER_END.search(e) or scheduler_ended(e) for e in diag_evidence or []):
         # The scheduler ended the job (time limit, preemption, cancel): restarting inside the allocation is
         # pointless; the scheduler's requeue (if any) restarts the service, which resumes from the checkpoint.
@@ -171,7 +181,7 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
         sup.incidents.stopped(iid, what)
         sup.fail(what)
         return
-    if returncode in (2, 3) and status.signal is None:
+    if returncode in (2, 3) and status.signal is None and not meaningless:
         # CONTRACTS.md: 2 = the job rejected its config, 3 = no loadable checkpoint left. Relaunching the
         # same thing cannot help, and starting from scratch would silently discard the run's progress.
         via = "" if returncode == status.returncode else f" from a rank; the launcher exited {status.returncode}"
@@ -302,13 +312,29 @@ def exit_handling_failed(sup: Supervisor, status: ExitStatus, plan: TerminationP
             sup.store.update_incident_status(iid, IncidentStatus.remediating, "relaunching")
             schedule_relaunch(sup, plan.relaunch or Relaunch(f"internal error handling attempt {attempt}'s exit", iid))
     except Exception:  # noqa: BLE001 - the last resort: end the run honestly, keep the daemon up
-        log.exception("recovering from the failed exit handling failed too; the run ends FAILED")
+        log.exception("recovering from the failed exit handling failed too; the run ends as its plan said, "
+                      "else FAILED")
         if sup.state not in TERMINAL:
             try:
+                if plan.then in (Then.STOP, Then.PAUSE):  # the operator's stop or pause needs no store to hold
+                    if sup.state != S.STOPPING and plan.then is Then.STOP:
+                        sup.set_state(S.STOPPING, "operator stop")
+                    sup.set_state(S.STOPPED if plan.then is Then.STOP else S.PAUSED,
+                                  f"job exited after {plan.then.value}; its exit could not be recorded")
+                    return
                 sup.fail(f"{what}; recovering from it failed too (see the daemon log)")
             except Exception:  # noqa: BLE001
                 log.critical("could not record the run as FAILED; the daemon stays up, the run needs a human",
                              run_id=sup.run_id)
+
+
+def exit_codes_declared(sup: Supervisor) -> bool:
+    """Whether the job's exit codes 2 and 3 carry ulyssesd's meaning (config rejected, no checkpoint left):
+    the built-in job's do; a command job's only with `[job] exit_codes = "ulyssesd"` (a job written to the
+    contract). Otherwise only the client's `exiting` event (reason config_rejected / no_checkpoint) gives a
+    code that meaning; a bare `exit 3` of a user's script is a crash."""
+    js = getattr(sup.spec, "job_section", None)
+    return js is None or js.kind == "builtin" or getattr(js, "exit_codes", "none") == "ulyssesd"
 
 
 def _memory_replanner(sup: Supervisor) -> Any:

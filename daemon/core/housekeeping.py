@@ -131,6 +131,12 @@ class StepErrors:
     ending_since: float | None = None  # monotonic time the run was told to end for this step's errors
 
 
+#: The tick steps that write the store or the state dir: their "cannot write" errors are the degraded mode's
+#: (core/store_health.py), retried with backoff; the same error elsewhere is an ordinary step error.
+STORE_WRITING_STEPS = frozenset({"telemetry", "engine", "attempt_log", "exit_check", "exit", "rank_watch",
+                                 "relaunch", "store_flush", "store_probe"})
+
+
 class StepGuard:
     """Runs each tick step so that its exception is logged, recorded, counted and bounded, never fatal."""
 
@@ -166,6 +172,15 @@ class StepGuard:
         """Log, record and count `exc` (called from its `except`); `bounded`: end the run after `limit` in a
         row. A control request that raised is not bounded: it is the operator's call, not the loop spinning."""
         sup = self.sup
+        from ulyssesd.daemon.core.store_health import is_store_write_error
+
+        if step in STORE_WRITING_STEPS and is_store_write_error(exc) and sup.run_id:
+            # Not a bug of the step: the store (state dir) cannot be written. Degraded mode, retried with
+            # backoff, never counted toward step_error_limit (that would end a healthy job FAILED).
+            sup.store_health.failed(exc, sup.os.time(), sup.say, step)
+            if on_error is not None:
+                on_error(exc)
+            return
         errors = self.steps.setdefault(step, StepErrors())
         errors.in_a_row += 1
         errors.total += 1

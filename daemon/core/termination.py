@@ -97,6 +97,7 @@ class Termination:
     termed_at: float | None = None
     killed_at: float | None = None
     wrapper_killed: bool = False
+    hung_cut: bool = False  # the grace was cut to hang_grace_s: the job was found hung while stopping (hung_stop.py)
     on_stacks: Callable[[str], None] | None = None
     stack_offsets: dict[str, int] = field(default_factory=dict)  # per-rank dump file -> size before SIGUSR1
     per_rank_stacks: dict[int, str] = field(default_factory=dict)  # what each rank wrote after SIGUSR1

@@ -104,7 +104,13 @@ class InstanceLocks:
         self.held.append(acquire(self.state_dir / STATE_LOCK_NAME, f"state dir {self.state_dir}", self.info))
 
     def lock_run(self, run_dir: Path, run_id: str) -> None:
-        """Called by the supervisor once it knows the run (created or re-adopted), before it acts on it."""
+        """Called by the supervisor once it knows the run (created or re-adopted), before it acts on it.
+        Idempotent: a lock this process already holds is not taken again (a second flock on a new open file
+        of the same path would fail against our own lock and call this daemon "another ulyssesd"; re-adopting
+        a run from its directory reaches here twice)."""
+        path = (Path(run_dir) / RUN_LOCK_NAME).resolve()
+        if any(lk.fd >= 0 and lk.path.resolve() == path for lk in self.held):
+            return
         self.held.append(acquire(Path(run_dir) / RUN_LOCK_NAME, f"run {run_id} ({run_dir})",
                                  {**self.info, "run_id": run_id}))
 

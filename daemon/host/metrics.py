@@ -2,8 +2,9 @@
 
 Off unless the spec sets `daemon.prometheus_port`; the address defaults to 127.0.0.1 (loopback: the
 endpoint has no authentication; bind 0.0.0.0 only on a trusted network or behind a proxy). The main loop
-calls `Metrics.update(...)` with whatever it knows each tick (None = unchanged) and the prometheus_client
-HTTP server thread only reads a snapshot under a lock. Own registry per instance: no process-wide globals.
+calls `Metrics.update(...)` with whatever it knows each tick (None = unchanged) and the HTTP server's
+threads only read a snapshot under a lock. The server is `metrics_server.MetricsServer`: a fixed pool of
+threads, a cap on open connections and a per-request timeout (not prometheus_client's thread per connection). Own registry per instance: no process-wide globals.
 
 Names follow Prometheus conventions: base units (bytes, seconds), counters end in `_total` (they count
 from the run's store, so they survive daemon restarts), `_timestamp_seconds` are Unix times. METRIC_NAMES
@@ -17,14 +18,13 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.host.metrics_server import MetricsServer
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from ulyssesd.daemon.store.records import RelaunchCounts
 
 GIB = 1024 ** 3
@@ -103,7 +103,7 @@ class Metrics:
         self.port = port
         self.host = host
         self.enabled = False
-        self._server: WSGIServer | None = None
+        self._server: MetricsServer | None = None
         self._snap = _Snapshot()
         self._relaunches_at_attempt: int | None = None  # the attempt the relaunch counters were read at
         self.registry = CollectorRegistry(auto_describe=False)
@@ -118,12 +118,11 @@ class Metrics:
         if self.port is None or self._server is not None:
             return self._server is not None
         try:
-            result = start_http_server(self.port, addr=self.host, registry=self.registry)
+            self._server = MetricsServer(self.host, self.port, lambda: generate_latest(self.registry))
         except OSError as exc:
             get_logger("ulyssesd.metrics").error("cannot serve Prometheus metrics; continuing without",
                                                  address=self.address, error=str(exc))
             return False
-        self._server = result[0] if isinstance(result, tuple) else result
         self.enabled = True
         get_logger("ulyssesd.metrics").info("serving Prometheus metrics", url=f"http://{self.address}/metrics")
         return True

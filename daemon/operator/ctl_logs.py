@@ -15,6 +15,12 @@ files of local rank R instead (its stdout.log, then its stderr.log): the rank's 
 With `--rank R`, `-n N` is rank R's last N lines, not the file's (those may all be another rank's, or a hung
 attempt's unlabelled stack dumps).
 
+Terminal control sequences in the job's output (ESC, the other C0 controls but tab and newline, a lone
+carriage return, DEL and the C1 controls such as CSI) are printed as visible text (the ESC byte as the four
+characters `\\x1b`): a job's output can set the window title, clear the screen, plant hyperlinks or rewrite
+what is shown, so it is never executed by the operator's terminal. `--raw` passes the bytes through
+unchanged (for a pipe into a tool of your own).
+
 `-f` prints what is there, then polls the file every `FOLLOW_POLL_S` until the attempt ends (its exit file
 appears, a newer attempt starts, or the run ends), then prints the rest and exits 0. Ctrl-C ends it quietly.
 """
@@ -60,6 +66,21 @@ RANK_PREFIX = re.compile(rb"^\s*(?:\[(?:rank|default)(\d+)\]:|\[\d+,(\d+)\]<std(
 #: labelled mid-line, so they are kept whole.
 JOB_LOG_LINE = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \[rank(\d+)\] ")
 _ATTEMPT_LOG = re.compile(r"^attempt-(\d+)\.log$")
+#: What a terminal would execute: C0 controls but tab and newline, a carriage return not ending a line, DEL
+#: and the C1 controls as UTF-8 (U+0080-U+009F: 8-bit CSI and OSC). A lone byte 0x80-0xFF that is not UTF-8
+#: is passed on: a UTF-8 terminal shows it as a replacement character, it executes nothing.
+_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n$)|\xc2[\x80-\x9f]")
+
+
+_SHOWN = {bytes([c]): b"\\x%02x" % c for c in [*range(32), 127]} | {b"\r": b"\\r"} | {
+    bytes([0xC2, c]): b"\\xc2\\x%02x" % c for c in range(0x80, 0xA0)}
+
+
+def visible(line: bytes) -> bytes:
+    """The line with every terminal control made visible text (`\\x1b`, `\\r`, `\\xc2\\x9b`)."""
+    if not _CONTROL.search(line):
+        return line
+    return _CONTROL.sub(lambda m: _SHOWN[m.group()], line)
 
 
 def attempt_logs(run_dir: Path) -> dict[int, Path]:
@@ -201,19 +222,19 @@ def _run_ended(run_id: str) -> bool:
         return False
 
 
-def _write(lines: Iterator[bytes]) -> int:
-    """Write the lines to stdout; how many there were."""
+def _write(lines: Iterator[bytes], raw: bool = False) -> int:
+    """Write the lines to stdout (controls made visible unless raw); how many there were."""
     out = sys.stdout.buffer
     count = 0
     for line in lines:
-        out.write(line)
+        out.write(line if raw else visible(line))
         count += 1
     out.flush()
     return count
 
 
 def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bool, run_dir: Path,
-              attempt: int, run_id: str | None) -> int:
+              attempt: int, run_id: str | None, raw: bool = False) -> int:
     """The command's body (callable from tests): the files one after the other, then (with follow) each
     one's new lines per poll until the attempt is over. Returns the exit code."""
     seen = [False]
@@ -235,7 +256,7 @@ def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bo
                     fh.seek(0)
                     pending.clear()
                     cont[0] = None
-                shown += _write(rank_filter(_lines(fh, pending, final=over), rank, seen, cont, ranks))
+                shown += _write(rank_filter(_lines(fh, pending, final=over), rank, seen, cont, ranks), raw)
             if over:
                 break
             time.sleep(FOLLOW_POLL_S)
@@ -306,7 +327,9 @@ def logs(run_id: str = typer.Argument(None, metavar="RUN", help="run id (default
                                      "ends (Ctrl-C stops)"),
          attempt: int = typer.Option(None, "--attempt", min=1, metavar="N", help="attempt number (default: the newest)"),
          rank: int = typer.Option(None, "--rank", min=0, metavar="R", help="only this rank's lines, without their prefix"),
-         lines: int = typer.Option(None, "--lines", "-n", min=1, metavar="N", help="start with the last N lines only")) -> None:
+         lines: int = typer.Option(None, "--lines", "-n", min=1, metavar="N", help="start with the last N lines only"),
+         raw: bool = typer.Option(False, "--raw", help="pass terminal control sequences through unchanged "
+                                  "(default: shown as visible text such as \\x1b, never executed)")) -> None:
     """The job's output of one attempt. The launcher's and every rank's lines; works with the daemon down."""
     run_dir, known_id, spec = _run_dir_of(run_id)
     logs_by_attempt = attempt_logs(run_dir)
@@ -324,7 +347,7 @@ def logs(run_id: str = typer.Argument(None, metavar="RUN", help="run id (default
         paths = torchrun_rank_files(spec, run_dir, known_id, number, rank) or paths
     try:
         code = print_log(paths, None if paths[0] != logs_by_attempt[number] else rank, lines, follow, run_dir,
-                         number, known_id)
+                         number, known_id, raw)
     except KeyboardInterrupt:
         code = EXIT_OK
     except BrokenPipeError:  # `| head`: the reader left; exit quietly like other Unix tools

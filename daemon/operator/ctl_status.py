@@ -223,6 +223,10 @@ def status_data(store, run) -> dict[str, Any]:
         "last_step_overdue": bool(state in TRAINING_STATES and age is not None and hang_s is not None
                                   and age > hang_s),
         "telemetry_health": _telemetry_health(run, state, attempt),
+        # The daemon's own store (core/store_health.py): not writable means the stored state may lag the
+        # daemon's (`daemon_state`, from memory).
+        "store": (live or {}).get("store"),
+        "daemon_state": (live or {}).get("state"),
     }
 
 
@@ -342,6 +346,11 @@ def render_status(d: dict[str, Any]) -> Table:
     reason = f" ({escape(d['state_reason'])})" if d.get("state_reason") else ""
     t.add_row("state", f"[{color}]{d['state']}[/{color}]{reason}")
     t.add_row("daemon", d["daemon"] + (f" (pid {d['daemon_pid']})" if d.get("daemon_pid") else ""))
+    store = d.get("store") or {}
+    if store.get("writable") is False:
+        t.add_row("store", f"[red]NOT WRITABLE[/red] for {store.get('since_s')} s ({escape(str(store.get('error')))}); "
+                           f"retry in {store.get('next_retry_s')} s; the daemon's state: {d.get('daemon_state')}; "
+                           f"{escape(str(store.get('note') or ''))}")
     t.add_row("attempt", or_empty(d["attempt"]) + ("" if d.get("attempt") is None else
                                                     f" (resumed from {escape(d['resumed_from'])})"
                                                     if d.get("resumed_from") else " (from the start)"))

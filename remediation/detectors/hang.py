@@ -50,6 +50,14 @@ class HangDetector:
             return max(base, cfg.hang_checkpoint_timeout_s), "checkpoint save/load in progress"
         return base, "training"
 
+    def stalled_s(self, now: float) -> float | None:
+        """Seconds of silence when it is over the current phase's timeout (the job is hung), else None;
+        None too after the job's own `exiting` (silence then is the job leaving). Pure: fires nothing."""
+        if self._last_progress is None:
+            return None
+        silent = now - self._last_progress
+        return silent if silent > self.timeout()[0] else None
+
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if isinstance(rec, StepRecord):
             st = rec.step_time_s

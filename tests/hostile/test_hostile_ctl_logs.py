@@ -71,7 +71,7 @@ def test_logs_of_a_50_mib_line_and_its_last_line_are_fast(state_dir, tmp_path):
     the quadratic reader and the byte-by-byte backward scan took."""
     blob = os.urandom(64) * (50 * (1 << 20) // 64)
     _log(state_dir).write_bytes(blob.replace(b"\n", b"."))
-    for extra in ([], ["-n", "1"]):
+    for extra in (["--raw"], ["--raw", "-n", "1"], []):
         out = tmp_path / "out.bin"
         t0 = time.monotonic()
         with out.open("wb") as fh:
@@ -79,7 +79,10 @@ def test_logs_of_a_50_mib_line_and_its_last_line_are_fast(state_dir, tmp_path):
                                   stderr=subprocess.PIPE, timeout=120)
         took = time.monotonic() - t0
         assert proc.returncode == 0 and proc.stderr == b""
-        assert out.stat().st_size == len(blob)
+        if "--raw" in extra:
+            assert out.stat().st_size == len(blob)
+        else:  # controls shown as text: longer, and no ESC byte reaches the reader
+            assert out.stat().st_size > len(blob) and b"\x1b" not in out.read_bytes()
         assert took < 20, f"logs {extra} took {took:.1f} s"
 
 
@@ -87,8 +90,11 @@ def test_binary_garbage_is_passed_through_and_rank_refuses_it_cleanly(state_dir,
     garbage = bytes(range(256)) * 64 + b"\xff\xfe\x00[rank0"  # no valid prefix anywhere, NULs, invalid UTF-8
     _log(state_dir).write_bytes(garbage)
     sd = ["--state-dir", str(state_dir)]
-    assert main([*sd, "logs", "r1"]) == 0
+    assert main([*sd, "logs", "r1", "--raw"]) == 0
     assert capsysbinary.readouterr().out == garbage  # byte for byte, like cat
+    assert main([*sd, "logs", "r1"]) == 0
+    shown = capsysbinary.readouterr().out  # the default: every control visible, nothing else changed
+    assert not any(c in shown for c in b"\x00\x07\x1b\x7f") and b"\\x1b" in shown and b"\\x00" in shown
     assert main([*sd, "logs", "r1", "--rank", "0"]) == 2
     captured = capsysbinary.readouterr()
     assert captured.out == b"" and b"no rank-prefixed lines" in captured.err and b"Traceback" not in captured.err

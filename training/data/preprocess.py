@@ -15,6 +15,12 @@ group, a whole text file), each written as its own part under `<prefix>.parts-<j
 then merged. `<prefix>.json` is written last and records the inputs' fingerprint: a re-run with the same
 inputs, tokenizer and options sees it and does nothing; an interrupted run resumes at the first missing
 part; a `.bin`/`.idx` without a matching `<prefix>.json` is never taken for complete.
+
+Bounded: one document (a JSONL line, a text line or file, a Parquet value) may be at most
+`--max-document-mb` (default 16 MiB; tokenizing costs about 100 bytes of memory per input byte: one 200 MB
+JSONL line took 22 GB); a longer one is an error naming its file and line, found by a streaming scan that
+never holds the long line. Workers die with the preprocess process (PR_SET_PDEATHSIG on Linux), so a
+SIGKILLed run leaves no worker behind.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from .tokenizer import DEFAULT_EOS, Tokenizer, TokenizerError, train_bpe
 
 FORMAT = "ulyssesd-preprocess/1"
 _ENCODE_BATCH = 256  # documents per encode_batch call
+MAX_DOCUMENT_MB = 16.0  # default bound of one document (see the module doc)
+_SCAN = 1 << 20  # bytes read at a time while looking for a line's end
 
 
 class PreprocessError(ValueError):
@@ -115,8 +123,74 @@ def _require_pyarrow():
     return pq
 
 
-def plan_units(inputs: list[Path], text_unit: str, chunk_bytes: int) -> list[Unit]:
-    """Split the inputs into units; a pure function of the inputs' sizes and contents at line boundaries."""
+def _line_end(fh: Any, pos: int, size: int, max_line: int, path: Path) -> int:
+    """The offset just past the end of the line that holds byte `pos` (its newline, else EOF), reading
+    `_SCAN` bytes at a time; PreprocessError when more than `max_line` bytes pass without a newline."""
+    fh.seek(pos)
+    at = pos
+    while at < size:
+        block = fh.read(min(_SCAN, size - at))
+        nl = block.find(b"\n")
+        if nl >= 0:
+            return at + nl + 1
+        at += len(block)
+        if at - pos > max_line:
+            _too_long(fh, path, _line_start(fh, pos), max_line)
+    return size
+
+
+def _too_long(fh: Any, path: Path, line_start: int, max_line: int) -> None:
+    raise PreprocessError(f"{path}:{_line_number(str(path), line_start)}: a line longer than {max_line} bytes "
+                          f"(--max-document-mb {max_line / (1 << 20):g}); split the document or raise "
+                          f"--max-document-mb (tokenizing needs about 100x its size in memory)")
+
+
+def _line_start(fh: Any, pos: int) -> int:
+    """The offset of the start of the line holding byte `pos` (scanning backwards in blocks)."""
+    while pos > 0:
+        back = max(0, pos - _SCAN)
+        fh.seek(back)
+        nl = fh.read(pos - back).rfind(b"\n")
+        if nl >= 0:
+            return back + nl + 1
+        pos = back
+    return 0
+
+
+def _check_lines(fh: Any, start: int, end: int, max_line: int, path: Path) -> None:
+    """PreprocessError naming the first line in [start, end) longer than max_line bytes (its newline not
+    counted); streaming, `_SCAN` bytes at a time."""
+    fh.seek(start)
+    pos = line_start = start
+    while pos < end:
+        block = fh.read(min(_SCAN, end - pos))
+        if not block:
+            break
+        first = block.find(b"\n")
+        if first < 0:
+            pos += len(block)
+            if pos - line_start > max_line:
+                _too_long(fh, path, line_start, max_line)
+            continue
+        if pos + first - line_start > max_line:
+            _too_long(fh, path, line_start, max_line)
+        if max_line < len(block):  # lines wholly inside the block may be too long too (a small bound)
+            prev = first
+            nxt = block.find(b"\n", prev + 1)
+            while nxt >= 0:
+                if nxt - prev - 1 > max_line:
+                    _too_long(fh, path, pos + prev + 1, max_line)
+                prev, nxt = nxt, block.find(b"\n", nxt + 1)
+        line_start = pos + block.rfind(b"\n") + 1
+        pos += len(block)
+    if end - line_start > max_line:
+        _too_long(fh, path, line_start, max_line)
+
+
+def plan_units(inputs: list[Path], text_unit: str, chunk_bytes: int,
+               max_document_bytes: int = int(MAX_DOCUMENT_MB * (1 << 20))) -> list[Unit]:
+    """Split the inputs into units; a pure function of the inputs' sizes and contents at line boundaries.
+    A line (JSONL, line text) or a whole text file over `max_document_bytes` is refused here, streaming."""
     units: list[Unit] = []
     group: list[Path] = []
 
@@ -139,6 +213,9 @@ def plan_units(inputs: list[Path], text_unit: str, chunk_bytes: int) -> list[Uni
                 nbytes = meta.row_group(rg).total_byte_size
                 units.append(Unit(len(units), str(path), kind, rg, rg + 1, nbytes))
         elif kind == "text-file":
+            if size > max_document_bytes:
+                raise PreprocessError(f"{path}: one document of {size} bytes, over {max_document_bytes} "
+                                      f"(--max-document-mb); split it or use --text-unit line")
             group.append(path)
             if sum(p.stat().st_size for p in group) >= chunk_bytes:
                 close_group()
@@ -147,9 +224,11 @@ def plan_units(inputs: list[Path], text_unit: str, chunk_bytes: int) -> list[Uni
             with path.open("rb") as fh:
                 start = 0
                 while start < size:
-                    fh.seek(min(start + chunk_bytes, size))
-                    fh.readline()  # extend to the end of the line the chunk boundary falls in
-                    end = min(fh.tell(), size) if start + chunk_bytes < size else size
+                    # Extend to the end of the line the chunk boundary falls in; every line on the way is
+                    # checked against the bound without being held (a 200 MB line is never read whole).
+                    end = size if start + chunk_bytes >= size else _line_end(fh, start + chunk_bytes, size,
+                                                                             max_document_bytes, path)
+                    _check_lines(fh, start, end, max_document_bytes, path)
                     units.append(Unit(len(units), str(path), kind, start, end, end - start))
                     start = end
     close_group()
@@ -157,14 +236,25 @@ def plan_units(inputs: list[Path], text_unit: str, chunk_bytes: int) -> list[Uni
 
 
 def _line_number(path: str, byte_offset: int) -> int:
+    count = 0
     with open(path, "rb") as fh:
-        return fh.read(byte_offset).count(b"\n") + 1
+        left = byte_offset
+        while left > 0:
+            block = fh.read(min(_SCAN, left))
+            if not block:
+                break
+            count += block.count(b"\n")
+            left -= len(block)
+    return count + 1
 
 
-def _documents(unit: Unit, opts: Options) -> Iterator[tuple[str, Any]]:
+def _documents(unit: Unit, opts: Options,
+               max_document_bytes: int = int(MAX_DOCUMENT_MB * (1 << 20))) -> Iterator[tuple[str, Any]]:
     """(text, location) for every document of the unit; `describe(unit, location)` names it for errors."""
     if unit.kind == "text-file":
         for name in unit.files:
+            if Path(name).stat().st_size > max_document_bytes:
+                raise PreprocessError(f"{name}: one document over {max_document_bytes} bytes (--max-document-mb)")
             try:
                 text = Path(name).read_text(encoding="utf-8")
             except UnicodeDecodeError as exc:
@@ -180,6 +270,9 @@ def _documents(unit: Unit, opts: Options) -> Iterator[tuple[str, Any]]:
             if not isinstance(value, str) and value is not None:
                 raise PreprocessError(f"{describe(unit, row)}: column {opts.text_key!r} is "
                                       f"{type(value).__name__}, not a string")
+            if value is not None and len(value) > max_document_bytes:
+                raise PreprocessError(f"{describe(unit, row)}: a document of {len(value)} characters, over "
+                                      f"{max_document_bytes} (--max-document-mb)")
             yield value or "", row
         return
     with open(unit.path, "rb") as fh:
@@ -188,6 +281,9 @@ def _documents(unit: Unit, opts: Options) -> Iterator[tuple[str, Any]]:
     offset = unit.start
     for raw in data.splitlines(keepends=True):
         line_start, offset = offset, offset + len(raw)
+        if len(raw) > max_document_bytes + 2:  # planned units were checked; a unit built by hand is not
+            raise PreprocessError(f"{describe(unit, line_start)}: a line of {len(raw)} bytes, over "
+                                  f"{max_document_bytes} (--max-document-mb)")
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -226,8 +322,27 @@ def describe(unit: Unit, location: Any) -> str:
 _worker_tok: Tokenizer | None = None
 
 
-def _init_worker(tokenizer_path: str, eos: str, bos: str | None) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG), so a SIGKILLed
+    preprocess leaves no worker running; exit now if the parent is already gone (it died before the call).
+    Elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _init_worker(tokenizer_path: str, eos: str, bos: str | None, parent_pid: int | None = None) -> None:
     global _worker_tok
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     _worker_tok = Tokenizer.load(tokenizer_path, eos_token=eos, bos_token=bos)
 
@@ -236,7 +351,8 @@ def _part_prefix(parts_dir: Path, index: int) -> Path:
     return parts_dir / f"part-{index:06d}"
 
 
-def run_unit(unit: Unit, opts: Options, parts_dir: str, dtype_str: str) -> tuple[int, int, int, int]:
+def run_unit(unit: Unit, opts: Options, parts_dir: str, dtype_str: str,
+             max_document_bytes: int = int(MAX_DOCUMENT_MB * (1 << 20))) -> tuple[int, int, int, int]:
     """Encode one unit into its part; returns (index, documents, tokens, skipped_empty)."""
     tok = _worker_tok
     assert tok is not None, "worker not initialised"
@@ -250,7 +366,7 @@ def run_unit(unit: Unit, opts: Options, parts_dir: str, dtype_str: str) -> tuple
                 writer.add_document(ids)
             batch.clear()
 
-        for text, location in _documents(unit, opts):
+        for text, location in _documents(unit, opts, max_document_bytes):
             if not text.strip():
                 if opts.skip_empty:
                     skipped += 1
@@ -318,7 +434,7 @@ def _progress(enabled: bool, total: int):
 
 def preprocess(inputs: list[str | Path], tokenizer_path: str | Path, output_prefix: str | Path,
                opts: Options | None = None, workers: int = 1, chunk_bytes: int = 16 << 20,
-               progress: bool = False) -> Stats:
+               progress: bool = False, max_document_bytes: int = int(MAX_DOCUMENT_MB * (1 << 20))) -> Stats:
     """Tokenize `inputs` into `<output_prefix>.bin/.idx` (+ `.json`); resumes and skips finished work."""
     opts = opts or Options()
     paths = [Path(p) for p in inputs]
@@ -328,6 +444,8 @@ def preprocess(inputs: list[str | Path], tokenizer_path: str | Path, output_pref
         raise PreprocessError(f"--workers must be >= 1, got {workers}")
     if chunk_bytes < 1:
         raise PreprocessError(f"chunk size must be >= 1 byte, got {chunk_bytes}")
+    if not 1 <= max_document_bytes <= 4 << 30:
+        raise PreprocessError(f"--max-document-mb must be within (0, 4096] MiB, got {max_document_bytes / (1 << 20):g}")
     tok_path = Path(tokenizer_path)
     tok = Tokenizer.load(tok_path, eos_token=opts.eos_token if opts.append_eos else None,
                          bos_token=opts.bos_token if opts.prepend_bos else None)
@@ -344,7 +462,7 @@ def preprocess(inputs: list[str | Path], tokenizer_path: str | Path, output_pref
     meta_path(output_prefix).unlink(missing_ok=True)  # from now on the old output is not complete
     parts_dir = bin_path.with_name(f"{bin_path.stem}.parts-{job}")
     parts_dir.mkdir(parents=True, exist_ok=True)
-    units = plan_units(paths, opts.text_unit, chunk_bytes)
+    units = plan_units(paths, opts.text_unit, chunk_bytes, max_document_bytes)
     t0 = time.perf_counter()
     done: dict[int, tuple[int, int, int]] = {}
     done_file = parts_dir / "done.jsonl"
@@ -374,15 +492,17 @@ def preprocess(inputs: list[str | Path], tokenizer_path: str | Path, output_pref
             if workers == 1 or len(todo) <= 1:
                 _init_worker(str(tok_path), opts.eos_token, opts.bos_token if opts.prepend_bos else None)
                 for u in todo:
-                    record(run_unit(u, opts, str(parts_dir), dtype.str))
+                    record(run_unit(u, opts, str(parts_dir), dtype.str, max_document_bytes))
             else:
                 import multiprocessing as mp
 
                 ctx = mp.get_context("spawn")  # no fork of a process that may hold tokenizer threads
                 with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                                          initargs=(str(tok_path), opts.eos_token,
-                                                   opts.bos_token if opts.prepend_bos else None)) as pool:
-                    futures = [pool.submit(run_unit, u, opts, str(parts_dir), dtype.str) for u in todo]
+                                                   opts.bos_token if opts.prepend_bos else None,
+                                                   os.getpid())) as pool:
+                    futures = [pool.submit(run_unit, u, opts, str(parts_dir), dtype.str, max_document_bytes)
+                               for u in todo]
                     try:
                         for fut in as_completed(futures):
                             record(fut.result())
@@ -416,30 +536,37 @@ def preprocess(inputs: list[str | Path], tokenizer_path: str | Path, output_pref
     return stats
 
 
-def _iter_texts(paths: list[Path], opts: Options) -> Iterator[str]:
-    for u in plan_units(paths, opts.text_unit, 64 << 20):
-        for text, _ in _documents(u, opts):
+def _iter_texts(paths: list[Path], opts: Options, max_document_bytes: int) -> Iterator[str]:
+    for u in plan_units(paths, opts.text_unit, 64 << 20, max_document_bytes):
+        for text, _ in _documents(u, opts, max_document_bytes):
             if text.strip():
                 yield text
 
 
 def run(inputs: list[Path], output_prefix: str | Path, *, tokenizer: Path | None, train_tokenizer: Path | None,
-        vocab_size: int, options: Options, workers: int, chunk_mb: float, progress: bool) -> int:
+        vocab_size: int, options: Options, workers: int, chunk_mb: float, progress: bool,
+        max_document_mb: float = MAX_DOCUMENT_MB) -> int:
     """What `ulysses-preprocess` does once its flags are parsed (training/data/preprocess_cli.py): train the
     tokenizer if asked, encode, print the outcome and the config lines to use. 0, or 1 with the problem."""
     try:
+        if not (0 < max_document_mb <= 4096):  # NaN fails too
+            raise PreprocessError(f"--max-document-mb must be within (0, 4096], got {max_document_mb}")
+        if not (0 < chunk_mb <= 4096):
+            raise PreprocessError(f"--chunk-mb must be within (0, 4096], got {chunk_mb}")
+        max_doc = int(max_document_mb * (1 << 20))
         tok_path = train_tokenizer if train_tokenizer is not None else tokenizer
         if tok_path is None:
             raise PreprocessError("no tokenizer: give --tokenizer PATH or --train-tokenizer OUT.json")
         if train_tokenizer is not None:
             if not tok_path.is_file():
-                trained = train_bpe(_iter_texts(inputs, options), vocab_size, special_tokens=[options.eos_token])
+                trained = train_bpe(_iter_texts(inputs, options, max_doc), vocab_size, special_tokens=[options.eos_token])
                 trained.save(tok_path)
                 print(f"trained a {trained.vocab_size}-id BPE tokenizer -> {tok_path}")
             else:
                 print(f"tokenizer {tok_path} exists; reusing it")
         stats = preprocess([*inputs], tok_path, output_prefix, options, workers=workers,
-                           chunk_bytes=max(1, int(chunk_mb * (1 << 20))), progress=progress)
+                           chunk_bytes=max(1, int(chunk_mb * (1 << 20))), progress=progress,
+                           max_document_bytes=max_doc)
     except (PreprocessError, TokenizerError, IndexedDatasetError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

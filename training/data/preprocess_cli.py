@@ -51,6 +51,9 @@ def preprocess_cmd(
     bos_token: str = typer.Option(None, "--bos-token", metavar="TOKEN",
                                   help="prepend this BOS special token to each document"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar"),
+    max_document_mb: float = typer.Option(16.0, "--max-document-mb", metavar="MB",
+                                          help="longest document (JSONL line, text line or file) in MiB; a "
+                                               "longer one is an error naming its line (memory stays bounded)"),
 ) -> None:
     """Tokenize JSONL/Parquet/text into a Megatron-compatible indexed dataset (PREFIX.bin + PREFIX.idx) for
     data.kind='indexed'. Exactly one of --tokenizer, --train-tokenizer. Resumable and idempotent: a re-run
@@ -72,7 +75,8 @@ def preprocess_cmd(
                                 text_key=text_key, text_unit=text_unit, append_eos=not no_eos,
                                 prepend_bos=bos_token is not None, skip_empty=skip_empty,
                                 eos_token=eos_token, bos_token=bos_token),
-                            workers=workers, chunk_mb=chunk_mb, progress=not no_progress and sys.stderr.isatty()))
+                            workers=workers, chunk_mb=chunk_mb, progress=not no_progress and sys.stderr.isatty(),
+                            max_document_mb=max_document_mb))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,132 @@
+"""Bounded attempt logs, and the job's last lines read before its exit is judged.
+
+`{run_dir}/logs/attempt-N.log` is the job's stdout and stderr (opened O_APPEND by the daemon, the job's own
+fd). A job that prints without bound (100 MiB before its first step line in one probe) filled the disk with
+it. `rotate_if_big`: once the live log is over `[daemon] attempt_log_max_mib`, its last half (from a line
+start) is copied to `attempt-N.log.1` (the previous rotation is replaced) and the live file is truncated in
+place (copytruncate: the job keeps writing through its O_APPEND fd, at the new end). On disk an attempt's
+output is then at most 1.5 times the cap, and the newest output is always kept. For a stdout-telemetry job the
+log pump is drained first (through its interface: `pump()` until it has read what was there), so no step line
+is lost to a rotation.
+
+`drain_before_exit`: the pump reads 4 MiB per tick; a job that printed more than that before it exited had
+its step lines judged after its exit ("COMPLETED at step None"). Before the exit is handled the pump is run
+until it has caught up (bounded: `DRAIN_MAX_S`), then an ended attempt's log over the cap keeps its last half.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.job import log_source
+
+if TYPE_CHECKING:
+    from ulyssesd.daemon.supervisor import Supervisor
+
+log = get_logger("ulyssesd.supervisor")
+
+#: Longest time spent reading a job's remaining output before its exit is handled.
+DRAIN_MAX_S = 30.0
+#: Time one tick may spend reading a big log before rotating it (the rotation waits while the pump is behind).
+ROTATE_DRAIN_S = 2.0
+_COPY_CHUNK = 1 << 20
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def _pump_caught_up(sup: Supervisor, size: int) -> bool:
+    src = getattr(sup, "_log_source", None)
+    return src is None or src.attempt != sup.attempt or src.offset >= size
+
+
+def drain_pump(sup: Supervisor, budget_s: float) -> bool:
+    """Run the stdout pump (through the telemetry step, so records are acted upon) until it has read the log
+    to its current end, or `budget_s` ran out; True when caught up. Jobs whose telemetry is not their stdout
+    have nothing to drain (True)."""
+    if not log_source.stdout_source(sup.config) or not sup.attempt:
+        return True
+    from ulyssesd.daemon.core import decisions
+
+    deadline = time.monotonic() + budget_s
+    while True:
+        size = _size(sup.log_path)
+        src = getattr(sup, "_log_source", None)
+        if size <= 0 or (src is not None and src.attempt == sup.attempt and src.offset >= size):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        before = src.offset if src is not None else None
+        decisions.read_telemetry(sup)
+        src = getattr(sup, "_log_source", None)
+        if src is None or src.offset == before:
+            return False  # no progress (a partial last line, an unreadable log): not caught up
+
+
+def drain_before_exit(sup: Supervisor) -> None:
+    """Read the ended attempt's output to its end, then bound its log (`trim_ended`)."""
+    drain_pump(sup, DRAIN_MAX_S)
+    trim_ended(sup)
+
+
+def trim_ended(sup: Supervisor) -> bool:
+    """An ended attempt's log over the cap (a burst the per-tick rotation had no chance to see): keep its
+    last half, from a line start, in the live file (the exit diagnosis and `ulyssesctl logs` read its end)."""
+    cap = int(sup.dcfg.attempt_log_max_mib * (1 << 20))
+    path = sup.log_path
+    size = _size(path)
+    if size <= cap or cap <= 0:
+        return False
+    keep = cap // 2
+    tmp = path.with_name(path.name + ".trim.tmp")
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        src.seek(size - keep)
+        first = src.readline(_COPY_CHUNK)
+        if first and not first.endswith(b"\n"):
+            dst.write(first)
+        while chunk := src.read(_COPY_CHUNK):
+            dst.write(chunk)
+    os.replace(tmp, path)
+    log.warning("ended attempt's log over its cap: its last part kept", path=str(path), size=size,
+                cap_mib=sup.dcfg.attempt_log_max_mib, kept_bytes=_size(path))
+    return True
+
+
+def rotate_if_big(sup: Supervisor) -> bool:
+    """Copy the live attempt log's last half to `.1` and truncate it when it is over the cap; True if done."""
+    cap = int(sup.dcfg.attempt_log_max_mib * (1 << 20))
+    path = sup.log_path
+    size = _size(path)
+    if size <= cap or cap <= 0:
+        return False
+    # The pump reads what is there first (no step line is lost to the rotation); while it has not caught up
+    # the rotation waits for a later tick (the pump reads 4 MiB per read).
+    if not drain_pump(sup, ROTATE_DRAIN_S):
+        return False
+    size = _size(path)
+    keep = min(size, cap // 2)
+    rotated = path.with_name(path.name + ".1")
+    tmp = path.with_name(path.name + ".1.tmp")
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        src.seek(size - keep)
+        first = src.readline(_COPY_CHUNK) if size > keep else b""  # start the copy at a line start
+        if first and not first.endswith(b"\n"):
+            dst.write(first)  # no newline within a MiB: keep the bytes rather than search further
+        while chunk := src.read(_COPY_CHUNK):  # to the end as it is now, not as stat'ed: the truncate follows
+            dst.write(chunk)
+    os.replace(tmp, rotated)
+    os.truncate(path, 0)  # the job's O_APPEND fd writes at the new end
+    src_pump = getattr(sup, "_log_source", None)
+    if src_pump is not None and src_pump.attempt == sup.attempt:
+        src_pump.offset = 0  # what it had read is gone from the live file; it reads on from the start
+    log.warning("attempt log over its cap: its last part kept in the .1 file, the live log truncated",
+                path=str(path), size=size, cap_mib=sup.dcfg.attempt_log_max_mib, kept_bytes=keep)
+    return True
