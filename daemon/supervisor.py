@@ -43,6 +43,7 @@ from ulyssesd.daemon.core import (
     hung_stop,
     liveness,
     startup,
+    store_health,
     termination,
 )
 from ulyssesd.daemon.core import launch as launching
@@ -51,12 +52,6 @@ from ulyssesd.daemon.core.housekeeping import LoopScheduler, StepGuard
 from ulyssesd.daemon.core.incident_log import IncidentLog, Position
 from ulyssesd.daemon.core.relaunch import Counters, Relaunch
 from ulyssesd.daemon.core.states import TERMINAL, TRANSITIONS, check_transition, transition_reason
-from ulyssesd.daemon.core.store_health import (
-    StoreHealth,
-    flush_pending_states,
-    is_store_write_error,
-    probe_state_dir,
-)
 from ulyssesd.daemon.core.termination import UNREQUESTED, RankWatch, Termination, TerminationPlan, Then
 from ulyssesd.daemon.host.logging import bind_run, get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle, OSInterface
@@ -144,7 +139,7 @@ class Supervisor:
         self.started_wall = self.os.time()
         # Every tick step runs through it: a bug in one is logged, recorded and bounded (core/housekeeping.py).
         self.guard = StepGuard(self, self.dcfg.step_error_limit)
-        self.store_health = StoreHealth()  # the store cannot be written: degraded mode (core/store_health.py)
+        self.store_health = store_health.StoreHealth()  # the store cannot be written: degraded mode (core/store_health.py)
         self.gone_check = liveness.GoneCheck()  # a job not found is "gone" only when confirmed (core/liveness.py)
         # An exit the store could not record, kept to be handled again at the next retry (its status is read
         # once: a reaped child's code is not read twice).
@@ -176,17 +171,7 @@ class Supervisor:
             return
         table_reason = check_transition(self.state, to)
         full = transition_reason(reason, table_reason)
-        if self.store_health.pending_states:  # keep the order: this one is written after the earlier ones
-            self.store_health.pending_states.append((to, full, self.attempt or None))
-        else:
-            try:
-                self.store.set_run_state(self.run_id, to, full, attempt=self.attempt or None)
-            except Exception as exc:
-                if not is_store_write_error(exc):
-                    raise
-                # The state machine moves on in memory (a stop is accepted); the store gets it when it can.
-                self.store_health.pending_states.append((to, full, self.attempt or None))
-                self.store_health.failed(exc, self.os.time(), self.say, "state")
+        store_health.store_state(self, to, full)  # or kept in memory while the store cannot be written (core/store_health.py)
         # FAILED is the one line an operator must not miss (journald priority 2, `journalctl -p crit`).
         (log.critical if to == S.FAILED else log.info)("state", run_id=self.run_id, frm=self.state.value,
                                                          to=to.value, reason=full)
@@ -262,7 +247,7 @@ class Supervisor:
         writes = health.due(self.os.time())
         failures_before = health.failures
         if writes and health.pending_states:
-            writes = step("store_flush", lambda: flush_pending_states(self)) and not health.pending_states
+            writes = step("store_flush", lambda: store_health.flush_pending_states(self)) and not health.pending_states
             if writes and self.state in TERMINAL:
                 health.recovered(self.os.time(), self.say)  # the run's end is stored: nothing else to write
         if self.state in TERMINAL:
@@ -287,7 +272,7 @@ class Supervisor:
                 and self.os.time() >= self.backoff_until:
             step("relaunch", self._relaunch_after_backoff)
         if writes and health.failing and health.failures == failures_before and not health.pending_states \
-                and step("store_probe", lambda: probe_state_dir(self.dcfg.state_dir)):
+                and step("store_probe", lambda: store_health.probe_state_dir(self.dcfg.state_dir)):
             health.recovered(self.os.time(), self.say)  # a retry ran clean and the state dir takes writes
         step("publish", self._publish)
         if self.notifier is not None:
@@ -448,14 +433,9 @@ class Supervisor:
         plan = self.term.plan if self.term is not None else UNREQUESTED
         # A failed exit handling has its own recovery: the run goes where the plan said (core/exits.py).
         def on_error(exc: BaseException) -> None:
-            if is_store_write_error(exc) and self.job is None and self.state not in TERMINAL \
-                    and plan.then in (Then.CRASH, Then.RELAUNCH):
-                # The store cannot record this exit: keep it unprocessed (the exit file stays) and handle it
-                # again at the next retry; nothing is relaunched or decided meanwhile. (A stop or pause is
-                # honoured at once below: there is nothing left to keep safe.)
-                self.job, self.term, self.unrecorded_exit = job, term, status
-                return
-            exits.exit_handling_failed(self, status, plan, attempt, exc)
+            if not store_health.keep_unrecorded_exit(self, exc, job, term, status, plan.then in (Then.CRASH,
+                                                                                              Then.RELAUNCH)):
+                exits.exit_handling_failed(self, status, plan, attempt, exc)
 
         self.guard.run("exit", lambda: self._on_exit(status, attempt), on_error=on_error)
 

@@ -134,3 +134,31 @@ def flush_pending_states(sup: Any) -> None:
         to, reason, attempt = health.pending_states[0]
         sup.store.set_run_state(sup.run_id, to, reason, attempt=attempt)
         health.pending_states.pop(0)
+
+
+def store_state(sup: Any, to: Any, reason: str) -> None:
+    """Write a state change, or keep it (in order) for later while the store cannot be written: the state
+    machine moves on in memory, so a stop is accepted; the store gets the change when it can."""
+    health: StoreHealth = sup.store_health
+    if health.pending_states:  # keep the order: this one is written after the earlier ones
+        health.pending_states.append((to, reason, sup.attempt or None))
+        return
+    try:
+        sup.store.set_run_state(sup.run_id, to, reason, attempt=sup.attempt or None)
+    except Exception as exc:
+        if not is_store_write_error(exc):
+            raise
+        health.pending_states.append((to, reason, sup.attempt or None))
+        health.failed(exc, sup.os.time(), sup.say, "state")
+
+
+def keep_unrecorded_exit(sup: Any, exc: BaseException, job: Any, term: Any, status: Any, relaunching: bool) -> bool:
+    """The store cannot record this exit (`exc`): keep it unprocessed (the exit file stays) and handle it again
+    at the next retry; nothing is relaunched or decided meanwhile. A stop or pause is honoured at once instead:
+    there is nothing left to keep safe. False: not a store failure, or nothing to keep (the caller recovers)."""
+    from ulyssesd.daemon.core.states import TERMINAL
+
+    if not (is_store_write_error(exc) and sup.job is None and sup.state not in TERMINAL and relaunching):
+        return False
+    sup.job, sup.term, sup.unrecorded_exit = job, term, status
+    return True
