@@ -15,8 +15,11 @@ catch-all `python_exception` / `launcher_error`, or a SIGKILL read only from the
    `killed`.
 3. An fp16 loss scale collapsing in any framework's wording -> `loss_scale_overflow`; an NCCL watchdog line ->
    `nccl_timeout`.
+   A CUDA error in any framing names its label by the CUDA error it reports (notices.py); a NaN/Inf loss notice or
+   logged value that training did not survive -> `nan_loss`.
 4. Failure evidence is never healthy: an uncaught exception, a non-zero exit, a kill -> `python_exception` or
-   `killed` at low confidence with the deciding line.
+   `killed` at low confidence with the deciding line; so is an error-shaped line in any wording (notices.py) with no
+   healthy progress after it. `healthy` needs positive evidence of progress or the absence of any failure notice.
 
 A specific label the rules found (an OOM message, an NCCL error, a NaN, ...) stands, except that a validation error
 after training ended is not a refused configuration, and a SIGKILL the log shows a scheduler or user sending is not
@@ -66,10 +69,26 @@ def _signal_label(sig: int) -> tuple[str, str, str] | None:
     return None
 
 
+def _survived(facts: list[Fact], f: Fact, cfg: DiagnosisConfig, need: int | None = None) -> bool:
+    """Training went on after this failure fact: at least `need` (default: more than `progress_min_lines`) healthy
+    progress lines follow it (a step line that itself reports a non-finite loss is not healthy progress)."""
+    need = cfg.progress_min_lines + 1 if need is None else need
+    bad = {g.line for g in facts if g.kind == "nonfinite"}
+    return sum(1 for g in facts if g.kind == "progress" and g.line > f.line and g.line not in bad) >= need
+
+
 def _root_failure(facts: list[Fact], cfg: DiagnosisConfig) -> Fact | None:
-    """The earliest failure fact that training did not survive (exceptions, signals, validation refusals)."""
+    """The earliest failure fact that training did not survive (exceptions, signals, validation refusals, CUDA errors
+    and non-finite losses in any framing)."""
+    named = {f.line: f for f in facts if f.kind in ("cuda_error", "nonfinite")}
     for f in facts:
+        if f.kind in ("cuda_error", "nonfinite"):
+            if not _survived(facts, f, cfg):
+                return f
+            continue
         if f.kind == "exception":
+            if f.line in named and not _survived(facts, f, cfg):
+                return named[f.line]  # "RuntimeError: cuda runtime error (2) : out of memory": the CUDA error names it
             if f.get("where") == "wrapper" or f.get("type", "").startswith(("KeyboardInterrupt", "SystemExit")):
                 continue  # a launcher wrapper's report of its child (the child's own failure follows)
             if f.get("type", "").endswith("Warning"):
@@ -95,6 +114,12 @@ def _from_fact(f: Fact, facts: list[Fact], d: Diagnosis) -> Diagnosis | None:
             return _diag("config_rejected", f, "medium",
                          f"the job's argument parser ({f.get('program')}) refused its arguments before the first step", d)
         return None
+    if f.kind == "cuda_error":
+        return _diag(f.get("label"), f, "medium", f"a CUDA error ({_clip(f.get('message'))}) stands for {f.get('label')} "
+                     "by the CUDA error it names", d)
+    if f.kind == "nonfinite":
+        return _diag("nan_loss", f, "medium", "the loss is NaN/Inf (the trainer's own notice or logged value) and "
+                     "training did not go on with finite losses", d)
     if f.kind == "signal":
         got = _signal_label(f.get("signal", 0))
         return _diag(got[0], f, got[1], got[2], d) if got else None
@@ -204,4 +229,13 @@ def _never_healthy(d: Diagnosis, facts: list[Fact], root: Fact | None, cfg: Diag
                  and not progressed_after(facts, f.line, cfg.progress_min_lines + 1)), None)
     if kill is not None:
         return _diag("killed", kill, "low", "the job was ended by a signal or a non-zero exit and no cause is known", d)
+    # An error-shaped line in any program's wording (a severity word heading it, an error code, a C/C++ abort, a
+    # `... failed`) with no healthy progress after it: failure evidence, so not healthy (healthy needs progress).
+    # The progress needed after it is what makes a log healthy at all (`progress_min_lines`).
+    notice = next((f for f in reversed(facts) if f.kind in ("error_notice", "cuda_error", "nonfinite")
+                   and not _survived(facts, f, cfg, cfg.progress_min_lines)), None)
+    if notice is not None:
+        return _diag("python_exception", notice, "low",
+                     "an error-shaped line with no training progress after it ended the log, and no narrower cause is "
+                     "known", d)
     return d

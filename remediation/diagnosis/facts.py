@@ -14,6 +14,8 @@ Each `Fact` cites its line (1-based, in the normalised tail). Kinds:
 - `loss_scale`: an fp16 overflow line and the loss scale it names, in any framework's wording.
 - `comm`: an NCCL process group's watchdog or timeout line.
 - `progress` / `completed`: training advanced / the trainer said it finished.
+- `cuda_error`, `nonfinite`, `error_notice`: failure notices that are not Python exceptions (a CUDA error in any
+  framing and the label it stands for, a NaN/Inf loss, an error-shaped line): `notices.py`.
 `phase_at(facts, line)` tells the phase at a line: before the first step, training, or after training ended.
 """
 
@@ -25,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ulyssesd.remediation.diagnosis import notices
 from ulyssesd.remediation.diagnosis.model import DiagnosisConfig
 from ulyssesd.remediation.diagnosis.normalizer import Line
 
@@ -129,10 +132,27 @@ _LOAD_FUNC = re.compile(r"^(?:_?load(?:_\w+)?|_open_zipfile_reader|_open_file_li
                         r"|\w*load_(?:checkpoint|state|pretrained|model|weights)\w*|\w*(?:checkpoint|ckpt)\w*load\w*)$")
 _SAVE_CALL = re.compile(r"\btorch\.save\(|\bsave_checkpoint|\bsave_file\(|\bsave_pretrained|\bsave_model\b")
 _SAVE_FUNC = re.compile(r"^(?:_?save\w*|_open_zipfile_writer|\w*save_(?:checkpoint|state|model|pretrained)\w*)$")
-_VALIDATION_FILE = re.compile(r"(?:^|/)(?:argparse\.py|hydra/|omegaconf/|pydantic/|jsonargparse/|simple_parsing/)")
-_VALIDATION_FUNC = re.compile(r"^(?:parse_args\w*|parse_known_args|_parse\w*args\w*|error|_?\w*validat\w*|_?check_\w+"
-                              r"|_?verify_\w+|\w*sanity_check\w*|\w*error_check\w*|__post_init__|compose_config|load_configuration"
-                              r"|_apply_overrides_to_config)$")
+# Configuration code, by structure (see `where_raised`): a frame in an argument/config library, in a module named for
+# configuration or arguments, a dataclass's `__post_init__`, or a function whose name says it parses or validates
+# arguments/config. A bare `validate` / `check_*` counts only inside such a module: in a trainer it is a model pass.
+_CONFIG_LIB = re.compile(r"(?:^|/)(?:argparse\.py|hydra/|omegaconf/|pydantic/|pydantic_core/|jsonargparse/|simple_parsing/"
+                         r"|absl/flags/|ml_collections/config)")
+_CONFIG_MODULE = re.compile(r"(?:^|/|_)(?:config|configs|configuration|conf|cfg|args|arg|arguments|argparser|arg_parser"
+                            r"|options|opts|settings|hparams|flags)(?:_\w*)?\.py$")
+_CONFIG_WORDS = r"(?:args|arguments|argv|config|configs|cfg|conf|options|opts|params|parameters|settings|hparams|flags)"
+_CONFIG_FUNC = re.compile(
+    r"^(?:parse_args\w*|parse_known_args|_parse\w*args\w*|parse_(?:config|cfg|options|opts|flags|hparams)\w*|__post_init__"
+    r"|compose_config|load_configuration|_apply_overrides_to_config"
+    rf"|_?\w*(?:validat|check|verif|sanity|assert|error_check)\w*_{_CONFIG_WORDS}\w*"
+    rf"|_?\w*{_CONFIG_WORDS}_(?:validat|check|verif|sanity)\w*)$")
+_GENERIC_CHECK = re.compile(r"^(?:error|_?\w*(?:validat|check|verif|sanity|assert)\w*)$")
+# A trainer's loops: an exception whose nearest known-role frame is one of these was raised by a model pass (training
+# or evaluation), not by configuration, whatever the function is called ("validate" is a validation *epoch* here).
+_LOOP_FUNC = re.compile(
+    r"^_?(?:validate|validation(?:_\w+)?|\w+_validation(?:_\w+)?|valid|\w+_valid(?:ate)?(?:_\w+)?|evaluate\w*"
+    r"|\w+_evaluate\w*|evaluation\w*|eval|eval_\w+|\w+_eval(?:_\w+)?|test_step|test_epoch\w*|\w+_test_(?:step|epoch|loop)\w*"
+    r"|predict_step|train|training_step|train_step|train_epoch\w*|train_one_epoch|train_loop|training_loop|fit|fit_loop"
+    r"|run_training\w*|_run_train\w*)$")
 _VALIDATION_TYPE = re.compile(r"(?:ArgumentError|ArgumentTypeError|ConfigCompositionException|ConfigAttributeError"
                               r"|ConfigKeyError|ConfigTypeError|MissingMandatoryValue|ValidationError"
                               r"|MisconfigurationException|OverrideParseException|InterpolationResolutionError)$")
@@ -155,6 +175,7 @@ class Fact:
     """One structured fact and the line it was read from."""
 
     kind: str  # exception | signal | exit | scheduler | validation | kernel | loss_scale | comm | progress | completed
+    #            | cuda_error | nonfinite | error_notice (notices.py)
     line: int  # 1-based line number in the normalised tail
     text: str  # that line's message
     attrs: dict[str, Any] = field(default_factory=dict)  # kind-specific: type, where, signal, code, reason, scale...
@@ -172,8 +193,20 @@ def _exc_match(text: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2) or "") if m.group(1) else (m.group(3), m.group(4) or "")
 
 
+def _is_config_frame(f: Frame) -> bool:
+    """A frame of configuration code: an argument/config library, a config/args module, a function that parses or
+    validates arguments/config (any `validate`/`check_*` inside a config module)."""
+    if f.file.endswith("subprocess.py"):
+        return False  # check_call / check_output: a child process failed
+    if _CONFIG_LIB.search(f.file) or _CONFIG_FUNC.match(f.func):
+        return True
+    return bool(_CONFIG_MODULE.search(f.file)) and bool(_GENERIC_CHECK.match(f.func))
+
+
 def where_raised(frames: list[Frame], exc_type: str, cfg: DiagnosisConfig) -> str | None:
-    """The place an exception was raised, from its innermost frames (and the source they quote)."""
+    """The place an exception was raised, from its innermost frames (and the source they quote): the nearest frame of
+    a known role decides — checkpoint loading/saving, configuration (`_is_config_frame`), or a training/evaluation loop
+    (`loop`: a model pass, never configuration)."""
     inner = frames[-cfg.root_frames:]
     if any(_WRAPPER_FILE.search(f.file) for f in frames[-2:]):
         return "wrapper"  # raised by a launcher (mp.spawn, torchrun, deepspeed's runner) about its children or hosts
@@ -186,8 +219,10 @@ def where_raised(frames: list[Frame], exc_type: str, cfg: DiagnosisConfig) -> st
             return "saving"
         if _LOAD_FUNC.match(f.func) or _LOAD_CALL.search(f.code):
             return "loading"
-        if _VALIDATION_FILE.search(f.file) or (_VALIDATION_FUNC.match(f.func) and not f.file.endswith("subprocess.py")):
+        if _is_config_frame(f):
             return "validation"
+        if _LOOP_FUNC.match(f.func):
+            return "loop"  # raised by a training/evaluation pass: not configuration (and training had started)
     if any(_PG_FILE.search(f.file) for f in inner):
         return "process_group"
     return None
@@ -372,6 +407,11 @@ def extract(lines: list[Line], cfg: DiagnosisConfig | None = None) -> list[Fact]
             ln = lines[i]
             if ln.repeat_of is None and ln.text.strip():
                 facts += _read_line(kind, ln)
+    for kind, keys in notices.KEYS.items():
+        for i in index.candidates(keys):
+            ln = lines[i]
+            if ln.repeat_of is None:
+                facts += [Fact(k, no, text, attrs) for k, no, text, attrs in notices.read(kind, ln)]
     # mp.spawn reports a signal as an exception: that exception is the signal fact, not a Python failure.
     for f in list(facts):
         if f.kind == "exception":

@@ -1,0 +1,121 @@
+"""Failure notices that are not Python exceptions, read by their form rather than one framework's wording.
+
+Three kinds, each `(kind, line number, message, attrs)` for `facts.extract` to wrap:
+- `cuda_error`: a CUDA runtime/driver error in any framing — torch's `CUDA error: X`, THC's `cuda runtime error (30) :
+  X at file:line`, NCCL's `Cuda failure N 'X'`, cuda-gdb's `CUDA Exception: X`, `CUDA_ERROR_X`, `cudaErrorX` — and the
+  label its message or name stands for (the CUDA error enumeration: memory allocation, illegal address / launch failure /
+  assert, unknown / ECC / lost GPU).
+- `nonfinite`: the loss (or a loss-named metric) is NaN/Inf — a logged value (`loss_net: nan`, `val_loss=inf`) or a
+  trainer's own notice that names a loss or metric, NaN/Inf and what it did about it (`Skipping backward and optimizer
+  step for nan or inf in forwarding metrics/loss!`, `Loss is inf, stopping`). A description of an option (`--skip-nan`,
+  `... if the loss is nan`) is not one.
+- `error_notice`: an error-shaped line in any program's wording: a severity word heading the message (`ERROR: ...`,
+  `prog: fatal error: ...`), an `X error (N)` / `error N:` code, a C/C++ abort (`terminate called after throwing`,
+  `Aborted (core dumped)`, `Assertion ... failed`, `Check failed:`), a `... failed` outcome, a run that says it aborted.
+  Lines at a warning/info level (`WARNING`, `[W ...]`, `UserWarning`, `NCCL INFO`) and quoted source are not.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ulyssesd.remediation.diagnosis.normalizer import Line
+
+Notice = tuple[str, int, str, dict[str, Any]]
+
+# ---------------------------------------------------------------------------------------------------------- CUDA errors
+# The message after any CUDA error framing (applied to the line as written).
+_CUDA_FRAMED = re.compile(
+    r"\bcuda(?:\s+(?:runtime|driver|kernel))?\s*(?:error|exception|failure)\b\s*(?:\(\s*-?\d+\s*\)|-?\d+)?\s*:?\s*['\"]?"
+    r"\s*([A-Za-z][^'\"\n]{2,120})", re.I)
+_CUDA_NAMED = re.compile(r"\b(?:CUDA_ERROR_|cudaError|CUDA_EXCEPTION_\d+,\s*)([A-Za-z_ ]{3,60})")
+# The label each CUDA error stands for, by its message or enumeration name (lowercased, underscores as spaces).
+_CUDA_CAUSES: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"out of memory|memory ?allocation|alloc(?:ation)? failed"), "cuda_oom"),
+    (re.compile(r"illegal ?(?:memory ?access|address|instruction)|misaligned ?address|launch ?failure|launch ?failed"
+                r"|\bassert(?:ion)? triggered|\bassert\b|address out of bounds|out-of-range address"
+                r"|invalid ?pc"), "illegal_memory_access"),
+    (re.compile(r"unknown(?: error)?\b|\becc\b|uncorrectable|gpu is lost|fallen off|hardware ?stack ?error"
+                r"|device ?unavailable|\bxid\b"), "gpu_hardware"),
+)
+
+# ------------------------------------------------------------------------------------------------- non-finite losses
+_LOSS_WORD = r"(?:loss|losses|metrics?|objective)"
+# A loss-named key with a non-finite value: "loss_net: nan", "val_loss=inf", "'train/loss': nan" (not loss_scale).
+_LOSS_VALUE = re.compile(r"(?<![\w/.\-])([\w/.\-]*loss[\w/.\-]*)['\"]?\s*[:=]\s*['\"]?[-+]?(nan|inf)\b", re.I)
+_NONFINITE_WORD = r"(?:nan|inf|infinity|non-finite|not finite|infinite)"
+# The loss word and the non-finite word close together (either order): one statement about the loss.
+_LOSS_NONFINITE = re.compile(rf"\b{_LOSS_WORD}\b.{{0,60}}\b{_NONFINITE_WORD}\b|\b{_NONFINITE_WORD}\b.{{0,60}}\b{_LOSS_WORD}\b",
+                             re.I)
+_ACTED = re.compile(r"\b(?:skip(?:s|ping|ped)?|abort(?:s|ing|ed)?|stop(?:s|ping|ped)?|exit(?:s|ing)?|halt(?:s|ing|ed)?"
+                    r"|terminat(?:e|es|ing|ed)|giving up|discard(?:s|ing|ed)?|ignor(?:e|es|ing|ed)|detected|encountered"
+                    r"|found|became|is|was)\b", re.I)
+# A description of behaviour, not an event: an option's help, a condition.
+_DESCRIBES = re.compile(r"^\s*-|\b(?:if|whether|whenever|unless)\b", re.I)
+
+# --------------------------------------------------------------------------------------------------- error notices
+# A warning/info level anywhere on the line as written: logging levels, glog/c10 "[W ...]" / "W1207 ...", Python's
+# "*Warning:", NCCL's "NCCL INFO".
+_BENIGN_LEVEL = re.compile(r"\b(?:WARNING|WARN|INFO|DEBUG)\b|\bwarn(?:ing)?s?\b|\w+Warning\b"
+                           r"|\[[WID]\d{0,4}(?:[ \d:.]*)?\s*[\w.]+\.(?:cpp|cc|cu|h|hpp|py):\d+\]|^\s*[WID]\d{4} \d\d:", re.I)
+_ERROR_SHAPED = re.compile(
+    # a severity word heading the message, after an optional program name: "ERROR: x", "luajit: fatal error: x"
+    r"^(?:[\w.\-/]+:\s+)?\[?(?:fatal(?: error)?|error|critical|panic|emerg(?:ency)?)\]?\s*[:!](?!\s*[-+]?[\d.]+(?:e-?\d+)?%?\s*$)"
+    # an error with its code: "cuda runtime error (30) : x", "error 1455:", "error code 3"
+    r"|\berror\s*\(\s*-?[1-9]\d*\s*\)|\berror (?:code )?-?[1-9]\d*\s*:|\berror code[:=]?\s*-?[1-9]\d*\b"
+    # C/C++/Rust aborts
+    r"|terminate called after throwing|\bwhat\(\):\s|\bAborted\b(?: \(core dumped\))?\s*$|\bcore dumped\b"
+    r"|\bFatal Python error\b|\bpanicked at\b|\bAssertion\b.{0,200}\bfailed\b|\bCheck failed:"
+    # an outcome that failed / a run that aborted
+    r"|\bfailed(?: with| because| due to| at| on| while)?\b[^a-z]*$|\bfailed (?:with|because|due to)\b"
+    r"|\b(?:training|run|job|process|program|worker|task)s? (?:was |has been |is )?(?:aborted|crashed|killed|terminated)\b"
+    r"|^\s*abort(?:ing|ed)?\b|\babort(?:ing|ed)? (?:training|the run|run|job)\b",
+    re.I)
+# Lines that say something about overflow skips (loss-scale calibration: read as loss_scale facts), quoted source.
+_NOT_NOTICE = re.compile(r"overflow|loss scale|^\s*(?:raise|File \")|^\s*(?:#|//)", re.I)
+
+KEYS = {
+    "cuda_error": ("cuda", "cudaerror"),
+    "nonfinite": ("nan", "inf", "finite"),
+    "error_notice": ("error", "fatal", "critical", "panic", "emerg", "terminate called", "what():", "abort",
+                     "core dumped", "panicked", "assertion", "check failed", "failed", "crashed", "killed", "terminated"),
+}
+
+
+def cuda_cause(message: str) -> str | None:
+    """The label a CUDA error message or enumeration name stands for, or None."""
+    low = message.lower().replace("_", " ")
+    for rx, label in _CUDA_CAUSES:
+        if rx.search(low):
+            return label
+    return None
+
+
+def read(kind: str, ln: Line) -> list[Notice]:
+    """The notices of one kind on one candidate line (normalised, not another rank's repeat)."""
+    t = ln.text.strip()
+    if not t or ln.text.startswith(("  ", "\t")):
+        return []
+    if kind == "cuda_error":
+        for rx in (_CUDA_FRAMED, _CUDA_NAMED):
+            for found in rx.finditer(t):
+                label = cuda_cause(found.group(1))
+                if label:
+                    return [("cuda_error", ln.no, t, {"label": label, "message": found.group(1).strip()})]
+        return []
+    if kind == "nonfinite":
+        if _DESCRIBES.search(t):
+            return []
+        m = _LOSS_VALUE.search(t)
+        if m and "scale" not in m.group(1).lower():
+            return [("nonfinite", ln.no, t, {"what": m.group(1), "value": m.group(2).lower()})]
+        if _LOSS_NONFINITE.search(t) and _ACTED.search(t) and "overflow" not in t.lower():
+            return [("nonfinite", ln.no, t, {"what": "notice"})]
+        return []
+    if kind == "error_notice":
+        if _NOT_NOTICE.search(t) or _BENIGN_LEVEL.search(ln.raw):
+            return []
+        if _ERROR_SHAPED.search(t):
+            return [("error_notice", ln.no, t, {})]
+    return []
