@@ -54,6 +54,7 @@ _SIGNAL_LINES: tuple[tuple[re.Pattern, Any], ...] = (
                 r"|^(?:\S+: )?(?:line \d+: +)?\d+ +Terminated\b"), 15),
     (re.compile(r"Segmentation fault|Fatal Python error: Segmentation fault|\bSIGSEGV\b"), 11),
     (re.compile(r"^(?:\S+: )?(?:line \d+: +)?(?:\d+ +)?Bus error\b"), 7),
+    (re.compile(r"^(?:\S+: )?(?:line \d+: +)?(?:\d+ +)?Illegal instruction\b"), 4),  # bash's SIGILL report
 )
 # Exit statuses in the forms launchers, schedulers and IDEs print them.
 _EXIT = re.compile(
@@ -303,7 +304,7 @@ _KEYS = {
                   "preempted", "oomkilled", "low on resource", "evicted", "deadline", "horse", "request of", " by user",
                   " by root", " by admin", " by operator", " by owner", " by the user"),
     "signal": ("signal", "exitcode", "return code", "killed", "已杀死", "terminated", "segmentation fault", "sigsegv",
-               "bus error"),
+               "bus error", "illegal instruction"),
     "exit": ("exit code", "exit_status", "exit status", "exited with code", "non-zero exit"),
     "validation": (": error: ",),
     "kernel": ("xid", "ecc", "out of memory: kill", "oom-killer", "oom-kill:", "oom_reaper"),
@@ -408,7 +409,10 @@ def extract(lines: list[Line], cfg: DiagnosisConfig | None = None) -> list[Fact]
             if ln.repeat_of is None and ln.text.strip():
                 facts += _read_line(kind, ln)
     for kind, keys in notices.KEYS.items():
-        for i in index.candidates(keys):
+        found = index.candidates(keys)
+        if kind == "error_level":  # a logger's level the normalizer stripped: the line had a level prefix
+            found = sorted(set(found) | {i for i, ln in enumerate(lines) if "level" in ln.prefixes or "nemo" in ln.prefixes})
+        for i in found:
             ln = lines[i]
             if ln.repeat_of is None:
                 facts += [Fact(k, no, text, attrs) for k, no, text, attrs in notices.read(kind, ln)]

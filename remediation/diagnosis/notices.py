@@ -11,7 +11,8 @@ Three kinds, each `(kind, line number, message, attrs)` for `facts.extract` to w
   `... if the loss is nan`) is not one.
 - `error_notice`: an error-shaped line in any program's wording: a severity word heading the message (`ERROR: ...`,
   `prog: fatal error: ...`), an `X error (N)` / `error N:` code, a C/C++ abort (`terminate called after throwing`,
-  `Aborted (core dumped)`, `Assertion ... failed`, `Check failed:`), a `... failed` outcome, a run that says it aborted.
+  `Aborted (core dumped)`, `Assertion ... failed`, `Check failed:`), a `... failed` outcome, a run that says it aborted,
+  or a line its logger wrote at an error/fatal level (`[ERROR]`, `| ERROR |`, glog's `E1207 ...` / `[E file.cpp:N]`).
   Lines at a warning/info level (`WARNING`, `[W ...]`, `UserWarning`, `NCCL INFO`) and quoted source are not.
 """
 
@@ -72,6 +73,10 @@ _ERROR_SHAPED = re.compile(
     r"|\b(?:training|run|job|process|program|worker|task)s? (?:was |has been |is )?(?:aborted|crashed|killed|terminated)\b"
     r"|^\s*abort(?:ing|ed)?\b|\babort(?:ing|ed)? (?:training|the run|run|job)\b",
     re.I)
+# An error/fatal level in the line's logger prefix (the normalizer strips it from the message): "[ERROR]", fairseq's
+# "| ERROR |", NeMo's "[NeMo E ...]", glog/c10's "[E file.cpp:N]" / "E1207 12:00:00 ... file.cc:N]" / "F1207 ...".
+_ERROR_LEVEL = re.compile(r"\[(?:ERROR|CRITICAL|FATAL)\]|\|\s*(?:ERROR|CRITICAL|FATAL)\s*\||\[NeMo [EC] "
+                          r"|\[[EF]\d{0,4}(?:[ \d:.]*)?\s*[\w.]+\.(?:cpp|cc|cu|h|hpp|py):\d+\]|^\s*(?:\[\w+\]:)?[EF]\d{4} \d\d:")
 # Lines that say something about overflow skips (loss-scale calibration: read as loss_scale facts), quoted source.
 _NOT_NOTICE = re.compile(r"overflow|loss scale|^\s*(?:raise|File \")|^\s*(?:#|//)", re.I)
 
@@ -80,6 +85,8 @@ KEYS = {
     "nonfinite": ("nan", "inf", "finite"),
     "error_notice": ("error", "fatal", "critical", "panic", "emerg", "terminate called", "what():", "abort",
                      "core dumped", "panicked", "assertion", "check failed", "failed", "crashed", "killed", "terminated"),
+    # glog/c10 prefixes stay in the message; stripped logger levels are found by the Line's prefixes (facts.extract)
+    "error_level": ("[e", "e1", "e0", "[f", "f1", "f0"),
 }
 
 
@@ -113,9 +120,10 @@ def read(kind: str, ln: Line) -> list[Notice]:
         if _LOSS_NONFINITE.search(t) and _ACTED.search(t) and "overflow" not in t.lower():
             return [("nonfinite", ln.no, t, {"what": "notice"})]
         return []
-    if kind == "error_notice":
+    if kind in ("error_notice", "error_level"):
         if _NOT_NOTICE.search(t) or _BENIGN_LEVEL.search(ln.raw):
             return []
-        if _ERROR_SHAPED.search(t):
-            return [("error_notice", ln.no, t, {})]
+        shaped = _ERROR_SHAPED.search(t)
+        if (kind == "error_notice" and shaped) or (kind == "error_level" and not shaped and _ERROR_LEVEL.search(ln.raw)):
+            return [("error_notice", ln.no, t, {"level": kind == "error_level"})]
     return []

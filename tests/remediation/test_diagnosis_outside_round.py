@@ -61,6 +61,10 @@ def _healthy_tail(n: int = 4, start: int = 100) -> str:
     "thread 'main' panicked at 'index out of bounds', src/loader.rs:42:9",
     "libfoo error (12) : resource exhausted at foo.c:9",
     "Epoch 3 training was aborted by the worker pool",
+    # a logger's error level says it when the words do not (the normalizer strips the level from the message)
+    "[2024-07-24 08:45:13,616] [ERROR] [engine.py:1201:step] gradient buffers of rank 3 do not match",
+    "2024-07-24 08:45:13 | CRITICAL | fairseq.trainer | the data iterator is exhausted mid-epoch",
+    "E1207 12:00:00.123456  4242 reducer.cpp:1340] bucket view of parameter 12 is stale",
 ])
 def test_an_error_shaped_line_with_no_progress_after_it_is_not_healthy(tail):
     log = _healthy_tail() + tail + "\n"
@@ -77,6 +81,8 @@ def test_an_error_shaped_line_with_no_progress_after_it_is_not_healthy(tail):
     "WARNING: error while uploading the run summary; will retry",
     "validation error: 0.2134",
     "Error: 12.5%",
+    "[2024-07-24 08:45:13,616] [INFO] [engine.py:12:step] all-reduce of bucket 3 failed over to the slow path",
+    "I1207 12:00:00.123456  4242 reducer.cpp:1340] error feedback buffers allocated",
 ])
 def test_warnings_and_metrics_that_look_like_errors_stay_healthy(tail):
     d = diagnose(_healthy_tail() + tail + "\n" + _healthy_tail(2, 104))
@@ -88,6 +94,11 @@ def test_warnings_and_metrics_that_look_like_errors_stay_healthy(tail):
 def test_an_error_line_followed_by_progress_was_survived():
     d = diagnose(_healthy_tail() + "ERROR: failed to reach the metrics server\n" + _healthy_tail(3, 104))
     assert (d.label, d.confidence) == ("healthy", "high")
+
+
+def test_the_shells_report_of_a_native_crash_names_its_signal():
+    assert diagnose(_healthy_tail() + "Illegal instruction (core dumped)\n").label == "segfault"
+    assert diagnose(_healthy_tail() + "the model uses an illegal instruction set? no: AVX2 found\n").label == "healthy"
 
 
 # ----------------------------------------------------------------------- CUDA errors by the CUDA error they name
