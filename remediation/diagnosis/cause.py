@@ -28,6 +28,7 @@ the OOM killer.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import replace
 
 from ulyssesd.remediation.diagnosis.facts import NTSTATUS, Fact, phase_at, progressed_after
@@ -69,25 +70,36 @@ def _signal_label(sig: int) -> tuple[str, str, str] | None:
     return None
 
 
-def _survived(facts: list[Fact], f: Fact, cfg: DiagnosisConfig, need: int | None = None) -> bool:
-    """Training went on after this failure fact: at least `need` (default: more than `progress_min_lines`) healthy
-    progress lines follow it (a step line that itself reports a non-finite loss is not healthy progress)."""
-    need = cfg.progress_min_lines + 1 if need is None else need
-    bad = {g.line for g in facts if g.kind == "nonfinite"}
-    return sum(1 for g in facts if g.kind == "progress" and g.line > f.line and g.line not in bad) >= need
+class _HealthyProgress:
+    """The lines of healthy progress (a step line that itself reports a non-finite loss is not), counted after a line
+    by bisection: a tail of thousands of notices and step lines costs O(n log n), not O(n^2)."""
+
+    def __init__(self, facts: list[Fact]):
+        bad = {g.line for g in facts if g.kind == "nonfinite"}
+        self.lines = sorted(g.line for g in facts if g.kind == "progress" and g.line not in bad)
+
+    def after(self, line: int) -> int:
+        return len(self.lines) - bisect.bisect_right(self.lines, line)
+
+
+def _survived(progress: _HealthyProgress, f: Fact, cfg: DiagnosisConfig, need: int | None = None) -> bool:
+    """Training went on after this failure fact: at least `need` (default: more than `progress_min_lines`) lines of
+    healthy progress follow it."""
+    return progress.after(f.line) >= (cfg.progress_min_lines + 1 if need is None else need)
 
 
 def _root_failure(facts: list[Fact], cfg: DiagnosisConfig) -> Fact | None:
     """The earliest failure fact that training did not survive (exceptions, signals, validation refusals, CUDA errors
     and non-finite losses in any framing)."""
     named = {f.line: f for f in facts if f.kind in ("cuda_error", "nonfinite")}
+    progress = _HealthyProgress(facts)
     for f in facts:
         if f.kind in ("cuda_error", "nonfinite"):
-            if not _survived(facts, f, cfg):
+            if not _survived(progress, f, cfg):
                 return f
             continue
         if f.kind == "exception":
-            if f.line in named and not _survived(facts, f, cfg):
+            if f.line in named and not _survived(progress, f, cfg):
                 return named[f.line]  # "RuntimeError: cuda runtime error (2) : out of memory": the CUDA error names it
             if f.get("where") == "wrapper" or f.get("type", "").startswith(("KeyboardInterrupt", "SystemExit")):
                 continue  # a launcher wrapper's report of its child (the child's own failure follows)
@@ -232,8 +244,9 @@ def _never_healthy(d: Diagnosis, facts: list[Fact], root: Fact | None, cfg: Diag
     # An error-shaped line in any program's wording (a severity word heading it, an error code, a C/C++ abort, a
     # `... failed`) with no healthy progress after it: failure evidence, so not healthy (healthy needs progress).
     # The progress needed after it is what makes a log healthy at all (`progress_min_lines`).
+    progress = _HealthyProgress(facts)
     notice = next((f for f in reversed(facts) if f.kind in ("error_notice", "cuda_error", "nonfinite")
-                   and not _survived(facts, f, cfg, cfg.progress_min_lines)), None)
+                   and not _survived(progress, f, cfg, cfg.progress_min_lines)), None)
     if notice is not None:
         return _diag("python_exception", notice, "low",
                      "an error-shaped line with no training progress after it ended the log, and no narrower cause is "

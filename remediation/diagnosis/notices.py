@@ -58,7 +58,7 @@ _DESCRIBES = re.compile(r"^\s*-|\b(?:if|whether|whenever|unless)\b", re.I)
 # --------------------------------------------------------------------------------------------------- error notices
 # A warning/info level anywhere on the line as written: logging levels, glog/c10 "[W ...]" / "W1207 ...", Python's
 # "*Warning:", NCCL's "NCCL INFO".
-_BENIGN_LEVEL = re.compile(r"\b(?:WARNING|WARN|INFO|DEBUG)\b|\bwarn(?:ing)?s?\b|\w+Warning\b"
+_BENIGN_LEVEL = re.compile(r"\b(?:WARN|INFO|DEBUG)\b|\bwarns?\b|warnings?\b"
                            r"|\[[WID]\d{0,4}(?:[ \d:.]*)?\s*[\w.]+\.(?:cpp|cc|cu|h|hpp|py):\d+\]|^\s*[WID]\d{4} \d\d:", re.I)
 _ERROR_SHAPED = re.compile(
     # a severity word heading the message, after an optional program name: "ERROR: x", "luajit: fatal error: x"
@@ -121,9 +121,12 @@ def read(kind: str, ln: Line) -> list[Notice]:
             return [("nonfinite", ln.no, t, {"what": "notice"})]
         return []
     if kind in ("error_notice", "error_level"):
+        # the cheap, rarely-true test first: most candidate lines are INFO lines or words that merely contain "error"
+        if kind == "error_notice" and not _ERROR_SHAPED.search(t):
+            return []
+        if kind == "error_level" and (not _ERROR_LEVEL.search(ln.raw) or _ERROR_SHAPED.search(t)):
+            return []  # (a shaped line is read once, as an error_notice candidate)
         if _NOT_NOTICE.search(t) or _BENIGN_LEVEL.search(ln.raw):
             return []
-        shaped = _ERROR_SHAPED.search(t)
-        if (kind == "error_notice" and shaped) or (kind == "error_level" and not shaped and _ERROR_LEVEL.search(ln.raw)):
-            return [("error_notice", ln.no, t, {"level": kind == "error_level"})]
+        return [("error_notice", ln.no, t, {"level": kind == "error_level"})]
     return []
