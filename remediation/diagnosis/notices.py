@@ -44,7 +44,12 @@ _CUDA_CAUSES: tuple[tuple[re.Pattern, str], ...] = (
 # ------------------------------------------------------------------------------------------------- non-finite losses
 _LOSS_WORD = r"(?:loss|losses|metrics?|objective)"
 # A loss-named key with a non-finite value: "loss_net: nan", "val_loss=inf", "'train/loss': nan" (not loss_scale).
-_LOSS_VALUE = re.compile(r"(?<![\w/.\-])([\w/.\-]*loss[\w/.\-]*)['\"]?\s*[:=]\s*['\"]?[-+]?(nan|inf)\b", re.I)
+_LOSS_VALUE = re.compile(r"(?<![\w/.\-])([\w/.\-]*loss[\w/.\-]*)['\"]?\s*[:=]\s*['\"]?(?:tensor\()?[-+]?(nan|inf)\b", re.I)
+# "NaN loss at step 120", "non-finite losses detected": the non-finite loss as the subject of an event (not "prevents
+# nan losses by ...").
+_NONFINITE_LOSS_EVENT = re.compile(r"\b(?:nan|inf|non-finite|infinite)[ -]loss(?:es)?\b"
+                                   r"(?=\s+(?:at|in|on|detected|encountered|found|occurred|appeared|value)\b|\s*[.!:;,]|\s*$)",
+                                   re.I)
 _NONFINITE_WORD = r"(?:nan|inf|infinity|non-finite|not finite|infinite)"
 # The loss word and the non-finite word close together (either order): one statement about the loss.
 _LOSS_NONFINITE = re.compile(rf"\b{_LOSS_WORD}\b.{{0,60}}\b{_NONFINITE_WORD}\b|\b{_NONFINITE_WORD}\b.{{0,60}}\b{_LOSS_WORD}\b",
@@ -71,6 +76,7 @@ _ERROR_SHAPED = re.compile(
     # an outcome that failed / a run that aborted
     r"|\bfailed(?: with| because| due to| at| on| while)?\b[^a-z]*$|\bfailed (?:with|because|due to)\b"
     r"|\b(?:training|run|job|process|program|worker|task)s? (?:was |has been |is )?(?:aborted|crashed|killed|terminated)\b"
+    r"|\btimed out(?: after\b| waiting\b|[.!]?\s*$)"
     r"|^\s*abort(?:ing|ed)?\b|\babort(?:ing|ed)? (?:training|the run|run|job)\b",
     re.I)
 # An error/fatal level in the line's logger prefix (the normalizer strips it from the message): "[ERROR]", fairseq's
@@ -84,7 +90,8 @@ KEYS = {
     "cuda_error": ("cuda", "cudaerror"),
     "nonfinite": ("nan", "inf", "finite"),
     "error_notice": ("error", "fatal", "critical", "panic", "emerg", "terminate called", "what():", "abort",
-                     "core dumped", "panicked", "assertion", "check failed", "failed", "crashed", "killed", "terminated"),
+                     "core dumped", "panicked", "assertion", "check failed", "failed", "crashed", "killed", "terminated",
+                     "timed out"),
     # glog/c10 prefixes stay in the message; stripped logger levels are found by the Line's prefixes (facts.extract)
     "error_level": ("[e", "e1", "e0", "[f", "f1", "f0"),
 }
@@ -117,7 +124,8 @@ def read(kind: str, ln: Line) -> list[Notice]:
         m = _LOSS_VALUE.search(t)
         if m and "scale" not in m.group(1).lower():
             return [("nonfinite", ln.no, t, {"what": m.group(1), "value": m.group(2).lower()})]
-        if _LOSS_NONFINITE.search(t) and _ACTED.search(t) and "overflow" not in t.lower():
+        if ((_LOSS_NONFINITE.search(t) and _ACTED.search(t)) or _NONFINITE_LOSS_EVENT.search(t)) \
+                and "overflow" not in t.lower():
             return [("nonfinite", ln.no, t, {"what": "notice"})]
         return []
     if kind in ("error_notice", "error_level"):

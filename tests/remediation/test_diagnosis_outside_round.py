@@ -61,6 +61,7 @@ def _healthy_tail(n: int = 4, start: int = 100) -> str:
     "thread 'main' panicked at 'index out of bounds', src/loader.rs:42:9",
     "libfoo error (12) : resource exhausted at foo.c:9",
     "Epoch 3 training was aborted by the worker pool",
+    "Waiting for the parameter server to answer timed out after 600 s",
     # a logger's error level says it when the words do not (the normalizer strips the level from the message)
     "[2024-07-24 08:45:13,616] [ERROR] [engine.py:1201:step] gradient buffers of rank 3 do not match",
     "2024-07-24 08:45:13 | CRITICAL | fairseq.trainer | the data iterator is exhausted mid-epoch",
@@ -91,8 +92,10 @@ def test_warnings_and_metrics_that_look_like_errors_stay_healthy(tail):
     assert d.label == "healthy", (tail, d)
 
 
-def test_an_error_line_followed_by_progress_was_survived():
-    d = diagnose(_healthy_tail() + "ERROR: failed to reach the metrics server\n" + _healthy_tail(3, 104))
+@pytest.mark.parametrize("line", ["ERROR: failed to reach the metrics server",
+                                  "Upload of the run summary timed out after 30 s; retrying"])
+def test_an_error_line_followed_by_progress_was_survived(line):
+    d = diagnose(_healthy_tail() + line + "\n" + _healthy_tail(3, 104))
     assert (d.label, d.confidence) == ("healthy", "high")
 
 
@@ -130,6 +133,8 @@ def test_cuda_error_boilerplate_is_not_a_cuda_error(line):
     "Encountered non-finite loss at step 1200; aborting",
     "[trainer] nan or inf in the metrics/loss dict, discarding this update",
     "iter 300 | ce_loss_total=nan | lr 1e-4",
+    "step 300: loss: tensor(nan, device='cuda:0', grad_fn=<AddBackward0>)",
+    "NaN loss at step 300",
 ])
 def test_a_non_finite_loss_notice_is_nan_loss(line):
     d = diagnose(_healthy_tail() + line + "\n")
@@ -147,6 +152,8 @@ def test_one_skipped_non_finite_step_that_training_survived_is_healthy():
 @pytest.mark.parametrize("line", [
     "  --skip-nonfinite   skip the update if the loss is nan or inf",
     "skip_nan_inf_loss: True",
+    "the clipping callback prevents NaN losses by rescaling the gradients",
+    "step 300: loss: tensor(0.5321, device='cuda:0', grad_fn=<AddBackward0>)",
     "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0",
 ])
 def test_descriptions_of_nan_handling_are_not_a_nan_loss(line):
