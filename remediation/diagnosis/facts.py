@@ -47,6 +47,14 @@ _SIGNAL_LINES: tuple[tuple[re.Pattern, Any], ...] = (
     (re.compile(r"Signal (\d+) \(SIG\w+\) received by PID|exitcode\s*:\s*-(\d+)|exits with return code = -(\d+)"
                 r"|died with <Signals\.SIG\w+: (\d+)>|terminated with signal (SIG[A-Z]+)|killed by signal:? (SIG[A-Z]+)"),
      None),
+    # any wording of a death by signal: "terminated by signal SIGKILL" (fish), "exited with signal 9 (SIGKILL)",
+    # "The process was terminated by signal 11", "worker 3 was killed due to signal: 9"
+    (re.compile(r"\b(?:killed|terminated|died|exited|ended|stopped|crashed|aborted)\b[^\n]{0,40}?"
+                r"\b(?:by|with|due to|from|on)\s+(?:the\s+)?signal\s*:?\s*(SIG[A-Z]+|\d+)\b", re.I), None),
+    # zsh's and job control's lowercase reports ("zsh: killed  python x.py", "[1]  + 1234 killed  python x.py"),
+    # macOS bash's "Killed: 9"
+    (re.compile(r"^(?:zsh: |(?:\[\d+\])?\s*[+-]?\s*\d+\s+)killed\b|^Killed: 9\s*$"), 9),
+    (re.compile(r"^(?:zsh: |(?:\[\d+\])?\s*[+-]?\s*\d+\s+)terminated\b"), 15),
     # bash's report of a SIGKILLed child: "Killed" alone, or "[script: line N: ]PID Killed  command"
     (re.compile(r"^(?:\S+: )?(?:line \d+: +)?\d+ +Killed\b|^Killed\s*$|已杀死"), 9),
     # bash's report of a SIGTERMed child ("... 1234 Terminated", a bar ending "\\Terminated"), not a status field

@@ -57,6 +57,11 @@ _LOSS_NONFINITE = re.compile(rf"\b{_LOSS_WORD}\b.{{0,60}}\b{_NONFINITE_WORD}\b|\
 _ACTED = re.compile(r"\b(?:skip(?:s|ping|ped)?|abort(?:s|ing|ed)?|stop(?:s|ping|ped)?|exit(?:s|ing)?|halt(?:s|ing|ed)?"
                     r"|terminat(?:e|es|ing|ed)|giving up|discard(?:s|ing|ed)?|ignor(?:e|es|ing|ed)|detected|encountered"
                     r"|found|became|is|was)\b", re.I)
+# A trainer stopping because its loss diverged ("loss diverged, stopping", "Loss exploded to 1e38, aborting"): the
+# closest label is nan_loss (the loss is no longer finite in any useful sense).
+_DIVERGED = re.compile(rf"\b{_LOSS_WORD}\b.{{0,60}}\b(?:diverg\w*|explod\w*|blew up|blown up)\b", re.I)
+_STOPPED = re.compile(r"\b(?:skip(?:s|ping|ped)?|abort(?:s|ing|ed)?|stop(?:s|ping|ped)?|exit(?:s|ing)?|halt(?:s|ing|ed)?"
+                      r"|terminat(?:e|es|ing|ed)|giving up)\b", re.I)
 # A description of behaviour, not an event: an option's help, a condition.
 _DESCRIBES = re.compile(r"^\s*-|\b(?:if|whether|whenever|unless)\b", re.I)
 
@@ -67,7 +72,14 @@ _BENIGN_LEVEL = re.compile(r"\b(?:WARN|INFO|DEBUG)\b|\bwarns?\b|warnings?\b"
                            r"|\[[WID]\d{0,4}(?:[ \d:.]*)?\s*[\w.]+\.(?:cpp|cc|cu|h|hpp|py):\d+\]|^\s*[WID]\d{4} \d\d:", re.I)
 _ERROR_SHAPED = re.compile(
     # a severity word heading the message, after an optional program name: "ERROR: x", "luajit: fatal error: x"
-    r"^(?:[\w.\-/]+:\s+)?\[?(?:fatal(?: error)?|error|critical|panic|emerg(?:ency)?)\]?\s*[:!](?!\s*[-+]?[\d.]+(?:e-?\d+)?%?\s*$)"
+    r"^(?:[\w.\-/]+:\s+)?\[?(?:fatal(?: error)?|error|critical|panic|emerg(?:ency)?|failed|failure)\]?\s*[:!]"
+    r"(?!\s*[-+]?[\d.]+(?:e-?\d+)?%?\s*$)"
+    # ... or as the message's first word, its subject ("Error executing job ...", "Failed to initialise the store"),
+    # not a metric's name ("Error rate 0.1", "error: 0.21")
+    r"|^(?:error|fatal|failed|failure)\b(?!\s*(?:rate|count|bars?|analysis|metrics?|feedback|correction|term|norm)\b)"
+    r"(?!\s*[:=]?\s*[-+\d.])"
+    # ... or in a banner ("!!! Exception during processing !!!", "*** Error in `python'") or a thread's report
+    r"|^[!*#=]{2,}\s*(?:error|exception|fatal|failed|failure)\b|^Exception in thread\b"
     # an error with its code: "cuda runtime error (30) : x", "error 1455:", "error code 3"
     r"|\berror\s*\(\s*-?[1-9]\d*\s*\)|\berror (?:code )?-?[1-9]\d*\s*:|\berror code[:=]?\s*-?[1-9]\d*\b"
     # C/C++/Rust aborts
@@ -88,8 +100,8 @@ _NOT_NOTICE = re.compile(r"overflow|loss scale|^\s*(?:raise|File \")|^\s*(?:#|//
 
 KEYS = {
     "cuda_error": ("cuda", "cudaerror"),
-    "nonfinite": ("nan", "inf", "finite"),
-    "error_notice": ("error", "fatal", "critical", "panic", "emerg", "terminate called", "what():", "abort",
+    "nonfinite": ("nan", "inf", "finite", "diverg", "explod", "blew up", "blown up"),
+    "error_notice": ("error", "fatal", "critical", "panic", "emerg", "terminate called", "what():", "abort", "exception",
                      "core dumped", "panicked", "assertion", "check failed", "failed", "crashed", "killed", "terminated",
                      "timed out"),
     # glog/c10 prefixes stay in the message; stripped logger levels are found by the Line's prefixes (facts.extract)
@@ -127,6 +139,8 @@ def read(kind: str, ln: Line) -> list[Notice]:
         if ((_LOSS_NONFINITE.search(t) and _ACTED.search(t)) or _NONFINITE_LOSS_EVENT.search(t)) \
                 and "overflow" not in t.lower():
             return [("nonfinite", ln.no, t, {"what": "notice"})]
+        if _DIVERGED.search(t) and _STOPPED.search(t):
+            return [("nonfinite", ln.no, t, {"what": "diverged"})]
         return []
     if kind in ("error_notice", "error_level"):
         # the cheap, rarely-true test first: most candidate lines are INFO lines or words that merely contain "error"

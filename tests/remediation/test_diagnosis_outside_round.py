@@ -62,6 +62,10 @@ def _healthy_tail(n: int = 4, start: int = 100) -> str:
     "libfoo error (12) : resource exhausted at foo.c:9",
     "Epoch 3 training was aborted by the worker pool",
     "Waiting for the parameter server to answer timed out after 600 s",
+    "Error executing job with overrides: ['optim.lr=0.1']",
+    "Failed to initialise the rendezvous store",
+    "!!! Exception during processing !!! shape mismatch",
+    "Exception in thread Thread-3:",
     # a logger's error level says it when the words do not (the normalizer strips the level from the message)
     "[2024-07-24 08:45:13,616] [ERROR] [engine.py:1201:step] gradient buffers of rank 3 do not match",
     "2024-07-24 08:45:13 | CRITICAL | fairseq.trainer | the data iterator is exhausted mid-epoch",
@@ -82,6 +86,8 @@ def test_an_error_shaped_line_with_no_progress_after_it_is_not_healthy(tail):
     "WARNING: error while uploading the run summary; will retry",
     "validation error: 0.2134",
     "Error: 12.5%",
+    "Error rate 0.12 on the held-out shard",
+    "the optimizer stopped by signal handler request",
     "[2024-07-24 08:45:13,616] [INFO] [engine.py:12:step] all-reduce of bucket 3 failed over to the slow path",
     "I1207 12:00:00.123456  4242 reducer.cpp:1340] error feedback buffers allocated",
 ])
@@ -97,6 +103,19 @@ def test_warnings_and_metrics_that_look_like_errors_stay_healthy(tail):
 def test_an_error_line_followed_by_progress_was_survived(line):
     d = diagnose(_healthy_tail() + line + "\n" + _healthy_tail(3, 104))
     assert (d.label, d.confidence) == ("healthy", "high")
+
+
+@pytest.mark.parametrize("line,label", [
+    ("zsh: killed     python train.py", "host_oom_killed"),
+    ("[2]  + 31337 killed     torchrun train.py", "host_oom_killed"),
+    ("fish: Job 1, 'python train.py' terminated by signal SIGTERM (Polite quit request)", "killed"),
+    ("worker 3 was ended by signal: 11", "segfault"),
+    ("Job 77 exited with signal 9 (SIGKILL)", "host_oom_killed"),
+])
+def test_a_death_by_signal_in_any_wording_names_its_signal(line, label):
+    d = diagnose(_healthy_tail() + line + "\n")
+    assert d.label == label, (line, d)
+    assert d.evidence[0] in line  # the message, its job-control prefix stripped
 
 
 def test_the_shells_report_of_a_native_crash_names_its_signal():
@@ -135,6 +154,7 @@ def test_cuda_error_boilerplate_is_not_a_cuda_error(line):
     "iter 300 | ce_loss_total=nan | lr 1e-4",
     "step 300: loss: tensor(nan, device='cuda:0', grad_fn=<AddBackward0>)",
     "NaN loss at step 300",
+    "training loss diverged (12.7 -> 4e19), stopping the run",
 ])
 def test_a_non_finite_loss_notice_is_nan_loss(line):
     d = diagnose(_healthy_tail() + line + "\n")
@@ -153,6 +173,7 @@ def test_one_skipped_non_finite_step_that_training_survived_is_healthy():
     "  --skip-nonfinite   skip the update if the loss is nan or inf",
     "skip_nan_inf_loss: True",
     "the clipping callback prevents NaN losses by rescaling the gradients",
+    "loss diverged briefly at step 280 and recovered; continuing",
     "step 300: loss: tensor(0.5321, device='cuda:0', grad_fn=<AddBackward0>)",
     "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0",
 ])
