@@ -215,7 +215,20 @@ def decide_by_cause(d: Diagnosis, lines: list[Line], facts: list[Fact], exit_cod
         return _diag("nccl_timeout", comm[0], "medium", "an NCCL process group's watchdog timed out", d)
     if d.label == "healthy":
         return _never_healthy(d, facts, root, cfg)
+    if d.label == "launcher_error" and not d.evidence:
+        notice = _last_notice(facts, cfg)  # a failed job with no known cause still cites the error line it printed
+        if notice is not None:
+            return replace(d, evidence=[notice.text], reason=f"{d.reason} The last error line of the log, line "
+                                                             f"{notice.line}: {_clip(notice.text)!r}.")
     return d
+
+
+def _last_notice(facts: list[Fact], cfg: DiagnosisConfig) -> Fact | None:
+    """The last failure notice (an error-shaped line, a CUDA error, a non-finite loss) that is not followed by the
+    `progress_min_lines` lines of healthy progress that make a log healthy at all."""
+    progress = _HealthyProgress(facts)
+    return next((f for f in reversed(facts) if f.kind in ("error_notice", "cuda_error", "nonfinite")
+                 and not _survived(progress, f, cfg, cfg.progress_min_lines)), None)
 
 
 def _cite_status_line(d: Diagnosis, facts: list[Fact]) -> Diagnosis:
@@ -243,10 +256,7 @@ def _never_healthy(d: Diagnosis, facts: list[Fact], root: Fact | None, cfg: Diag
         return _diag("killed", kill, "low", "the job was ended by a signal or a non-zero exit and no cause is known", d)
     # An error-shaped line in any program's wording (a severity word heading it, an error code, a C/C++ abort, a
     # `... failed`) with no healthy progress after it: failure evidence, so not healthy (healthy needs progress).
-    # The progress needed after it is what makes a log healthy at all (`progress_min_lines`).
-    progress = _HealthyProgress(facts)
-    notice = next((f for f in reversed(facts) if f.kind in ("error_notice", "cuda_error", "nonfinite")
-                   and not _survived(progress, f, cfg, cfg.progress_min_lines)), None)
+    notice = _last_notice(facts, cfg)
     if notice is not None:
         return _diag("python_exception", notice, "low",
                      "an error-shaped line with no training progress after it ended the log, and no narrower cause is "

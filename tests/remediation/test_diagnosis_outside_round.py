@@ -79,6 +79,14 @@ def test_an_error_shaped_line_with_no_progress_after_it_is_not_healthy(tail):
     assert "deciding line" in d.reason
 
 
+def test_a_failed_job_with_no_known_cause_cites_the_error_line_it_printed():
+    d = diagnose(_healthy_tail() + "FATAL: the shard index is inconsistent\n", exit_code=1)
+    assert (d.label, d.confidence) == ("launcher_error", "low")
+    assert d.evidence == ["FATAL: the shard index is inconsistent"] and "line 5" in d.reason
+    d = diagnose(_healthy_tail(), exit_code=1)  # nothing to cite: said so
+    assert d.evidence == [] and "no launcher summary" in d.reason
+
+
 @pytest.mark.parametrize("tail", [
     "[W socket.cpp:663] [c10d] The client socket has failed to connect to [localhost]:29500 (errno: 99).",
     "NCCL INFO Failed to open libibverbs.so[.1]",
