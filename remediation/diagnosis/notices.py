@@ -62,6 +62,7 @@ _ACTED = re.compile(r"\b(?:skip(?:s|ping|ped)?|abort(?:s|ing|ed)?|stop(?:s|ping|
 _DIVERGED = re.compile(rf"\b{_LOSS_WORD}\b.{{0,60}}\b(?:diverg\w*|explod\w*|blew up|blown up)\b", re.I)
 _STOPPED = re.compile(r"\b(?:skip(?:s|ping|ped)?|abort(?:s|ing|ed)?|stop(?:s|ping|ped)?|exit(?:s|ing)?|halt(?:s|ing|ed)?"
                       r"|terminat(?:e|es|ing|ed)|giving up)\b", re.I)
+_NONFINITE_ANY = re.compile(r"\b(?:nan|inf|infinity|non-finite|not finite|infinite|diverg\w*|explod\w*|blew up|blown up)\b")
 # A description of behaviour, not an event: an option's help, a condition.
 _DESCRIBES = re.compile(r"^\s*-|\b(?:if|whether|whenever|unless)\b", re.I)
 
@@ -70,31 +71,57 @@ _DESCRIBES = re.compile(r"^\s*-|\b(?:if|whether|whenever|unless)\b", re.I)
 # "*Warning:", NCCL's "NCCL INFO".
 _BENIGN_LEVEL = re.compile(r"\b(?:WARN|INFO|DEBUG)\b|\bwarns?\b|warnings?\b"
                            r"|\[[WID]\d{0,4}(?:[ \d:.]*)?\s*[\w.]+\.(?:cpp|cc|cu|h|hpp|py):\d+\]|^\s*[WID]\d{4} \d\d:", re.I)
-_ERROR_SHAPED = re.compile(
+# Anchored forms (tried with .match: cheap on every candidate line).
+_ERROR_HEAD = re.compile(
     # a severity word heading the message, after an optional program name: "ERROR: x", "luajit: fatal error: x"
-    r"^(?:[\w.\-/]+:\s+)?\[?(?:fatal(?: error)?|error|critical|panic|emerg(?:ency)?|failed|failure)\]?\s*[:!]"
+    r"(?:[\w.\-/]+:\s+)?\[?(?:fatal(?: error)?|error|critical|panic|emerg(?:ency)?|failed|failure)\]?\s*[:!]"
     r"(?!\s*[-+]?[\d.]+(?:e-?\d+)?%?\s*$)"
     # ... or as the message's first word, its subject ("Error executing job ...", "Failed to initialise the store"),
     # not a metric's name ("Error rate 0.1", "error: 0.21")
-    r"|^(?:error|fatal|failed|failure)\b(?!\s*(?:rate|count|bars?|analysis|metrics?|feedback|correction|term|norm)\b)"
+    r"|(?:error|fatal|failed|failure)\b(?!\s*(?:rate|count|bars?|analysis|metrics?|feedback|correction|term|norm)\b)"
     r"(?!\s*[:=]?\s*[-+\d.])"
     # ... or in a banner ("!!! Exception during processing !!!", "*** Error in `python'") or a thread's report
-    r"|^[!*#=]{2,}\s*(?:error|exception|fatal|failed|failure)\b|^Exception in thread\b"
+    r"|[!*#=]{2,}\s*(?:error|exception|fatal|failed|failure)\b|Exception in thread\b"
+    r"|\s*abort(?:ing|ed)?\b", re.I)
+# Forms anywhere in the line, each tried only when its literal (lowercase) is in the line: one big alternation of
+# unanchored words costs ~0.1 ms a line in `re`, and INFO-heavy tails have thousands of candidate lines.
+_ERROR_ANYWHERE: tuple[tuple[tuple[str, ...], re.Pattern | None], ...] = (
     # an error with its code: "cuda runtime error (30) : x", "error 1455:", "error code 3"
-    r"|\berror\s*\(\s*-?[1-9]\d*\s*\)|\berror (?:code )?-?[1-9]\d*\s*:|\berror code[:=]?\s*-?[1-9]\d*\b"
+    (("error",), re.compile(r"\berror\s*\(\s*-?[1-9]\d*\s*\)|\berror (?:code )?-?[1-9]\d*\s*:"
+                            r"|\berror code[:=]?\s*-?[1-9]\d*\b", re.I)),
     # C/C++/Rust aborts
-    r"|terminate called after throwing|\bwhat\(\):\s|\bAborted\b(?: \(core dumped\))?\s*$|\bcore dumped\b"
-    r"|\bFatal Python error\b|\bpanicked at\b|\bAssertion\b.{0,200}\bfailed\b|\bCheck failed:"
-    # an outcome that failed / a run that aborted
-    r"|\bfailed(?: with| because| due to| at| on| while)?\b[^a-z]*$|\bfailed (?:with|because|due to)\b"
-    r"|\b(?:training|run|job|process|program|worker|task)s? (?:was |has been |is )?(?:aborted|crashed|killed|terminated)\b"
-    r"|\btimed out(?: after\b| waiting\b|[.!]?\s*$)"
-    r"|^\s*abort(?:ing|ed)?\b|\babort(?:ing|ed)? (?:training|the run|run|job)\b",
-    re.I)
+    (("terminate called after throwing",), None),
+    (("what():",), re.compile(r"\bwhat\(\):\s")),
+    (("core dumped",), re.compile(r"\bcore dumped\b", re.I)),
+    (("fatal python error",), None),
+    (("panicked at",), re.compile(r"\bpanicked at\b")),
+    (("assertion",), re.compile(r"\bAssertion\b.{0,200}\bfailed\b", re.I)),
+    (("check failed:",), None),
+    # an outcome that failed / timed out, a run that aborted
+    (("failed",), re.compile(r"\bfailed(?: with| because| due to| at| on| while)?\b[^a-z]*$"
+                             r"|\bfailed (?:with|because|due to)\b", re.I)),
+    (("timed out",), re.compile(r"\btimed out(?: after\b| waiting\b|[.!]?\s*$)", re.I)),
+    (("abort",), re.compile(r"\bAborted\b(?: \(core dumped\))?\s*$|\babort(?:ing|ed)? (?:training|the run|run|job)\b",
+                            re.I)),
+    (("aborted", "crashed", "killed", "terminated"),
+     re.compile(r"\b(?:training|run|job|process|program|worker|task)s? (?:was |has been |is )?"
+                r"(?:aborted|crashed|killed|terminated)\b", re.I)),
+)
+
+
+def _error_shaped(t: str) -> bool:
+    """The message has a failure-like form (see the module doc)."""
+    if _ERROR_HEAD.match(t):
+        return True
+    low = t.lower()
+    return any(any(k in low for k in keys) and (rx is None or rx.search(t)) for keys, rx in _ERROR_ANYWHERE)
+
+
 # An error/fatal level in the line's logger prefix (the normalizer strips it from the message): "[ERROR]", fairseq's
 # "| ERROR |", NeMo's "[NeMo E ...]", glog/c10's "[E file.cpp:N]" / "E1207 12:00:00 ... file.cc:N]" / "F1207 ...".
 _ERROR_LEVEL = re.compile(r"\[(?:ERROR|CRITICAL|FATAL)\]|\|\s*(?:ERROR|CRITICAL|FATAL)\s*\||\[NeMo [EC] "
                           r"|\[[EF]\d{0,4}(?:[ \d:.]*)?\s*[\w.]+\.(?:cpp|cc|cu|h|hpp|py):\d+\]|^\s*(?:\[\w+\]:)?[EF]\d{4} \d\d:")
+_ERROR_LEVEL_KEYS = ("ERROR", "CRITICAL", "FATAL", "[NeMo E", "[NeMo C", "[E", "[F", "E0", "E1", "F0", "F1")
 # Lines that say something about overflow skips (loss-scale calibration: read as loss_scale facts), quoted source.
 _NOT_NOTICE = re.compile(r"overflow|loss scale|^\s*(?:raise|File \")|^\s*(?:#|//)", re.I)
 
@@ -131,8 +158,10 @@ def read(kind: str, ln: Line) -> list[Notice]:
                     return [("cuda_error", ln.no, t, {"label": label, "message": found.group(1).strip()})]
         return []
     if kind == "nonfinite":
-        if _DESCRIBES.search(t):
-            return []
+        low = t.lower()
+        if not ("loss" in low or "metric" in low or "objective" in low) or not _NONFINITE_ANY.search(low) \
+                or _DESCRIBES.search(t):
+            return []  # every form names a loss or a metric and a whole non-finite/divergence word ("info" is not)
         m = _LOSS_VALUE.search(t)
         if m and "scale" not in m.group(1).lower():
             return [("nonfinite", ln.no, t, {"what": m.group(1), "value": m.group(2).lower()})]
@@ -144,9 +173,10 @@ def read(kind: str, ln: Line) -> list[Notice]:
         return []
     if kind in ("error_notice", "error_level"):
         # the cheap, rarely-true test first: most candidate lines are INFO lines or words that merely contain "error"
-        if kind == "error_notice" and not _ERROR_SHAPED.search(t):
+        if kind == "error_notice" and not _error_shaped(t):
             return []
-        if kind == "error_level" and (not _ERROR_LEVEL.search(ln.raw) or _ERROR_SHAPED.search(t)):
+        if kind == "error_level" and (not any(k in ln.raw for k in _ERROR_LEVEL_KEYS) or not _ERROR_LEVEL.search(ln.raw)
+                                      or _error_shaped(t)):
             return []  # (a shaped line is read once, as an error_notice candidate)
         if _NOT_NOTICE.search(t) or _BENIGN_LEVEL.search(ln.raw):
             return []
