@@ -7,11 +7,13 @@ Three kinds, each `(kind, line number, message, attrs)` for `facts.extract` to w
   assert, unknown / ECC / lost GPU).
 - `nonfinite`: the loss (or a loss-named metric) is NaN/Inf — a logged value (`loss_net: nan`, `val_loss=inf`) or a
   trainer's own notice that names a loss or metric, NaN/Inf and what it did about it (`Skipping backward and optimizer
-  step for nan or inf in forwarding metrics/loss!`, `Loss is inf, stopping`). A description of an option (`--skip-nan`,
-  `... if the loss is nan`) is not one.
+  step for nan or inf in forwarding metrics/loss!`, `Loss is inf, stopping`, `NaN loss at step 300`), or a trainer that
+  stopped because its loss diverged (`loss diverged, stopping`). A description of an option (`--skip-nan`, `... if the
+  loss is nan`) is not one.
 - `error_notice`: an error-shaped line in any program's wording: a severity word heading the message (`ERROR: ...`,
   `prog: fatal error: ...`), an `X error (N)` / `error N:` code, a C/C++ abort (`terminate called after throwing`,
-  `Aborted (core dumped)`, `Assertion ... failed`, `Check failed:`), a `... failed` outcome, a run that says it aborted,
+  `Aborted (core dumped)`, `Assertion ... failed`, `Check failed:`), a `... failed` / `... timed out` outcome, a run
+  that says it aborted, a severity word as the message's first word or in a banner (`Error executing job ...`),
   or a line its logger wrote at an error/fatal level (`[ERROR]`, `| ERROR |`, glog's `E1207 ...` / `[E file.cpp:N]`).
   Lines at a warning/info level (`WARNING`, `[W ...]`, `UserWarning`, `NCCL INFO`) and quoted source are not.
 """
