@@ -106,6 +106,31 @@ def test_warnings_and_metrics_that_look_like_errors_stay_healthy(tail):
     assert d.label == "healthy", (tail, d)
 
 
+@pytest.mark.parametrize("tail", [
+    "Training completed. Do not forget to share your model on huggingface.co/models =)",
+    "wandb: Waiting for W&B process to finish... (success).\nwandb: Run summary:\nwandb:  train/loss 0.52",
+    "[W CUDAGuardImpl.h:119] Warning: CUDA warning: driver shutting down (function uncheckedGetDevice)",
+    "`Trainer.fit` stopped: `max_epochs=5` reached.",
+    "early stopping: val_loss did not improve for 5 epochs, stopping",
+    "[rank0]:[W1207 12:00:00.123 ProcessGroupNCCL.cpp:1168] Warning: WARNING: process group has NOT been destroyed.",
+    "No errors found in the dataset index; 0 failed shards",
+    "Skipping the first 120 batches to resume from step 120",
+])
+def test_the_ends_of_healthy_runs_stay_healthy(tail):
+    d = diagnose(_healthy_tail() + tail + "\n")
+    assert (d.label, d.confidence) == ("healthy", "high"), (tail, d)
+
+
+def test_each_notice_fact_cites_its_line():
+    log = (_healthy_tail() + "luajit: cuda runtime error (30) : unknown error at THCStorage.c:113\n"
+           + "Skipping backward and optimizer step for nan or inf in forwarding metrics/loss!\n"
+           + "FATAL: the shard index is inconsistent\n")
+    facts = {f.kind: f for f in extract(normalize(log)) if f.kind in ("cuda_error", "nonfinite", "error_notice")}
+    assert facts["cuda_error"].line == 5 and facts["cuda_error"].get("label") == "gpu_hardware"
+    assert facts["nonfinite"].line == 6
+    assert facts["error_notice"].line == 7 and facts["error_notice"].text == "FATAL: the shard index is inconsistent"
+
+
 @pytest.mark.parametrize("line", ["ERROR: failed to reach the metrics server",
                                   "Upload of the run summary timed out after 30 s; retrying"])
 def test_an_error_line_followed_by_progress_was_survived(line):
