@@ -85,8 +85,14 @@ def register_diagnose(app: typer.Typer) -> None:
     def diagnose_cmd(
         logfile: Path = typer.Argument(..., metavar="LOGFILE", help="Job log (stdout+stderr of the launcher); only its tail is read."),
         exit_code: Optional[int] = typer.Option(
-            None, "--exit-code", help="Launcher exit status: negative = killed by that signal (subprocess), 128+N = shell."),
-        signal: Optional[int] = typer.Option(None, "--signal", help="Signal number that ended the job, when known."),
+            None, "--exit-code",
+            help="Launcher exit status: negative = killed by that signal (subprocess), 128+N = shell. It can change the "
+                 "label: 0 is always healthy; 137/-9 (SIGKILL) with no other cause is host_oom_killed (medium); "
+                 "139/-11 is segfault; another non-zero status makes a log with no failure line launcher_error. "
+                 "Without it (and without --signal), a daemon attempt's recorded status is used, else the log alone."),
+        signal: Optional[int] = typer.Option(
+            None, "--signal", help="Signal number that ended the job, when known; like --exit-code it can change the "
+                                   "label (9 -> host_oom_killed, 11 -> segfault, 15 with no failure -> healthy)."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a panel."),
     ) -> None:
         """Diagnose why a job stopped. One label from the fixed set, plus the log lines that decided it."""

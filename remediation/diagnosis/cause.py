@@ -15,8 +15,11 @@ catch-all `python_exception` / `launcher_error`, or a SIGKILL read only from the
    `killed`.
 3. An fp16 loss scale collapsing in any framework's wording -> `loss_scale_overflow`; an NCCL watchdog line ->
    `nccl_timeout`.
+   A CUDA error in any framing names its label by the CUDA error it reports (notices.py); a NaN/Inf loss notice or
+   logged value that training did not survive -> `nan_loss`.
 4. Failure evidence is never healthy: an uncaught exception, a non-zero exit, a kill -> `python_exception` or
-   `killed` at low confidence with the deciding line.
+   `killed` at low confidence with the deciding line; so is an error-shaped line in any wording (notices.py) with no
+   healthy progress after it. `healthy` needs positive evidence of progress or the absence of any failure notice.
 
 A specific label the rules found (an OOM message, an NCCL error, a NaN, ...) stands, except that a validation error
 after training ended is not a refused configuration, and a SIGKILL the log shows a scheduler or user sending is not
@@ -25,6 +28,7 @@ the OOM killer.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import replace
 
 from ulyssesd.remediation.diagnosis.facts import NTSTATUS, Fact, phase_at, progressed_after
@@ -66,10 +70,37 @@ def _signal_label(sig: int) -> tuple[str, str, str] | None:
     return None
 
 
+class _HealthyProgress:
+    """The lines of healthy progress (a step line that itself reports a non-finite loss is not), counted after a line
+    by bisection: a tail of thousands of notices and step lines costs O(n log n), not O(n^2)."""
+
+    def __init__(self, facts: list[Fact]):
+        bad = {g.line for g in facts if g.kind == "nonfinite"}
+        self.lines = sorted(g.line for g in facts if g.kind == "progress" and g.line not in bad)
+
+    def after(self, line: int) -> int:
+        return len(self.lines) - bisect.bisect_right(self.lines, line)
+
+
+def _survived(progress: _HealthyProgress, f: Fact, cfg: DiagnosisConfig, need: int | None = None) -> bool:
+    """Training went on after this failure fact: at least `need` (default: more than `progress_min_lines`) lines of
+    healthy progress follow it."""
+    return progress.after(f.line) >= (cfg.progress_min_lines + 1 if need is None else need)
+
+
 def _root_failure(facts: list[Fact], cfg: DiagnosisConfig) -> Fact | None:
-    """The earliest failure fact that training did not survive (exceptions, signals, validation refusals)."""
+    """The earliest failure fact that training did not survive (exceptions, signals, validation refusals, CUDA errors
+    and non-finite losses in any framing)."""
+    named = {f.line: f for f in facts if f.kind in ("cuda_error", "nonfinite")}
+    progress = _HealthyProgress(facts)
     for f in facts:
+        if f.kind in ("cuda_error", "nonfinite"):
+            if not _survived(progress, f, cfg):
+                return f
+            continue
         if f.kind == "exception":
+            if f.line in named and not _survived(progress, f, cfg):
+                return named[f.line]  # "RuntimeError: cuda runtime error (2) : out of memory": the CUDA error names it
             if f.get("where") == "wrapper" or f.get("type", "").startswith(("KeyboardInterrupt", "SystemExit")):
                 continue  # a launcher wrapper's report of its child (the child's own failure follows)
             if f.get("type", "").endswith("Warning"):
@@ -95,6 +126,12 @@ def _from_fact(f: Fact, facts: list[Fact], d: Diagnosis) -> Diagnosis | None:
             return _diag("config_rejected", f, "medium",
                          f"the job's argument parser ({f.get('program')}) refused its arguments before the first step", d)
         return None
+    if f.kind == "cuda_error":
+        return _diag(f.get("label"), f, "medium", f"a CUDA error ({_clip(f.get('message'))}) stands for {f.get('label')} "
+                     "by the CUDA error it names", d)
+    if f.kind == "nonfinite":
+        return _diag("nan_loss", f, "medium", "the loss is NaN/Inf (the trainer's own notice or logged value) and "
+                     "training did not go on with finite losses", d)
     if f.kind == "signal":
         got = _signal_label(f.get("signal", 0))
         return _diag(got[0], f, got[1], got[2], d) if got else None
@@ -178,7 +215,20 @@ def decide_by_cause(d: Diagnosis, lines: list[Line], facts: list[Fact], exit_cod
         return _diag("nccl_timeout", comm[0], "medium", "an NCCL process group's watchdog timed out", d)
     if d.label == "healthy":
         return _never_healthy(d, facts, root, cfg)
+    if d.label == "launcher_error" and not d.evidence:
+        notice = _last_notice(facts, cfg)  # a failed job with no known cause still cites the error line it printed
+        if notice is not None:
+            return replace(d, evidence=[notice.text], reason=f"{d.reason} The last error line of the log, line "
+                                                             f"{notice.line}: {_clip(notice.text)!r}.")
     return d
+
+
+def _last_notice(facts: list[Fact], cfg: DiagnosisConfig) -> Fact | None:
+    """The last failure notice (an error-shaped line, a CUDA error, a non-finite loss) that is not followed by the
+    `progress_min_lines` lines of healthy progress that make a log healthy at all."""
+    progress = _HealthyProgress(facts)
+    return next((f for f in reversed(facts) if f.kind in ("error_notice", "cuda_error", "nonfinite")
+                 and not _survived(progress, f, cfg, cfg.progress_min_lines)), None)
 
 
 def _cite_status_line(d: Diagnosis, facts: list[Fact]) -> Diagnosis:
@@ -204,4 +254,11 @@ def _never_healthy(d: Diagnosis, facts: list[Fact], root: Fact | None, cfg: Diag
                  and not progressed_after(facts, f.line, cfg.progress_min_lines + 1)), None)
     if kill is not None:
         return _diag("killed", kill, "low", "the job was ended by a signal or a non-zero exit and no cause is known", d)
+    # An error-shaped line in any program's wording (a severity word heading it, an error code, a C/C++ abort, a
+    # `... failed`) with no healthy progress after it: failure evidence, so not healthy (healthy needs progress).
+    notice = _last_notice(facts, cfg)
+    if notice is not None:
+        return _diag("python_exception", notice, "low",
+                     "an error-shaped line with no training progress after it ended the log, and no narrower cause is "
+                     "known", d)
     return d

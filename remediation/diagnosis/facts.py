@@ -14,6 +14,8 @@ Each `Fact` cites its line (1-based, in the normalised tail). Kinds:
 - `loss_scale`: an fp16 overflow line and the loss scale it names, in any framework's wording.
 - `comm`: an NCCL process group's watchdog or timeout line.
 - `progress` / `completed`: training advanced / the trainer said it finished.
+- `cuda_error`, `nonfinite`, `error_notice`: failure notices that are not Python exceptions (a CUDA error in any
+  framing and the label it stands for, a NaN/Inf loss, an error-shaped line): `notices.py`.
 `phase_at(facts, line)` tells the phase at a line: before the first step, training, or after training ended.
 """
 
@@ -25,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ulyssesd.remediation.diagnosis import notices
 from ulyssesd.remediation.diagnosis.model import DiagnosisConfig
 from ulyssesd.remediation.diagnosis.normalizer import Line
 
@@ -44,6 +47,14 @@ _SIGNAL_LINES: tuple[tuple[re.Pattern, Any], ...] = (
     (re.compile(r"Signal (\d+) \(SIG\w+\) received by PID|exitcode\s*:\s*-(\d+)|exits with return code = -(\d+)"
                 r"|died with <Signals\.SIG\w+: (\d+)>|terminated with signal (SIG[A-Z]+)|killed by signal:? (SIG[A-Z]+)"),
      None),
+    # any wording of a death by signal: "terminated by signal SIGKILL" (fish), "exited with signal 9 (SIGKILL)",
+    # "The process was terminated by signal 11", "worker 3 was killed due to signal: 9"
+    (re.compile(r"\b(?:killed|terminated|died|exited|ended|stopped|crashed|aborted)\b[^\n]{0,40}?"
+                r"\b(?:by|with|due to|from|on)\s+(?:the\s+)?signal\s*:?\s*(SIG[A-Z]+|\d+)\b", re.I), None),
+    # zsh's and job control's lowercase reports ("zsh: killed  python x.py", "[1]  + 1234 killed  python x.py"),
+    # macOS bash's "Killed: 9"
+    (re.compile(r"^(?:zsh: |(?:\[\d+\])?\s*[+-]?\s*\d+\s+)killed\b|^Killed: 9\s*$"), 9),
+    (re.compile(r"^(?:zsh: |(?:\[\d+\])?\s*[+-]?\s*\d+\s+)terminated\b"), 15),
     # bash's report of a SIGKILLed child: "Killed" alone, or "[script: line N: ]PID Killed  command"
     (re.compile(r"^(?:\S+: )?(?:line \d+: +)?\d+ +Killed\b|^Killed\s*$|已杀死"), 9),
     # bash's report of a SIGTERMed child ("... 1234 Terminated", a bar ending "\\Terminated"), not a status field
@@ -51,6 +62,7 @@ _SIGNAL_LINES: tuple[tuple[re.Pattern, Any], ...] = (
                 r"|^(?:\S+: )?(?:line \d+: +)?\d+ +Terminated\b"), 15),
     (re.compile(r"Segmentation fault|Fatal Python error: Segmentation fault|\bSIGSEGV\b"), 11),
     (re.compile(r"^(?:\S+: )?(?:line \d+: +)?(?:\d+ +)?Bus error\b"), 7),
+    (re.compile(r"^(?:\S+: )?(?:line \d+: +)?(?:\d+ +)?Illegal instruction\b"), 4),  # bash's SIGILL report
 )
 # Exit statuses in the forms launchers, schedulers and IDEs print them.
 _EXIT = re.compile(
@@ -129,10 +141,27 @@ _LOAD_FUNC = re.compile(r"^(?:_?load(?:_\w+)?|_open_zipfile_reader|_open_file_li
                         r"|\w*load_(?:checkpoint|state|pretrained|model|weights)\w*|\w*(?:checkpoint|ckpt)\w*load\w*)$")
 _SAVE_CALL = re.compile(r"\btorch\.save\(|\bsave_checkpoint|\bsave_file\(|\bsave_pretrained|\bsave_model\b")
 _SAVE_FUNC = re.compile(r"^(?:_?save\w*|_open_zipfile_writer|\w*save_(?:checkpoint|state|model|pretrained)\w*)$")
-_VALIDATION_FILE = re.compile(r"(?:^|/)(?:argparse\.py|hydra/|omegaconf/|pydantic/|jsonargparse/|simple_parsing/)")
-_VALIDATION_FUNC = re.compile(r"^(?:parse_args\w*|parse_known_args|_parse\w*args\w*|error|_?\w*validat\w*|_?check_\w+"
-                              r"|_?verify_\w+|\w*sanity_check\w*|\w*error_check\w*|__post_init__|compose_config|load_configuration"
-                              r"|_apply_overrides_to_config)$")
+# Configuration code, by structure (see `where_raised`): a frame in an argument/config library, in a module named for
+# configuration or arguments, a dataclass's `__post_init__`, or a function whose name says it parses or validates
+# arguments/config. A bare `validate` / `check_*` counts only inside such a module: in a trainer it is a model pass.
+_CONFIG_LIB = re.compile(r"(?:^|/)(?:argparse\.py|hydra/|omegaconf/|pydantic/|pydantic_core/|jsonargparse/|simple_parsing/"
+                         r"|absl/flags/|ml_collections/config)")
+_CONFIG_MODULE = re.compile(r"(?:^|/|_)(?:config|configs|configuration|conf|cfg|args|arg|arguments|argparser|arg_parser"
+                            r"|options|opts|settings|hparams|flags)(?:_\w*)?\.py$")
+_CONFIG_WORDS = r"(?:args|arguments|argv|config|configs|cfg|conf|options|opts|params|parameters|settings|hparams|flags)"
+_CONFIG_FUNC = re.compile(
+    r"^(?:parse_args\w*|parse_known_args|_parse\w*args\w*|parse_(?:config|cfg|options|opts|flags|hparams)\w*|__post_init__"
+    r"|compose_config|load_configuration|_apply_overrides_to_config"
+    rf"|_?\w*(?:validat|check|verif|sanity|assert|error_check)\w*_{_CONFIG_WORDS}\w*"
+    rf"|_?\w*{_CONFIG_WORDS}_(?:validat|check|verif|sanity)\w*)$")
+_GENERIC_CHECK = re.compile(r"^(?:error|_?\w*(?:validat|check|verif|sanity|assert)\w*)$")
+# A trainer's loops: an exception whose nearest known-role frame is one of these was raised by a model pass (training
+# or evaluation), not by configuration, whatever the function is called ("validate" is a validation *epoch* here).
+_LOOP_FUNC = re.compile(
+    r"^_?(?:validate|validation(?:_\w+)?|\w+_validation(?:_\w+)?|valid|\w+_valid(?:ate)?(?:_\w+)?|evaluate\w*"
+    r"|\w+_evaluate\w*|evaluation\w*|eval|eval_\w+|\w+_eval(?:_\w+)?|test_step|test_epoch\w*|\w+_test_(?:step|epoch|loop)\w*"
+    r"|predict_step|train|training_step|train_step|train_epoch\w*|train_one_epoch|train_loop|training_loop|fit|fit_loop"
+    r"|run_training\w*|_run_train\w*)$")
 _VALIDATION_TYPE = re.compile(r"(?:ArgumentError|ArgumentTypeError|ConfigCompositionException|ConfigAttributeError"
                               r"|ConfigKeyError|ConfigTypeError|MissingMandatoryValue|ValidationError"
                               r"|MisconfigurationException|OverrideParseException|InterpolationResolutionError)$")
@@ -155,6 +184,7 @@ class Fact:
     """One structured fact and the line it was read from."""
 
     kind: str  # exception | signal | exit | scheduler | validation | kernel | loss_scale | comm | progress | completed
+    #            | cuda_error | nonfinite | error_notice (notices.py)
     line: int  # 1-based line number in the normalised tail
     text: str  # that line's message
     attrs: dict[str, Any] = field(default_factory=dict)  # kind-specific: type, where, signal, code, reason, scale...
@@ -172,8 +202,20 @@ def _exc_match(text: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2) or "") if m.group(1) else (m.group(3), m.group(4) or "")
 
 
+def _is_config_frame(f: Frame) -> bool:
+    """A frame of configuration code: an argument/config library, a config/args module, a function that parses or
+    validates arguments/config (any `validate`/`check_*` inside a config module)."""
+    if f.file.endswith("subprocess.py"):
+        return False  # check_call / check_output: a child process failed
+    if _CONFIG_LIB.search(f.file) or _CONFIG_FUNC.match(f.func):
+        return True
+    return bool(_CONFIG_MODULE.search(f.file)) and bool(_GENERIC_CHECK.match(f.func))
+
+
 def where_raised(frames: list[Frame], exc_type: str, cfg: DiagnosisConfig) -> str | None:
-    """The place an exception was raised, from its innermost frames (and the source they quote)."""
+    """The place an exception was raised, from its innermost frames (and the source they quote): the nearest frame of
+    a known role decides — checkpoint loading/saving, configuration (`_is_config_frame`), or a training/evaluation loop
+    (`loop`: a model pass, never configuration)."""
     inner = frames[-cfg.root_frames:]
     if any(_WRAPPER_FILE.search(f.file) for f in frames[-2:]):
         return "wrapper"  # raised by a launcher (mp.spawn, torchrun, deepspeed's runner) about its children or hosts
@@ -186,8 +228,10 @@ def where_raised(frames: list[Frame], exc_type: str, cfg: DiagnosisConfig) -> st
             return "saving"
         if _LOAD_FUNC.match(f.func) or _LOAD_CALL.search(f.code):
             return "loading"
-        if _VALIDATION_FILE.search(f.file) or (_VALIDATION_FUNC.match(f.func) and not f.file.endswith("subprocess.py")):
+        if _is_config_frame(f):
             return "validation"
+        if _LOOP_FUNC.match(f.func):
+            return "loop"  # raised by a training/evaluation pass: not configuration (and training had started)
     if any(_PG_FILE.search(f.file) for f in inner):
         return "process_group"
     return None
@@ -268,7 +312,7 @@ _KEYS = {
                   "preempted", "oomkilled", "low on resource", "evicted", "deadline", "horse", "request of", " by user",
                   " by root", " by admin", " by operator", " by owner", " by the user"),
     "signal": ("signal", "exitcode", "return code", "killed", "已杀死", "terminated", "segmentation fault", "sigsegv",
-               "bus error"),
+               "bus error", "illegal instruction"),
     "exit": ("exit code", "exit_status", "exit status", "exited with code", "non-zero exit"),
     "validation": (": error: ",),
     "kernel": ("xid", "ecc", "out of memory: kill", "oom-killer", "oom-kill:", "oom_reaper"),
@@ -372,6 +416,14 @@ def extract(lines: list[Line], cfg: DiagnosisConfig | None = None) -> list[Fact]
             ln = lines[i]
             if ln.repeat_of is None and ln.text.strip():
                 facts += _read_line(kind, ln)
+    for kind, keys in notices.KEYS.items():
+        found = index.candidates(keys)
+        if kind == "error_level":  # a logger's level the normalizer stripped: the line had a level prefix
+            found = sorted(set(found) | {i for i, ln in enumerate(lines) if "level" in ln.prefixes or "nemo" in ln.prefixes})
+        for i in found:
+            ln = lines[i]
+            if ln.repeat_of is None:
+                facts += [Fact(k, no, text, attrs) for k, no, text, attrs in notices.read(kind, ln)]
     # mp.spawn reports a signal as an exception: that exception is the signal fact, not a Python failure.
     for f in list(facts):
         if f.kind == "exception":

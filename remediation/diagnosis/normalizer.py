@@ -43,6 +43,12 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 # module of a frame is found the same way on every OS.
 _WIN_PATH = re.compile(r"\b[A-Za-z]:\\[^\s\"'<>|]*")
 _DIGITS = re.compile(r"\d+")
+# Processes writing to one console at once (multiprocessing's spawned workers, mp.spawn) split an exception line: its
+# type glued before another process's frame ('OSError  File "heap.py", line 55, in __setstate__') and its message on a
+# later line (': [WinError 1455] The paging file is too small ...'). The type is held (per rank) and given back to the
+# next line that is only ': message', so the exception line is read whole.
+_GLUED_TYPE = re.compile(r'^((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Fault))(\s+File ".*)$')
+_ORPHAN_MESSAGE = re.compile(r"^\s*:\s*\S")
 
 
 @dataclass(frozen=True)
@@ -89,13 +95,21 @@ def normalize(text: str, cfg: DiagnosisConfig | None = None) -> list[Line]:
     """The tail (cut to `cfg.max_bytes` / `max_lines`, ANSI stripped, carriage returns as line breaks) as Lines.
 
     A line whose message (numbers blanked) another rank already printed among the last `dedup_window` lines is
-    marked `repeat_of` that line: eight ranks' identical tracebacks read as one."""
+    marked `repeat_of` that line: eight ranks' identical tracebacks read as one. An exception line that interleaved
+    processes split (type glued to another's frame, message on a later line) is rejoined on the message's line."""
     cfg = cfg or DiagnosisConfig()
     out: list[Line] = []
     last_seen: dict[str, int] = {}
+    split_types: dict[int | None, list[str]] = {}
     for i, raw in enumerate(_cut_and_split(text, cfg)):
         raw = _ANSI.sub("", raw)
         msg, rank, kinds = strip_prefixes(raw)
+        glued = _GLUED_TYPE.match(msg)
+        if glued:
+            split_types.setdefault(rank, []).append(glued.group(1))
+            msg = glued.group(2)
+        elif split_types.get(rank) and _ORPHAN_MESSAGE.match(msg):
+            msg = split_types[rank].pop(0) + msg.strip()
         ln = Line(i + 1, msg.rstrip(), raw, rank, kinds)
         key = ln.key
         prev = last_seen.get(key)

@@ -9,6 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ulyssesd.remediation.diagnosis.oserrors import patterns as os_error_patterns
+
+# OS error codes, names and messages of host memory exhaustion / a full disk, in every OS's framing (oserrors.py).
+_OS_OOM, _OS_OOM_KEYS = os_error_patterns("host_oom_killed")
+_OS_DISK, _OS_DISK_KEYS = os_error_patterns("disk_full")
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -51,9 +57,10 @@ RULES: tuple[Rule, ...] = (
         r"write\(\): fd \d+ failed with Input/output error",
         # A read-only file system refuses writes the same way: reported with its own reason (see _reason).
         r"Read-only file system|\[Errno 30\]|\bEROFS\b",
+        *_OS_DISK,
     ), ("no space left", "errno 28", "enospc", "errno: 28", "code: 28", "storagefull", "disk quota", "edquot",
         "errno 122", "pytorchstreamwriter", "unexpected pos", "input/output error", "read-only file system",
-        "errno 30", "erofs"),
+        "errno 30", "erofs", *_OS_DISK_KEYS),
         exclude=r"/dev/shm|shared memory", what="a write failed because the disk or quota is full"),
     Rule("checkpoint_corrupt", (
         r"PytorchStreamReader failed reading (?:zip archive|file)",
@@ -108,8 +115,10 @@ RULES: tuple[Rule, ...] = (
         r"Cannot allocate memory",
         r"task [\d,\-]+: Out Of Memory|\bOOM Killed\b",
         r"^\[[^\]]*\] Killed process \d+ \(",
+        *_OS_OOM,
     ), ("defaultcpuallocator", "out of memory: kill", "oom-kill", "oom_reaper", "oom_kill", "global_oom",
-        "memoryerror", "bad_alloc", "cannot allocate memory", "out of memory", "oom killed", "killed process"),
+        "memoryerror", "bad_alloc", "cannot allocate memory", "out of memory", "oom killed", "killed process",
+        *_OS_OOM_KEYS),
         exclude=r"DataLoader worker|not a failure", what="the host ran out of memory"),
     Rule("dataloader_crash", (
         r"DataLoader worker \(pid",
