@@ -34,18 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.daemon.core import (
-    attempt_log,
-    commands,
-    decisions,
-    exits,
-    housekeeping,
-    hung_stop,
-    liveness,
-    startup,
-    store_health,
-    termination,
-)
+from ulyssesd.daemon.core import commands, decisions, exits, housekeeping, startup, termination
 from ulyssesd.daemon.core import launch as launching
 from ulyssesd.daemon.core.files import _size
 from ulyssesd.daemon.core.housekeeping import LoopScheduler, StepGuard
@@ -59,6 +48,7 @@ from ulyssesd.daemon.job import checkpoint_watch, slurm_supervise
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job.launcher import job_marker
 from ulyssesd.daemon.job.standby import StandbyKeeper
+from ulyssesd.daemon.safety import attempt_log, hung_stop, liveness, store_health
 from ulyssesd.daemon.spec import RunSpec, engine_job_values
 from ulyssesd.daemon.store.enums import IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.daemon.telemetry import log_source
@@ -139,8 +129,8 @@ class Supervisor:
         self.started_wall = self.os.time()
         # Every tick step runs through it: a bug in one is logged, recorded and bounded (core/housekeeping.py).
         self.guard = StepGuard(self, self.dcfg.step_error_limit)
-        self.store_health = store_health.StoreHealth()  # the store cannot be written: degraded mode (core/store_health.py)
-        self.gone_check = liveness.GoneCheck()  # a job not found is "gone" only when confirmed (core/liveness.py)
+        self.store_health = store_health.StoreHealth()  # the store cannot be written: degraded mode (safety/store_health.py)
+        self.gone_check = liveness.GoneCheck()  # a job not found is "gone" only when confirmed (safety/liveness.py)
         # An exit the store could not record, kept to be handled again at the next retry (its status is read
         # once: a reaped child's code is not read twice).
         self.unrecorded_exit: ExitStatus | None = None
@@ -171,7 +161,7 @@ class Supervisor:
             return
         table_reason = check_transition(self.state, to)
         full = transition_reason(reason, table_reason)
-        store_health.store_state(self, to, full)  # or kept in memory while the store cannot be written (core/store_health.py)
+        store_health.store_state(self, to, full)  # or kept in memory while the store cannot be written (safety/store_health.py)
         # FAILED is the one line an operator must not miss (journald priority 2, `journalctl -p crit`).
         (log.critical if to == S.FAILED else log.info)("state", run_id=self.run_id, frm=self.state.value,
                                                          to=to.value, reason=full)
@@ -242,7 +232,7 @@ class Supervisor:
         if self.scheduler is not None:
             step("scheduler", self.scheduler.run_due)
         step("standby", lambda: self.standby.tick(self))  # start, check or stop the warm standby
-        # The store cannot be written (core/store_health.py): the steps that write run only at the retry time.
+        # The store cannot be written (safety/store_health.py): the steps that write run only at the retry time.
         health = self.store_health
         writes = health.due(self.os.time())
         failures_before = health.failures
@@ -423,11 +413,11 @@ class Supervisor:
             return
         confirmed = status if self.unrecorded_exit else liveness.confirm(self, status, self.gone_check)
         if confirmed is None:
-            return  # "gone" needs more than one sign (core/liveness.py)
+            return  # "gone" needs more than one sign (safety/liveness.py)
         status, self.unrecorded_exit = confirmed, None
         job, term = self.job, self.term
         # The job's last words (exiting event, final checkpoint); a bug there must not keep the exit unhandled.
-        # All of them: a job that printed much before it exited is read to its end first (core/attempt_log.py).
+        # All of them: a job that printed much before it exited is read to its end first (safety/attempt_log.py).
         self.guard.run("telemetry", self._read_to_the_end)
         attempt = self.attempt
         plan = self.term.plan if self.term is not None else UNREQUESTED
@@ -440,7 +430,7 @@ class Supervisor:
         self.guard.run("exit", lambda: self._on_exit(status, attempt), on_error=on_error)
 
     def _read_to_the_end(self) -> None:
-        """An ended attempt's output read to its end (core/attempt_log.py), then its last records acted upon."""
+        """An ended attempt's output read to its end (safety/attempt_log.py), then its last records acted upon."""
         attempt_log.drain_before_exit(self)
         decisions.read_telemetry(self)
 
@@ -487,7 +477,7 @@ class Supervisor:
             "garbage_telemetry_lines": self.reader.garbage_lines if self.reader else 0,
             "telemetry_record_errors": self.record_errors,
             "tick_step_errors": self.guard.counts(),  # raises per tick step since the daemon started
-            "store": self.store_health.status(self.os.time()),  # writable, or why not (core/store_health.py)
+            "store": self.store_health.status(self.os.time()),  # writable, or why not (safety/store_health.py)
             "run_dir": str(self.run_dir), "daemon_pid": os.getpid(),
             "standby": self.standby.describe(self),  # the warm next attempt, or None (daemon/job/standby.py)
         }

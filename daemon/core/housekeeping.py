@@ -132,7 +132,7 @@ class StepErrors:
 
 
 #: The tick steps that write the store or the state dir: their "cannot write" errors are the degraded mode's
-#: (core/store_health.py), retried with backoff; the same error elsewhere is an ordinary step error.
+#: (safety/store_health.py), retried with backoff; the same error elsewhere is an ordinary step error.
 STORE_WRITING_STEPS = frozenset({"telemetry", "engine", "attempt_log", "exit_check", "exit", "rank_watch",
                                  "relaunch", "store_flush", "store_probe"})
 
@@ -172,7 +172,7 @@ class StepGuard:
         """Log, record and count `exc` (called from its `except`); `bounded`: end the run after `limit` in a
         row. A control request that raised is not bounded: it is the operator's call, not the loop spinning."""
         sup = self.sup
-        from ulyssesd.daemon.core.store_health import is_store_write_error
+        from ulyssesd.daemon.safety.store_health import is_store_write_error
 
         if step in STORE_WRITING_STEPS and is_store_write_error(exc) and sup.run_id:
             # Not a bug of the step: the store (state dir) cannot be written. Degraded mode, retried with

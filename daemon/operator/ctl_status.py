@@ -223,7 +223,7 @@ def status_data(store, run) -> dict[str, Any]:
         "last_step_overdue": bool(state in TRAINING_STATES and age is not None and hang_s is not None
                                   and age > hang_s),
         "telemetry_health": _telemetry_health(run, state, attempt),
-        # The daemon's own store (core/store_health.py): not writable means the stored state may lag the
+        # The daemon's own store (safety/store_health.py): not writable means the stored state may lag the
         # daemon's (`daemon_state`, from memory).
         "store": (live or {}).get("store"),
         "daemon_state": (live or {}).get("state"),

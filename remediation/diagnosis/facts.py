@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ulyssesd.remediation.diagnosis import notices
+import ulyssesd.remediation.diagnosis.notices as notices
 from ulyssesd.remediation.diagnosis.model import DiagnosisConfig
 from ulyssesd.remediation.diagnosis.normalizer import Line
 

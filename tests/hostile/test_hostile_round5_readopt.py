@@ -16,8 +16,8 @@ import time
 import pytest
 from test_hostile_round5_daemon import command_spec
 
-from ulyssesd.daemon.core import liveness
 from ulyssesd.daemon.host.process import JobHandle, RealOS
+from ulyssesd.daemon.safety import liveness
 from ulyssesd.daemon.spec import load_run_spec
 from ulyssesd.daemon.store import open_store
 from ulyssesd.daemon.store.enums import RunState

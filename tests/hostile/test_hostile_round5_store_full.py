@@ -20,8 +20,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 from uls_daemon_helpers import fake_spec  # noqa: E402
 
-from ulyssesd.daemon.core import store_health  # noqa: E402
 from ulyssesd.daemon.host.process import RealOS  # noqa: E402
+from ulyssesd.daemon.safety import store_health  # noqa: E402
 from ulyssesd.daemon.spec import load_run_spec  # noqa: E402
 from ulyssesd.daemon.store import open_store  # noqa: E402
 from ulyssesd.daemon.store.enums import RunState  # noqa: E402

@@ -102,7 +102,7 @@ os.kill(os.getpid(), 9)
 
 def test_a_reporter_killed_mid_line_does_not_cost_the_next_attempt_its_first_record(tmp_path):
     from ulyssesd.client.reporter import Reporter, ReporterConfig
-    from ulyssesd.daemon.job.telemetry_reader import TelemetryReader
+    from ulyssesd.daemon.telemetry.telemetry_reader import TelemetryReader
 
     path = tmp_path / "telemetry.jsonl"
     p = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(path), "1"], capture_output=True, timeout=60)

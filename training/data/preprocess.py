@@ -47,16 +47,12 @@ from .indexed_dataset import (
     paths_of,
     token_dtype_for_vocab,
 )
+from .line_scan import PreprocessError, check_lines, die_with_parent, line_end, line_number
 from .tokenizer import DEFAULT_EOS, Tokenizer, TokenizerError, train_bpe
 
 FORMAT = "ulyssesd-preprocess/1"
 _ENCODE_BATCH = 256  # documents per encode_batch call
 MAX_DOCUMENT_MB = 16.0  # default bound of one document (see the module doc)
-_SCAN = 1 << 20  # bytes read at a time while looking for a line's end
-
-
-class PreprocessError(ValueError):
-    """Bad input (unreadable, malformed JSON, empty document, missing key) or bad options."""
 
 
 @dataclass(frozen=True)
@@ -123,70 +119,6 @@ def _require_pyarrow():
     return pq
 
 
-def _line_end(fh: Any, pos: int, size: int, max_line: int, path: Path) -> int:
-    """The offset just past the end of the line that holds byte `pos` (its newline, else EOF), reading
-    `_SCAN` bytes at a time; PreprocessError when more than `max_line` bytes pass without a newline."""
-    fh.seek(pos)
-    at = pos
-    while at < size:
-        block = fh.read(min(_SCAN, size - at))
-        nl = block.find(b"\n")
-        if nl >= 0:
-            return at + nl + 1
-        at += len(block)
-        if at - pos > max_line:
-            _too_long(fh, path, _line_start(fh, pos), max_line)
-    return size
-
-
-def _too_long(fh: Any, path: Path, line_start: int, max_line: int) -> None:
-    raise PreprocessError(f"{path}:{_line_number(str(path), line_start)}: a line longer than {max_line} bytes "
-                          f"(--max-document-mb {max_line / (1 << 20):g}); split the document or raise "
-                          f"--max-document-mb (tokenizing needs about 100x its size in memory)")
-
-
-def _line_start(fh: Any, pos: int) -> int:
-    """The offset of the start of the line holding byte `pos` (scanning backwards in blocks)."""
-    while pos > 0:
-        back = max(0, pos - _SCAN)
-        fh.seek(back)
-        nl = fh.read(pos - back).rfind(b"\n")
-        if nl >= 0:
-            return back + nl + 1
-        pos = back
-    return 0
-
-
-def _check_lines(fh: Any, start: int, end: int, max_line: int, path: Path) -> None:
-    """PreprocessError naming the first line in [start, end) longer than max_line bytes (its newline not
-    counted); streaming, `_SCAN` bytes at a time."""
-    fh.seek(start)
-    pos = line_start = start
-    while pos < end:
-        block = fh.read(min(_SCAN, end - pos))
-        if not block:
-            break
-        first = block.find(b"\n")
-        if first < 0:
-            pos += len(block)
-            if pos - line_start > max_line:
-                _too_long(fh, path, line_start, max_line)
-            continue
-        if pos + first - line_start > max_line:
-            _too_long(fh, path, line_start, max_line)
-        if max_line < len(block):  # lines wholly inside the block may be too long too (a small bound)
-            prev = first
-            nxt = block.find(b"\n", prev + 1)
-            while nxt >= 0:
-                if nxt - prev - 1 > max_line:
-                    _too_long(fh, path, pos + prev + 1, max_line)
-                prev, nxt = nxt, block.find(b"\n", nxt + 1)
-        line_start = pos + block.rfind(b"\n") + 1
-        pos += len(block)
-    if end - line_start > max_line:
-        _too_long(fh, path, line_start, max_line)
-
-
 def plan_units(inputs: list[Path], text_unit: str, chunk_bytes: int,
                max_document_bytes: int = int(MAX_DOCUMENT_MB * (1 << 20))) -> list[Unit]:
     """Split the inputs into units; a pure function of the inputs' sizes and contents at line boundaries.
@@ -226,26 +158,13 @@ def plan_units(inputs: list[Path], text_unit: str, chunk_bytes: int,
                 while start < size:
                     # Extend to the end of the line the chunk boundary falls in; every line on the way is
                     # checked against the bound without being held (a 200 MB line is never read whole).
-                    end = size if start + chunk_bytes >= size else _line_end(fh, start + chunk_bytes, size,
+                    end = size if start + chunk_bytes >= size else line_end(fh, start + chunk_bytes, size,
                                                                              max_document_bytes, path)
-                    _check_lines(fh, start, end, max_document_bytes, path)
+                    check_lines(fh, start, end, max_document_bytes, path)
                     units.append(Unit(len(units), str(path), kind, start, end, end - start))
                     start = end
     close_group()
     return units
-
-
-def _line_number(path: str, byte_offset: int) -> int:
-    count = 0
-    with open(path, "rb") as fh:
-        left = byte_offset
-        while left > 0:
-            block = fh.read(min(_SCAN, left))
-            if not block:
-                break
-            count += block.count(b"\n")
-            left -= len(block)
-    return count + 1
 
 
 def _documents(unit: Unit, opts: Options,
@@ -315,28 +234,11 @@ def describe(unit: Unit, location: Any) -> str:
         return f"{unit.path} row group {unit.start} row {location}"
     if unit.kind == "text-file":
         return str(location)
-    return f"{unit.path}:{_line_number(unit.path, location)}"
+    return f"{unit.path}:{line_number(unit.path, location)}"
 
 
 # ------------------------------------------------------------------------------------ workers
 _worker_tok: Tokenizer | None = None
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG), so a SIGKILLed
-    preprocess leaves no worker running; exit now if the parent is already gone (it died before the call).
-    Elsewhere a no-op."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent_pid:
-            os._exit(1)
 
 
 def _init_worker(tokenizer_path: str, eos: str, bos: str | None, parent_pid: int | None = None) -> None:

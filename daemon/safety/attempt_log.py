@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ulyssesd.daemon.host.logging import get_logger
-from ulyssesd.daemon.job import log_source
+from ulyssesd.daemon.telemetry import log_source
 
 if TYPE_CHECKING:
     from ulyssesd.daemon.supervisor import Supervisor
