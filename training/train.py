@@ -201,7 +201,9 @@ class Trainer(TrainerCheckpoints):
 
     # ------------------------------------------------------------------------------- control
     def _set_lr(self, step: int) -> float:
-        lr = lr_at(step, self.spec) * self.control.state.lr_scale * self.faults.lr_factor(step)
+        faults = getattr(self, "faults", None)  # made in _run (it needs the device); absent in a piecewise Trainer
+        fault = faults.lr_factor(step) if faults is not None else 1.0
+        lr = lr_at(step, self.spec) * self.control.state.lr_scale * fault
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
         return lr

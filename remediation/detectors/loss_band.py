@@ -80,7 +80,9 @@ class SourceBand:
         """Residuals are relative (log(value / level)): a loss's noise scales with its level (arithmetic at
         0.004 and copy at 4 have the same relative spread, not the same absolute one)."""
         lvl = self._level
-        return max(lvl * math.exp(self._centre + self.k * self._scale), lvl + self.min_rel * abs(lvl))
+        # Bounded exponent: absurd telemetry (1e300 losses) widens the scale past exp's range; the band is then
+        # effectively open (inf), never an exception that skips the record.
+        return max(lvl * math.exp(min(self._centre + self.k * self._scale, 700.0)), lvl + self.min_rel * abs(lvl))
 
     def observe(self, loss: float, step: int) -> BandVerdict:
         self.count += 1

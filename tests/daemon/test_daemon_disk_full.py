@@ -222,8 +222,13 @@ def test_a_hot_fix_whose_control_write_fails_leaves_the_job_running(tmp_path, mo
     decisions.handle_outputs(sup, [dec], 40)  # no exception out of the tick
     assert sup.state == S.RUNNING and fos.is_alive(sup.job) and not fos.signals
     monkeypatch.setattr(jc, "write_control", lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
-    with pytest.raises(ValueError):  # only storage errors degrade; a bug still shows
-        decisions.handle_outputs(sup, [dec], 41)
+    # Only storage errors degrade quietly; a bug still shows: recorded on an incident as the failed action
+    # (escalated, alerted), never a skipped record (issue 39), and the job keeps running unchanged.
+    decisions.handle_outputs(sup, [dec], 41)
+    failed = [a for i in sup.store.list_incidents(sup.run_id, with_actions=True) for a in i.actions
+              if a.parameters.get("not_applied")]
+    assert failed and failed[-1].parameters["failed"] == "ValueError: a bug"
+    assert sup.state == S.RUNNING and fos.is_alive(sup.job)
 
 
 @pytest.mark.parametrize("code, fails", [(2, True), (3, True), (1, False)])
