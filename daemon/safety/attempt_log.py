@@ -95,9 +95,16 @@ def trim_ended(sup: Supervisor) -> bool:
         while chunk := src.read(_COPY_CHUNK):
             dst.write(chunk)
     os.replace(tmp, path)
+    _shortened(sup, size - _size(path))
     log.warning("ended attempt's log over its cap: its last part kept", path=str(path), size=size,
                 cap_mib=sup.dcfg.attempt_log_max_mib, kept_bytes=_size(path))
     return True
+
+
+def _shortened(sup: Supervisor, removed: int) -> None:
+    src = getattr(sup, "_log_source", None)
+    if src is not None and src.attempt == sup.attempt and hasattr(src, "log_shortened"):
+        src.log_shortened(removed)
 
 
 def rotate_if_big(sup: Supervisor) -> bool:
@@ -124,9 +131,7 @@ def rotate_if_big(sup: Supervisor) -> bool:
             dst.write(chunk)
     os.replace(tmp, rotated)
     os.truncate(path, 0)  # the job's O_APPEND fd writes at the new end
-    src_pump = getattr(sup, "_log_source", None)
-    if src_pump is not None and src_pump.attempt == sup.attempt:
-        src_pump.offset = 0  # what it had read is gone from the live file; it reads on from the start
+    _shortened(sup, size)  # what the pump had read is gone from the live file; it reads on from the start
     log.warning("attempt log over its cap: its last part kept in the .1 file, the live log truncated",
                 path=str(path), size=size, cap_mib=sup.dcfg.attempt_log_max_mib, kept_bytes=keep)
     return True

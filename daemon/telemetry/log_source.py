@@ -138,6 +138,13 @@ class LogSource:
         except OSError:  # absent or empty
             return False
 
+    def log_shortened(self, removed_bytes: int) -> None:
+        """The log's first `removed_bytes` were cut away (rotation, or an ended attempt's log trimmed to its
+        tail): what was read stays read. Without this, the shorter file reads as a new one from offset 0 and
+        the kept lines would be parsed a second time."""
+        self.offset = max(0, self.offset - removed_bytes)
+        self._save_offset()
+
     def _save_offset(self) -> None:
         """Replace the offsets file whole: a per-process temp name (two writers, e.g. a daemon that has not
         yet noticed its successor, never write into one temp file and rename the other's half) + rename.
