@@ -158,8 +158,9 @@ class RemediationEngine(LearnedParts):
         if isinstance(record, EventRecord):
             if record.event == "started":
                 self.on_restart(now, attempt=record.attempt)
-            elif record.event == "checkpoint_saved" and record.step is not None:
-                self.checkpoint_saved(str(record.fields.get("tag") or f"step-{record.step:08d}"), record.step)
+            elif record.event in ("checkpoint_saving", "checkpoint_saved") and record.step is not None:
+                tag = str(record.fields.get("tag") or f"step-{record.step:08d}")
+                (self.saving_started if record.event == "checkpoint_saving" else self.checkpoint_saved)(tag, record.step)
             for det in self.detectors:
                 det.observe(record, now)
             return out
@@ -192,6 +193,7 @@ class RemediationEngine(LearnedParts):
                     continue
                 out.append(f)
                 out.extend(self._on_finding(f, record.step, now))
+        self._note_clean(record.step, weight_anomaly)
         if self._history is not None:
             self._count_healthy(record, findings, now)
         if self.grad_watch is not None and record.grad_norm is not None:
@@ -265,7 +267,8 @@ class RemediationEngine(LearnedParts):
     def checkpoint_saved(self, tag: str, step: int) -> None:
         # A save while a weight symptom is active (or right after a non-finite loss) holds suspect weights:
         # it is never a rollback target (the known-good rule needs a clean window after it anyway).
-        if any(self._active(sym) for sym in WEIGHT_SYMPTOMS) or not self._last_loss_finite:
+        self.saving.pop(tag, None)
+        if self._is_tainted(step):
             self.tainted.add(tag)
         self.saved.append((tag, step))
         self.saved = self.saved[-64:]

@@ -5,6 +5,7 @@ once the run has made progress), and forgetting a decision the daemon could not 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
@@ -35,9 +36,15 @@ class LearnedParts:
     failed: bool
     _samples: deque[tuple[int, tuple[int, int]]]
     _by_symptom: dict[str, Any]
+    _active: Callable[[str], bool]
 
     def _init_learned(self) -> None:
         self.tainted: set[str] = set()   # saved while the loss was out of its band or non-finite
+        # Snapshots being written (checkpoint_saving seen, checkpoint_saved not yet): an async save of a step
+        # before the onset holds that step's weights however late its write ends (the job makes it durable
+        # before it exits, suspect or not), so it is a rollback target too.
+        self.saving: dict[str, int] = {}
+        self._clean_through = -1   # the last step with a finite loss and no weight symptom active
         self._last_loss_finite = True
         self.no_rollback_why = ""   # why the last rollback plan found no target
         self.failures: list[str] = []   # decisions the daemon could not apply (newest last)
@@ -51,6 +58,29 @@ class LearnedParts:
         # Early warning (grad norm out of its own distribution): alerts, drained by the daemon.
         self.grad_watch = GradNormWatch(z=self.config.early_warning_z) if self.config.early_warning else None
         self.new_warnings: list[dict[str, Any]] = []
+
+    def saving_started(self, tag: str, step: int) -> None:
+        self.saving[tag] = step
+        if len(self.saving) > 8:   # a lost checkpoint_saved: forget the oldest
+            self.saving.pop(next(iter(self.saving)))
+
+    def _note_clean(self, step: int, weight_anomaly: bool) -> None:
+        if weight_anomaly or not self._last_loss_finite:
+            return
+        # An episode lives on after its finding only with a ladder or a pending grace: the quiet path is cheap.
+        if (self.pending or self.ladders) and self._weight_symptom_active():
+            return
+        self._clean_through = step
+
+    def _weight_symptom_active(self) -> bool:
+        from ulyssesd.remediation.engine import WEIGHT_SYMPTOMS
+
+        return any(self._active(s) for s in WEIGHT_SYMPTOMS)
+
+    def _is_tainted(self, step: int) -> bool:
+        """A tag holds suspect weights when its snapshot was taken after the last clean step while a weight
+        symptom is active or the loss is non-finite: by the tag's step, not by when its (async) write ended."""
+        return (self._weight_symptom_active() or not self._last_loss_finite) and step > self._clean_through
 
     def _watch_grad(self, record: StepRecord) -> None:
         assert self.grad_watch is not None
@@ -107,6 +137,9 @@ class LearnedParts:
         # `sources` steps): keep a margin before it.
         margin = 2 * self.config.loss_source_smooth * max(1, sources)
         clean = [(t, s) for t, s in self.saved if s < a - margin and t not in self.tainted]
+        clean = sorted(clean + [(t, s) for t, s in self.saving.items()  # writes still in flight, by their step
+                                if s < a - margin and s <= self._clean_through and (t, s) not in clean],
+                       key=lambda ts: ts[1])
         if precise and clean:
             # A per-source band dates its onset to the first value out of band: the newest checkpoint saved
             # before it with finite, in-band loss costs the least work (less than one save interval).
