@@ -348,3 +348,25 @@ def test_lightning_bar_progress_is_read_within_an_epoch(tmp_path):
     rc = run.wait()
     assert rc == 0
     assert (st.get("step") or 0) >= 150, f"mid-epoch status step {st.get('step')} (the job was past step 200)"
+
+
+@SLOW
+def test_rerun_in_place_does_not_resume_the_previous_runs_checkpoints(tmp_path):
+    """Run the plain spec to completion (100 steps), then run the same spec again (a new run: the first one
+    COMPLETED) with a crash at step 50. The relaunch must resume this run's step_000040.pt, not the previous
+    run's step_000100.pt still in checkpoint_dir (which ends the job at once, 50 steps short)."""
+    run = Run(tmp_path, "plain", {})
+    run.spec.write_text(run.spec.read_text().replace('"--steps", "300"', '"--steps", "100"')
+                        .replace("total_steps = 300", "total_steps = 100"))
+    run.start()
+    assert run.wait() == 0
+    first = run.status()["run_id"]
+    run.spec.write_text(run.spec.read_text().replace('env = { OMP_NUM_THREADS = "1" }',
+                                                     'env = { OMP_NUM_THREADS = "1", O28_CRASH_AT = "50" }'))
+    time.sleep(1.1)  # a new run id (second resolution)
+    run.start()
+    rc = run.wait()
+    st = run.status()
+    assert st["run_id"] != first
+    assert run.resumed_steps()[2] == 40, (run.resumed_steps(), st.get("resumed_from"))
+    assert rc == 0 and st["state"] == "COMPLETED" and st["step"] == 100, st.get("state_reason")
