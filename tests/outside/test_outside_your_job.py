@@ -103,9 +103,12 @@ class Run:
         assert self.daemon is not None
         try:
             return self.daemon.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as err:
+            st = self.status()
             os.killpg(self.daemon.pid, signal.SIGKILL)
-            raise AssertionError(f"run did not end in {timeout}s: {self.status()}")
+            if st.get("pgid"):  # the job runs in a process group of its own
+                os.killpg(st["pgid"], signal.SIGKILL)
+            raise AssertionError(f"run did not end in {timeout}s: {st}") from err
 
     def wait_checkpoint(self, step: int, timeout: float = 90) -> dict:
         """Wait until the job has written its checkpoint of `step` (on disk: independent of the telemetry)."""
@@ -268,7 +271,6 @@ def test_hang_is_killed_and_resumed(tmp_path, script):
 @SLOW
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_operator_kill9_of_training_process(tmp_path, script):
-    cfg = SCRIPTS[script]
     run = Run(tmp_path, script, {})
     run.start()
     killed_at = 40 if script != "hf" else 20
