@@ -437,3 +437,17 @@ def test_run_help_says_no_preflight_skips_the_disk_check_too():
     line = " ".join(r.output.split())
     assert "--no-preflight" in line
     assert "the memory planner's and the checkpoint disk's" in line and "still checked before every save" in line
+
+
+def test_the_budget_file_is_written_before_the_first_launch_with_the_run_specs_margin(tmp_path):
+    # The job checks its first save against this file: it must exist before the job starts, not only after the
+    # first retention pass (which made the first save's check depend on timing).
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, daemon={"min_free_gib": 0.5, "checkpoint_anchors": 1, "retention_every_s": 3600.0})
+    sup.start()
+    assert sup.job is not None
+    published = bd.read_budget_file(sup.run_dir)
+    assert published is not None
+    policy, known, predicted = published
+    assert policy.margin_bytes == int(0.5 * (1 << 30)) and policy.max_anchors == 1 and known == []
+    assert predicted == disk_budget.predicted_from_config(sup.config) and predicted > 0
