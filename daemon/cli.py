@@ -61,7 +61,8 @@ def build_app() -> typer.Typer:
                                       help="state directory (overrides [daemon].state_dir)"),
         run_id: str = typer.Option(None, "--run-id", metavar="ID", help="run id (re-adopts it if unfinished)"),
         no_preflight: bool = typer.Option(False, "--no-preflight",
-                                          help="skip the memory planner's preflight check"),
+                                          help="skip the preflight checks: the memory planner's and the checkpoint disk's "
+                                               "(the budget is still checked before every save)"),
         log_level: str = typer.Option(None, "--log-level", metavar="LEVEL",
                                       help="debug, info, warning or error (default: info)"),
     ) -> None:

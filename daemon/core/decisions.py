@@ -151,6 +151,7 @@ def on_event(sup: Supervisor, rec: EventRecord) -> None:
         sup.store.upsert_checkpoint(sup.run_id, f["tag"], step=rec.step or 0, loss=None, valid=True,
                                      attempt=sup.attempt, config_version=sup.config_version)
         sup.incidents.verify(rec.step or 0, sup.spec.remediation.grace_steps)
+        disk.save_written(sup, f["tag"], rec.step or 0)  # ends a skipped-save episode (host/disk.py)
         log.info("checkpoint saved", tag=f["tag"], step=rec.step)
         sup.say(f"checkpoint {f['tag']} saved")
     elif rec.event == "checkpoint_skipped":

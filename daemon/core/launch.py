@@ -20,7 +20,7 @@ import tenacity
 from ulyssesd.daemon.core import relaunch
 from ulyssesd.daemon.core.relaunch import Relaunch
 from ulyssesd.daemon.core.termination import RankWatch
-from ulyssesd.daemon.host import disk
+from ulyssesd.daemon.host import disk, disk_budget
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import JobHandle
 from ulyssesd.daemon.job import checkpoint_watch
@@ -214,6 +214,12 @@ def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, in
     if sup.launch_env:
         launcher = launcher.model_copy(update={"env": {**launcher.env, **{k: str(v) for k, v in sup.launch_env.items()
                                                                           if v is not None}}})
+    if not command_job:  # the job checks every save, its first included, against this (docs/CHECKPOINT_DISK.md)
+        try:
+            disk_budget.publish_budget(sup)
+        except OSError:
+            sup.attempt -= 1  # not launched: the own-write path retries it, same number
+            raise
     plan = build_launch(launcher, run_id=sup.run_id, run_dir=sup.run_dir, attempt=sup.attempt,
                         config_version=sup.config_version, job=sup.spec.job_section,
                         rollback_to_step=rollback_to_step, slurm=sup.spec.slurm, resume=resume)

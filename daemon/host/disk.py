@@ -220,18 +220,65 @@ def _base_interval(sup: Supervisor) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+#: The evidence key of a skipped-save incident (one per episode: open from the first skip to the next save).
+SKIP_EVIDENCE = "checkpoint_skipped"
+_SKIP_COUNT = re.compile(r"^(\d+) saves? skipped")
+
+
+def open_skip_episode(sup: Supervisor) -> Any | None:
+    """The run's open skipped-save incident (the episode in progress), or None."""
+    for inc in sup.store.list_incidents(sup.run_id, symptom=Symptom.disk_full, status=IncidentStatus.open,
+                                        newest_first=True):
+        if SKIP_EVIDENCE in (inc.evidence or {}):
+            return inc
+    return None
+
+
+def _skips_of(episode: Any) -> int:
+    """The episode's skips so far: kept in its status reason (the store's, so a restarted daemon counts on)."""
+    m = _SKIP_COUNT.match(episode.status_reason or "")
+    return int(m.group(1)) if m else 1
+
+
+def _episode_reason(count: int, fields: dict[str, Any], step: int) -> str:
+    return (f"{count} save{'s' if count != 1 else ''} skipped so far, the last {fields.get('tag')} at step {step} "
+            f"(needs ~{fields.get('need_bytes')} bytes, {fields.get('available_bytes')} available); open until a "
+            f"save is written again")
+
+
 def save_skipped(sup: Supervisor, step: int, fields: dict[str, Any]) -> None:
-    """The job skipped a save for lack of space (its `checkpoint_skipped` event): training goes on; an incident
-    with the numbers and an alert, and retention runs at once to make room for the next one."""
+    """The job skipped a save for lack of space (its `checkpoint_skipped` event): training goes on. One open
+    `disk_full` incident per episode: the first skip opens it (with the numbers, an alert), later skips only
+    update its count and last numbers (status reason, log), and the next written save resolves it
+    (`save_written`). A disk that stays full is one incident, not one per save."""
     need, avail = fields.get("need_bytes"), fields.get("available_bytes")
+    log.warning("checkpoint skipped for lack of space", tag=fields.get("tag"), need=need, available=avail)
+    episode = open_skip_episode(sup)
+    if episode is not None:
+        count = _skips_of(episode) + 1
+        sup.store.update_incident_status(episode.id, IncidentStatus.open, _episode_reason(count, fields, step))
+        sup.say(f"  checkpoint {fields.get('tag')} skipped for lack of space too ({count} in a row; incident "
+                f"#{episode.id})")
+        return
     text = (f"checkpoint {fields.get('tag')} skipped for lack of space: needs ~{need} bytes, {avail} available in "
             f"{sup.ckpt_dir} after removing {len(fields.get('removed') or [])} entries; training goes on")
-    iid = sup.incidents.incident(Symptom.disk_full, step, Severity.warning, text, {"checkpoint_skipped": fields})
-    sup.store.update_incident_status(iid, IncidentStatus.resolved, "training went on; the next save is tried at "
-                                     "its interval")
-    log.warning("checkpoint skipped for lack of space", tag=fields.get("tag"), need=need, available=avail)
+    iid = sup.incidents.incident(Symptom.disk_full, step, Severity.warning, text, {SKIP_EVIDENCE: fields})
+    sup.store.update_incident_status(iid, IncidentStatus.open, _episode_reason(1, fields, step))
     sup.say(f"WARNING: {text}")
     sup.alert("incident", text, need_bytes=need, available_bytes=avail)
+
+
+def save_written(sup: Supervisor, tag: str, step: int) -> None:
+    """A save was written: the skipped-save episode in progress (if any) is resolved, saying how many saves it
+    skipped."""
+    episode = open_skip_episode(sup)
+    if episode is None:
+        return
+    count = _skips_of(episode)
+    text = f"checkpoint {tag} written at step {step} after {count} skipped save{'s' if count != 1 else ''}"
+    sup.store.update_incident_status(episode.id, IncidentStatus.resolved, text)
+    log.info("checkpoint disk has room again", incident=episode.id, tag=tag, skipped=count)
+    sup.say(f"  {text}: incident #{episode.id} resolved")
 
 
 def stop_read_only(sup: Supervisor, where: str, evidence: dict[str, Any], iid: int | None = None) -> None:

@@ -20,9 +20,8 @@ if TYPE_CHECKING:
 
 log = get_logger("ulyssesd.supervisor")
 
-#: Bytes per parameter of a ZeRO-3 tag: fp32 master + Adam m, v (gpt-1b: 16,969,339,735 B for 1,414,105,088
-#: params, 12.0 B/param; the model-states file with no weights under ZeRO-3 is ~55 KB).
-TAG_BYTES_PER_PARAM = 12
+#: Bytes per parameter of a ZeRO-3 tag (training/checkpoint/budget.py, where the job's own prediction uses it too).
+TAG_BYTES_PER_PARAM = bd.TAG_BYTES_PER_PARAM
 #: The longest the save interval is stretched when the disk holds fewer tags than configured.
 MAX_INTERVAL_FACTOR = 8
 GIB = 1 << 30
@@ -98,7 +97,7 @@ def run_retention(sup: Supervisor) -> RetentionResult:
     writing = budget.by_category()["in_flight"]["count"] > 0  # its bytes are still arriving: the job checks itself
     if budget.free_bytes is not None and need > budget.policy.margin_bytes and budget.free_bytes < need \
             and not writing:
-        out.room = bd.make_room(budget, need, include_in_flight=False)
+        out.room = bd.make_room(budget, need, include_in_flight=False, only_if_it_fits=True)
         out.removed += out.room.removed
         log.info("made room for the next save", removed=out.room.removed, freed=out.room.freed_bytes,
                  held=out.room.held_bytes, available=out.room.available_bytes, need=need)
@@ -112,9 +111,17 @@ def run_retention(sup: Supervisor) -> RetentionResult:
     mark_pruned(sup, out.removed)
     try:
         bd.write_budget_file(sup.run_dir, budget.policy, known_good(sup), predicted)
-    except OSError as exc:  # a full disk fails this small write too: the job then keeps to set-aside copies
+    except OSError as exc:  # a full disk fails this small write too: the job keeps the one written at launch
         log.warning("could not publish the checkpoint budget", error=repr(exc))
     return out
+
+
+def publish_budget(sup: Supervisor) -> None:
+    """The budget file the job checks before every save, written before each attempt is launched, so that its
+    first save is checked with the run's own settings (the margin, the predicted tag size) whatever the
+    retention timer did. An OSError goes to the caller: the launch path retries the daemon's own failed writes."""
+    bd.write_budget_file(sup.run_dir, policy_of(sup.dcfg, sup.config), known_good(sup),
+                         predicted_from_config(sup.config))
 
 
 _warned: dict[str, str] = {}

@@ -237,6 +237,12 @@ def test_edquot_counts_only_what_was_freed_statvfs_does_not_see_the_quota(tmp_pa
     assert sup.attempt == 2
 
 
+def _skip(sup, step: int) -> None:
+    _emit(sup, kind="event", event="checkpoint_skipped", step=step, tag=ck.tag_for_step(step), reason="no_space",
+          need_bytes=9000, available_bytes=100, tag_bytes=9000, margin_bytes=0, removed=[], kept=["step-00000010"])
+    sup.tick()
+
+
 def test_a_save_the_job_skipped_for_space_is_an_incident_and_the_run_goes_on(tmp_path):
     fos = FakeOS()
     sup = _sup(tmp_path, fos, daemon=NO_MARGIN)
@@ -249,8 +255,40 @@ def test_a_save_the_job_skipped_for_space_is_an_incident_and_the_run_goes_on(tmp
     sup.tick()
     assert sup.state == S.RUNNING and fos.is_alive(sup.job)
     (inc,) = sup.store.list_incidents(sup.run_id)
-    assert inc.symptom.value == "disk_full" and inc.status.value == "resolved"
+    # open while the disk stays full: the episode ends only when a save is written again
+    assert inc.symptom.value == "disk_full" and inc.status.value == "open"
     assert "needs ~9000 bytes, 100 available" in inc.summary
+    assert inc.status_reason.startswith("1 save skipped so far")
+
+
+def test_a_disk_that_stays_full_is_one_incident_per_episode_resolved_by_the_next_written_save(tmp_path):
+    # A save every 2 steps on a full disk: 20 skips are one open incident with a count, not 20 incidents each
+    # "resolved" at once; the first save written again resolves it; a later skip opens a new episode.
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, daemon=NO_MARGIN)
+    sup.start()
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 10, dt=0.01)
+    _saved(sup, 10)
+    for s in range(12, 52, 2):
+        _steps(sup, s - 1, s, dt=0.01)
+        _skip(sup, s)
+    (inc,) = sup.store.list_incidents(sup.run_id)
+    assert inc.symptom.value == "disk_full" and inc.status.value == "open", inc
+    assert inc.status_reason.startswith("20 saves skipped so far, the last step-00000050 at step 50"), inc
+    assert sup.state == S.RUNNING and fos.is_alive(sup.job)
+    _steps(sup, 51, 52, dt=0.01)
+    _saved(sup, 52)
+    (inc,) = sup.store.list_incidents(sup.run_id)
+    assert inc.status.value == "resolved"
+    assert inc.status_reason == "checkpoint step-00000052 written at step 52 after 20 skipped saves"
+    _steps(sup, 53, 54, dt=0.01)
+    _saved(sup, 54)  # a save with no episode open touches nothing
+    _steps(sup, 55, 56, dt=0.01)
+    _skip(sup, 56)
+    first, second = sup.store.list_incidents(sup.run_id)
+    assert first.id == inc.id and first.status.value == "resolved"
+    assert second.status.value == "open" and second.status_reason.startswith("1 save skipped so far")
 
 
 # ------------------------------------------------------------------------------------------ preflight
@@ -387,3 +425,29 @@ def test_ulyssesctl_status_shows_the_directory_by_category_and_the_free_space(tm
     assert main([*state, "status"]) == 0
     out = capsys.readouterr().out
     assert "checkpoint disk" in out and "set aside 1 (100 B)" in out and "free" in out
+
+
+def test_run_help_says_no_preflight_skips_the_disk_check_too():
+    from typer.testing import CliRunner
+
+    from ulyssesd.daemon.cli import build_app
+
+    r = CliRunner().invoke(build_app(), ["run", "--help"], env={"COLUMNS": "250", "NO_COLOR": "1"})
+    assert r.exit_code == 0, r.output
+    line = " ".join(r.output.split())
+    assert "--no-preflight" in line
+    assert "the memory planner's and the checkpoint disk's" in line and "still checked before every save" in line
+
+
+def test_the_budget_file_is_written_before_the_first_launch_with_the_run_specs_margin(tmp_path):
+    # The job checks its first save against this file: it must exist before the job starts, not only after the
+    # first retention pass (which made the first save's check depend on timing).
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, daemon={"min_free_gib": 0.5, "checkpoint_anchors": 1, "retention_every_s": 3600.0})
+    sup.start()
+    assert sup.job is not None
+    published = bd.read_budget_file(sup.run_dir)
+    assert published is not None
+    policy, known, predicted = published
+    assert policy.margin_bytes == int(0.5 * (1 << 30)) and policy.max_anchors == 1 and known == []
+    assert predicted == disk_budget.predicted_from_config(sup.config) and predicted > 0

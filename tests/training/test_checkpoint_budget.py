@@ -188,3 +188,66 @@ def test_a_tag_a_process_still_maps_is_left_alone_removing_it_would_free_nothing
     finally:
         mapped.close()
     assert bd.held_entries(tmp_path) == set()
+
+
+# ------------------------------------------------- the job's check before every save (issue 38, outside-in)
+def test_nothing_is_removed_for_a_save_that_could_not_fit_even_with_everything_gone(tmp_path):
+    for s in (10, 20, 30):
+        make_tag(tmp_path, s)
+    old = set_aside(tmp_path, 5, "corrupt", 100)
+    b = bd.classify(tmp_path, bd.BudgetPolicy(keep_last=3, set_aside_keep=5))
+    disk = SimDisk(tmp_path, capacity=b.total_bytes + TAG // 2)
+    # 3 removable entries (the set-aside copy, steps 10 and 20) + half a tag free < 5 tags: nothing goes
+    room = bd.make_room(b, need_bytes=5 * TAG, include_in_flight=True, available=lambda _f: disk(),
+                        only_if_it_fits=True)
+    assert not room.fits and room.removed == [] and room.reachable_bytes is not None
+    assert room.reachable_bytes < 5 * TAG
+    assert sorted(p.name for p in tmp_path.iterdir()) == [old, "step-00000010", "step-00000020", "step-00000030"]
+    # a save that can fit once two entries go: exactly those, in the stated order
+    room = bd.make_room(b, need_bytes=2 * TAG, include_in_flight=True, available=lambda _f: disk(),
+                        only_if_it_fits=True)
+    assert room.fits and room.removed == [old, "step-00000010"]
+
+
+def _room(tmp_path: Path, run_dir: Path, tag: str, **kw):
+    import logging
+
+    return bd.room_for_save(tmp_path / "ck", run_dir, tag, 3, log=logging.getLogger("t"),
+                            **{"under_daemon": True, **kw})
+
+
+def test_the_first_save_is_checked_against_the_published_margin_and_the_predicted_size(tmp_path, monkeypatch):
+    # No tag on disk yet: the daemon's file (written before launch) gives the margin and the predicted size.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    free = {"bytes": 16 << 20}
+    monkeypatch.setattr(ck, "bytes_free", lambda _p: free["bytes"])
+    bd.write_budget_file(run_dir, bd.BudgetPolicy(margin_bytes=5 << 30), [], predicted_tag_bytes=2_562_816)
+    skip = _room(tmp_path, run_dir, "step-00000010")
+    assert skip is not None and skip["need_bytes"] == 2_562_816 + (5 << 30)
+    assert skip["available_bytes"] == 16 << 20 and skip["removed"] == [] and skip["margin_bytes"] == 5 << 30
+    free["bytes"] = 6 << 30
+    assert _room(tmp_path, run_dir, "step-00000010") is None   # the healthy case: it fits, it is written
+    # Run by hand (no daemon, no file): no margin, the job's own prediction sizes the first tag.
+    (run_dir / bd.BUDGET_FILE).unlink()
+    free["bytes"] = 1 << 20
+    skip = _room(tmp_path, run_dir, "step-00000010", under_daemon=False, predicted_bytes=2_562_816)
+    assert skip is not None and skip["need_bytes"] == 2_562_816 and skip["tag_bytes"] == 2_562_816
+    free["bytes"] = 3 << 20
+    assert _room(tmp_path, run_dir, "step-00000010", under_daemon=False, predicted_bytes=2_562_816) is None
+
+
+def test_iso_like_set_aside_times_are_recognised_and_ordered_with_unix_ones(tmp_path):
+    import calendar
+
+    make_tag(tmp_path, 10)
+    iso = set_aside(tmp_path, 20, "rolledback", "20261207T121503Z")  # type: ignore[arg-type]
+    unix_old = set_aside(tmp_path, 30, "corrupt", 1_700_000_000)         # 2023: older than the ISO one
+    unix_new = set_aside(tmp_path, 40, "corrupt", 1_900_000_000)         # 2030: newer
+    assert bd.set_aside_time(iso, 0.0) == calendar.timegm((2026, 12, 7, 12, 15, 3))
+    assert ck.QUARANTINE_RE.match("step-00000050.corrupt-20261207T121503Z-1")
+    assert not bd.SET_ASIDE_RE.match("step-00000050.corrupt-2026-12-07")   # other shapes stay `other`
+    b = bd.classify(tmp_path, bd.BudgetPolicy(keep_last=3, set_aside_keep=1))
+    assert cats(b)["set_aside"] == sorted([iso, unix_old, unix_new])
+    assert sorted(e.name for e in b.doomed()) == sorted([iso, unix_old])      # the newest (2030) is kept
+    assert [e.name for e in bd.room_order(b, include_in_flight=True)] == [unix_old, iso, unix_new]  # oldest first

@@ -27,6 +27,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +36,18 @@ from .files import DELETING_PREFIX, step_of_tag, validate_tag
 from .retention import remove_dir, tree_bytes
 
 CATEGORIES = ("newest_valid", "keep_last", "anchor", "in_flight", "set_aside", "surplus", "deleting", "other")
-#: A set-aside copy: a rolled-back or quarantined tag (`{tag}.{kind}-{unixtime}[-n]`).
-SET_ASIDE_RE = re.compile(r"^(step-\d{8,})\.(corrupt|rolledback)-(\d+)(?:-\d+)?$")
+#: A set-aside copy: a rolled-back or quarantined tag, `{tag}.{kind}-{time}[-n]`, where `{time}` is when it was set
+#: aside: Unix seconds (what ulyssesd writes, `step-00000050.corrupt-1764444444`) or ISO-like UTC
+#: (`step-00000050.rolledback-20261207T121503Z`, copies set aside by hand or by other tools); `-n` tells apart
+#: two set aside in the same second.
+SET_ASIDE_RE = re.compile(r"^(step-\d{8,})\.(corrupt|rolledback)-(\d+|\d{8}T\d{6}Z)(?:-\d+)?$")
 #: The file the daemon publishes its budget in ({run_dir}/checkpoint_budget.json), read by the job before a save.
 BUDGET_FILE = "checkpoint_budget.json"
 #: The fewest tags a run can go on with: the newest valid one plus room for the next save.
 MIN_TAGS = 2
+#: Bytes per parameter of a ZeRO-3 tag: fp32 master + Adam m, v (gpt-1b: 16,969,339,735 B for 1,414,105,088
+#: params, 12.0 B/param; the model-states file with no weights under ZeRO-3 is ~55 KB).
+TAG_BYTES_PER_PARAM = 12
 
 
 @dataclass(frozen=True)
@@ -151,9 +158,15 @@ def select_anchors(known_good_steps: Iterable[int], max_anchors: int, spacing: i
     return kept
 
 
-def _set_aside_time(name: str, mtime: float) -> float:
+def set_aside_time(name: str, mtime: float) -> float:
+    """When a set-aside copy was set aside (Unix seconds), from its name's `<time>` (SET_ASIDE_RE), else `mtime`."""
     m = SET_ASIDE_RE.match(name)
-    return float(m.group(3)) if m else mtime
+    if not m:
+        return mtime
+    stamp = m.group(3)
+    if stamp.isdigit():
+        return float(stamp)
+    return datetime.strptime(stamp, "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc).timestamp()
 
 
 def classify(ckpt_dir: str | Path, policy: BudgetPolicy, known_good: Iterable[str] = (),
@@ -199,7 +212,7 @@ def classify(ckpt_dir: str | Path, policy: BudgetPolicy, known_good: Iterable[st
     tag_bytes = newest[3] if newest else 0
     # Set-aside copies over their caps go, oldest first (the newest are the likeliest to be asked about).
     cap, kept_n, kept_b = policy.set_aside_max_bytes, 0, 0
-    for e in sorted((e for e in entries if e.category == "set_aside"), key=lambda e: _set_aside_time(e.name, e.mtime),
+    for e in sorted((e for e in entries if e.category == "set_aside"), key=lambda e: set_aside_time(e.name, e.mtime),
                     reverse=True):
         if kept_n < policy.set_aside_keep and (cap is None or kept_b + e.bytes <= cap):
             kept_n, kept_b = kept_n + 1, kept_b + e.bytes
@@ -248,6 +261,8 @@ class RoomOutcome:
     #: resumed from that tag, CPU tensors loaded with mmap), or the filesystem frees late; more had to go instead
     held_bytes: int = 0
     skipped_held: list[str] = field(default_factory=list)  # left alone: a process maps a file of theirs
+    #: with `only_if_it_fits`: the most that removing every candidate could make available (None: not asked)
+    reachable_bytes: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -272,7 +287,7 @@ def room_order(budget: DirBudget, include_in_flight: bool) -> list[Entry]:
     if include_in_flight:
         order += [e for e in by_step if e.category == "in_flight"]
     order += sorted((e for e in budget.entries if e.category == "set_aside"),
-                    key=lambda e: _set_aside_time(e.name, e.mtime))
+                    key=lambda e: set_aside_time(e.name, e.mtime))
     order += [e for e in by_step if e.category == "anchor"]
     order += [e for e in by_step if e.category == "keep_last"]
     seen: set[str] = set()
@@ -307,16 +322,27 @@ def held_entries(root: Path, proc: Path = Path("/proc")) -> set[str]:
 
 
 def make_room(budget: DirBudget, need_bytes: int, *, include_in_flight: bool = False,
-              available: Callable[[int], int | None] | None = None) -> RoomOutcome:
+              available: Callable[[int], int | None] | None = None, only_if_it_fits: bool = False) -> RoomOutcome:
     """Remove entries in `room_order` until `available(freed so far)` >= need_bytes (by default the filesystem's
     free bytes; a caller that cannot trust that reading, e.g. after EDQUOT, counts what it freed instead).
-    Entries a process still maps are left alone (`held_entries`): removing them would free nothing now."""
+    Entries a process still maps are left alone (`held_entries`): removing them would free nothing now.
+    `only_if_it_fits`: remove nothing when even removing every candidate could not make the room (a save that
+    cannot fit anyway is skipped with the directory as it was; `reachable_bytes` says how far it could go)."""
     root = budget.root
     avail = available or (lambda _freed: free_bytes(root))
     out = RoomOutcome(need_bytes, newest_valid=budget.newest_valid, newest_known_good=budget.newest_known_good)
     out.available_bytes = avail(0)
     held = held_entries(root) if not out.fits else set()
-    for e in room_order(budget, include_in_flight):
+    order = room_order(budget, include_in_flight)
+    if only_if_it_fits and not out.fits:
+        removable = sum(e.bytes for e in order if e.name not in held)
+        # An upper bound for any `available`: no removal adds more than its own bytes to the reading.
+        out.reachable_bytes = (out.available_bytes or 0) + removable
+        if out.reachable_bytes < need_bytes:
+            out.skipped_held = [e.name for e in order if e.name in held]
+            out.kept_bytes = _kept_tag_bytes(budget, set())
+            return out
+    for e in order:
         if out.fits:
             break
         if e.name in held:
@@ -329,10 +355,13 @@ def make_room(budget: DirBudget, need_bytes: int, *, include_in_flight: bool = F
         out.available_bytes = avail(out.freed_bytes)
         if e.name in out.removed[-1:] and before is not None and out.available_bytes is not None:
             out.held_bytes += max(0, e.bytes - (out.available_bytes - before))
-    gone = set(out.removed)
-    out.kept_bytes = sum(e.bytes for e in budget.entries if e.name not in gone and e.step is not None
-                         and e.category in ("newest_valid", "keep_last", "anchor"))
+    out.kept_bytes = _kept_tag_bytes(budget, set(out.removed))
     return out
+
+
+def _kept_tag_bytes(budget: DirBudget, gone: set[str]) -> int:
+    return sum(e.bytes for e in budget.entries if e.name not in gone and e.step is not None
+               and e.category in ("newest_valid", "keep_last", "anchor"))
 
 
 def tags_that_fit(available_bytes: int, kept_tag_bytes: int, tag_bytes: int, margin_bytes: int = 0) -> int | None:
@@ -374,28 +403,32 @@ def describe_bytes(n: int | None) -> str:
 
 # ------------------------------------------------------------------------------------ the job's check
 def room_for_save(ckpt_dir: str | Path, run_dir: str | Path, tag: str, keep_last: int, *, under_daemon: bool,
-                  log: logging.Logger) -> dict[str, Any] | None:
-    """The job's check before a save (rank 0): None when the next tag fits, after making room in `room_order`;
-    else the fields of a `checkpoint_skipped` event. Under the daemon the policy and the known-good tags are
-    the ones it publishes (BUDGET_FILE); without that file under a daemon only set-aside and surplus entries
-    may go (the anchors are unknown here). A failure to look or remove is logged and the save goes ahead: a real
-    failure of the write then says what it is."""
+                  log: logging.Logger, predicted_bytes: int = 0) -> dict[str, Any] | None:
+    """The job's check before every save, the first included (rank 0): None when the next tag plus the margin
+    fits, after making room in `room_order`; else the fields of a `checkpoint_skipped` event. Under the daemon
+    the policy, the known-good tags and the predicted tag size are the ones it publishes (BUDGET_FILE, written
+    before it launches each attempt); without that file under a daemon only set-aside and surplus entries may go
+    (the anchors are unknown here) and the margin is 0 (said in the log). The tag size is the newest valid tag's,
+    else the daemon's prediction, else `predicted_bytes` (the job's own, from its model). Nothing is removed for
+    a save that could not fit even with every candidate gone. A failure to look or remove is logged and the save
+    goes ahead: a real failure of the write then says what it is."""
     root = Path(ckpt_dir)
     try:
-        if not root.is_dir():
-            return None
         published = read_budget_file(run_dir)
+        if published is None and under_daemon:
+            log.warning("no readable %s in %s: checking checkpoint %s with keep_last %d and no margin, removing only "
+                        "set-aside and surplus entries", BUDGET_FILE, run_dir, tag, keep_last)
         policy, known_good, predicted = published or (BudgetPolicy(keep_last=keep_last), [], 0)
         budget = classify(root, policy, known_good)
-        tag_bytes = budget.tag_bytes or predicted
-        if tag_bytes <= 0 or budget.free_bytes is None:
-            return None  # the first save of a run without a prediction: its failure would say so
+        if budget.free_bytes is None:
+            return None  # no reading (the directory's filesystem cannot be asked): the write says what happens
+        tag_bytes = budget.tag_bytes or predicted or max(0, predicted_bytes)
         need = tag_bytes + policy.margin_bytes
-        if budget.free_bytes >= need:
+        if need <= 0 or budget.free_bytes >= need:
             return None
         if published is None and under_daemon:
             budget.entries = [e for e in budget.entries if e.category in ("set_aside", "surplus", "deleting")]
-        room = make_room(budget, need, include_in_flight=True)
+        room = make_room(budget, need, include_in_flight=True, only_if_it_fits=True)
     except OSError as exc:
         log.warning("making room for checkpoint %s failed: %s", tag, exc)
         return None
@@ -405,6 +438,6 @@ def room_for_save(ckpt_dir: str | Path, run_dir: str | Path, tag: str, keep_last
     if room.fits:
         return None
     return {"tag": tag, "reason": "no_space", "need_bytes": need, "available_bytes": room.available_bytes,
-            "tag_bytes": tag_bytes, "margin_bytes": policy.margin_bytes, "removed": room.removed,
-            "held_bytes": room.held_bytes,
+            "reachable_bytes": room.reachable_bytes, "tag_bytes": tag_bytes, "margin_bytes": policy.margin_bytes,
+            "removed": room.removed, "held_bytes": room.held_bytes,
             "kept": [t for t in (room.newest_valid, room.newest_known_good) if t]}

@@ -40,7 +40,7 @@ _MIN_CHUNK_BYTES, _MAX_CHUNK_BYTES = 4096, 1 << 30
 MAX_MANIFEST_BYTES = 256 << 20
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 TAG_RE = re.compile(r"^step-(\d{8,})$")
-QUARANTINE_RE = re.compile(r"^(step-\d{8,})\.corrupt-\d+(?:-\d+)?$")
+QUARANTINE_RE = re.compile(r"^(step-\d{8,})\.corrupt-(?:\d+|\d{8}T\d{6}Z)(?:-\d+)?$")  # Unix or ISO-like UTC time
 DELETING_PREFIX = ".deleting-"
 # hashlib releases the GIL on large updates, so threads hash several shards (or chunks) in parallel.
 DEFAULT_VERIFY_THREADS = max(1, min(8, os.cpu_count() or 1))
