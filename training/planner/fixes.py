@@ -4,7 +4,9 @@ model, the fitting ones ranked by predicted step-time cost (`step_cost.py`), the
 A lever is one knob with its settings (the user's own among them): micro-batch / accumulation (global batch
 kept), recompute (none, every k = 1, 2, 4, 8, the first N blocks, each with or without keep-attention), tiled loss, TiledMLP,
 checkpointed inputs offloaded to host RAM, expandable segments, the persistence threshold, live parameters +
-prefetch, optimizer / parameter offload to CPU. Model, sequence length, global batch, SP degree and the hardware
+prefetch, optimizer / parameter offload to CPU; and the host switches the spec has on (`[restart]
+standby_preload` / `standby`, `[checkpoint] async_save`), tried per planned combination where host RAM (or the
+standby's GPU share) is what is missing (`host_levers`). Model, sequence length, global batch, SP degree and the hardware
 never change here: those are advice (`search.py`), listed after every fix.
 
 Exhaustive when the space is small (`EXHAUSTIVE_MAX` combinations); otherwise best-first over the lattice of
