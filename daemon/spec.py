@@ -290,7 +290,10 @@ def _spec_sections() -> dict[str, type[BaseModel]]:
     return out
 
 
-def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: Path | None = None) -> RunSpec:
+def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: Path | None = None,
+                       layout: tuple[int, int, str] | None = None) -> RunSpec:
+    """`layout`: (nodes, GPUs per node, what says so) to check the parallel layout against instead of the
+    launcher's (`ulyssesctl plan --nodes/--gpus` plans the spec for other hardware)."""
     from ulyssesd.daemon import spec_bounds
 
     # Every number finite and within a physical range, named with the field and the range.
@@ -325,16 +328,17 @@ def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
     if job is not None and job.telemetry.files and base_dir is not None and not Path(job.telemetry.files).is_absolute():
         job.telemetry.files = str((Path(base_dir) / job.telemetry.files).resolve())  # the spec file's, like [job]'s
     if dspec is not None and job is not None:
-        world = job.parallel.world_size or dspec.launcher.world_size
-        if job.parallel.world_size is not None and job.parallel.world_size != dspec.launcher.world_size:
-            problems.append(f"parallel.world_size={job.parallel.world_size} does not match launcher.nnodes × "
-                            f"launcher.nproc_per_node={dspec.launcher.world_size}")
+        launched = dspec.launcher.world_size if layout is None else layout[0] * layout[1]
+        where = "launcher.nnodes × launcher.nproc_per_node" if layout is None else layout[2]
+        world = job.parallel.world_size or launched
+        if job.parallel.world_size is not None and job.parallel.world_size != launched:
+            problems.append(f"parallel.world_size={job.parallel.world_size} does not match {where}={launched}")
         problems.extend(standby_problems(dspec.restart, dspec.launcher, job_section))
         problems.extend(file_source_problems(job.telemetry.source, dspec.detectors.hang_timeout_floor_s))
         sp = job.parallel.sequence_parallel_size
         if world % sp:
-            problems.append(f"launcher world size {world} (launcher.nnodes × launcher.nproc_per_node) is not "
-                            f"divisible by parallel.sequence_parallel_size={sp}")
+            problems.append(f"launcher world size {world} ({where}) is not divisible by "
+                            f"parallel.sequence_parallel_size={sp}")
     if problems:
         raise SpecError(source, problems)
     assert dspec is not None and job is not None
@@ -356,9 +360,9 @@ def standby_problems(restart: RestartSection, launcher: LauncherSection, job: Jo
     return problems
 
 
-def load_run_spec(path: str | Path) -> RunSpec:
+def load_run_spec(path: str | Path, layout: tuple[int, int, str] | None = None) -> RunSpec:
     path = Path(path)
-    return run_spec_from_dict(read_toml(path), str(path), path.parent)
+    return run_spec_from_dict(read_toml(path), str(path), path.parent, layout)
 
 
 def engine_job_values(config: Mapping[str, Any], launcher_env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import shutil
 import subprocess
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,23 @@ EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_GPU = "a100-80g"
 NVIDIA_SMI_TIMEOUT_S = 10.0
 DRIVER_RESERVED_GIB = 0.8   # nvidia-smi's memory.total minus what torch reports as total_memory
+# The physical ranges of `plan`'s numeric flags (a number outside is a typo, never planned): GPUs per node and
+# nodes as the spec's launcher bounds them (daemon/spec_bounds.py); memory per GPU / per node / NVMe in GiB.
+GPUS_MAX, NODES_MAX = 1024, 100_000
+GPU_MEM_MAX_GIB, HOST_MEM_MAX_GIB, NVME_MAX_GIB = 4096.0, 65536.0, float(1 << 20)
+
+
+def _gib_flag(flag: str, high: float, zero_ok: bool = False) -> Any:
+    """A typer callback refusing a non-finite or out-of-range GiB figure (exit 2, naming the flag and range)."""
+    low = ">= 0" if zero_ok else "> 0"
+
+    def check(value: float | None) -> float | None:
+        if value is not None and (not math.isfinite(value) or value > high or value < 0
+                                  or (value == 0 and not zero_ok)):
+            raise typer.BadParameter(f"{value:g} GiB: must be {low} and <= {high:.0f} GiB (a finite number)",
+                                     param_hint=flag)
+        return value
+    return check
 
 
 @dataclass
@@ -258,7 +276,8 @@ class MemoryReplanner:
         restart = _restart(self.run_spec)
         found = search_fixes(job, self.cluster, ds, allocator_headroom=headroom, cuda_context_gib=CUDA_CONTEXT_GIB,
                              restart=restart, alloc_conf=conf or None, under_gib=under_gib,
-                             peak_limit_gib=peak_limit_gib, headroom_lever=headroom > EXPANDABLE_HEADROOM)
+                             peak_limit_gib=peak_limit_gib, headroom_lever=headroom > EXPANDABLE_HEADROOM,
+                             daemon_levers=False)   # its patches are the job's config: no [restart] keys
         fixes = []
         for fx in found.fixes:
             try:
@@ -286,7 +305,8 @@ def _cluster_from_flags(run_spec: Any, gpu: str | None, gpus: int | None, nodes:
     preset, host RAM from --host-mem or ASSUMED from the preset. No GPU here and no flag: the DEFAULT_GPU
     preset, every figure assumed, said loudly."""
     launcher = run_spec.launcher
-    gpn, nn = gpus or launcher.nproc_per_node, nodes or launcher.nnodes
+    gpn = launcher.nproc_per_node if gpus is None else gpus
+    nn = launcher.nnodes if nodes is None else nodes
     if gpu is None and gpu_mem is None:
         here = (detect or this_host_cluster)(nn, gpn)
         if here is not None:
@@ -313,6 +333,26 @@ def _cluster_from_flags(run_spec: Any, gpu: str | None, gpus: int | None, nodes:
     return cl.with_origin(f"for another machine: {gpu_src}, {host_src}")
 
 
+def _load_for_layout(load: Any, spec: Path, gpus: int | None, nodes: int | None) -> Any:
+    """The run spec with `--gpus`/`--nodes` replacing launcher.nproc_per_node/nnodes *before* the parallel
+    layout is checked (SP must divide the world the plan is for, not the spec file's)."""
+    if gpus is None and nodes is None:
+        return load(spec)
+    from ulyssesd.daemon.spec import read_toml
+
+    launcher = read_toml(spec).get("launcher") or {}
+    try:
+        gpn = gpus if gpus is not None else int(launcher.get("nproc_per_node", 1))
+        nn = nodes if nodes is not None else int(launcher.get("nnodes", 1))
+    except (TypeError, ValueError):
+        return load(spec)   # the spec's own launcher value is wrong: its loader names it
+    said = (f"{'--nodes' if nodes is not None else 'launcher.nnodes'} × "
+            f"{'--gpus' if gpus is not None else 'launcher.nproc_per_node'}")
+    run_spec = load(spec, layout=(nn, gpn, said))
+    run_spec.launcher = run_spec.launcher.model_copy(update={"nproc_per_node": gpn, "nnodes": nn})
+    return run_spec
+
+
 def register_plan(app: typer.Typer) -> None:
     """Add the `plan` command to an ulyssesctl Typer app."""
 
@@ -323,11 +363,16 @@ def register_plan(app: typer.Typer) -> None:
                                        "(plan for another machine: sets GPU memory and assumes the preset's usual host "
                                        "RAM unless --host-mem). Default: this host's GPU (torch.cuda) and RAM; "
                                        f"{DEFAULT_GPU}, said as assumed, when this host has no GPU."),
-        gpus: int | None = typer.Option(None, "--gpus", help="GPUs per node (default launcher.nproc_per_node)."),
-        nodes: int | None = typer.Option(None, "--nodes", help="Nodes (default launcher.nnodes)."),
-        gpu_mem: float | None = typer.Option(None, "--gpu-mem", help="GPU memory per GPU, GiB (overrides --gpu)."),
-        host_mem: float | None = typer.Option(None, "--host-mem", help="Host RAM per node, GiB."),
-        nvme: float | None = typer.Option(None, "--nvme", help="NVMe per node for ZeRO-Infinity swap, GiB."),
+        gpus: int | None = typer.Option(None, "--gpus", min=1, max=GPUS_MAX,
+                                        help="GPUs per node: replaces launcher.nproc_per_node (default it)."),
+        nodes: int | None = typer.Option(None, "--nodes", min=1, max=NODES_MAX,
+                                         help="Nodes: replaces launcher.nnodes (default it)."),
+        gpu_mem: float | None = typer.Option(None, "--gpu-mem", callback=_gib_flag("--gpu-mem", GPU_MEM_MAX_GIB),
+                                             help="GPU memory per GPU, GiB (overrides --gpu)."),
+        host_mem: float | None = typer.Option(None, "--host-mem", callback=_gib_flag("--host-mem", HOST_MEM_MAX_GIB),
+                                              help="Host RAM per node, GiB."),
+        nvme: float | None = typer.Option(None, "--nvme", callback=_gib_flag("--nvme", NVME_MAX_GIB, zero_ok=True),
+                                          help="NVMe per node for ZeRO-Infinity swap, GiB."),
         as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     ) -> None:
         """Plan a run's memory. Will it fit? Per-GPU/per-host memory, verdict, and the cheapest changes that would fit.
@@ -335,7 +380,7 @@ def register_plan(app: typer.Typer) -> None:
         from ulyssesd.daemon.spec import load_run_spec
 
         try:
-            run_spec = load_run_spec(spec)
+            run_spec = _load_for_layout(load_run_spec, spec, gpus, nodes)
             cluster = _cluster_from_flags(run_spec, gpu, gpus, nodes, gpu_mem, host_mem, nvme)
             result = plan(run_spec.job, cluster, effective_ds_config(run_spec, cluster.world_size),
                           allocator_headroom=allocator_headroom(run_spec), restart=_restart(run_spec),

@@ -17,7 +17,7 @@ from ulyssesd.daemon.spec import load_run_spec
 from ulyssesd.remediation.config import RemediationConfig
 from ulyssesd.remediation.engine import RemediationEngine
 from ulyssesd.remediation.playbook import K_ALLOC
-from ulyssesd.training.planner import Cluster, apply_overrides, plan, search_fixes
+from ulyssesd.training.planner import Cluster, apply_overrides, apply_restart_overrides, plan, search_fixes
 from ulyssesd.training.planner.fixes import levers
 from ulyssesd.training.planner.rendering import is_advice
 from ulyssesd.training.planner.step_cost import cost_table
@@ -73,7 +73,8 @@ def test_the_issue_case_has_a_cheap_fix_on_an_h100_that_keeps_the_experiment(oom
     assert best.overrides["train.micro_batch_size"] < 4 and best.step_cost < 0.113   # cheaper than every layer
     for fx in found.fixes:   # each one, re-planned on its own, fits; cheapest first
         j, c, d = apply_overrides(rs.job, H100, ds, fx.overrides)
-        assert plan(j, c, d, search=False, allocator_headroom=0.03, restart=rs.restart).fits, fx.describe()
+        r = apply_restart_overrides(rs.restart, fx.overrides)   # a fix may turn a [restart] switch off
+        assert plan(j, c, d, search=False, allocator_headroom=0.03, restart=r).fits, fx.describe()
     costs = [(f.step_cost, f.distance) for f in found.fixes]
     assert costs == sorted(costs)
     # The expert's fix (micro-batch 1 x 4, every layer recomputed, tiled loss) fits too, but costs more by the model.

@@ -4,7 +4,9 @@ model, the fitting ones ranked by predicted step-time cost (`step_cost.py`), the
 A lever is one knob with its settings (the user's own among them): micro-batch / accumulation (global batch
 kept), recompute (none, every k = 1, 2, 4, 8, the first N blocks, each with or without keep-attention), tiled loss, TiledMLP,
 checkpointed inputs offloaded to host RAM, expandable segments, the persistence threshold, live parameters +
-prefetch, optimizer / parameter offload to CPU. Model, sequence length, global batch, SP degree and the hardware
+prefetch, optimizer / parameter offload to CPU; and the host switches the spec has on (`[restart]
+standby_preload` / `standby`, `[checkpoint] async_save`), tried per planned combination where host RAM (or the
+standby's GPU share) is what is missing (`host_levers`). Model, sequence length, global batch, SP degree and the hardware
 never change here: those are advice (`search.py`), listed after every fix.
 
 Exhaustive when the space is small (`EXHAUSTIVE_MAX` combinations); otherwise best-first over the lattice of
@@ -26,7 +28,7 @@ from typing import Any
 
 from ..spec import JobSpec
 from .cost_model import compute_plan
-from .host_extras import NO_STANDBY, RestartLike
+from .host_extras import NO_STANDBY, Restart, RestartLike
 from .inputs import EXPANDABLE_HEADROOM, Cluster, GiB, PlanInputError, ZeroSettings
 from .overrides import apply_overrides
 from .rendering import Plan
@@ -36,6 +38,8 @@ from .step_cost import (
     OFFLOAD_OPTIMIZER,
     OFFLOAD_PARAMS,
     PERSISTENCE_LOWER,
+    STANDBY_OFF,
+    SYNC_SAVES,
     micro_batch_cost,
     recompute_cost,
     tiled_loss_cost,
@@ -221,58 +225,129 @@ def levers(job: JobSpec, ds: dict[str, Any], alloc_conf: str | None, headroom_le
     return out
 
 
+def host_levers(job: JobSpec, restart: RestartLike) -> list[Lever]:
+    """The daemon's host-memory switches the spec has on: the warm standby (its preloaded tag, or the standby
+    itself) and async saves (their snapshot pool). They keep the experiment and the hardware; they free host
+    RAM (and the standby's CUDA context on the GPU)."""
+    out = []
+    if restart.standby:
+        settings = [Setting("", {}, 0.0)]
+        if restart.standby_preload:
+            settings.append(Setting("[restart] standby_preload = false (the standby stays warm; restarts load the "
+                                    "tag from disk)", {"restart.standby_preload": False}, STANDBY_OFF.fraction, 1))
+        settings.append(Setting("[restart] standby = false (relaunches are cold)", {"restart.standby": False},
+                                STANDBY_OFF.fraction, 1 + int(restart.standby_preload)))
+        out.append(Lever("warm standby", tuple(settings)))
+    if job.checkpoint.async_save:
+        out.append(_toggle("async saves", 0.0, "[checkpoint] async_save = false (saves block training while they "
+                           "write)", {"checkpoint.async_save": False}, SYNC_SAVES.fraction))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ search
 def search_fixes(job: JobSpec, cluster: Cluster, ds: dict[str, Any], *, allocator_headroom: float,
                  cuda_context_gib: float, restart: RestartLike = NO_STANDBY, alloc_conf: str | None = None,
                  under_gib: float = 0.0, peak_limit_gib: float | None = None, k: int = MAX_FIXES,
                  max_plans: int = MAX_PLANS, exhaustive_max: int = EXHAUSTIVE_MAX,
-                 headroom_lever: bool = True) -> FixSearch:
+                 headroom_lever: bool = True, daemon_levers: bool = True) -> FixSearch:
     """The `k` cheapest fitting lever combinations (by predicted step time, then distance), none dominated by a
     cheaper one that changes a subset of its levers. `under_gib`: what the planner is known to miss (an OOM's
     allocated + requested, or a measured peak, above its prediction), added to every candidate; `peak_limit_gib`:
     the calibrated peak must also stay below it (a memory spike's threshold). `alloc_conf`: the run's
-    PYTORCH_CUDA_ALLOC_CONF (the allocator lever); `allocator_headroom` is the user's current one."""
+    PYTORCH_CUDA_ALLOC_CONF (the allocator lever); `allocator_headroom` is the user's current one.
+    `daemon_levers`: also the host-memory switches `host_levers` (`restart.*`, `checkpoint.async_save`)."""
     lv = levers(job, ds, alloc_conf, headroom_lever)
-    base_cost = sum(s.cost for lever in lv for s in lever.settings if s.distance == 0)
+    hv = host_levers(job, restart) if daemon_levers else []
+    # The host switches are tried per planned combination (only where they can help), not multiplied into the
+    # lattice: they cost no or little step time, so a lattice with them would hold many near-equal combinations.
+    host_options = sorted(itertools.product(*(range(len(x.settings)) for x in hv)),
+                          key=lambda o: (sum(x.settings[i].cost for x, i in zip(hv, o, strict=True)),
+                                         sum(x.settings[i].distance for x, i in zip(hv, o, strict=True))))
+    all_levers = lv + hv
+    base_cost = sum(s.cost for lever in all_levers for s in lever.settings if s.distance == 0)
     sizes = [len(lever.settings) for lever in lv]
-    space = math.prod(sizes)
-    plans = 0
+    space = math.prod(sizes) * max(1, len(host_options))
+    plans = visited = 0   # plans made; lattice combinations planned (each may add host-switch plans)
     found: list[tuple[float, int, tuple[int, ...], Fix]] = []
 
-    def evaluate(idx: tuple[int, ...]) -> Fix | None:
+    def cost(idx: tuple[int, ...]) -> float:
+        return sum(lever.settings[i].cost for lever, i in zip(lv, idx, strict=True))
+
+    def plan_of(ov: dict[str, Any]) -> Plan | None:
         nonlocal plans
         plans += 1
+        headroom = EXPANDABLE_HEADROOM if ALLOC_KEY in ov else allocator_headroom
+        try:
+            j, cl, d = _apply(job, cluster, ds, {k_: v for k_, v in ov.items() if k_ != ALLOC_KEY})
+            return compute_plan(j, cl, d, allocator_headroom=headroom, cuda_context_gib=cuda_context_gib,
+                                restart=_restart_with(restart, ov))
+        except (PlanInputError, ValueError):
+            return None   # a combination the job rejects (e.g. activation offload without recompute)
+
+    def evaluate(idx: tuple[int, ...]) -> tuple[tuple[int, ...], Fix] | None:
+        nonlocal visited
+        visited += 1
         chosen = [lever.settings[i] for lever, i in zip(lv, idx, strict=True)]
         ov: dict[str, Any] = {}
         for s in chosen:
             ov.update(s.overrides)
-        headroom = EXPANDABLE_HEADROOM if ALLOC_KEY in ov else allocator_headroom
-        try:
-            j, cl, d = _apply(job, cluster, ds, {k_: v for k_, v in ov.items() if k_ != ALLOC_KEY})
-            p = compute_plan(j, cl, d, allocator_headroom=headroom, cuda_context_gib=cuda_context_gib,
-                             restart=restart)
-        except (PlanInputError, ValueError):
-            return None   # a combination the job rejects (e.g. activation offload without recompute)
-        if not fits(p, under_gib, peak_limit_gib):
+        p = plan_of(ov)
+        if p is None:
             return None
-        return Fix([s.what for s in chosen if s.distance], ov, sum(s.cost for s in chosen) - base_cost,
-                   sum(s.distance for s in chosen), p.gpu_required / GiB, p.gpu_margin_gib - under_gib,
-                   p.gpu_peak_allocated / GiB + under_gib, p.host_required / GiB)
+        opt = host_options[0] if host_options else ()
+        if not fits(p, under_gib, peak_limit_gib):
+            host_short = p.host_margin_gib < 0
+            standby_gpu = sum(it.bytes for it in p.items if it.where == "gpu" and it.outside_allocator) / GiB
+            gpu_short = -min(0.0, p.gpu_margin_gib - under_gib)
+            p = None
+            for o in host_options[1:]:
+                hs = [x.settings[i] for x, i in zip(hv, o, strict=True)]
+                frees_gpu = any(st.overrides.get("restart.standby") is False for st in hs)
+                if not host_short and not (frees_gpu and gpu_short <= standby_gpu):
+                    continue   # this switch cannot make up what is missing
+                hov = dict(ov)
+                for st in hs:
+                    hov.update(st.overrides)
+                q = plan_of(hov)
+                if q is not None and fits(q, under_gib, peak_limit_gib):
+                    p, opt, ov = q, o, hov
+                    break
+            if p is None:
+                return None
+        chosen += [x.settings[i] for x, i in zip(hv, opt, strict=True)]
+        return idx + tuple(opt), Fix([s.what for s in chosen if s.distance], ov, sum(s.cost for s in chosen) - base_cost,
+                                     sum(s.distance for s in chosen), p.gpu_required / GiB, p.gpu_margin_gib - under_gib,
+                                     p.gpu_peak_allocated / GiB + under_gib, p.host_required / GiB)
+
+    def changed(idx: tuple[int, ...]) -> frozenset[tuple[int, int]]:
+        return frozenset((i, v) for i, v in enumerate(idx[:len(lv)]) if lv[i].settings[v].distance)
+
+    fit_parts: list[tuple[frozenset[tuple[int, int]], float]] = []   # a fit's lattice changes and lattice cost
+
+    def adds_to_a_fit(idx: tuple[int, ...], c: float) -> bool:
+        """Whether `idx` makes a found fit's lattice changes and more, at no lower cost: at best it adds changes
+        to that fit (the lattice levers never lower host memory), so it is not planned."""
+        mine = changed(idx)
+        return any(part <= mine and c >= pc - 1e-12 for part, pc in fit_parts)
 
     def keep(idx: tuple[int, ...], fx: Fix) -> None:
         if fx.changes:
             found.append((fx.step_cost, fx.distance, idx, fx))
+            fit_parts.append((changed(idx), cost(idx[:len(lv)])))
 
-    exhaustive = space <= exhaustive_max
+    lattice = math.prod(sizes)
+    exhaustive = lattice <= exhaustive_max
     complete = True
     if exhaustive:
         for idx in itertools.product(*(range(n) for n in sizes)):
-            fx = evaluate(idx)
-            if fx is not None:
-                keep(idx, fx)
+            if hv and adds_to_a_fit(idx, cost(idx)):
+                visited += 1
+                continue
+            got = evaluate(idx)
+            if got is not None:
+                keep(*got)
     else:
         start = tuple(0 for _ in sizes)
-        cost = lambda idx: sum(lever.settings[i].cost for lever, i in zip(lv, idx, strict=True))  # noqa: E731
         frontier: list[tuple[float, tuple[int, ...]]] = [(cost(start), start)]
         seen = {start}
         kept: list[Fix] = []
@@ -283,10 +358,10 @@ def search_fixes(job: JobSpec, cluster: Cluster, ds: dict[str, Any], *, allocato
             if plans >= max_plans:
                 complete = False
                 break
-            fx = evaluate(idx)
-            if fx is not None and fx.changes:
-                keep(idx, fx)
-                kept = _undominated(found, lv)
+            got = None if hv and adds_to_a_fit(idx, c) else evaluate(idx)
+            if got is not None and got[1].changes:
+                keep(*got)
+                kept = _undominated(found, all_levers)
             for i in range(len(sizes)):
                 if idx[i] + 1 < sizes[i]:
                     nxt = idx[:i] + (idx[i] + 1,) + idx[i + 1:]
@@ -294,8 +369,8 @@ def search_fixes(job: JobSpec, cluster: Cluster, ds: dict[str, Any], *, allocato
                         seen.add(nxt)
                         heapq.heappush(frontier, (cost(nxt), nxt))
     # A best-first search that planned every combination (nothing fitted early) was exhaustive too.
-    return FixSearch(_undominated(found, lv)[:k], plans, space, exhaustive or plans == space, complete,
-                     [x.name for x in lv])
+    return FixSearch(_undominated(found, all_levers)[:k], plans, space, exhaustive or visited == lattice,
+                     complete, [x.name for x in all_levers])
 
 
 def fits(p: Plan, under_gib: float = 0.0, peak_limit_gib: float | None = None) -> bool:
@@ -314,6 +389,14 @@ def _undominated(found: list[tuple[float, int, tuple[int, ...], Fix]], lv: list[
             continue
         out.append((idx, fx))
     return [fx for _, fx in out]
+
+
+def _restart_with(restart: RestartLike, overrides: dict[str, Any]) -> RestartLike:
+    """`[restart]` after a combination's `restart.*` settings (standby off takes its preload with it)."""
+    if not any(k.startswith("restart.") for k in overrides):
+        return restart
+    return Restart(standby=bool(overrides.get("restart.standby", restart.standby)),
+                   standby_preload=bool(overrides.get("restart.standby_preload", restart.standby_preload)))
 
 
 def _apply(job: JobSpec, cluster: Cluster, ds: dict[str, Any],

@@ -177,9 +177,9 @@ class Plan:
                     lines.append(f"  {n}. {fx.describe()}")
             elif self.fix_search:
                 lines.append(f"No fix that keeps the experiment and the hardware fits ({self.fix_search}).")
-            # With fixes found, the other list shows only what they cannot: hardware, experiment or daemon settings.
-            rest = [sg for sg in self.suggestions if not self.fixes or is_advice(sg.overrides)
-                    or any(k.startswith(("restart.", "checkpoint.")) for k in sg.overrides)]
+            # With fixes found, the other list shows only what they cannot: hardware or experiment changes (the
+            # fix search has the daemon's [restart]/[checkpoint] switches among its levers).
+            rest = [sg for sg in self.suggestions if not self.fixes or is_advice(sg.overrides)]
             if rest:
                 lines.append("Other changes that would fit (hardware and experiment changes are advice: the daemon "
                              "never applies them; relative cost, cheapest first):")

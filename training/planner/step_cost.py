@@ -64,6 +64,19 @@ OFFLOAD_OPTIMIZER = LeverCost(0.5, "estimate: +50 % (CPU Adam + PCIe gradient tr
 OFFLOAD_PARAMS = LeverCost(1.0, "estimate: +100 % more (every parameter crosses PCIe twice per step); not measured")
 
 
+# The daemon's host-memory switches (`[restart] standby_preload` / `standby`) change restart time, never the step:
+# a relaunch without the preloaded tag or without the warm standby starts slower (1xH200 gpt-1b: 17.86 s warm
+# vs 27.80 s cold, device call 13), so they cost no step time; the fix ranking then lists a GPU-only fix of
+# the same step time first (fewer changes).
+STANDBY_OFF = LeverCost(0.0, "measured: no step-time change (restart time only: 17.86 s warm vs 27.80 s cold "
+                             "relaunch on 1xH200, bench/RESULTS.md call 13)")
+# Blocking saves instead of async ones: gpt-1b on 1xH200 blocks ~44 s per save instead of 0.33 s (calls 13-14);
+# at the shipped interval of 500 steps of 1.2 s that is 44/600 of the training time. Scales with the tag's size
+# and the save interval, which this row does not model.
+SYNC_SAVES = LeverCost(0.07, "estimate: +7 % (a blocking save ~44 s instead of 0.33 s async every 500 steps of "
+                             "1.2 s, gpt-1b on 1xH200, bench/RESULTS.md calls 13-14); scales with the save interval")
+
+
 def _flops_per_token(m: ResolvedModel, seq_len: int) -> float:
     """Training FLOPs per token as bench/gpu_bench.py counts them (docs/DEEPSPEED_NOTES.md): 6·N_non-embedding +
     6·V·h + 6·L·h·S (causal attention)."""
@@ -109,4 +122,5 @@ def cost_table(m: ResolvedModel, seq_len: int) -> list[tuple[str, LeverCost]]:
             ("expandable segments", EXPANDABLE_SEGMENTS), ("lower persistence threshold", PERSISTENCE_LOWER),
             ("halve live parameters + prefetch", LIVE_PARAMS_HALVED),
             ("offload checkpointed inputs", OFFLOAD_CHECKPOINTS), ("offload optimizer to CPU", OFFLOAD_OPTIMIZER),
-            ("offload parameters to CPU", OFFLOAD_PARAMS)]
+            ("offload parameters to CPU", OFFLOAD_PARAMS), ("warm standby / its preload off", STANDBY_OFF),
+            ("blocking saves (async_save off)", SYNC_SAVES)]
