@@ -29,6 +29,7 @@ from ulyssesd.remediation.playbook import (
     ROLLBACK,
     STOP,
     SYMPTOM_LADDER,
+    WEIGHT_SYMPTOMS,
     Action,
     Apply,
     Context,
@@ -41,7 +42,6 @@ from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 GRACE_SYMPTOMS = frozenset({"loss_spike", "loss_oscillation", "memory_spike", "slow_step", "straggler",
                             "throughput_drop"})
 # Symptoms whose presence means the weights after that point are not trustworthy (known-good tracking).
-WEIGHT_SYMPTOMS = frozenset({"loss_spike", "loss_oscillation", "nan_loss", "overflow_storm"})
 # A consequence is not reported while its cause is active (a straggler slows steps and throughput).
 EXPLAINED_BY = {"throughput_drop": ("slow_step", "straggler"), "slow_step": ("straggler",)}
 # The drift CUSUM also sees big jumps; while the detector made for one is active, the drift adds nothing.

@@ -18,6 +18,8 @@ from ulyssesd.remediation.job import ZERO3_DEFAULTS
 Apply = Literal["hot", "restart_latest", "rollback_skip", "stop", "none"]
 APPLIES = ("hot", "restart_latest", "rollback_skip", "stop", "none")
 RESTARTING = ("restart_latest", "rollback_skip")
+# Symptoms that implicate the weights: a tag saved during one is suspect, and its ladders roll back.
+WEIGHT_SYMPTOMS = frozenset({"loss_spike", "loss_oscillation", "nan_loss", "overflow_storm"})
 
 ZERO = "deepspeed.config.zero_optimization."
 K_CLIP = "train.gradient_clipping"

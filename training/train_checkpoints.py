@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
-from .checkpoint.budget import TAG_BYTES_PER_PARAM, room_for_save
+from .checkpoint.budget import predicted_tag_bytes, room_for_save
 from .control import set_engine_clip
 from .data.batches import DataCursor, SampleSource
 from .faults import FaultInjector
@@ -277,11 +277,10 @@ class TrainerCheckpoints:
         self.dist.barrier()
 
     def _room_for_save(self, tag: str) -> bool:
-        """Collective: rank 0 makes room for this save (checkpoint/budget.py `room_for_save`), every rank learns
-        whether it fits. One that does not is skipped with a `checkpoint_skipped` event, never a crash."""
+        """Collective: rank 0 makes room (budget.py), every rank learns if it fits; if not: skipped, an event."""
         box: list[Any] = [room_for_save(self.ckpt_dir, self.run_dir, tag, self.spec.checkpoint.keep_last,
                                         under_daemon=not self._owns_retention(), log=log,
-                                        predicted_bytes=self._predicted_tag_bytes()) if self.rank == 0 else None]
+                                        predicted_bytes=predicted_tag_bytes(getattr(self, "engine", None))) if self.rank == 0 else None]
         if self.world > 1:
             self.dist.broadcast_object_list(box, src=0)
         if box[0] is None:
@@ -291,16 +290,6 @@ class TrainerCheckpoints:
         if self.rank == 0:
             self._event("checkpoint_skipped", **box[0])
         return False
-
-    def _predicted_tag_bytes(self) -> int:
-        """The first save's size before any tag exists: the model's parameters (ZeRO-3 keeps each one's full count
-        in `ds_numel`) x the bytes a tag holds per parameter; 0 when it cannot be counted."""
-        try:
-            params = self.engine.module.parameters()
-            return TAG_BYTES_PER_PARAM * sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
-        except Exception as exc:  # noqa: BLE001 - only a prediction: the budget file's or the tags' sizes come first
-            log.debug("tag size not predicted: %r", exc)
-            return 0
 
     def _after_durable(self, step: int, tag: str, tag_dir: Path, fields: dict[str, Any]) -> None:
         """A save of `step` has its manifest and `latest`: faults, `checkpoint_saved`, retention."""

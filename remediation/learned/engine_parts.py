@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.learned.early_warning import GradNormWatch
-from ulyssesd.remediation.playbook import K_GA, K_MB, RollbackPlan
+from ulyssesd.remediation.playbook import K_GA, K_MB, WEIGHT_SYMPTOMS, RollbackPlan
 from ulyssesd.remediation.records import Record, StepRecord
 
 if TYPE_CHECKING:
@@ -73,8 +73,6 @@ class LearnedParts:
         self._clean_through = step
 
     def _weight_symptom_active(self) -> bool:
-        from ulyssesd.remediation.engine import WEIGHT_SYMPTOMS
-
         return any(self._active(s) for s in WEIGHT_SYMPTOMS)
 
     def _is_tainted(self, step: int) -> bool:

@@ -441,3 +441,13 @@ def room_for_save(ckpt_dir: str | Path, run_dir: str | Path, tag: str, keep_last
             "reachable_bytes": room.reachable_bytes, "tag_bytes": tag_bytes, "margin_bytes": policy.margin_bytes,
             "removed": room.removed, "held_bytes": room.held_bytes,
             "kept": [t for t in (room.newest_valid, room.newest_known_good) if t]}
+
+
+def predicted_tag_bytes(engine: Any) -> int:
+    """The first save's size before any tag exists: the model's parameters (ZeRO-3 keeps each one's full count
+    in `ds_numel`) x the bytes a tag holds per parameter; 0 when it cannot be counted (no engine yet)."""
+    try:
+        params = engine.module.parameters()
+        return TAG_BYTES_PER_PARAM * sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
+    except Exception:  # noqa: BLE001 - only a prediction: the budget file's or the tags' sizes come first
+        return 0
