@@ -266,7 +266,9 @@ def test_a_real_daemon_with_a_persistent_bug_answers_status_and_ends_the_run_fai
 
     after = {p.name for p in ckpt_dir.iterdir() if p.is_dir()}
     newest = max(before, key=step_of)
-    assert newest in after and max(map(step_of, after)) >= step_of(newest), (before, after)  # nothing lost
+    # Nothing lost: the job went on saving while the engine failed, and keep_last retention (on every
+    # checkpoint_saved since the checkpoint budget) removed older tags; the newest valid one is always newer.
+    assert after and max(map(step_of, after)) >= step_of(newest), (before, after)
     text = (tmp_path / "daemon.log").read_text()
     assert text.count('"tick step failed"') == 1 and text.count("tick step still failing") <= 7  # not per tick
 
