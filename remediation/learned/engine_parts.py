@@ -123,9 +123,11 @@ class LearnedParts:
         return self.calibration
 
 
-    def _rollback_plan(self, anomaly_step: int | None, precise: bool = False, sources: int = 1) -> RollbackPlan | None:
-        """Where a rollback goes. With a `precise` onset (a per-source band's): the newest checkpoint saved
-        before it (less a margin for the smoothing) whose loss at save was finite and in band (not tainted).
+    def _rollback_plan(self, anomaly_step: int | None, precise: bool = False, sources: int = 1,
+                       exact: bool = False) -> RollbackPlan | None:
+        """Where a rollback goes. With a `precise` onset (a per-source band's, or an `exact` one: the first
+        non-finite loss): the newest checkpoint saved before it (less a margin for a band's smoothing; none for
+        an exact onset) whose loss at save was finite and in band (not tainted).
         Otherwise a known-good tag at least `rollback_steps_back` before the onset (PaLM: ~100; a detector's
         onset may lag the true one), else the newest known-good before it, else the newest clean save. None (with `no_rollback_why`) when there is none and the run has made real progress:
         step 0 is never chosen automatically then."""
@@ -135,7 +137,7 @@ class LearnedParts:
         tag: str | None
         # The detector's onset may trail the true one by its smoothing (each source is seen about every
         # `sources` steps): keep a margin before it.
-        margin = 2 * self.config.loss_source_smooth * max(1, sources)
+        margin = 0 if exact else 2 * self.config.loss_source_smooth * max(1, sources)
         clean = [(t, s) for t, s in self.saved if s < a - margin and t not in self.tainted]
         clean = sorted(clean + [(t, s) for t, s in self.saving.items()  # writes still in flight, by their step
                                 if s < a - margin and s <= self._clean_through and (t, s) not in clean],
