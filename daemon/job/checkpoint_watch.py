@@ -164,7 +164,8 @@ def poisoned_from(sup: Supervisor, bad_step: int) -> None:
     job's later saves (files newer than now) are not affected."""
     bounds = RollbackBounds(sup.run_dir)
     now = time.time()
-    if any(b["to_step"] == bad_step - 1 and now - b["since"] < 5 for b in bounds.read()):
+    if any(b["to_step"] == bad_step - 1 and now - b["since"] < 5 and b.get("why") != BEFORE_RUN
+           for b in bounds.read()):
         return   # just noted (a finding repeated within its episode)
     bounds.add(bad_step - 1, now)
     log.info("checkpoints from the NaN step on are not resumed", first_bad_step=bad_step)

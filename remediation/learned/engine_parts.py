@@ -166,8 +166,8 @@ class LearnedParts:
                 return None
             target = (None, 0)
         tag, to_step = target
-        if precise and target in clean:
-            # A dated onset: skip the batches from the checkpoint through the detection (they hold the
+        if precise and not exact and target in clean:
+            # A band's dated onset: skip the batches from the checkpoint through the detection (they hold the
             # onset's), plus the margin after it - not a fixed few hundred (bounded by skip_max_batches).
             first = to_step + 1
             last = min(first + pol.skip_max_batches, max(a, self.last_step or a) + margin + 1)  # exclusive
