@@ -243,12 +243,14 @@ class Supervisor:
         if self.state in TERMINAL:
             return
         if self.job is not None and writes:
+            # A command job's saves, from its files, before its new records: a NaN read in this tick has the
+            # saves already on disk as rollback targets (job/checkpoint_watch.py).
+            step("checkpoints", lambda: checkpoint_watch.tick(self, decisions.on_record))
             step("telemetry", lambda: decisions.read_telemetry(self))
             if self.engine is not None and self.term is None and self.state in (S.RUNNING, S.STARTING) \
                     and not health.failing:
                 step("engine", lambda: decisions.handle_outputs(self, self.engine.tick(self.os.time()),
                                                                 step=self.last_step or 0))
-            step("checkpoints", lambda: checkpoint_watch.tick(self, decisions.on_record))   # a command job's saves, from its files
         if self.job is not None and writes:
             step("attempt_log", lambda: attempt_log.rotate_if_big(self))  # bounded attempt logs
         if self.term is not None:

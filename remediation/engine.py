@@ -16,7 +16,7 @@ from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding, HangDetector, build_detectors
 from ulyssesd.remediation.detectors.throughput_drop import tokens_per_s
 from ulyssesd.remediation.job import job_values
-from ulyssesd.remediation.learned.engine_parts import LearnedParts
+from ulyssesd.remediation.learned.engine_parts import LearnedParts, exact_onset
 from ulyssesd.remediation.memory_evidence import Replan
 from ulyssesd.remediation.playbook import (
     DEFAULTS,
@@ -42,6 +42,7 @@ from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 GRACE_SYMPTOMS = frozenset({"loss_spike", "loss_oscillation", "memory_spike", "slow_step", "straggler",
                             "throughput_drop"})
 # Symptoms whose presence means the weights after that point are not trustworthy (known-good tracking).
+
 # A consequence is not reported while its cause is active (a straggler slows steps and throughput).
 EXPLAINED_BY = {"throughput_drop": ("slow_step", "straggler"), "slow_step": ("straggler",)}
 # The drift CUSUM also sees big jumps; while the detector made for one is active, the drift adds nothing.
@@ -376,10 +377,11 @@ class RemediationEngine(LearnedParts):
         in_verify = st.verify_left > 0
         reverted, revert_note = self._maybe_revert(st) if in_verify else ({}, "")
         anomaly_step = finding.evidence.get("since_step", finding.step) if finding else step
-        precise = finding is not None and "sources" in finding.evidence
+        exact = finding is not None and exact_onset(finding)
+        precise = exact or (finding is not None and "sources" in finding.evidence)
         n_sources = int(finding.evidence.get("window") or 1) if precise and finding is not None else 1
         ctx = Context(self.values, self.initial, self.launched, self.policy,
-                      self._rollback_plan(anomaly_step, precise, n_sources),
+                      self._rollback_plan(anomaly_step, precise, n_sources, exact),
                       finding.evidence if finding else {})
         if memory is None and finding is not None and finding.symptom == "memory_spike":
             memory = memory_evidence.choose_spike(finding.evidence, ctx, self.replanner,

@@ -250,6 +250,19 @@ def fitting_settings(policy: bd.BudgetPolicy, tag: int, room: int) -> str | None
 
 
 # ------------------------------------------------------------------------------------ status / report
+def command_checkpoint_dir(run: Any) -> str | None:
+    """A command job's `[job] checkpoint_dir` (where it saves; relative paths are the spec file's, as at
+    launch); None for the built-in job or without one (then `{run_dir}/checkpoints`)."""
+    job = (run.spec or {}).get("job") or {}
+    d = job.get("checkpoint_dir") if isinstance(job, dict) and job.get("kind") == "command" else None
+    if not isinstance(d, str) or not d:
+        return None
+    spec_path = getattr(run, "spec_path", None)
+    if not Path(d).is_absolute() and spec_path:
+        return str((Path(spec_path).parent / d).resolve())
+    return d
+
+
 def disk_status(store: Any, run: Any) -> dict[str, Any] | None:
     """The run's checkpoint directory by category with bytes and the free space left (`ulyssesctl status` and
     `report`); None when the run has no directory to look at."""
@@ -263,7 +276,7 @@ def disk_status(store: Any, run: Any) -> dict[str, Any] | None:
         dcfg: Any = DaemonSection.model_validate(raw)
     except ValueError:  # an older schema's keys: the defaults still describe the directory
         dcfg = DaemonSection()
-    d = jc.get_dotted(config, "checkpoint.dir")
+    d = command_checkpoint_dir(run) or jc.get_dotted(config, "checkpoint.dir")
     root = Path(d) if d else (Path(run.run_dir) / "checkpoints" if run.run_dir else None)
     if root is None:
         return None

@@ -40,6 +40,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: Where set-aside and quarantined checkpoints' names carry their mark (never resumed, kept as evidence).
 SET_ASIDE_MARKS = (".rolledback-", ".corrupt-")
@@ -298,13 +299,17 @@ class WatchConfig:
                                             # in root but no checkpoint recognised is reported
 
 
+#: A bound's `why` for the checkpoints found in checkpoint_dir at the run's first launch (never resumed).
+BEFORE_RUN = "before_run"
+
+
 class RollbackBounds:
     """The run's rollback points, persisted in the run dir (replaced whole, temp + rename)."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / BOUNDS_NAME
 
-    def read(self) -> list[dict[str, float]]:
+    def read(self) -> list[dict[str, Any]]:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -312,8 +317,15 @@ class RollbackBounds:
         return [b for b in data if isinstance(b, dict) and isinstance(b.get("to_step"), int)
                 and isinstance(b.get("since"), (int, float))] if isinstance(data, list) else []
 
-    def add(self, to_step: int, since: float) -> None:
-        bounds = [*self.read(), {"to_step": int(to_step), "since": float(since)}][-MAX_BOUNDS:]
+    def add(self, to_step: int, since: float, why: str | None = None) -> None:
+        """A rollback to `to_step` at `since`; `why = "before_run"` (with `to_step` -1): the checkpoints already
+        in checkpoint_dir when the run started, another run's lineage (`poisoned` names them so)."""
+        entry: dict[str, Any] = {"to_step": int(to_step), "since": float(since)}
+        if why:
+            entry["why"] = why
+        bounds = [*self.read(), entry]
+        first = [b for b in bounds if b.get("why") == BEFORE_RUN][:1]   # kept whatever the count of rollbacks
+        bounds = first + [b for b in bounds if b.get("why") != BEFORE_RUN][-MAX_BOUNDS:]
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(bounds) + "\n")
         os.replace(tmp, self.path)
@@ -321,6 +333,10 @@ class RollbackBounds:
     def poisoned(self, f: Found) -> str | None:
         """Why `f` belongs to an abandoned trajectory (None: it does not)."""
         for b in self.read():
+            if f.step > b["to_step"] and f.mtime < b["since"] and b.get("why") == BEFORE_RUN:
+                return (f"in checkpoint_dir before this run started "
+                        f"({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(b['since']))}): another run's; "
+                        f"[job] resume_first = true continues from such checkpoints")
             if f.step > b["to_step"] and f.mtime < b["since"]:
                 return (f"saved at step {f.step} before the rollback to step {b['to_step']} "
                         f"({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(b['since']))}): the abandoned trajectory")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.job.checkpoint_files import (
+    BEFORE_RUN,
     Found,
     RollbackBounds,
     WatchConfig,
@@ -50,23 +51,32 @@ class Watch:
     reported: set[str] = field(default_factory=set)  # names already reported saved (this run)
     last: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     last_look: float | None = None
+    announced: set[str] = field(default_factory=set)   # seen being written, told as `checkpoint_saving`
     unrecognised: list[str] = field(default_factory=list)   # entries of the last look that are no checkpoint
     incomplete: list[Found] = field(default_factory=list)   # checkpoints of the last look not (yet) complete
 
     def due(self, now: float) -> bool:
         return self.last_look is None or now - self.last_look >= self.cfg.settle_s
 
-    def look(self, now: float, bounds: RollbackBounds | None = None) -> list[Found]:
-        """The checkpoints that became complete since the last look (each reported once), oldest first."""
+    def look(self, now: float, bounds: RollbackBounds | None = None) -> tuple[list[Found], list[Found]]:
+        """(the checkpoints first seen being written, the ones that became complete), each reported once,
+        oldest first. Complete: the format's marker and a stable size, by two equal looks or, on first sight,
+        by files untouched for `settle_s` (a save written between two looks is fed at once, not a look later:
+        a NaN read meanwhile needs it as its rollback target)."""
         found, other = look(self.cfg.root, self.cfg.pattern, self.cfg.requires, skip=self.reported)
-        new = [f for f in found if f.name not in self.reported and f.marker_ok
-               and self.last.get(f.name) == f.signature and not (bounds and bounds.poisoned(f))]
+        fresh = [f for f in found if f.name not in self.reported and not (bounds and bounds.poisoned(f))]
+        new = [f for f in fresh if f.marker_ok
+               and (self.last.get(f.name) == f.signature or now - f.mtime >= self.cfg.settle_s)]
+        done = {f.name for f in new}
+        saving = [f for f in fresh if f.name not in done and f.name not in self.announced]
         self.last = {f.name: f.signature for f in found}
         self.last_look = now
         self.unrecognised = other
         self.incomplete = [f for f in found if not f.marker_ok]
-        self.reported.update(f.name for f in new)
-        return sorted(new, key=lambda f: f.step)
+        self.reported.update(done)
+        self.announced.update(f.name for f in saving)
+        self.announced &= {f.name for f in found}   # bounded: names gone (set aside, pruned) are forgotten
+        return sorted(saving, key=lambda f: f.step), sorted(new, key=lambda f: f.step)
 
     def problem(self, now: float) -> str | None:
         """Why this checkpoint dir yields no checkpoint after `unknown_after_s` of watching (None: it does,
@@ -93,10 +103,11 @@ def launch_choice(sup: Supervisor, rollback_to_step: int | None) -> tuple[Found 
     """The command job's checkpoint for the attempt about to start (None: from the start) and notes. On a
     rollback every checkpoint after the chosen one is set aside and the bound persisted (`RollbackBounds`)."""
     job = sup.spec.job_section
-    if sup.attempt == 0 and not job.resume_first:
-        return None, []
     cfg = watch_config(job, sup.run_dir)
     bounds = RollbackBounds(sup.run_dir)
+    if sup.attempt == 0 and not job.resume_first:
+        earlier_runs(sup, cfg, bounds)
+        return None, []
     chosen, notes = resume_point(cfg, bounds, rollback_to_step)
     if rollback_to_step is None:
         return chosen, notes
@@ -113,7 +124,8 @@ def launch_choice(sup: Supervisor, rollback_to_step: int | None) -> tuple[Found 
     w: Watch | None = sup.ckpt_watch
     for old, new in set_aside_after(cfg, limit):
         if w is not None:
-            w.reported.discard(old)   # the new trajectory may save under the same name: a new checkpoint
+            w.reported.discard(old)
+            w.announced.discard(old)   # the new trajectory may save under the same name: a new checkpoint
         sup.known_good_marked.discard(old)
         log.info("checkpoint set aside", tag=old, to=new)
         sup.say(f"  {old} set aside as {new} (after the rollback point, step {limit})")
@@ -124,6 +136,27 @@ def launch_choice(sup: Supervisor, rollback_to_step: int | None) -> tuple[Found 
     return chosen, notes
 
 
+def earlier_runs(sup: Supervisor, cfg: WatchConfig, bounds: RollbackBounds) -> None:
+    """The run's first launch without `[job] resume_first`: checkpoints already in checkpoint_dir belong to
+    another run (a spec re-run in place, a shared folder). They are never this run's resume point, also not a
+    later relaunch's (a bound `before_run` in rollback-bounds.json: their files are older than this launch),
+    and the launch says so, with the setting that continues from them instead. Nothing is moved or deleted."""
+    if any(b.get("why") == BEFORE_RUN for b in bounds.read()):
+        return   # said at this run's first launch already (a daemon restarted before attempt 1 was stored)
+    found, _ = look(cfg.root, cfg.pattern, cfg.requires)
+    bounds.add(-1, time.time(), why=BEFORE_RUN)
+    if not found:
+        return
+    found.sort(key=lambda f: f.step)
+    names = ", ".join(f.name for f in found[:3]) + (f" ... {found[-1].name}" if len(found) > 3 else "")
+    msg = (f"checkpoint_dir {cfg.root} already holds {len(found)} checkpoint(s) from before this run ({names}; "
+           f"newest step {found[-1].step}): not this run's, starting from the start and never resuming them "
+           f"(they stay on disk, untouched). To continue from them, set [job] resume_first = true")
+    log.warning("checkpoints from before this run", run_id=sup.run_id, checkpoint_dir=str(cfg.root),
+                count=len(found), newest=found[-1].name)
+    sup.say(msg)
+
+
 def poisoned_from(sup: Supervisor, bad_step: int) -> None:
     """The job's loss went NaN at `bad_step`: a checkpoint at or after that step already on disk (saved
     before the NaN was read: the race between a save and detection) holds the bad weights and is never a
@@ -131,7 +164,8 @@ def poisoned_from(sup: Supervisor, bad_step: int) -> None:
     job's later saves (files newer than now) are not affected."""
     bounds = RollbackBounds(sup.run_dir)
     now = time.time()
-    if any(b["to_step"] == bad_step - 1 and now - b["since"] < 5 for b in bounds.read()):
+    if any(b["to_step"] == bad_step - 1 and now - b["since"] < 5 and b.get("why") != BEFORE_RUN
+           for b in bounds.read()):
         return   # just noted (a finding repeated within its episode)
     bounds.add(bad_step - 1, now)
     log.info("checkpoints from the NaN step on are not resumed", first_bad_step=bad_step)
@@ -158,8 +192,14 @@ def tick(sup: Supervisor, on_record: Callable[[Supervisor, EventRecord, float], 
         _prime_engine(sup, known)
     if not w.due(now):
         return
+    saving, done = w.look(now, RollbackBounds(sup.run_dir))
+    for f in saving:
+        # First sight of a save (its step is in its name): the engine counts a snapshot of a step before an
+        # onset as a rollback target while it is written, so a NaN read before the next look has its target.
+        on_record(sup, EventRecord("checkpoint_saving", step=f.step, time=now, attempt=sup.attempt,
+                                   fields={"tag": f.name, "source": "files", "layout": f.layout}), now)
     seen = None
-    for f in w.look(now, RollbackBounds(sup.run_dir)):
+    for f in done:
         seen = seen if seen is not None else {c.tag for c in sup.store.list_checkpoints(sup.run_id)
                                               if c.valid and c.attempt == sup.attempt}
         if f.name in seen:
@@ -178,6 +218,8 @@ def forget_after(eng: Any, step: int) -> None:
     eng.candidates = [c for c in eng.candidates if c[1] <= step]
     eng.known_good = [(t, s) for t, s in eng.known_good if s <= step]
     eng.saved = [(t, s) for t, s in eng.saved if s <= step]
+    if isinstance(getattr(eng, "saving", None), dict):
+        eng.saving = {t: s for t, s in eng.saving.items() if s <= step}
     if eng.max_ckpt_step is not None and eng.max_ckpt_step > step:
         eng.max_ckpt_step = step
 

@@ -17,6 +17,16 @@ from ulyssesd.remediation.records import Record, StepRecord
 if TYPE_CHECKING:
     from ulyssesd.remediation.engine import Decision, LadderState
 
+# Findings whose onset step is exact (the first non-finite loss), not a smoothed test's estimate: their
+# rollback goes to the newest clean save before it (`_rollback_plan`'s precise path), not ~100 steps back.
+EXACT_ONSET_SYMPTOMS = frozenset({"nan_loss"})
+
+
+def exact_onset(finding: Finding) -> bool:
+    """Whether `finding` dates its onset exactly (by its symptom, or its evidence's `onset = "exact"`)."""
+    return finding.symptom in EXACT_ONSET_SYMPTOMS or finding.evidence.get("onset") == "exact"
+
+
 # Healthy records kept for the calibration refits (references to records already parsed).
 CALIBRATION_HISTORY = 5000
 
@@ -121,9 +131,11 @@ class LearnedParts:
         return self.calibration
 
 
-    def _rollback_plan(self, anomaly_step: int | None, precise: bool = False, sources: int = 1) -> RollbackPlan | None:
-        """Where a rollback goes. With a `precise` onset (a per-source band's): the newest checkpoint saved
-        before it (less a margin for the smoothing) whose loss at save was finite and in band (not tainted).
+    def _rollback_plan(self, anomaly_step: int | None, precise: bool = False, sources: int = 1,
+                       exact: bool = False) -> RollbackPlan | None:
+        """Where a rollback goes. With a `precise` onset (a per-source band's, or an `exact` one: the first
+        non-finite loss): the newest checkpoint saved before it (less a margin for a band's smoothing; none for
+        an exact onset) whose loss at save was finite and in band (not tainted).
         Otherwise a known-good tag at least `rollback_steps_back` before the onset (PaLM: ~100; a detector's
         onset may lag the true one), else the newest known-good before it, else the newest clean save. None (with `no_rollback_why`) when there is none and the run has made real progress:
         step 0 is never chosen automatically then."""
@@ -133,7 +145,7 @@ class LearnedParts:
         tag: str | None
         # The detector's onset may trail the true one by its smoothing (each source is seen about every
         # `sources` steps): keep a margin before it.
-        margin = 2 * self.config.loss_source_smooth * max(1, sources)
+        margin = 0 if exact else 2 * self.config.loss_source_smooth * max(1, sources)
         clean = [(t, s) for t, s in self.saved if s < a - margin and t not in self.tainted]
         clean = sorted(clean + [(t, s) for t, s in self.saving.items()  # writes still in flight, by their step
                                 if s < a - margin and s <= self._clean_through and (t, s) not in clean],
@@ -162,8 +174,8 @@ class LearnedParts:
                 return None
             target = (None, 0)
         tag, to_step = target
-        if precise and target in clean:
-            # A dated onset: skip the batches from the checkpoint through the detection (they hold the
+        if precise and not exact and target in clean:
+            # A band's dated onset: skip the batches from the checkpoint through the detection (they hold the
             # onset's), plus the margin after it - not a fixed few hundred (bounded by skip_max_batches).
             first = to_step + 1
             last = min(first + pol.skip_max_batches, max(a, self.last_step or a) + margin + 1)  # exclusive

@@ -192,11 +192,29 @@ def test_the_watch_reports_a_checkpoint_once_its_size_held_still_for_two_looks(t
     d = tmp_path / "step_10"
     d.mkdir()
     torch.save(_model().state_dict(), d / "model.pt")
-    assert w.look(1.0) == []                               # first sight
+    saving, done = w.look(1.0)                               # first sight: being written, not complete
+    assert [f.name for f in saving] == ["step_10"] and done == []
     torch.save({"more": torch.zeros(1000)}, d / "optim.pt")   # still being written: it changed
-    assert w.look(2.0) == []
-    assert [f.name for f in w.look(3.0)] == ["step_10"]      # unchanged across two looks
-    assert w.look(4.0) == []                                # reported once
+    assert w.look(2.0) == ([], [])                           # announced once
+    assert [f.name for f in w.look(3.0)[1]] == ["step_10"]   # unchanged across two looks
+    assert w.look(4.0) == ([], [])                           # reported once
+
+
+def test_the_watch_feeds_a_save_untouched_for_settle_s_at_first_sight(tmp_path):
+    """A save written between two looks and left alone since is complete at once (its files' age shows the
+    size held still), not a look later: a NaN read meanwhile has it as its rollback target."""
+    w = Watch(WatchConfig(root=tmp_path, settle_s=2.0), started=time.time())
+    torch.save(_model().state_dict(), tmp_path / "step_000020.pt")
+    old = time.time() - 3
+    os.utime(tmp_path / "step_000020.pt", (old, old))
+    torch.save(_model().state_dict(), tmp_path / "step_000040.pt")   # just written
+    (tmp_path / "step_000060.pt").write_bytes(b"PK\x03\x04 half a zip")   # being written: no end record
+    now = time.time()
+    saving, done = w.look(now)
+    assert [f.name for f in done] == ["step_000020.pt"]
+    assert [f.name for f in saving] == ["step_000040.pt", "step_000060.pt"]
+    saving, done = w.look(now + 2.0)
+    assert saving == [] and [f.name for f in done] == ["step_000040.pt"]   # two equal looks
 
 
 def test_rollback_sets_aside_later_saves_and_the_bound_outlives_them(tmp_path):

@@ -284,6 +284,8 @@ def test_nan_ladder_after_the_first_rollback_applies_loss_rungs_with_a_rollback(
     assert second.config_patch["train.gradient_clipping"] == 0.5 and second.skip_ranges
     (fa, fb), = first.skip_ranges
     assert any(a <= fa and fb <= b for a, b in second.config_patch["data.skip_ranges"])  # earlier skips kept
-    assert second.hot_control["suspect"] is True and second.rollback_tag == "step-00000500"
+    # A NaN's onset is exact: the newest clean save before it (750, saved with finite loss before the NaN at
+    # 850), not a known-good one rollback_steps_back earlier (test_rem_rollback_exact.py).
+    assert second.hot_control["suspect"] is True and second.rollback_tag == "step-00000750"
     # A NaN long after the verified window continues the ladder (the clip patch is still in force).
-    assert (third.action_kind, third.apply, third.rollback_tag) == ("fp32_layers", "rollback_skip", "step-00001000")
+    assert (third.action_kind, third.apply, third.rollback_tag) == ("fp32_layers", "rollback_skip", "step-00001250")
