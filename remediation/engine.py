@@ -393,6 +393,12 @@ class RemediationEngine(LearnedParts):
         skipped: list[str] = []
         action: Action  # both set on the iteration that breaks
         built: Proposal | str
+        if memory is not None:   # the evidence's choice too must reach the job, else the ladder is walked
+            p = memory.proposal
+            unreachable = self.reach.why_not(p.apply or memory.action.apply, p.patch, p.hot_control)
+            if unreachable:
+                skipped.append(f"{memory.action.kind} skipped: {unreachable}")
+                memory = None
         if memory is not None:   # the evidence chose the rung (or to stop, or a spike's note): no walk
             action, built = memory.action, memory.proposal
             if action in rungs and action is not STOP:   # a spike's note leaves the ladder where it is

@@ -66,3 +66,15 @@ def test_builtin_job_ladder_unchanged():
     assert job_reach(JobSection(), CONFIG) is BUILTIN
     [d] = _first_loss_decision(BUILTIN)
     assert d.action_kind == "lower_clip" and "skipped" not in d.reason
+
+
+def test_command_job_memory_ladder_skips_what_has_no_deepspeed_place():
+    """Without a ds_config the ZeRO knobs and activation checkpointing do not reach a command job; the
+    allocator env does (the launcher sets it)."""
+    job = JobSection(kind="command", command=["python", "train.py"])
+    eng = RemediationEngine(job=engine_job_values(CONFIG), reach=job_reach(job, CONFIG))
+    [d] = eng.on_crash("cuda_oom", ["torch.OutOfMemoryError: CUDA out of memory."], 0.0)
+    assert d.apply in ("restart_latest", "stop"), d.reason
+    assert all(k.startswith("launcher.env.") for k in d.config_patch), d.config_patch
+    if d.apply == "restart_latest":
+        assert "expandable_segments" in d.reason and "raise_persistence_threshold skipped" in d.reason
