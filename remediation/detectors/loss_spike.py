@@ -205,7 +205,8 @@ class LossSpikeDetector(EpisodeDetector):
 
     def severe_line(self) -> float:
         """The loss from which a spike is severe: `loss_spike_severe_rel` above the median, and beyond the
-        run's own noise (its learned log-space scale, k sigmas, like the band's threshold) once known."""
+        run's own noise (its learned log-space scale, k sigmas, like the band's threshold) once known (a
+        sparse log of a few records never learns it: the relative line alone, as a diverging 5-row curve needs)."""
         med = self._median
         line = med + self.cfg.loss_spike_severe_rel * abs(med)
         if med > 0 and self._noise_line == self._noise_line:
@@ -377,7 +378,9 @@ class LossSpikeDetector(EpisodeDetector):
             step_in, loss = self._lag.popleft()
         else:
             step_in = rec.step
-        if self._median > 0 and loss > 0:
+        if self._ready and self._median > 0 and loss > 0 and len(win) >= min(SIGMA_MIN_RECORDS, self.cfg.window):
+            # Only against a trusted median (warm, a full-enough window): the first records' median of two
+            # says nothing about the noise, and a falling early loss would widen it.
             self._noise.append(math.log(loss / self._median))
         win.append(loss)
         steps.append(step_in)

@@ -33,7 +33,9 @@ def _warm_detector(seed: int) -> tuple[LossSpikeDetector, random.Random]:
     cfg = DetectorsConfig(warmup_steps=3)
     det = LossSpikeDetector(cfg)
     rng = random.Random(seed)
-    assert not [f for f in _feed(det, range(1, 301), [_noisy(rng) for _ in range(300)]) if f.severity == "critical"]
+    _feed(det, range(1, 301), [_noisy(rng) for _ in range(300)])   # the run learns its noise (its first
+    # records, before it is known, keep the relative line alone: a 5-row diverging log must stay severe)
+    assert det.severe_line() > 10 * det._median
     det.reset()   # a restart: the window starts empty again (o28's "7-record median right after a resume")
     return det, rng
 
