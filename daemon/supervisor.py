@@ -486,6 +486,8 @@ class Supervisor:
 
     # -------------------------------------------------------------------- scheduler jobs
 def default_engine_factory(spec: RunSpec, config: dict[str, Any]) -> Any:
+    from ulyssesd.daemon.job.command import job_reach
     from ulyssesd.remediation.engine import RemediationEngine
 
-    return RemediationEngine(spec.detectors, spec.remediation, engine_job_values(config))
+    return RemediationEngine(spec.detectors, spec.remediation, engine_job_values(config),
+                             reach=job_reach(spec.job_section, config))

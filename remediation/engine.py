@@ -36,6 +36,7 @@ from ulyssesd.remediation.playbook import (
     Proposal,
     ladder_for_crash,
 )
+from ulyssesd.remediation.reach import BUILTIN, JobReach
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
 # Symptoms that may recover by themselves: act only if they persist or recur past the grace window.
@@ -100,10 +101,12 @@ def _same_episode(a: Finding, b: Finding) -> bool:
 
 class RemediationEngine(LearnedParts):
     def __init__(self, config: DetectorsConfig | None = None, policy: RemediationConfig | None = None,
-                 job: Mapping[str, Any] | None = None, *, start_time: float | None = None, attempt: int | None = None):
+                 job: Mapping[str, Any] | None = None, *, start_time: float | None = None, attempt: int | None = None,
+                 reach: JobReach = BUILTIN):
         # A copy: calibration sets fitted thresholds on it, never on the caller's spec.
         self.config = (config or DetectorsConfig()).model_copy()
         self.policy = policy or RemediationConfig()
+        self.reach = reach   # what of a rung's change reaches the job (a command job: not every key)
         vals = job_values(job)
         self.values: dict[str, Any] = {k: (vals[k] if vals.get(k) is not None else v) for k, v in DEFAULTS.items()}
         self.values.update({k: v for k, v in vals.items() if v is not None})
@@ -392,6 +395,12 @@ class RemediationEngine(LearnedParts):
         skipped: list[str] = []
         action: Action  # both set on the iteration that breaks
         built: Proposal | str
+        if memory is not None:   # the evidence's choice too must reach the job, else the ladder is walked
+            p = memory.proposal
+            unreachable = self.reach.why_not(p.apply or memory.action.apply, p.patch, p.hot_control)
+            if unreachable:
+                skipped.append(f"{memory.action.kind} skipped: {unreachable}")
+                memory = None
         if memory is not None:   # the evidence chose the rung (or to stop, or a spike's note): no walk
             action, built = memory.action, memory.proposal
             if action in rungs and action is not STOP:   # a spike's note leaves the ladder where it is
@@ -409,6 +418,8 @@ class RemediationEngine(LearnedParts):
                     built = action.build(ctx)
                 except Exception as exc:  # noqa: BLE001 - a rung that cannot be built is skipped, with why
                     built = f"could not be built ({type(exc).__name__}: {exc})"
+                if not isinstance(built, str):
+                    built = self.reach.why_not(built.apply or action.apply, built.patch, built.hot_control) or built
             if isinstance(built, str):
                 skipped.append(f"{action.kind} skipped: {built}")
                 st.position += 1

@@ -156,3 +156,31 @@ def render_command(job: Any, *, run_dir: Path, attempt: int, config_version: int
             continue
         out.append(rendered)
     return out
+
+
+def job_reach(job: Any, config: dict[str, Any]) -> Any:
+    """What of remediation's changes reach this job (remediation/reach.py): the built-in job takes all; a
+    command job takes its ds_config's DeepSpeed keys (`train.lr` only when the file has an `optimizer`
+    section: `patched_ds_config` invents none), launcher env vars, and control.json values unless its
+    telemetry is read from its log/files (no client reads control.json then)."""
+    import json
+
+    from ulyssesd.daemon.telemetry.log_source import stdout_source
+    from ulyssesd.remediation.reach import BUILTIN, JobReach
+
+    if getattr(job, "kind", "builtin") != "command":
+        return BUILTIN
+    keys = {"launcher.env."}
+    if job.ds_config:
+        keys |= set(DS_CONFIG_KEYS) | {_DS_PREFIX}
+        try:
+            ds = json.loads(Path(job.ds_config).read_text())
+        except (OSError, ValueError):
+            ds = None   # unreadable here: the launch says so; assume the optimizer section is there
+        if isinstance(ds, dict) and not isinstance(ds.get("optimizer"), dict):
+            keys.discard("train.lr")
+        why = "a command job: only its ds_config's DeepSpeed keys and launcher env reach it"
+    else:
+        why = "a command job without [job] ds_config: only launcher env reaches it"
+    hot: frozenset[str] | None = frozenset() if stdout_source(config) else None
+    return JobReach(config_keys=frozenset(keys), hot_controls=hot, why_limited=why)

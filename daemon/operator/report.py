@@ -350,6 +350,13 @@ def telemetry_path_of(run: Any) -> Path | None:
     return None
 
 
+def _last_loss(point: tuple[float, float | None, float | None, float | None] | None) -> str:
+    """The summary's note on the newest telemetry point's loss (None there: NaN/Inf, or not reported)."""
+    if point is None:
+        return ""
+    return f" (last loss {point[1]:.4g})" if point[1] is not None else " (last loss not finite or not reported)"
+
+
 def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str:
     """The postmortem page of `run_id` as one HTML string (see module doc)."""
     run = store.get_run(run_id)
@@ -396,14 +403,16 @@ def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str
                        for a in actions)
     rows_cfg = "".join(f"<tr><td>v{v.version}</td><td>{_time(v.created_at)}</td><td>{_e(v.parent_version)}</td>"
                        f"<td>{_e(v.reason)}</td><td class='mono'>{_diff_html(versions, v)}</td></tr>" for v in versions)
-    last_step = max((p for s in series for p in s.points), default=None)
+    # The newest point by time alone (a non-finite loss is None there, and tuples would compare it); of
+    # points sharing a time (records read from a log together) the last written.
+    last_step = max(reversed([p for s in series for p in s.points]), key=lambda p: p[0], default=None)
     summary = (f"<table><tr><th>run</th><td>{_e(run.id)}</td><th>state</th><td><b>{_val(run.state)}</b> — "
                f"{_e(run.state_reason)}</td></tr><tr><th>created</th><td>{_time(run.created_at)}</td><th>ended</th>"
                f"<td>{_time(run.ended_at)}</td></tr><tr><th>attempts</th><td>{len(attempts)}</td><th>incidents / "
                f"actions</th><td>{len(incidents)} / {len(actions)}</td></tr><tr><th>run directory</th>"
                f"<td class='mono' colspan='3'>{_e(run.run_dir)}</td></tr><tr><th>telemetry</th>"
                f"<td class='mono' colspan='3'>{_e(path)}"
-               f"{f' (last loss {last_step[1]:.4g})' if last_step and last_step[1] is not None else ''}</td></tr>"
+               f"{_last_loss(last_step)}</td></tr>"
                f"<tr><th>checkpoint disk</th><td class='mono' colspan='3'>{_e(_checkpoint_disk(store, run))}</td>"
                f"</tr></table>")
     return f"""<!DOCTYPE html>

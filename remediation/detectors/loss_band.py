@@ -84,6 +84,13 @@ class SourceBand:
         # effectively open (inf), never an exception that skips the record.
         return max(lvl * math.exp(min(self._centre + self.k * self._scale, 700.0)), lvl + self.min_rel * abs(lvl))
 
+    def severe_line(self) -> float:
+        """Severe: `severe_rel` above the level and beyond the run's own noise (the learned log-space scale,
+        as the threshold): a source whose values routinely differ 20x is not severe at 1.5x its level."""
+        lvl = self._level
+        noise = lvl * math.exp(min(self._centre + self.k * self._scale, 700.0)) if self._scale == self._scale else lvl
+        return max(lvl + self.severe_rel * abs(lvl), noise)
+
     def observe(self, loss: float, step: int) -> BandVerdict:
         self.count += 1
         self.last_step = step
@@ -105,7 +112,7 @@ class SourceBand:
                 self._refresh()   # confirm against fresh statistics
                 thr = self.threshold()
             anomalous = value > thr
-            severe = anomalous and value >= self._level + self.severe_rel * abs(self._level)
+            severe = anomalous and value >= self.severe_line()
         if not anomalous:
             if self._level > 0 and value > 0 and len(recent) == recent.maxlen:
                 self._resid.append(math.log(value / self._level))

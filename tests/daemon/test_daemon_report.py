@@ -117,3 +117,27 @@ def _chromium(page: Path, *args: str) -> tuple[str, str]:
 def _console_errors(log: str) -> list[str]:
     """Console messages and uncaught exceptions chromium logs (its CONSOLE lines) for the page."""
     return [line for line in log.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+
+
+def test_report_of_a_run_whose_last_losses_are_not_finite(crashed_and_rolled_back_run, tmp_path):
+    """o28: `report --out` crashed on every NaN run (TypeError comparing a None loss with a float): records
+    read from a job's log share a time, and the newest ones carry NaN/Inf losses. The page renders."""
+    import json
+
+    state, run_id = crashed_and_rolled_back_run
+    store = open_store(state / "ulyssesd.db", readonly=True)
+    try:
+        assert any(i.symptom.value == "nan_loss" for i in store.list_incidents(run_id=run_id))
+        real = telemetry_path_of(store.get_run(run_id))
+        lines = [json.loads(x) for x in real.read_text().splitlines() if x.strip()]
+        steps = [r for r in lines if r.get("type", "step") == "step" and r.get("loss") is not None]
+        last = steps[-1]
+        tail = [dict(last, step=last["step"] + k, loss=loss) for k, loss in
+                enumerate([float("nan"), 0.5, float("inf"), float("nan")], start=1)]   # all at last's time
+        path = tmp_path / "telemetry.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines + tail))
+        page = render_report(store, run_id, telemetry=path)
+    finally:
+        store.close()
+    assert page.startswith("<!DOCTYPE html>") and 'id="plot-loss"' in page
+    assert "last loss not finite or not reported" in page
