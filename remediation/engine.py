@@ -15,7 +15,7 @@ from ulyssesd.remediation import memory_evidence
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding, HangDetector, build_detectors
 from ulyssesd.remediation.detectors.throughput_drop import tokens_per_s
-from ulyssesd.remediation.job import job_values
+from ulyssesd.remediation.job import BUILTIN, JobReach, job_values
 from ulyssesd.remediation.learned.engine_parts import LearnedParts, exact_onset
 from ulyssesd.remediation.memory_evidence import Replan
 from ulyssesd.remediation.playbook import (
@@ -36,14 +36,11 @@ from ulyssesd.remediation.playbook import (
     Proposal,
     ladder_for_crash,
 )
-from ulyssesd.remediation.reach import BUILTIN, JobReach
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
 # Symptoms that may recover by themselves: act only if they persist or recur past the grace window.
 GRACE_SYMPTOMS = frozenset({"loss_spike", "loss_oscillation", "memory_spike", "slow_step", "straggler",
                             "throughput_drop"})
-# Symptoms whose presence means the weights after that point are not trustworthy (known-good tracking).
-
 # A consequence is not reported while its cause is active (a straggler slows steps and throughput).
 EXPLAINED_BY = {"throughput_drop": ("slow_step", "straggler"), "slow_step": ("straggler",)}
 # The drift CUSUM also sees big jumps; while the detector made for one is active, the drift adds nothing.
@@ -133,11 +130,7 @@ class RemediationEngine(LearnedParts):
         self._ckpt_step_at_restart: int | None = None
         self.max_ckpt_step: int | None = None
         self.attempt: int | None = attempt
-        # Known-good tracking: candidates (tag, step, clean steps seen after it).
-        self.candidates: list[list[Any]] = []
-        self.known_good: list[tuple[str, int]] = []
-        self.saved: list[tuple[str, int]] = []
-        self._init_learned()
+        self._init_learned()   # known-good tracking, saved tags, calibration, early warning
         # Recent sample ranges for rollback-and-skip.
         self._samples: deque[tuple[int, tuple[int, int]]] = deque(
             maxlen=4 * self.policy.skip_max_batches + self.policy.rollback_steps_back)
@@ -395,12 +388,7 @@ class RemediationEngine(LearnedParts):
         skipped: list[str] = []
         action: Action  # both set on the iteration that breaks
         built: Proposal | str
-        if memory is not None:   # the evidence's choice too must reach the job, else the ladder is walked
-            p = memory.proposal
-            unreachable = self.reach.why_not(p.apply or memory.action.apply, p.patch, p.hot_control)
-            if unreachable:
-                skipped.append(f"{memory.action.kind} skipped: {unreachable}")
-                memory = None
+        memory = self._reachable(memory, skipped)   # the evidence's choice too must reach the job
         if memory is not None:   # the evidence chose the rung (or to stop, or a spike's note): no walk
             action, built = memory.action, memory.proposal
             if action in rungs and action is not STOP:   # a spike's note leaves the ladder where it is

@@ -159,14 +159,14 @@ def render_command(job: Any, *, run_dir: Path, attempt: int, config_version: int
 
 
 def job_reach(job: Any, config: dict[str, Any]) -> Any:
-    """What of remediation's changes reach this job (remediation/reach.py): the built-in job takes all; a
+    """What of remediation's changes reach this job (remediation/job.py): the built-in job takes all; a
     command job takes its ds_config's DeepSpeed keys (`train.lr` only when the file has an `optimizer`
     section: `patched_ds_config` invents none), launcher env vars, and control.json values unless its
     telemetry is read from its log/files (no client reads control.json then)."""
     import json
 
     from ulyssesd.daemon.telemetry.log_source import stdout_source
-    from ulyssesd.remediation.reach import BUILTIN, JobReach
+    from ulyssesd.remediation.job import BUILTIN, JobReach
 
     if getattr(job, "kind", "builtin") != "command":
         return BUILTIN

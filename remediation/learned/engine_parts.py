@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
+from ulyssesd.remediation.job import JobReach
 from ulyssesd.remediation.learned.early_warning import GradNormWatch
 from ulyssesd.remediation.playbook import K_GA, K_MB, WEIGHT_SYMPTOMS, RollbackPlan
 from ulyssesd.remediation.records import Record, StepRecord
@@ -47,8 +48,13 @@ class LearnedParts:
     _samples: deque[tuple[int, tuple[int, int]]]
     _by_symptom: dict[str, Any]
     _active: Callable[[str], bool]
+    reach: JobReach
 
     def _init_learned(self) -> None:
+        # Known-good tracking: candidates (tag, step, clean steps seen after it).
+        self.candidates: list[list[Any]] = []
+        self.known_good = []
+        self.saved = []
         self.tainted: set[str] = set()   # saved while the loss was out of its band or non-finite
         # Snapshots being written (checkpoint_saving seen, checkpoint_saved not yet): an async save of a step
         # before the onset holds that step's weights however late its write ends (the job makes it durable
@@ -68,6 +74,17 @@ class LearnedParts:
         # Early warning (grad norm out of its own distribution): alerts, drained by the daemon.
         self.grad_watch = GradNormWatch(z=self.config.early_warning_z) if self.config.early_warning else None
         self.new_warnings: list[dict[str, Any]] = []
+
+    def _reachable(self, memory: Any, skipped: list[str]) -> Any:
+        """The memory evidence's choice, or None (the ladder is walked) when its change cannot reach the job."""
+        if memory is None:
+            return None
+        p = memory.proposal
+        unreachable = self.reach.why_not(p.apply or memory.action.apply, p.patch, p.hot_control)
+        if unreachable:
+            skipped.append(f"{memory.action.kind} skipped: {unreachable}")
+            return None
+        return memory
 
     def saving_started(self, tag: str, step: int) -> None:
         self.saving[tag] = step

@@ -10,7 +10,7 @@ from ulyssesd.daemon.job.command import job_reach
 from ulyssesd.daemon.spec import JobSection, engine_job_values
 from ulyssesd.remediation.detectors.base import Finding
 from ulyssesd.remediation.engine import RemediationEngine
-from ulyssesd.remediation.reach import BUILTIN
+from ulyssesd.remediation.job import BUILTIN
 from ulyssesd.training.spec import JobSpec
 
 CONFIG = JobSpec().model_dump(mode="json")
