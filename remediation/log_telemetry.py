@@ -55,6 +55,7 @@ _DS_CKPT = re.compile(r"Checkpoint (\S+) is ready now!")
 _HF_SAVE = re.compile(r"Saving model checkpoint to (\S+)")
 _SKIPPED = re.compile(r"(?<![\w/])skipped\s*[=:]\s*(True|False|true|false|1|0)\b")
 _HINT = re.compile(r"loss|step|iter|epoch|batch", re.IGNORECASE)
+_LOSS_HINT = re.compile(r"loss", re.IGNORECASE)
 MAX_SAMPLE_CHARS = 300
 MAX_PATTERN_CHARS = 8192  # the user's pattern sees a line's first 8 KiB (a regex on a 1 MiB line is unbounded)
 
@@ -161,7 +162,7 @@ class LogTelemetryParser:
         self._last_time: float | None = None
         self._reports_skips = False  # the log has shown skip information: records without an overflow say False
         self._seen_pure_train = False  # a training loss line without an eval loss has been seen
-        self._sample_is_hint = False
+        self._sample_rank = 0
         self._epoch_pos: tuple[int, int] | None = None  # (epoch, N) of the last keyed N/M beside an epoch
         self._epoch_relative = False
 
@@ -177,12 +178,13 @@ class LogTelemetryParser:
             if segment.strip():
                 got = self._segment(segment.rstrip("\n"), now)
                 if not got and any(c.isdigit() for c in segment):
-                    # The example for the fix: the newest line that names progress (loss, step, ...), else
-                    # the newest line with a number while none did.
-                    hint = _HINT.search(segment) is not None
-                    if hint or not self._sample_is_hint:
+                    # The example for the fix: the newest line that names a loss, else one that names progress
+                    # (step, iter, epoch: also in a path such as `saved .../step_000300.pt`), else the newest line
+                    # with a number.
+                    rank = 2 if _LOSS_HINT.search(segment) else 1 if _HINT.search(segment) else 0
+                    if rank >= self._sample_rank:
                         self.stats.unparsed_sample = segment.strip()[:MAX_SAMPLE_CHARS]
-                        self._sample_is_hint = hint
+                        self._sample_rank = rank
                 out.extend(got)
         return out
 
