@@ -158,6 +158,7 @@ class LogTelemetryParser:
         self._not_train_bars: set[tuple[str, int]] = set()  # bars seen to finish without a loss taking their step
         self._context_step_time: float | None = None
         self._dict_count = 0
+        self._dicts_counted = False  # a dict without a step was numbered in order (the run has no training bar)
         self._rank: int | None = None  # the lowest rank seen in a prefix: the one whose losses count
         self._last_time: float | None = None
         self._reports_skips = False  # the log has shown skip information: records without an overflow say False
@@ -165,6 +166,12 @@ class LogTelemetryParser:
         self._sample_rank = 0
         self._epoch_pos: tuple[int, int] | None = None  # (epoch, N) of the last keyed N/M beside an epoch
         self._epoch_relative = False
+
+    def count_dicts_from(self, step: int | None) -> None:
+        """Number dicts printed without a step from `step` + 1 on (a resumed or re-adopted attempt: the job's
+        count goes on from there, not from 1)."""
+        if step is not None and step > 0 and self._dict_count == 0:
+            self._dict_count = step
 
     @property
     def _last_step(self) -> int | None:
@@ -295,6 +302,7 @@ class LogTelemetryParser:
                         step += 1
             elif f.dict_shaped:
                 self._dict_count += 1
+                self._dicts_counted = True
                 step, fmt = self._dict_count, "dict_counted"
             else:
                 return []  # a loss without any step: nothing to place it at
@@ -336,7 +344,7 @@ class LogTelemetryParser:
                 self._not_train_bars.add(key)
                 self._context_step = self._context_bar = None
             return False
-        if key in self._not_train_bars or self._dict_count:
+        if key in self._not_train_bars or self._dicts_counted:
             return False  # (a run that numbers its printed dicts itself: a bar appearing later is not its progress)
         reached = max(x for x in (self._last_step, self._dict_count, -1) if x is not None)
         if f.step < reached:

@@ -93,7 +93,7 @@ class LogSource:
     """Tail one attempt's log into the run's stdout telemetry file."""
 
     def __init__(self, run_dir: Path, attempt: int, config_version: int | None = None,
-                 pattern: str | None = None, total_steps: int | None = None):
+                 pattern: str | None = None, total_steps: int | None = None, resume_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.attempt = attempt
         self.log_path = self.run_dir / "logs" / f"attempt-{attempt}.log"
@@ -102,6 +102,9 @@ class LogSource:
         self.parser = LogTelemetryParser(attempt=attempt, config_version=config_version,
                                          after_step=self._last_emitted_step(), pattern=pattern,
                                          total_steps=total_steps)
+        # Dicts printed without a step (HF Trainer with its bar off) are numbered in order: from the step this
+        # attempt already reached (a re-adopting daemon), else from the checkpoint it resumed from.
+        self.parser.count_dicts_from(self.parser._last_step if self.parser._last_step is not None else resume_step)
         self.skipped_long_lines = 0
         self._torn_tail = self._ends_mid_line()
 
@@ -327,7 +330,8 @@ def pump(sup: Any) -> None:
     if src is None or src.attempt != sup.attempt or src.run_dir != sup.run_dir:
         if kind == "stdout":
             src = LogSource(sup.run_dir, sup.attempt, sup.config_version, pattern=tel.get("pattern"),
-                            total_steps=_declared_total(sup.config))
+                            total_steps=_declared_total(sup.config),
+                            resume_step=getattr(sup, "attempt_resume_step", None))
         else:
             src = FileSource(sup.run_dir, sup.attempt, sup.config_version, kind, Path(str(tel.get("files") or ".")))
         sup._log_source = src

@@ -98,3 +98,24 @@ def test_a_scripts_own_it_wording_across_epochs():
     lines = [f"ep {i // 100} it {i}/300 train-loss={0.05 - i / 1e5:.4f}\n" for i in range(1, 301)]
     steps, p = _steps(lines)
     assert steps == list(range(1, 301)) and p.stats.bad_lines == 0
+
+
+def test_a_resumed_attempts_dicts_are_numbered_on_from_its_checkpoint(tmp_path):
+    """HF without its bar, resumed from checkpoint-20: the dicts are steps 21.. (not 1..), also after a save."""
+    from ulyssesd.daemon.telemetry.log_source import STDOUT_TELEMETRY_NAME, LogSource
+
+    (tmp_path / "logs").mkdir()
+    lines = [_hf_dict(i) for i in range(21, 41)]
+    lines.insert(10, "Writing model shards: 100%|██████████| 1/1 [00:00<00:00, 220.27it/s]\n")
+    (tmp_path / "logs" / "attempt-2.log").write_text("".join(lines))
+    LogSource(tmp_path, 2, resume_step=20).pump(1000.0)
+    import json
+
+    recs = [json.loads(x) for x in (tmp_path / STDOUT_TELEMETRY_NAME).read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(21, 41))
+    # A re-adopting daemon's new source goes on from the attempt's last record, not from the checkpoint.
+    with (tmp_path / "logs" / "attempt-2.log").open("a") as fh:
+        fh.write(_hf_dict(41))
+    LogSource(tmp_path, 2, resume_step=20).pump(1001.0)
+    recs = [json.loads(x) for x in (tmp_path / STDOUT_TELEMETRY_NAME).read_text().splitlines()]
+    assert recs[-1]["step"] == 41 and len(recs) == 21
