@@ -114,6 +114,7 @@ class Supervisor:
         self.last_step: int | None = None
         self.last_step_record: StepRecord | None = None
         self.last_exiting: str | None = None
+        self.attempt_resume_step: int | None = None  # the step of the checkpoint a command job's attempt was given
         # (label, evidence) the hang path read from the stack dumps; the attempt's diagnosis when it ends.
         self.hang_diagnosis: tuple[str | None, list[str]] | None = None
         self.rank_watch = RankWatch(self.dcfg.rank_exit_grace_s, self.dcfg.rank_watch_every_s)

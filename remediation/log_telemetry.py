@@ -55,6 +55,7 @@ _DS_CKPT = re.compile(r"Checkpoint (\S+) is ready now!")
 _HF_SAVE = re.compile(r"Saving model checkpoint to (\S+)")
 _SKIPPED = re.compile(r"(?<![\w/])skipped\s*[=:]\s*(True|False|true|false|1|0)\b")
 _HINT = re.compile(r"loss|step|iter|epoch|batch", re.IGNORECASE)
+_LOSS_HINT = re.compile(r"loss", re.IGNORECASE)
 MAX_SAMPLE_CHARS = 300
 MAX_PATTERN_CHARS = 8192  # the user's pattern sees a line's first 8 KiB (a regex on a 1 MiB line is unbounded)
 
@@ -151,15 +152,26 @@ class LogTelemetryParser:
         self._steps = StepContinuity(last_step=after_step, total=total_steps, cfg=continuity)
         self._declared_total = total_steps
         self._context_step: int | None = None  # the newest progress bar / step header without a loss
+        self._train_bar: tuple[str, int] | None = None  # (label, total) of the bar that is the run's training progress
+        self._context_bar: tuple[str, int] | None = None  # the bar _context_step came from (a candidate until used)
+        self._context_from_bar = False
+        self._not_train_bars: set[tuple[str, int]] = set()  # bars seen to finish without a loss taking their step
         self._context_step_time: float | None = None
         self._dict_count = 0
+        self._dicts_counted = False  # a dict without a step was numbered in order (the run has no training bar)
         self._rank: int | None = None  # the lowest rank seen in a prefix: the one whose losses count
         self._last_time: float | None = None
         self._reports_skips = False  # the log has shown skip information: records without an overflow say False
         self._seen_pure_train = False  # a training loss line without an eval loss has been seen
-        self._sample_is_hint = False
+        self._sample_rank = 0
         self._epoch_pos: tuple[int, int] | None = None  # (epoch, N) of the last keyed N/M beside an epoch
         self._epoch_relative = False
+
+    def count_dicts_from(self, step: int | None) -> None:
+        """Number dicts printed without a step from `step` + 1 on (a resumed or re-adopted attempt: the job's
+        count goes on from there, not from 1)."""
+        if step is not None and step > 0 and self._dict_count == 0:
+            self._dict_count = step
 
     @property
     def _last_step(self) -> int | None:
@@ -173,12 +185,13 @@ class LogTelemetryParser:
             if segment.strip():
                 got = self._segment(segment.rstrip("\n"), now)
                 if not got and any(c.isdigit() for c in segment):
-                    # The example for the fix: the newest line that names progress (loss, step, ...), else
-                    # the newest line with a number while none did.
-                    hint = _HINT.search(segment) is not None
-                    if hint or not self._sample_is_hint:
+                    # The example for the fix: the newest line that names a loss, else one that names progress
+                    # (step, iter, epoch: also in a path such as `saved .../step_000300.pt`), else the newest line
+                    # with a number.
+                    rank = 2 if _LOSS_HINT.search(segment) else 1 if _HINT.search(segment) else 0
+                    if rank >= self._sample_rank:
                         self.stats.unparsed_sample = segment.strip()[:MAX_SAMPLE_CHARS]
-                        self._sample_is_hint = hint
+                        self._sample_rank = rank
                 out.extend(got)
         return out
 
@@ -260,8 +273,11 @@ class LogTelemetryParser:
             f.step = self._epoch_counter_step(*f.epoch_counter)
         if f.loss is None:
             if f.step is not None and not other_rank:
-                self._context_step = f.step  # a progress bar or a step header: the next loss line's step
-                if f.bar is not None:
+                if not f.step_from_bar:
+                    self._context_step, self._context_bar = f.step, None  # a step header: the next loss line's step
+                    self._context_from_bar = False
+                elif self._bar_is_training(f):
+                    self._context_step, self._context_from_bar = f.step, True  # the training bar: the next loss's step
                     self._count("progress_bar")
             return []
         if f.eval_loss and self._seen_pure_train:
@@ -271,11 +287,22 @@ class LogTelemetryParser:
             return []
         step = f.step
         fmt = "key_value"
+        if f.step_from_bar and f.bar is not None and not other_rank:
+            self._train_bar = (f.bar_label, f.bar[1])  # a bar with the loss on it (Lightning, rich) is the training bar
         if step is None:
             if self._context_step is not None:
                 step, fmt = self._context_step, "loss_after_step_header"
+                if self._context_from_bar:
+                    if self._context_bar is not None and self._train_bar is None:
+                        self._train_bar = self._context_bar  # a loss took its step from this bar: the training bar
+                    if step == 0 or step == self._last_step:
+                        # A bar counts completed steps and tqdm redraws it after each printed line: a loss after
+                        # `0/M`, or after the position the previous loss already took, is the next step (tqdm
+                        # skips drawing updates closer than 0.1 s apart, so a fast run shows only the redraw).
+                        step += 1
             elif f.dict_shaped:
                 self._dict_count += 1
+                self._dicts_counted = True
                 step, fmt = self._dict_count, "dict_counted"
             else:
                 return []  # a loss without any step: nothing to place it at
@@ -294,6 +321,36 @@ class LogTelemetryParser:
         if out and not f.eval_loss:
             self._seen_pure_train = True
         return out
+
+    def _bar_is_training(self, f: LineFacts) -> bool:
+        """Whether a progress bar without a loss is the run's training progress, whose position the next loss
+        line (a printed dict) takes. A framework prints other bars in between (loading or writing checkpoint
+        shards, `Map`, evaluation): taking their `1/1` would move the step backwards and drop every later
+        record. So once the training bar is known (a loss line took its step, or it carries the loss, or its
+        total is the declared total), only that bar (same description and total) counts; before, a bar counts
+        as a candidate only while it is running (N < M), never when it would move the step backwards, and a
+        candidate that finishes with no loss line having taken its step was not training progress."""
+        assert f.bar is not None and f.step is not None
+        key = (f.bar_label, f.bar[1])
+        if self._train_bar is not None:
+            return key == self._train_bar
+        declared = self._declared_total
+        if declared is not None and f.bar[1] == declared and f.step_rank == 0:
+            self._train_bar, self._context_bar = key, key
+            return True
+        n, m = f.bar
+        if n >= m:
+            if key == self._context_bar:  # the candidate finished and no loss took its step
+                self._not_train_bars.add(key)
+                self._context_step = self._context_bar = None
+            return False
+        if key in self._not_train_bars or self._dicts_counted:
+            return False  # (a run that numbers its printed dicts itself: a bar appearing later is not its progress)
+        reached = max(x for x in (self._last_step, self._dict_count, -1) if x is not None)
+        if f.step < reached:
+            return False  # it would move the step backwards by itself
+        self._context_bar = key
+        return True
 
     def _epoch_counter_step(self, epoch: int, n: int, total: int) -> int:
         """A keyed N/M beside an epoch: N itself while the count goes on across epochs, E x M + N once the run

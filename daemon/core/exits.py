@@ -19,7 +19,7 @@ from ulyssesd.daemon.host import disk, host_oom
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
-from ulyssesd.daemon.telemetry import declared_total
+from ulyssesd.daemon.telemetry import declared_total, unread_exit
 from ulyssesd.remediation.diagnosis import Diagnosis
 from ulyssesd.remediation.diagnosis.facts import scheduler_ended
 from ulyssesd.remediation.playbook import ladder_for_crash
@@ -100,6 +100,17 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     sup.say(f"attempt {sup.attempt} ended: {status.describe()} after {ran_s:.0f}s (last step {sup.last_step})")
     if completed:
         sup.incidents.resolve_all("run completed")
+        unread = unread_exit.no_step_record_at_exit(sup)
+        if unread is not None:  # unknown is loud: nothing was read, so no final step is claimed
+            iid = sup.incidents.incident(Symptom.no_progress, 0, Severity.warning, unread[0],
+                                         {"exit": status.describe(), **unread[1]})
+            sup.store.update_incident_status(iid, IncidentStatus.escalated, "no step record was understood")
+            log.warning("job exited 0 with no step record understood", run_id=sup.run_id, attempt=sup.attempt,
+                        **unread[1])
+            sup.say(f"WARNING: {unread[0]}")
+            sup.set_state(S.COMPLETED, "job exited 0; no step record was understood from its output, so its "
+                                       "final step is unknown (see the warning incident for the fix)")
+            return
         short = declared_total.short_of_total(sup.telemetry_path, sup.last_step, sup.spec.job_section.total_steps,
                                               sup.attempt) if sup.spec.job_section.kind == "command" else None
         if short is not None:  # exit 0 is the job's word, not proof of the run's length: say it fell short

@@ -158,6 +158,7 @@ def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, in
                 found, tag = None, "none"
                 passed_over = [*passed_over, "the command has no {resume}: the job chooses its own checkpoint"]
             resume, resume_step = (found.path, found.step) if found else (None, None)
+            sup.attempt_resume_step = resume_step  # where a stdout job's count of printed dicts goes on from
             for note in passed_over:
                 log.warning("checkpoint passed over", note=note)
                 sup.say(f"  {note}")

@@ -239,7 +239,8 @@ def _telemetry_health(run, state: str, attempt: int | None) -> dict[str, Any] | 
     health = read_health(run.run_dir)
     if health is None or health.get("attempt") != attempt:
         return None
-    health["silent"] = bool(health.get("silent")) and state in TRAINING_STATES
+    # STARTING too: a stdout job whose lines are never understood stays STARTING (no first step) all its run.
+    health["silent"] = bool(health.get("silent")) and (state in TRAINING_STATES or state == "STARTING")
     return health
 
 

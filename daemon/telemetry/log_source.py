@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ MAX_READ_BYTES = 4 << 20  # bound one tick's work on a huge backlog
 MAX_LINE_BYTES = 1 << 20  # a longer "line" (binary junk, a progress bar that never ends) is skipped
 MAX_PARSE_S = 0.5  # bound one tick's parsing time (a 4 MiB backlog of dense lines takes seconds)
 RESUME_TAIL_BYTES = 1 << 20  # how much of the output file's end is searched for the attempt's last step
+_PIECE = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")  # a line or a progress bar's redraw, with its terminator
+_DRAWN_BAR = re.compile(rb"^[^\r\n]{0,4000}\d+/\d+ \[[^\r\n\[\]]*\]\Z")  # a whole tqdm bar: `... N/M [...]`
 
 
 def _telemetry(config: dict[str, Any]) -> dict[str, Any]:
@@ -68,11 +71,14 @@ def _declared_total(config: dict[str, Any]) -> int | None:
     return total if isinstance(total, int) and not isinstance(total, bool) and total >= 1 else None
 
 
+NO_PROGRESS_LINE_YET = "no output line looked like progress yet"
+
+
 def fix_hint(source: str, sample: str | None) -> str:
     """The setting that makes a silent job's steps readable, with the line that was not understood."""
     if source == "stdout":
         seen = f"; the newest line that looked like progress was {sample!r}" if sample else \
-            "; no line of the output looked like a step line"
+            f"; {NO_PROGRESS_LINE_YET}"
         return ("print one line per step with a step and a loss (e.g. `step 12 loss 2.31`), or give "
                 "[telemetry] pattern = '<regex with (?P<step>...) and (?P<loss>...)>' (docs/CLIENT.md, stdout "
                 "telemetry)" + seen)
@@ -87,7 +93,7 @@ class LogSource:
     """Tail one attempt's log into the run's stdout telemetry file."""
 
     def __init__(self, run_dir: Path, attempt: int, config_version: int | None = None,
-                 pattern: str | None = None, total_steps: int | None = None):
+                 pattern: str | None = None, total_steps: int | None = None, resume_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.attempt = attempt
         self.log_path = self.run_dir / "logs" / f"attempt-{attempt}.log"
@@ -96,6 +102,9 @@ class LogSource:
         self.parser = LogTelemetryParser(attempt=attempt, config_version=config_version,
                                          after_step=self._last_emitted_step(), pattern=pattern,
                                          total_steps=total_steps)
+        # Dicts printed without a step (HF Trainer with its bar off) are numbered in order: from the step this
+        # attempt already reached (a re-adopting daemon), else from the checkpoint it resumed from.
+        self.parser.count_dicts_from(self.parser._last_step if self.parser._last_step is not None else resume_step)
         self.skipped_long_lines = 0
         self._torn_tail = self._ends_mid_line()
 
@@ -183,19 +192,28 @@ class LogSource:
         with open(self.log_path, "rb") as fh:
             fh.seek(self.offset)
             chunk = fh.read(MAX_READ_BYTES)
-        end = chunk.rfind(b"\n")
+        # Up to the last newline or carriage return: a progress bar redraws with `\r` and may print `\n` once an
+        # epoch, so each redraw is read (and its record timed) when it is written, not at the epoch's end.
+        end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        if end >= 0 and chunk[end:end + 1] == b"\r" and _DRAWN_BAR.search(chunk[end + 1:]):
+            # The newest redraw ends when the next one starts: a bar drawn whole (tqdm's `N/M [...]`, one
+            # write) is read now, so that a job that hangs after it is reported at its step, not the one before.
+            end = len(chunk) - 1
         if end < 0:
             if len(chunk) >= MAX_LINE_BYTES:  # no newline in a huge chunk: skip it, do not stall
                 self.offset += len(chunk)
                 self.skipped_long_lines += 1
                 self._save_offset()
             return 0
-        lines = chunk[:end + 1].split(b"\n")
+        pieces = _PIECE.findall(chunk[:end + 1])  # each with its terminator: the offset counts the file's bytes
+        if chunk[end:end + 1] not in (b"\n", b"\r"):
+            pieces.append(chunk[chunk.rfind(b"\r") + 1:end + 1])  # the drawn bar after the last `\r`
         records = []
         consumed = 0
         t0 = time.monotonic()
-        for raw in lines[:-1]:  # the last element is the empty tail after the final newline
-            consumed += len(raw) + 1
+        for piece in pieces:
+            consumed += len(piece)
+            raw = piece.rstrip(b"\r\n")
             if len(raw) > MAX_LINE_BYTES:
                 self.skipped_long_lines += 1
             elif raw:
@@ -312,7 +330,8 @@ def pump(sup: Any) -> None:
     if src is None or src.attempt != sup.attempt or src.run_dir != sup.run_dir:
         if kind == "stdout":
             src = LogSource(sup.run_dir, sup.attempt, sup.config_version, pattern=tel.get("pattern"),
-                            total_steps=_declared_total(sup.config))
+                            total_steps=_declared_total(sup.config),
+                            resume_step=getattr(sup, "attempt_resume_step", None))
         else:
             src = FileSource(sup.run_dir, sup.attempt, sup.config_version, kind, Path(str(tel.get("files") or ".")))
         sup._log_source = src
@@ -338,12 +357,13 @@ def pump(sup: Any) -> None:
         what = (f"no step record from the job's {'output' if kind == 'stdout' else kind} for {now - since:.0f} s "
                 f"(attempt {sup.attempt}, {stats.step_records} step records so far): loss, NaN, spike, slow-step "
                 f"and progress-based hang detection are blind")
+        example = sample or NO_PROGRESS_LINE_YET
         log.warning("telemetry silent", run_id=getattr(sup, "run_id", None), attempt=sup.attempt, source=kind,
-                    silent_s=round(now - since), step_records=stats.step_records, fix=fix, example_line=sample)
+                    silent_s=round(now - since), step_records=stats.step_records, fix=fix, example_line=example)
         if hasattr(sup, "say"):
             sup.say(f"TELEMETRY SILENT: {what}. Fix: {fix}")
         if hasattr(sup, "alert"):
-            sup.alert("telemetry", f"{what}. Fix: {fix}", source=kind, example_line=sample,
+            sup.alert("telemetry", f"{what}. Fix: {fix}", source=kind, example_line=example,
                       step_records=stats.step_records)
     elif not silent and watch.reported:
         watch.reported = False

@@ -5,7 +5,8 @@ A line is tokenised into key/number pairs whatever the separator (`loss 2.95`, `
 `loss: tensor(2.95, device='cuda:0')`); each key is then classified by
 its words, not by the framework that printed it:
 
-- step: a key whose last word is step/steps/iter/iteration/batch/update(s) or `global_step`/`num_updates`,
+- step: a key whose last word is step/steps/iter/iters/itr/iteration/batch/update(s)/upd or
+  `global_step`/`gs`/`num_updates` (`it` and `gs` alone only as `N/M` or beside a loss: they are also words),
   unless a qualifier says it is not the position (`max`, `total`, `warmup`, `per`, `skipped`, `time`, ...).
   The most specific wins: global step > updates > step > iteration > batch > a progress bar's `N/M`.
   `N/M` gives a total M; a progress bar beside an epoch (`Epoch 3 ... 4/18`) is E·M + N; a keyed `N/M`
@@ -32,9 +33,13 @@ _PAIR = re.compile(
 _BAR = re.compile(rf"(?<![\w/.])(\d+)/(\d+)(?=\s*(?:\[|\d+:\d\d))(?:\s*\[[\d:]+<[\d:?]+,\s*({NUM})\s*(s/it|it/s))?")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 _SPLIT = re.compile(r"[\s_/.\-]+")
+_LETTERS = re.compile(r"[A-Za-z]+")
 
-_STEP_WORDS = {"step": 3, "steps": 3, "globalstep": 5, "iter": 2, "iteration": 2, "iterations": 2, "batch": 1,
-               "update": 4, "updates": 4, "numupdates": 4, "nupdates": 4}
+_STEP_WORDS = {"step": 3, "steps": 3, "stp": 3, "globalstep": 5, "gs": 5, "gstep": 5, "iter": 2, "iters": 2,
+               "itr": 2, "it": 2, "iteration": 2, "iterations": 2, "batch": 1, "update": 4, "updates": 4, "upd": 4,
+               "updt": 4, "numupdates": 4, "nupdates": 4}
+# Abbreviations that are also ordinary words or units (`it`, `gs`): a step only as `N/M` or beside a loss.
+_WEAK_STEP_WORDS = {"it", "gs"}
 _NOT_POSITION = {"max", "total", "warmup", "per", "skipped", "nan", "number", "num", "of", "time", "timing",
                  "remaining", "consumed", "eval", "val", "valid", "validation", "test", "size", "accum", "accumulation",
                  "interval", "every", "save", "log", "print", "sec", "s"}
@@ -69,6 +74,8 @@ class LineFacts:
     summary: bool = False  # an end-of-run summary (train_runtime, total_flos): not a step
     fields: dict[str, float] = field(default_factory=dict)
     bar: tuple[int, int] | None = None  # a progress bar's N/M
+    bar_label: str = ""  # the bar's description, letters only (`writing model shards`, `epoch`, "" for none)
+    step_from_bar: bool = False  # the step is the progress bar's position (no step key in the line)
     epoch_counter: tuple[int, int, int] | None = None  # (E, N, M) of a keyed N/M beside an epoch E
     bar_step_time_s: float | None = None
     dict_shaped: bool = False  # a printed dict / JSON object ({...})
@@ -121,11 +128,13 @@ def read_line(line: str) -> LineFacts:
     bar = _BAR.search(seg)
     if bar:
         f.bar = (int(bar.group(1)), int(bar.group(2)))
+        f.bar_label = " ".join(_LETTERS.findall(seg[:bar.start()])).lower()[-80:]
         if bar.group(3):
             rate = num(bar.group(3))
             if rate > 0 and math.isfinite(rate):
                 f.bar_step_time_s = rate if bar.group(4) == "s/it" else 1.0 / rate
     best_loss = 0
+    weak_step = False
     for m in _PAIR.finditer(seg):
         words = words_of(m.group("key"))
         if not words:
@@ -147,21 +156,25 @@ def read_line(line: str) -> LineFacts:
             continue
         if lr:
             continue
-        sr = _step_rank(words)
+        sr = _step_rank(words) if words[-1] not in _WEAK_STEP_WORDS or len(words) == 1 else 0
         if sr and math.isfinite(value) and value >= 0 and value == int(value):
             if sr > f.step_rank:
                 f.step, f.step_rank = int(min(value, 2.0 ** 63)), sr
                 f.total = int(m.group("total")) if m.group("total") else None
+                weak_step = words[-1] in _WEAK_STEP_WORDS
             continue
         if words[-1] in _EPOCH_WORDS and math.isfinite(value):
             if f.epoch is None:
                 f.epoch = value
             continue
         _field(f, words, value, (m.group("unit") or "").strip())
+    if weak_step and f.total is None and f.loss is None:
+        f.step, f.step_rank = None, 0  # `it 3` / `gs 5` alone: a word, not a step header
     from_bar = f.step is None and f.bar is not None
     if from_bar:
         assert f.bar is not None
         f.step, f.total = f.bar
+        f.step_from_bar = True
     if f.step is not None and f.total and f.step_rank <= 3 and f.epoch is not None \
             and f.epoch == int(f.epoch) and f.epoch >= 0:
         if from_bar:

@@ -316,8 +316,9 @@ def test_daemon_sigkill_and_restart_readopts(tmp_path, script):
 
 @SLOW
 def test_unknown_wording_is_loud(tmp_path):
-    """`it N/M` is not a step word: the docs promise a SILENT telemetry row after silent_after_s."""
-    run = Run(tmp_path, "plain", {})
+    """A wording nothing reads: the docs promise a SILENT telemetry row after silent_after_s, and an exit 0
+    that claims no final step. (`it N/M` itself is read since issue 28.)"""
+    run = Run(tmp_path, "plain", {"O28_UNKNOWN_WORDING": "1"})
     text = run.spec.read_text()
     text = re.sub(r"\npattern = .*\n", "\nsilent_after_s = 5\n", text)
     run.spec.write_text(text)
@@ -332,6 +333,7 @@ def test_unknown_wording_is_loud(tmp_path):
     assert st["state"] == "COMPLETED"
     # the state reason should not claim the job finished immediately after ~10 s of training
     assert "immediately" not in (st.get("state_reason") or ""), st["state_reason"]
+    assert "no step record was understood" in st["state_reason"], st["state_reason"]
 
 
 @SLOW

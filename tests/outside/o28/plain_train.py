@@ -55,7 +55,10 @@ def main() -> None:
         loss.backward()
         opt.step()
         ep = (step - 1) // args.steps_per_epoch
-        print(f"ep {ep} it {step}/{args.steps} train-loss={loss.item():.4f}", flush=True)
+        if os.environ.get("O28_UNKNOWN_WORDING"):  # a wording no reader knows (the unknown-is-loud test)
+            print(f"E{ep} #{step}/{args.steps} L~{loss.item():.4f}", flush=True)
+        else:
+            print(f"ep {ep} it {step}/{args.steps} train-loss={loss.item():.4f}", flush=True)
         if step % args.save_every == 0:
             path = os.path.join(args.ckpt_dir, f"step_{step:06d}.pt")
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, path + ".tmp")
