@@ -28,7 +28,6 @@ latest timestamp seen in the log (None when the log has none: replay then derive
 
 from __future__ import annotations
 
-import calendar
 import math
 import re
 from collections.abc import Iterable, Iterator
@@ -36,12 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ulyssesd.remediation.logread.continuity import ContinuityConfig, StepContinuity
+from ulyssesd.remediation.logread.options import compile_pattern
 from ulyssesd.remediation.logread.tokens import NUM as _NUM
-from ulyssesd.remediation.logread.tokens import LineFacts, read_line
+from ulyssesd.remediation.logread.tokens import LineFacts, line_timestamp, read_line
 from ulyssesd.remediation.logread.tokens import num as _num
 
 _RANK_PREFIX = re.compile(r"^\s*(?:\[(?:rank|default)(\d+)\]:|(\d+): |([A-Za-z][\w.-]*): (?=\[|\s*iteration|\{|step))")
-_TIMESTAMP = re.compile(r"\[?(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:[,.](\d+))?")
 
 _MEGATRON = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|(.*)")
 _DS_PIPE = re.compile(rf"\bsteps: (\d+) loss: ({_NUM}) iter time \(s\): ({_NUM}) samples/sec: ({_NUM})")
@@ -67,42 +66,12 @@ _MEGATRON_KEYS = {
 }
 
 
-class PatternError(ValueError):
-    """A `[telemetry] pattern` that cannot be used; the message says what to write."""
-
-
-def compile_pattern(pattern: str) -> re.Pattern[str]:
-    """The user's step-line regex: it must compile and name the groups `step` and `loss`."""
-    try:
-        rx = re.compile(pattern)
-    except re.error as exc:
-        raise PatternError(f"telemetry.pattern {pattern!r} is not a regular expression: {exc}") from None
-    missing = [g for g in ("step", "loss") if g not in rx.groupindex]
-    if missing:
-        raise PatternError(f"telemetry.pattern {pattern!r} needs the named group(s) "
-                           + ", ".join(f"(?P<{g}>...)" for g in missing)
-                           + r", e.g. 'it=(?P<step>\d+) .*? L=(?P<loss>\S+)'")
-    return rx
-
-
 def _jsonable(value: float) -> float | str:
     if math.isnan(value):
         return "nan"
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
     return value
-
-
-def _timestamp(line: str) -> float | None:
-    m = _TIMESTAMP.search(line)
-    if not m:
-        return None
-    y, mo, d, h, mi, s, frac = m.groups()
-    try:
-        base = calendar.timegm((int(y), int(mo), int(d), int(h), int(mi), int(s), 0, 0, 0))
-    except (ValueError, OverflowError):
-        return None
-    return base + (float("0." + frac) if frac else 0.0)
 
 
 @dataclass
@@ -212,7 +181,7 @@ class LogTelemetryParser:
                 if self._rank is None or rank < self._rank:
                     self._rank = rank
             seg = seg[m.end():]
-        ts = _timestamp(seg)
+        ts = line_timestamp(seg)
         if ts is not None:
             self._last_time = ts if self._last_time is None else max(ts, self._last_time)
         t = ts if ts is not None else (now if now is not None else self._last_time)

@@ -6,11 +6,31 @@ loaded, so that a pattern that cannot work is refused before anything runs.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
 FILE_SOURCES = ("trainer_state", "tensorboard")
+
+
+
+class PatternError(ValueError):
+    """A `[telemetry] pattern` that cannot be used; the message says what to write."""
+
+
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """The user's step-line regex: it must compile and name the groups `step` and `loss`."""
+    try:
+        rx = re.compile(pattern)
+    except re.error as exc:
+        raise PatternError(f"telemetry.pattern {pattern!r} is not a regular expression: {exc}") from None
+    missing = [g for g in ("step", "loss") if g not in rx.groupindex]
+    if missing:
+        raise PatternError(f"telemetry.pattern {pattern!r} needs the named group(s) "
+                           + ", ".join(f"(?P<{g}>...)" for g in missing)
+                           + r", e.g. 'it=(?P<step>\d+) .*? L=(?P<loss>\S+)'")
+    return rx
 
 
 class TelemetrySourceOptions(BaseModel):
@@ -29,8 +49,6 @@ class TelemetrySourceOptions(BaseModel):
     @model_validator(mode="after")
     def _usable(self) -> Any:
         if self.pattern is not None:
-            from ulyssesd.remediation.log_telemetry import compile_pattern
-
             compile_pattern(self.pattern)  # PatternError (a ValueError) names what is missing
         if self.files is not None and "\x00" in self.files:
             raise ValueError("telemetry.files: a path may not contain a NUL byte")

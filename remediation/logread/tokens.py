@@ -21,6 +21,7 @@ its words, not by the framework that printed it:
 
 from __future__ import annotations
 
+import calendar
 import math
 import re
 from dataclasses import dataclass, field
@@ -200,3 +201,19 @@ def _field(f: LineFacts, words: list[str], value: float, unit: str) -> None:
         scale = 1e-3 if unit == "ms" or "ms" in words else 1.0
         if "s" in words or "sec" in words or unit in ("s", "sec", "ms") or "ms" in words or words[-1] in ("time",):
             f.fields.setdefault("step_time_s", value * scale)
+
+
+# A log line's own time: ISO-like `2024-05-01 12:00:03,123` / `[2024-05-01T12:00:03.1]` (UTC assumed).
+_TIMESTAMP = re.compile(r"\[?(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:[,.](\d+))?")
+
+
+def line_timestamp(line: str) -> float | None:
+    m = _TIMESTAMP.search(line)
+    if not m:
+        return None
+    y, mo, d, h, mi, s, frac = m.groups()
+    try:
+        base = calendar.timegm((int(y), int(mo), int(d), int(h), int(mi), int(s), 0, 0, 0))
+    except (ValueError, OverflowError):
+        return None
+    return base + (float("0." + frac) if frac else 0.0)

@@ -294,7 +294,7 @@ def test_ranks_lagging_behind_are_not_a_reset():
 
 
 def test_explicit_pattern_reads_wording_nothing_else_does():
-    from ulyssesd.remediation.log_telemetry import PatternError
+    from ulyssesd.remediation.logread.options import PatternError
 
     line = "E3 it#77 L=2.5 g=0.3"
     assert list(parse_log_lines([line])) == []
