@@ -475,17 +475,21 @@ def test_pending_rollback_survives_a_daemon_death_between_decision_and_relaunch(
     sup.start()
     job1 = sup.job
     _emit(sup, kind="event", event="started", step=0)
-    for s in (4, 8, 12, 16):
+    for s in (4, 8, 12):
         _steps(sup, s - 3, s)
         _make_tag(sup.ckpt_dir, s)
         _emit(sup, kind="event", event="checkpoint_saved", step=s, tag=f"step-{s:08d}", seconds=0.1, bytes=64)
+    _steps(sup, 13, 15)
     fos.advance(0.5)
-    _emit(sup, kind="step", step=17, loss="nan", step_time_s=0.5, samples=[16, 17])
+    # The NaN step's own save (taken after the onset) is poisoned: never the target, set aside on relaunch.
+    _emit(sup, kind="step", step=16, loss="nan", step_time_s=0.5, samples=[15, 16])
+    _make_tag(sup.ckpt_dir, 16)
+    _emit(sup, kind="event", event="checkpoint_saved", step=16, tag="step-00000016", seconds=0.1, bytes=64)
     sup.tick()
     assert sup.state == S.RESTARTING, sup.state
     act = next(a for a in sup.store.list_actions(run_id=sup.run_id) if a.kind.value == "rollback_skip")
     target = act.parameters["rollback_to_step"]
-    assert target is not None and target < 16  # the newest tag is past the known-good point
+    assert target is not None and target < 16  # the newest clean save before the NaN, not the poisoned one
     # The daemon dies here (the job, told to stop, is still up); a new daemon re-adopts the run.
     sup2 = _sup(tmp_path, fos, **spec)
     sup2.start()
