@@ -114,7 +114,7 @@ class SourceBand:
             anomalous = value > thr
             severe = anomalous and value >= self.severe_line()
         if not anomalous:
-            if self._level > 0 and value > 0 and len(recent) == recent.maxlen:
+            if self._level > 0 and 0 < value / self._level < math.inf and len(recent) == recent.maxlen:
                 self._resid.append(math.log(value / self._level))
             # A raw value joins the level's history once it leaves the smoothing window, so a lasting rise
             # does not lift its own level before it is judged.

@@ -381,7 +381,9 @@ class LossSpikeDetector(EpisodeDetector):
         if self._ready and self._median > 0 and loss > 0 and len(win) >= min(SIGMA_MIN_RECORDS, self.cfg.window):
             # Only against a trusted median (warm, a full-enough window): the first records' median of two
             # says nothing about the noise, and a falling early loss would widen it.
-            self._noise.append(math.log(loss / self._median))
+            ratio = loss / self._median
+            if 0 < ratio < math.inf:   # a denormal loss over a normal median underflows to 0
+                self._noise.append(math.log(ratio))
         win.append(loss)
         steps.append(step_in)
         span_limit = SPAN_FACTOR * self.cfg.window
