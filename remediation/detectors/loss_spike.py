@@ -50,11 +50,6 @@ class LossSpikeDetector(EpisodeDetector):
         self.modes: list[tuple[str, float]] = []  # (band name, log centre), ascending
         self._probe: deque[float] = deque(maxlen=max(cfg.window, 60))
         self._probe_age = 0
-        # The run's own noise in log space: log(loss / median) of every healthy value that joins the baseline,
-        # kept across restarts (a reset empties the window, not what the run taught about its noise). A loss
-        # whose per-step values routinely differ 20x is not "severe" at 1.5x its median.
-        self._noise: deque[float] = deque(maxlen=max(2 * cfg.window, 50))
-        self._noise_line = math.nan   # log-space centre + k robust sigmas of `_noise` (nan: too few yet)
         super().__init__(cfg)
 
     def reset(self) -> None:
@@ -196,22 +191,7 @@ class LossSpikeDetector(EpisodeDetector):
             # A few records (a short or sparse log): a MAD of 2-9 values says little about the noise. Use twice
             # the relative floor, and never less than the window's own spread above its maximum.
             self._threshold = max(med + 2 * rel * abs(med), vals[-1] + (vals[-1] - vals[0]))
-        noise = list(self._noise)
-        if len(noise) >= SIGMA_MIN_RECORDS:
-            centre = sorted(noise)[len(noise) // 2]
-            mad = sorted(abs(x - centre) for x in noise)[len(noise) // 2]
-            self._noise_line = max(0.0, centre) + self.cfg.loss_spike_mad * _MAD_TO_SIGMA * mad
         self._age = 0
-
-    def severe_line(self) -> float:
-        """The loss from which a spike is severe: `loss_spike_severe_rel` above the median, and beyond the
-        run's own noise (its learned log-space scale, k sigmas, like the band's threshold) once known (a
-        sparse log of a few records never learns it: the relative line alone, as a diverging 5-row curve needs)."""
-        med = self._median
-        line = med + self.cfg.loss_spike_severe_rel * abs(med)
-        if med > 0 and self._noise_line == self._noise_line:
-            line = max(line, med * math.exp(min(self._noise_line, 700.0)))
-        return line
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if not isinstance(rec, StepRecord):
@@ -334,7 +314,7 @@ class LossSpikeDetector(EpisodeDetector):
         if ready and loss > self._threshold:
             # Spikes stay out of the baseline so a multi-step spike keeps being measured against healthy data.
             # Severe: far above the band (a catastrophic jump); the engine's grace is shorter for these.
-            severe = loss >= self.severe_line()
+            severe = loss >= self._median + self.cfg.loss_spike_severe_rel * abs(self._median)
             if not self._ep.active:
                 # A noisy preset may ask a spike to persist before it is one (iid noise rarely repeats).
                 if self._run_start is None:
@@ -378,12 +358,6 @@ class LossSpikeDetector(EpisodeDetector):
             step_in, loss = self._lag.popleft()
         else:
             step_in = rec.step
-        if self._ready and self._median > 0 and loss > 0 and len(win) >= min(SIGMA_MIN_RECORDS, self.cfg.window):
-            # Only against a trusted median (warm, a full-enough window): the first records' median of two
-            # says nothing about the noise, and a falling early loss would widen it.
-            ratio = loss / self._median
-            if 0 < ratio < math.inf:   # a denormal loss over a normal median underflows to 0
-                self._noise.append(math.log(ratio))
         win.append(loss)
         steps.append(step_in)
         span_limit = SPAN_FACTOR * self.cfg.window

@@ -103,7 +103,8 @@ def test_hf_trainer_under_the_daemon_nan_rolls_back_and_completes(tmp_path):
     assert nan and nan[0].step >= 17, say
     attempts = sup.store.list_attempts(sup.run_id)
     resume = attempts[1].command[attempts[1].command.index("--resume") + 1]
-    assert resume == str(tmp_path / "hf-out" / "checkpoint-10")  # the newest known-good one, before the NaN
+    # A NaN's onset is exact: the newest save before it (not ~100 steps back, not the NaN step's own save).
+    assert resume == str(tmp_path / "hf-out" / "checkpoint-15")
     recs = [json.loads(x) for x in (sup.run_dir / "telemetry.jsonl").read_text().splitlines()]
     last = [r for r in recs if r["kind"] == "step" and r["attempt"] == attempts[-1].number]
     assert last[-1]["step"] == 40 and all(isinstance(r["loss"], float) and math.isfinite(r["loss"]) for r in last)

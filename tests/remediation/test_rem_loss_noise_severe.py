@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from ulyssesd.remediation.config import DetectorsConfig
 from ulyssesd.remediation.detectors.loss_band import SourceBand
 from ulyssesd.remediation.detectors.loss_spike import LossSpikeDetector
@@ -40,6 +42,7 @@ def _warm_detector(seed: int) -> tuple[LossSpikeDetector, random.Random]:
     return det, rng
 
 
+@pytest.mark.xfail(reason="the noise-gated severe line of loss_spike.py was reverted before release: with it an 8x loss for 30 steps in examples/deepspeed_attach went undetected (tests/client/test_daemon_command_stdout.py); issue 39, open", strict=False)
 def test_healthy_noisy_small_loss_is_never_severe_even_right_after_a_restart():
     for seed in range(5):
         det, rng = _warm_detector(seed)
@@ -48,6 +51,7 @@ def test_healthy_noisy_small_loss_is_never_severe_even_right_after_a_restart():
             [f.message for f in found]
 
 
+@pytest.mark.xfail(reason="the noise-gated severe line of loss_spike.py was reverted before release: with it an 8x loss for 30 steps in examples/deepspeed_attach went undetected (tests/client/test_daemon_command_stdout.py); issue 39, open", strict=False)
 def test_real_spike_at_the_same_small_level_is_severe():
     det, rng = _warm_detector(7)
     _feed(det, range(301, 321), [_noisy(rng) for _ in range(20)])
@@ -55,6 +59,7 @@ def test_real_spike_at_the_same_small_level_is_severe():
     assert found and found[0].evidence["severe"] and found[0].severity == "critical", [f.message for f in found]
 
 
+@pytest.mark.xfail(reason="the noise-gated severe line of loss_spike.py was reverted before release: with it an 8x loss for 30 steps in examples/deepspeed_attach went undetected (tests/client/test_daemon_command_stdout.py); issue 39, open", strict=False)
 def test_clean_run_keeps_the_relative_severe_line():
     """A run with little noise: its noise line is below `severe_rel`, so 2x the level is severe as before."""
     det = LossSpikeDetector(DetectorsConfig(warmup_steps=3))
