@@ -46,3 +46,23 @@ def run_detector(det, records: Iterable[Record]) -> list:
 def engine_job(spec: JobSpec) -> dict[str, Any]:
     """A JobSpec's values as the daemon hands them to the engine: the config dump and the resolved layer count."""
     return job_values(spec.model_dump(mode="json"), num_layers=spec.resolved_model().num_layers)
+
+
+def run_nan_with_checkpoint_events(nan_at: int, events_at: dict, n: int, seed: int, tag_fmt: str):
+    """A healthy run whose loss is NaN from `nan_at` on, with checkpoint events (`events_at[step]`: event names)
+    fed to a default engine after that step's record; returns (engine, decisions)."""
+    from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
+    from ulyssesd.remediation.engine import Decision, RemediationEngine
+    from ulyssesd.remediation.records import EventRecord
+
+    def nan_from(step, r):
+        if step >= nan_at:
+            r.loss = float("nan")
+
+    eng = RemediationEngine(DetectorsConfig(), RemediationConfig(), None)
+    items = []
+    for r in healthy(n, seed=seed, mutate=nan_from):
+        items.extend(eng.observe(r, r.time))
+        for name, step in events_at.get(r.step, []):
+            items.extend(eng.observe(EventRecord(name, step=step, fields={"tag": tag_fmt.format(step)}), r.time))
+    return eng, [i for i in items if isinstance(i, Decision)]

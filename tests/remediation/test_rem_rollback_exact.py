@@ -5,31 +5,18 @@ good work. A smoothed finding (a loss spike without per-source evidence) keeps t
 
 from __future__ import annotations
 
-from rem_helpers import healthy
+from rem_helpers import run_nan_with_checkpoint_events
 
-from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
-from ulyssesd.remediation.engine import Decision, RemediationEngine
 from ulyssesd.remediation.learned.engine_parts import exact_onset
-from ulyssesd.remediation.records import EventRecord
 
 
-def _run(nan_at: int, events_at: dict[int, list[EventRecord]], n: int):
-    def nan_from(step, r):
-        if step >= nan_at:
-            r.loss = float("nan")
-
-    eng = RemediationEngine(DetectorsConfig(), RemediationConfig(), None)
-    items = []
-    for r in healthy(n, seed=5, mutate=nan_from):
-        items.extend(eng.observe(r, r.time))
-        for ev in events_at.get(r.step, []):
-            items.extend(eng.observe(ev, r.time))
-    return eng, [i for i in items if isinstance(i, Decision)]
+def _run(nan_at: int, events_at: dict, n: int):
+    return run_nan_with_checkpoint_events(nan_at, events_at, n, seed=5, tag_fmt="step_{:06d}.pt")
 
 
-def _ev(name: str, step: int) -> EventRecord:
-    return EventRecord(name, step=step, fields={"tag": f"step_{step:06d}.pt"})
+def _ev(name: str, step: int) -> tuple[str, int]:
+    return name, step
 
 
 def test_nan_rolls_back_to_the_newest_clean_save_before_it():

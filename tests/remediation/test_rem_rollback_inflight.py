@@ -5,32 +5,17 @@ not step 0; a save taken after the NaN stays tainted."""
 
 from __future__ import annotations
 
-from rem_helpers import healthy
-
-from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
-from ulyssesd.remediation.engine import Decision, RemediationEngine
-from ulyssesd.remediation.records import EventRecord
+from rem_helpers import run_nan_with_checkpoint_events
 
 NAN_AT = 120
 
 
-def _nan_from(step, r):
-    if step >= NAN_AT:
-        r.loss = float("nan")
+def _run(events_at: dict, n: int = 130):
+    return run_nan_with_checkpoint_events(NAN_AT, events_at, n, seed=3, tag_fmt="step-{:08d}")
 
 
-def _run(events_at: dict[int, list[EventRecord]], n: int = 130):
-    eng = RemediationEngine(DetectorsConfig(), RemediationConfig(), None)
-    items = []
-    for r in healthy(n, seed=3, mutate=_nan_from):
-        items.extend(eng.observe(r, r.time))
-        for ev in events_at.get(r.step, []):
-            items.extend(eng.observe(ev, r.time))
-    return eng, [i for i in items if isinstance(i, Decision)]
-
-
-def _ev(name: str, step: int) -> EventRecord:
-    return EventRecord(name, step=step, fields={"tag": f"step-{step:08d}"})
+def _ev(name: str, step: int) -> tuple[str, int]:
+    return name, step
 
 
 def test_a_save_still_in_flight_at_the_nan_is_the_rollback_target():
