@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
+from uls_client_helpers import run_supervised  # noqa: E402
+
 from ulyssesd.daemon.host.process import RealOS
 from ulyssesd.daemon.spec import load_run_spec, run_spec_from_dict
 from ulyssesd.daemon.store import open_store
@@ -57,20 +60,7 @@ def command_spec(tmp: Path, args: list[str], job: dict | None = None, daemon: di
 
 
 def supervise(spec_path: Path, timeout: float = 120.0) -> tuple[Supervisor, list[str]]:
-    spec = load_run_spec(spec_path)
-    say: list[str] = []
-    sup = Supervisor(spec, open_store(spec.daemon.resolved_db_path()), RealOS(), say=say.append)
-    sup.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while sup.state not in DONE:
-            assert time.monotonic() < deadline, f"state={sup.state} step={sup.last_step}: {say[-10:]}"
-            sup.tick()
-            time.sleep(0.05)
-    finally:
-        if sup.job is not None:
-            sup.os.signal_pids(sup.os.job_pids(sup.job, sup.marker()), signal.SIGKILL)
-    return sup, say
+    return run_supervised(spec_path, timeout)   # the client tests' real-OS supervision loop
 
 
 def test_a_hang_that_keeps_printing_is_restarted_and_the_run_completes(tmp_path):
