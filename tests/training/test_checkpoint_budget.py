@@ -251,3 +251,65 @@ def test_iso_like_set_aside_times_are_recognised_and_ordered_with_unix_ones(tmp_
     assert cats(b)["set_aside"] == sorted([iso, unix_old, unix_new])
     assert sorted(e.name for e in b.doomed()) == sorted([iso, unix_old])      # the newest (2030) is kept
     assert [e.name for e in bd.room_order(b, include_in_flight=True)] == [unix_old, iso, unix_new]  # oldest first
+
+
+def _stale_budget_dir(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    """Tags 10, 20, 30 on a disk with half a tag free; the daemon's budget file, written before step 30 was saved,
+    still names step 10 as the newest known-good tag (the job saved and reached its next save before the
+    daemon's pass over that save)."""
+    root, run_dir = tmp_path / "ck", tmp_path / "run"
+    run_dir.mkdir()
+    for s in (10, 20, 30):
+        make_tag(root, s)
+    bd.write_budget_file(run_dir, bd.BudgetPolicy(keep_last=3), ["step-00000010"])
+    old = (root / "step-00000030" / ck.MANIFEST_NAME).stat().st_mtime - 5
+    os.utime(run_dir / bd.BUDGET_FILE, (old, old))
+    disk = SimDisk(root, capacity=3 * TAG + TAG // 2)
+    monkeypatch.setattr(ck, "bytes_free", disk)
+    return root, run_dir
+
+
+def test_a_save_that_outran_the_daemons_pass_waits_for_it_and_then_fits(tmp_path, monkeypatch):
+    import mmap
+    import threading
+
+    root, run_dir = _stale_budget_dir(tmp_path, monkeypatch)
+    with open(root / "step-00000020" / "state.bin", "rb") as fh:   # the running job resumed from step 20 (mmap)
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        # Without the daemon's next pass nothing may go: 10 is the newest known-good, 20 is held, 30 the newest.
+        skip = _room(tmp_path, run_dir, "step-00000040", daemon_pass_wait_s=0.3)
+        assert skip is not None and skip["removed"] == []
+        assert sorted(p.name for p in root.iterdir()) == ["step-00000010", "step-00000020", "step-00000030"]
+        # The daemon's pass (a moment later) confirms 20 and 30: step 10 is no longer the newest known-good.
+        t = threading.Timer(0.2, bd.write_budget_file, (run_dir, bd.BudgetPolicy(keep_last=3),
+                                                        ["step-00000010", "step-00000020", "step-00000030"]))
+        t.start()
+        try:
+            assert _room(tmp_path, run_dir, "step-00000040", daemon_pass_wait_s=30.0) is None
+        finally:
+            t.join()
+        assert sorted(p.name for p in root.iterdir()) == ["step-00000020", "step-00000030"]
+    finally:
+        mapped.close()
+
+
+def test_a_current_budget_is_not_waited_for_and_a_run_by_hand_never_waits(tmp_path, monkeypatch):
+    import logging
+
+    root, run_dir = _stale_budget_dir(tmp_path, monkeypatch)
+
+    def no_sleep(_s):
+        raise AssertionError("waited for the daemon's pass")
+
+    # Published after step 30 (current), with a margin no removal can make: skipped at once, nothing removed.
+    bd.write_budget_file(run_dir, bd.BudgetPolicy(keep_last=3, margin_bytes=10 * TAG), ["step-00000030"])
+    skip = bd.room_for_save(root, run_dir, "step-00000040", 3, under_daemon=True, log=logging.getLogger("t"),
+                            sleep=no_sleep)
+    assert skip is not None and skip["removed"] == [] and skip["margin_bytes"] == 10 * TAG
+    # Stale again, but no daemon: nothing to wait for.
+    old = (root / "step-00000030" / ck.MANIFEST_NAME).stat().st_mtime - 5
+    os.utime(run_dir / bd.BUDGET_FILE, (old, old))
+    skip = bd.room_for_save(root, run_dir, "step-00000040", 3, under_daemon=False, log=logging.getLogger("t"),
+                            sleep=no_sleep)
+    assert skip is not None

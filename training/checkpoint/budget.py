@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..durable import atomic_write_text
-from .files import DELETING_PREFIX, step_of_tag, validate_tag
+from .files import DELETING_PREFIX, MANIFEST_NAME, step_of_tag, validate_tag
 from .retention import remove_dir, tree_bytes
 
 CATEGORIES = ("newest_valid", "keep_last", "anchor", "in_flight", "set_aside", "surplus", "deleting", "other")
@@ -402,8 +403,51 @@ def describe_bytes(n: int | None) -> str:
 
 
 # ------------------------------------------------------------------------------------ the job's check
+#: How long a save that does not fit waits for the daemon's retention pass over the newest save (its budget file
+#: rewritten) before it is skipped: steps can be shorter than the daemon's reaction to a save (issue 33: <= 2 s).
+DAEMON_PASS_WAIT_S = 1.5
+
+
 def room_for_save(ckpt_dir: str | Path, run_dir: str | Path, tag: str, keep_last: int, *, under_daemon: bool,
-                  log: logging.Logger, predicted_bytes: int = 0) -> dict[str, Any] | None:
+                  log: logging.Logger, predicted_bytes: int = 0, daemon_pass_wait_s: float = DAEMON_PASS_WAIT_S,
+                  sleep: Callable[[float], None] = time.sleep,
+                  clock: Callable[[], float] = time.monotonic) -> dict[str, Any] | None:
+    """`_room_once`; when the save does not fit under a daemon whose published budget predates the newest tag (its
+    known-good list is stale: the job outran the daemon's pass after that save), wait up to `daemon_pass_wait_s`
+    for the daemon to publish again, then check once more."""
+    skip = _room_once(ckpt_dir, run_dir, tag, keep_last, under_daemon=under_daemon, log=log,
+                      predicted_bytes=predicted_bytes)
+    if skip is None or not under_daemon or daemon_pass_wait_s <= 0:
+        return skip
+    published_at = _mtime(Path(run_dir) / BUDGET_FILE)
+    newest = newest_tag_mtime(Path(ckpt_dir))
+    if published_at is None or newest is None or published_at >= newest:
+        return skip
+    deadline = clock() + daemon_pass_wait_s
+    while clock() < deadline:
+        sleep(0.05)
+        if (_mtime(Path(run_dir) / BUDGET_FILE) or 0.0) > published_at:
+            log.info("checkpoint %s did not fit; the daemon published its budget again: checking once more", tag)
+            return _room_once(ckpt_dir, run_dir, tag, keep_last, under_daemon=under_daemon, log=log,
+                              predicted_bytes=predicted_bytes)
+    return skip
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def newest_tag_mtime(root: Path) -> float | None:
+    """When the newest tag's manifest (written last, once its shards are durable) was written; None: none."""
+    stamps = [_mtime(p / MANIFEST_NAME) for p in root.glob("step-*") if step_of_tag(p.name) is not None]
+    return max((t for t in stamps if t is not None), default=None)
+
+
+def _room_once(ckpt_dir: str | Path, run_dir: str | Path, tag: str, keep_last: int, *, under_daemon: bool,
+               log: logging.Logger, predicted_bytes: int = 0) -> dict[str, Any] | None:
     """The job's check before every save, the first included (rank 0): None when the next tag plus the margin
     fits, after making room in `room_order`; else the fields of a `checkpoint_skipped` event. Under the daemon
     the policy, the known-good tags and the predicted tag size are the ones it publishes (BUDGET_FILE, written
