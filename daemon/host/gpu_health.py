@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ulyssesd.daemon.store.enums import Severity, Symptom
 
@@ -54,11 +54,11 @@ class GpuHealthConfig(BaseModel):
     """The `[gpu_health]` section of a run spec."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-    enabled: bool = Field(True, description="Check the GPUs through NVML before each launch and during the run.")
+    enabled: StrictBool = Field(True, description="Check the GPUs through NVML before each launch and during the run.")
     every_s: float = Field(30.0, ge=1, le=3600, description="Seconds between two checks during the run.")
     fault_xids: list[int] = Field(default_factory=list, description="More Xid codes that fail a GPU (beyond NVIDIA's catalog table in docs/DAEMON.md).")
     ignore_xids: list[int] = Field(default_factory=list, description="Xid codes that are not a GPU problem on this host (no warning, no failure).")
-    exclude_failed: bool = Field(True, description="Relaunch without a failed GPU (CUDA_VISIBLE_DEVICES lists the healthy ones); false = refuse the launch instead.")
+    exclude_failed: StrictBool = Field(True, description="Relaunch without a failed GPU (CUDA_VISIBLE_DEVICES lists the healthy ones); false = refuse the launch instead.")
 
 
 @dataclass
@@ -175,6 +175,7 @@ class GpuHealth:
         self.seen: set[tuple[str, str]] = set()     # (uuid, what) already reported
         self.last_read: float | None = None
         self.indices: dict[str, int] = {}           # uuid -> index at the last read
+        self.last: list[GpuReading] = []            # the last read's readings (for status and benches)
 
     def _open(self) -> bool:
         if not self.opened:
@@ -191,7 +192,7 @@ class GpuHealth:
             return []
         assert self.reader is not None
         self.last_read = now
-        readings = self.reader.read()
+        readings = self.last = self.reader.read()
         new: list[Problem] = []
         present = {r.uuid for r in readings}
         for uuid, first in self.first.items():
