@@ -221,6 +221,10 @@ class GpuHealth:
                 self.say(f"GPU health warning: {p.message}")
         return out
 
+    def poll(self, now: float) -> None:
+        """The daemon's scheduled check (every `every_s`); what it finds is reported and said."""
+        self.check(now)
+
     def tick(self, now: float) -> list[Problem]:
         """The periodic check, when `every_s` has passed since the last read."""
         if self.off is not None or (self.last_read is not None and now - self.last_read < self.cfg.every_s):
