@@ -15,7 +15,7 @@ through the same NVML reader every `--sample` s from this process and judges eac
                   gpu_failure incident was recorded on a GPU that trained to the end
 
     python bench/gpu_health_run.py --out $OUT/gpu_health [--config configs/gpt-1b-1xh200.toml --steps 400
-                                   --seq 16384 --ckpt-every 10 --every 5 --sample 2 --time-limit 540]
+                                   --seq 16384 --ckpt-every 50 --every 5 --sample 2 --time-limit 540]
 
 Needs nvidia-ml-py (`pip install 'ulyssesd[gpu]'` or `pip install nvidia-ml-py`).
 """
@@ -55,7 +55,7 @@ def main() -> int:
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "gpt-1b-1xh200.toml")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--seq", type=int, default=16384, help="train.seq_len (the issue's runs: 16K)")
-    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--ckpt-every", type=int, default=50, help="save interval (17 GB tags, keep_last 3: mind the disk)")
     ap.add_argument("--every", type=float, default=5.0, help="the daemon's [gpu_health] every_s")
     ap.add_argument("--sample", type=float, default=2.0, help="seconds between this script's own readings")
     ap.add_argument("--time-limit", type=float, default=540.0)
@@ -107,8 +107,12 @@ def main() -> int:
 
 def summarize(out: Path, store: dict, problems: list[Problem], samples: int, health: GpuHealth) -> None:
     readings = [json.loads(x) for x in (out / "readings.jsonl").read_text().splitlines() if x.strip()]
-    incidents = [i for i in store.get("incidents", []) if i.get("symptom") == "gpu_failure"]
-    runs = store.get("runs", [])
+    def rows(table: str) -> list[dict]:
+        got = store.get(table, [])
+        return got if isinstance(got, list) else []   # a table that could not be read: its error stays in store.json
+
+    incidents = [i for i in rows("incidents") if i.get("symptom") == "gpu_failure"]
+    runs = rows("runs")
     throttles = sorted({r.get("throttle", 0) for r in readings})
     clocks = [r["sm_clock_mhz"] for r in readings if r.get("sm_clock_mhz") is not None]
     temps = [r["temperature_c"] for r in readings if r.get("temperature_c") is not None]
