@@ -51,8 +51,9 @@ class HangDetector:
         self._last_step: int | None = None
         self._start_step = start_step   # the step the job said it starts from (its `started` event)
         self._phase = "startup"
-        self._announced: tuple[str, float] | None = None   # (kind, begin time) of announced work in progress
-        self._behind: tuple[str, float] | None = None      # announced work that steps went on behind (async save)
+        # (kind, begin time, step) of announced work in progress, and of work that steps went on behind (async save).
+        self._announced: tuple[str, float, int | None] | None = None
+        self._behind: tuple[str, float, int | None] | None = None
         self._fired = False
 
     def median(self) -> float | None:
@@ -92,12 +93,19 @@ class HangDetector:
         silent = now - self._last_progress
         return silent if silent > self.timeout()[0] else None
 
-    def _end_announced(self, kind: str, now: float) -> None:
-        """The end of `kind`: its duration (begin -> end) is measured, whether steps went on behind it or not."""
-        began = next((b for b in (self._announced, self._behind) if b is not None and b[0] == kind), None)
-        if began is not None and now >= began[1]:
+    def _end_announced(self, kind: str, now: float, step: int | None) -> None:
+        """The end of `kind`: its duration (begin -> end) is measured, whether steps went on behind it or not.
+        The end closes the begin of its step when it names one, else the older work (an async write behind)."""
+        open_ = [b for b in (self._behind, self._announced) if b is not None and b[0] == kind]
+        began = next((b for b in open_ if step is not None and b[2] == step), open_[0] if open_ else None)
+        if began is None:
+            return
+        if now >= began[1]:
             self.longest[kind] = max(self.longest.get(kind, 0.0), now - began[1])
-        self._announced = self._behind = None
+        if began is self._behind:
+            self._behind = None
+        else:
+            self._announced = None
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if isinstance(rec, StepRecord):
@@ -115,9 +123,9 @@ class HangDetector:
             if self._announced is not None:
                 self._behind, self._announced = self._announced, None
         elif rec.event in ANNOUNCED_BEGIN:
-            self._announced = (ANNOUNCED_BEGIN[rec.event], now)
+            self._announced = (ANNOUNCED_BEGIN[rec.event], now, rec.step)
         elif rec.event in ANNOUNCED_END:
-            self._end_announced(ANNOUNCED_END[rec.event], now)
+            self._end_announced(ANNOUNCED_END[rec.event], now, rec.step)
             if rec.event == "checkpoint_loaded":
                 self._phase = "startup"  # first step after a load still builds/warms up
         elif rec.event == "checkpoint_invalid":

@@ -187,3 +187,22 @@ def test_shipped_configs_keep_the_calibrated_hang_defaults(path):
     assert cfg.hang_timeout_floor_s + TICK_S <= BOUND_S
     # gpt-1b (1.2 s) and gpt-7b (3.3-4.7 s) steps: the step-based timeout stays under the bound.
     assert cfg.hang_step_multiplier * 4.7 * 1.05 + TICK_S <= BOUND_S
+
+
+def test_the_end_of_an_older_save_does_not_end_the_save_in_progress():
+    """A client whose new save begins before the previous async write ends: the old `checkpoint_saved` (its own
+    step) closes the old save; the new one stays announced (its first 10 s block is no hang)."""
+    det = HangDetector(DetectorsConfig(), start_time=0.0)
+    t = 0.0
+    for step in range(1, 21):
+        t += 1.2
+        det.observe(_step(step, t, 1.2), t)
+        if step == 10:
+            det.observe(EventRecord("checkpoint_saving", step=10), t)   # async: steps go on behind its write
+    det.observe(EventRecord("checkpoint_saving", step=20), t)
+    det.observe(EventRecord("checkpoint_saved", step=10), t + 1.0)     # the step-10 write ends now
+    assert det.longest["checkpoint save"] == pytest.approx(1.2 * 10 + 1.0)
+    assert "checkpoint save in progress" in det.timeout()[1]
+    assert det.check(t + 1.0 + 25.0) is None   # the step-20 save: 20 s + 2 x 13 s allowance
+    det.observe(EventRecord("checkpoint_saved", step=20), t + 30.0)
+    assert det.timeout()[1] == "training"
