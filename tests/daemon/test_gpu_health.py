@@ -238,3 +238,34 @@ def test_daemon_records_a_gpu_failure_and_relaunches_without_it(tmp_path, monkey
         sup.tick()
     assert len(fos.envs) == 2, (sup.state, said[-5:])
     assert fos.envs[1]["CUDA_VISIBLE_DEVICES"] == "1,2"
+
+
+def test_a_gpu_failing_before_the_first_launch_is_an_incident_and_the_launch_avoids_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    class EnvOS(FakeOS):
+        envs: list[dict] = []
+
+        def spawn(self, argv, env, cwd, log_path):
+            self.envs.append(dict(env))
+            return super().spawn(argv, env, cwd, log_path)
+
+    run = healthy_run(3)
+    for row in run:
+        row[0].remap_pending = True   # a row remap waits for a reset since before the daemon started
+    fos = EnvOS()
+    spec = load_run_spec(fake_spec(tmp_path, launcher={"kind": "torchrun", "nproc_per_node": 2}))
+    sup = Supervisor(spec, open_store(spec.daemon.resolved_db_path()), fos, gpu_reader=FakeReader(run))
+    sup.start()
+    inc = [sup.store.get_incident(i.id) for i in sup.store.list_incidents(sup.run_id)]
+    assert [(i.symptom.value, i.evidence["gpus"][0]["what"]) for i in inc] == [("gpu_failure", "remap_pending")]
+    assert fos.envs[0]["CUDA_VISIBLE_DEVICES"] == "1,2" and sup.state == RunState.STARTING
+    # Too few healthy GPUs for the launch: refused, FAILED, with the reason, and no job started.
+    (tmp_path / "b").mkdir()
+    spec4 = load_run_spec(fake_spec(tmp_path / "b", launcher={"kind": "torchrun", "nproc_per_node": 4}))
+    fos4 = EnvOS()
+    fos4.envs = []
+    sup4 = Supervisor(spec4, open_store(spec4.daemon.resolved_db_path()), fos4, gpu_reader=FakeReader(run))
+    sup4.start()
+    assert sup4.state == RunState.FAILED and fos4.envs == [] and sup4.job is None
+    assert "3 healthy GPU(s) left, the launch needs 4" in sup4.store.get_run(sup4.run_id).state_reason
