@@ -39,6 +39,7 @@ class UlyssesCallback(TrainerCallback):
         self.stop: GracefulStop | None = None
         self._t_last: float | None = None
         self._stopped_by_signal = False
+        self._eval_began: float | None = None   # an evaluation announced (`evaluating`) and not ended yet
 
     # ---------------------------------------------------------------------------------- hooks
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -89,6 +90,17 @@ class UlyssesCallback(TrainerCallback):
                 fields["tokens_per_s"] = self.tokens_per_step / fields["step_time_s"]
         fields.update(_cuda_memory())
         self.reporter.step(int(state.global_step), float(logs["loss"]), **fields)
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The first batch of an evaluation announces it: the daemon's hang timeout then allows for it.
+        if self._eval_began is None:
+            self._eval_began = time.time()
+            self.reporter.event("evaluating", int(state.global_step))
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        began, self._eval_began = self._eval_began, None
+        fields = {"seconds": round(time.time() - began, 3)} if began is not None else {}
+        self.reporter.event("evaluated", int(state.global_step), **fields)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not state.is_world_process_zero:

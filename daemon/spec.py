@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
+from ulyssesd.daemon.host.gpu_health import GpuHealthConfig
 from ulyssesd.daemon.telemetry.framework_files import file_source_problems
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.job import job_values
@@ -252,6 +253,7 @@ class DaemonSpec(_Section):
     daemon: DaemonSection = Field(default_factory=DaemonSection)
     restart: RestartSection = Field(default_factory=RestartSection)
     slurm: SlurmSection = Field(default_factory=SlurmSection)
+    gpu_health: GpuHealthConfig = Field(default_factory=GpuHealthConfig)
 
     @model_validator(mode="after")
     def _slurm_needs_srun(self) -> DaemonSpec:
@@ -275,6 +277,7 @@ class RunSpec(BaseModel):
     restart: RestartSection = Field(default_factory=RestartSection)
     slurm: SlurmSection = Field(default_factory=SlurmSection)
     job_section: JobSection = Field(default_factory=JobSection)
+    gpu_health: GpuHealthConfig = Field(default_factory=GpuHealthConfig)
 
 
 def _spec_sections() -> dict[str, type[BaseModel]]:

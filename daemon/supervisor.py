@@ -42,6 +42,7 @@ from ulyssesd.daemon.core.incident_log import IncidentLog, Position
 from ulyssesd.daemon.core.relaunch import Counters, Relaunch
 from ulyssesd.daemon.core.states import TERMINAL, TRANSITIONS, check_transition, transition_reason
 from ulyssesd.daemon.core.termination import UNREQUESTED, RankWatch, Termination, TerminationPlan, Then
+from ulyssesd.daemon.host import gpu_health
 from ulyssesd.daemon.host.logging import bind_run, get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle, OSInterface
 from ulyssesd.daemon.job import checkpoint_watch, slurm_supervise
@@ -71,7 +72,7 @@ class Supervisor:
                  say: Callable[[str], None] | None = None,
                  preflight: Callable[[dict[str, Any]], str | None] | None = None,
                  metrics: Any = None, alerts: Any = None,
-                 run_lock: Callable[[Path, str], None] | None = None) -> None:
+                 run_lock: Callable[[Path, str], None] | None = None, gpu_reader: Any = None) -> None:
         self.spec = spec
         # Takes the per-run supervisor lock (ulyssesd.daemon.host.locks) once the run is known; raises LockHeld.
         # None in in-process tests, which simulate a dead daemon by starting a second Supervisor.
@@ -85,6 +86,8 @@ class Supervisor:
         self.say = say or (lambda msg: None)
         # Every incident and action goes through here; it settles and verifies them (core/incident_log.py).
         self.incidents = IncidentLog(store, self._position, alert=self.alert, say=self.say)
+        self.gpu_health = gpu_health.build(spec.gpu_health, spec.launcher.kind, reader=gpu_reader, say=self.say,
+                                           report=gpu_health.incident_reporter(self.incidents))
         # The planner's check of a job config (None = fits, else why not); run before every relaunch with the
         # patched config, as cli.py runs it before the first launch. None: no preflight (CPU/command jobs, tests).
         self.preflight = preflight

@@ -65,9 +65,12 @@ class DetectorsConfig(_Section):
     drift_noise_factor: float = Field(6.0, gt=0, description="h is at least this × per-step variance / allowance (noisier step times need a longer drift).")
     drift_rank_share: float = Field(0.6, gt=0, le=1, description="A drift is attributed to a rank that was the slowest on at least this share of its records.")
     # --- hang
-    hang_timeout_floor_s: float = Field(60.0, gt=0, description="The hang timeout is never shorter than this.")
-    hang_step_multiplier: float = Field(10.0, gt=1, description="Hang timeout = max(floor, multiplier × p99 recent step time).")
-    hang_checkpoint_timeout_s: float = Field(1800.0, gt=0, description="Timeout while a checkpoint save/load is in progress (at least the step-based one).")
+    hang_timeout_floor_s: float = Field(20.0, gt=0, description="The hang timeout is never shorter than this.")
+    hang_step_multiplier: float = Field(5.0, gt=1, description="Hang timeout in training = max(floor, multiplier × the median time between step records, the margin below).")
+    hang_longest_gap_margin: float = Field(3.0, ge=1, description="...and at least this × the longest recent time between step records (a GC or a slow optimizer step).")
+    hang_phase_margin: float = Field(2.0, ge=1, description="Announced work (save, load, evaluation, data wait) adds this × its own longest measured duration in the run to the timeout.")
+    hang_checkpoint_timeout_s: float = Field(1800.0, gt=0, description="Timeout of a checkpoint save/load before the run has measured one (at least the step-based one).")
+    hang_phase_timeout_s: float = Field(1800.0, gt=0, description="Timeout of an announced evaluation or data wait before the run has measured one (at least the step-based one).")
     hang_startup_timeout_s: float = Field(1800.0, gt=0, description="Timeout from start until the first step record (model build, load).")
 
 

@@ -52,6 +52,8 @@ class Symptom(ParsedStrEnum):
     launch_failure = "launch_failure"
     #: The store's database was damaged, emptied or deleted; the incident says what was recovered and how.
     store_damaged = "store_damaged"
+    #: NVML found a GPU failing (Xid, ECC, remap, temperature, lost); the incident names it (daemon/host/gpu_health.py).
+    gpu_failure = "gpu_failure"
     #: A bug in the daemon's own loop (one tick step raised); the incident names the step and holds the traceback.
     internal_error = "internal_error"
 

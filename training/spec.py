@@ -28,7 +28,7 @@ else:  # Python 3.10
     import tomli as tomllib
 
 # Sections that belong to the daemon's part of a run spec; the job ignores them.
-DAEMON_SECTIONS = ("run", "launcher", "detectors", "remediation", "daemon", "slurm", "restart")
+DAEMON_SECTIONS = ("run", "launcher", "detectors", "remediation", "daemon", "slurm", "restart", "gpu_health")
 
 
 class SpecError(ValueError):

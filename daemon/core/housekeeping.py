@@ -288,6 +288,7 @@ def setup(sup: Supervisor) -> None:
         sup.scheduler.add("store_backup", d.backup_every_s, lambda: backup(sup))
     sup.scheduler.add("stale_attempt_sweep", d.sweep_every_s, lambda: sweep_stale_attempts(sup))
     sup.scheduler.add("status_summary", d.status_every_s, lambda: status_summary(sup))
+    sup.scheduler.add("gpu_health", sup.spec.gpu_health.every_s, lambda: sup.gpu_health.poll(sup.os.time()))
     sup.scheduler.start()
 
 

@@ -21,6 +21,7 @@ from ulyssesd.daemon.core import relaunch
 from ulyssesd.daemon.core.relaunch import Relaunch
 from ulyssesd.daemon.core.termination import RankWatch
 from ulyssesd.daemon.host import disk, disk_budget
+from ulyssesd.daemon.host.gpu_health import gpus_needed
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import JobHandle
 from ulyssesd.daemon.job import checkpoint_watch
@@ -208,6 +209,10 @@ def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, in
         if verdict is not None:
             sup.fail(f"preflight refused config v{sup.config_version}: {verdict}", symptom=Symptom.launch_failure)
             return False
+    gpu = sup.gpu_health.before_launch(sup.spec.launcher.env, gpus_needed(sup.spec.launcher), sup.os.time())
+    if gpu.stop_reason is not None:  # never onto a failed GPU (host/gpu_health.py)
+        sup.fail(gpu.stop_reason)
+        return False
     sup.attempt += 1
     # A fresh attempt reads control.json from scratch: neutral file (no keys = no change).
     jc.write_control(sup.run_dir, suspect=False)
@@ -215,6 +220,7 @@ def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, in
     if sup.launch_env:
         launcher = launcher.model_copy(update={"env": {**launcher.env, **{k: str(v) for k, v in sup.launch_env.items()
                                                                           if v is not None}}})
+    launcher = launcher.model_copy(update={"env": {**launcher.env, **gpu.env}}) if gpu.env else launcher
     if not command_job:  # the job checks every save, its first included, against this (docs/CHECKPOINT_DISK.md)
         try:
             disk_budget.publish_budget(sup)

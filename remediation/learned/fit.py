@@ -9,7 +9,8 @@ rate it targets) and clamped between a floor (never trigger-happy) and a ceiling
   fitted with an exponential (mean excess) and extrapolated to the target rate per step. A box whose step
   time follows its neighbours gets a higher ratio; a quiet GPU keeps the configured one (its floor).
 - throughput_drop_frac: the same for the tokens/s drop below its median over `throughput_persist_steps`.
-- hang_timeout_floor_s: from the longest healthy gap between two records (saves and evaluation included).
+- hang_timeout_floor_s: from the longest healthy silence between two records that no announced work explains
+  (a save, load, evaluation or data wait between its begin and end events has its own allowance, hang.py).
 - hang_checkpoint_timeout_s: from the longest save (checkpoint_saving -> checkpoint_saved).
 - hang_startup_timeout_s: from the run's own start-ups (process start -> first step record).
 - the loss bands fit themselves per source (loss_band.py); their fitted relative sigma is reported here.
@@ -26,11 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ulyssesd.remediation.config import DetectorsConfig
+from ulyssesd.remediation.detectors.hang import ANNOUNCED_BEGIN, ANNOUNCED_END
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
 # Bounds of the fitted values: a fit can make a detector neither blind nor trigger-happy.
 SLOW_RATIO_BOUNDS = (1.5, 10.0)
-HANG_FLOOR_BOUNDS_S = (60.0, 3600.0)
+HANG_FLOOR_CEILING_S = 3600.0   # the floor's lower bound is the configured floor
 CKPT_TIMEOUT_BOUNDS_S = (300.0, 3600.0)
 STARTUP_TIMEOUT_BOUNDS_S = (120.0, 7200.0)
 THROUGHPUT_DROP_CEILING = 0.9   # a throughput drop of 90 % is always found
@@ -95,6 +97,13 @@ def fit(records: Iterable[Record], cfg: DetectorsConfig, rate: float = 1e-5,
             name = rec.event
             if name.startswith("checkpoint_") or name == "control_applied":
                 skip_next = True
+            # Announced work is no silence: the gap runs up to its begin and starts again at its end.
+            if name in ANNOUNCED_BEGIN and rec.time is not None:
+                if prev_time is not None:
+                    longest_gap = max(longest_gap, rec.time - prev_time)
+                prev_time = None
+            elif name in ANNOUNCED_END and rec.time is not None:
+                prev_time = rec.time
             if name == "checkpoint_saving" and rec.time is not None:
                 saving_at = rec.time
             elif name == "checkpoint_saved" and rec.time is not None and saving_at is not None:
@@ -161,9 +170,10 @@ def fit(records: Iterable[Record], cfg: DetectorsConfig, rate: float = 1e-5,
                                                 f"{cfg.throughput_persist_steps} steps in a row",
                                                 "quantile_at_rate": q, "bounds": bounds}
     if longest_gap > 0:
-        out.values["hang_timeout_floor_s"] = round(_clamp(MARGIN * longest_gap, *HANG_FLOOR_BOUNDS_S), 1)
-        out.evidence["hang_timeout_floor_s"] = {"longest_gap_s": longest_gap, "margin": MARGIN,
-                                                "bounds": HANG_FLOOR_BOUNDS_S}
+        bounds = (cfg.hang_timeout_floor_s, max(cfg.hang_timeout_floor_s, HANG_FLOOR_CEILING_S))
+        out.values["hang_timeout_floor_s"] = round(_clamp(MARGIN * longest_gap, *bounds), 1)
+        out.evidence["hang_timeout_floor_s"] = {"longest_unannounced_gap_s": longest_gap, "margin": MARGIN,
+                                                "bounds": bounds}
     if longest_save > 0:
         out.values["hang_checkpoint_timeout_s"] = round(_clamp(MARGIN * 2 * longest_save, *CKPT_TIMEOUT_BOUNDS_S), 1)
         out.evidence["hang_checkpoint_timeout_s"] = {"longest_save_s": longest_save, "margin": 2 * MARGIN,

@@ -21,6 +21,9 @@ from pathlib import Path
 from ulyssesd.training import checkpoint as ck
 
 STEP_S = float(os.environ.get("FAKEJOB_STEP_S", "0.05"))
+SAVE_S = float(os.environ.get("FAKEJOB_SAVE_S", "0"))   # each save takes this long (announced: saving -> saved)
+EVAL_AT = {int(x) for x in os.environ.get("FAKEJOB_EVAL_AT", "").split(",") if x.strip()}
+EVAL_S = float(os.environ.get("FAKEJOB_EVAL_S", "0"))   # an evaluation after these steps (evaluating -> evaluated)
 
 
 def loss_at(step: int, lr_scale: float = 1.0) -> float:
@@ -76,6 +79,7 @@ class Job:
             return
         tag = ck.tag_for_step(step)
         self.emit(kind="event", event="checkpoint_saving", step=step, tag=tag)
+        time.sleep(SAVE_S)
         d = self.ckpt_dir / tag
         d.mkdir(parents=True, exist_ok=True)
         (d / "state.json").write_text(json.dumps({"step": step, "samples": samples}))
@@ -166,6 +170,10 @@ class Job:
                       samples=[start, end], config_version=self.args.config_version)
             if step % interval == 0 or step == steps:
                 self.save(step, loss, samples)
+            if step in EVAL_AT and self.rank == 0:
+                self.emit(kind="event", event="evaluating", step=step)
+                time.sleep(EVAL_S)
+                self.emit(kind="event", event="evaluated", step=step, seconds=EVAL_S)
         self.emit(kind="event", event="exiting", reason="completed", step=step)
         return 0
 

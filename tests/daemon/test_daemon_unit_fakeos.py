@@ -354,9 +354,11 @@ def test_observe_only_records_the_hang_and_touches_nothing(tmp_path):
 
 # ------------------------------------------------------------------------------------ rank watch
 def _training_six_steps(tmp_path):
-    """A supervisor (rank watch: 3 s grace, 1 s scans) whose attempt 1 has trained 6 steps."""
+    """A supervisor (rank watch: 3 s grace, 1 s scans) whose attempt 1 has trained 6 steps. The hang timeout
+    (10 s) is longer than the grace: the rank watch, not the hang detector, ends the attempt."""
     fos = FakeOS()
-    sup = _sup(tmp_path, fos, daemon={"rank_exit_grace_s": 3.0, "rank_watch_every_s": 1.0})
+    sup = _sup(tmp_path, fos, daemon={"rank_exit_grace_s": 3.0, "rank_watch_every_s": 1.0},
+               detectors={"hang_timeout_floor_s": 10.0})
     sup.start()
     _emit(sup, kind="event", event="started", step=0)
     _steps(sup, 1, 6)

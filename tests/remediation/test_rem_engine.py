@@ -229,11 +229,11 @@ def test_hang_via_tick():
     eng = RemediationEngine(job=JOB, start_time=0.0)
     recs = healthy(100, seed=6)
     _feed(eng, recs)
-    assert eng.tick(recs[-1].time + 30) == []
-    f, d = eng.tick(recs[-1].time + 61)
+    assert eng.tick(recs[-1].time + 15) == []   # ~1 s steps: the default 20 s floor is the timeout
+    f, d = eng.tick(recs[-1].time + 21)
     assert isinstance(f, Finding) and f.symptom == "hang"
     assert d.procedure == ("dump_stacks", "sigterm", "sigkill", "restart_latest") and d.apply == "restart_latest"
-    assert d.hot_control["dump_stacks"] is True and "no progress for 61 s" in d.reason
+    assert d.hot_control["dump_stacks"] is True and "no progress for 21 s" in d.reason
 
 
 def test_on_restart_same_attempt_is_counted_once():

@@ -179,8 +179,12 @@ def test_a_loss_of_exactly_zero_after_a_normal_loss_is_a_broken_loss():
 
 def test_hang_timeout_scales_with_the_log_interval():
     from ulyssesd.remediation.detectors.hang import HangDetector
-    # 18 s steps logged every 10 steps: 185 s between records is normal, not a hang (10 x 18 s would be).
+    from ulyssesd.remediation.records import EventRecord
+
+    # 18 s steps logged every 10 steps: 185 s between records is normal, not a hang (5 x 18 s would be). The job's
+    # `started` event says where it starts: the first record stands for its 10 steps too.
     det = HangDetector(DetectorsConfig(), start_time=0.0)
+    det.observe(EventRecord("started", step=0), 0.0)
     recs = [r for r in healthy(400, seed=2) if r.step % 10 == 0]
     t = 0.0
     for r in recs:
