@@ -75,7 +75,7 @@ class HangDetector:
             self._phase = "training" if self._last_step is not None else "startup"
         elif rec.event == "checkpoint_loaded":
             self._phase = "startup"  # first step after a load still builds/warms up
-        elif rec.event == "started":
+        elif rec.event in ("started", "inner_restart"):  # inner_restart: a launcher restarted the workers in-job
             self.reset(now)
         elif rec.event == "exiting":
             self._last_progress = None  # the job is leaving on its own: silence from here is not a hang

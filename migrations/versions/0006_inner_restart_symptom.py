@@ -1,0 +1,47 @@
+"""incidents.symptom gains 'inner_restart' (an inner launcher restarted the workers inside an attempt)
+
+Revision ID: 0006
+Revises: 0005
+Create Date: 2026-12-07
+
+torchrun --max-restarts and NVRx's ft_launcher restart a failed worker group themselves, inside one attempt
+of the daemon's. The daemon records each such restart as an incident of its own symptom, so that it is never
+read as a daemon restart, a crash, or a crash loop (docs/COEXISTENCE.md). The CHECK on incidents.symptom is
+recreated (batch: the table is rebuilt, rows kept); the partial unique index of 0005 is recreated with it.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0006"
+down_revision = "0005"
+branch_labels = None
+depends_on = None
+
+SYMPTOMS_0005 = ("memory_spike", "cuda_oom", "loss_spike", "loss_oscillation", "nan_loss", "overflow_storm",
+                 "slow_step", "straggler", "throughput_drop", "hang", "crash", "crash_loop", "no_progress",
+                 "checkpoint_corrupt", "disk_full", "launch_failure", "store_damaged", "internal_error")
+SYMPTOMS_0006 = (*SYMPTOMS_0005, "inner_restart")
+KEY = ("run_id", "attempt", "symptom", "step")
+NAME = "uq_incidents_run_id_attempt_symptom_step"
+NOT_INTERNAL = "symptom != 'internal_error'"
+
+
+def _set_symptom_check(values: tuple[str, ...]) -> None:
+    allowed = ", ".join(f"'{v}'" for v in values)
+    op.drop_index(NAME, table_name="incidents")
+    with op.batch_alter_table("incidents", recreate="always") as batch:
+        batch.drop_constraint(op.f("ck_incidents_symptom"), type_="check")
+        batch.create_check_constraint(op.f("ck_incidents_symptom"), f"symptom IN ({allowed})")
+    op.create_index(NAME, "incidents", list(KEY), unique=True, sqlite_where=sa.text(NOT_INTERNAL))
+
+
+def upgrade() -> None:
+    _set_symptom_check(SYMPTOMS_0006)
+
+
+def downgrade() -> None:
+    op.execute("DELETE FROM incidents WHERE symptom = 'inner_restart'")
+    _set_symptom_check(SYMPTOMS_0005)
