@@ -5,7 +5,6 @@ across sources and across a daemon restart (a real SQLite store), and the hang c
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
