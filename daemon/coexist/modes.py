@@ -139,8 +139,14 @@ def launcher_argv(mode: InnerRestarts, python: str) -> list[str]:
 
 
 def launcher_env(mode: InnerRestarts, env: dict[str, str]) -> dict[str, str]:
-    """torchrun says "will restart worker group" at INFO, which it prints only with LOGLEVEL=INFO (its default
-    is WARNING); ft_launcher prints INFO already. A LOGLEVEL the user set is kept."""
+    """The inner launcher's environment. torchrun says "will restart worker group" at INFO, which it prints only
+    with LOGLEVEL=INFO (its default is WARNING); ft_launcher prints INFO already. torchrun's workers share its
+    rendezvous TCPStore by default, and a restarted group reads the previous group's keys (gloo: "connectFullMesh
+    failed ... Connection refused", pytorch/pytorch#135712): TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each
+    group a store of its own. What the user set is kept."""
+    out: dict[str, str] = {}
     if mode.tool == "torchrun" and "LOGLEVEL" not in env:
-        return {"LOGLEVEL": "INFO"}
-    return {}
+        out["LOGLEVEL"] = "INFO"
+    if mode.on and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:
+        out["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return out

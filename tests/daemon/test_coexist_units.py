@@ -97,8 +97,10 @@ def test_launch_command_per_mode(tmp_path):
         return build_launch(lau, run_id="r", run_dir=tmp_path, attempt=1, config_version=1, base_env={})
     off = plan(launcher())
     assert "--max-restarts=0" in off.argv and "LOGLEVEL" not in off.env
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in off.env
     tr = plan(launcher(inner_restarts="torchrun", inner_max_restarts=2))
     assert "torch.distributed.run" in tr.argv and "--max-restarts=2" in tr.argv and tr.env["LOGLEVEL"] == "INFO"
+    assert tr.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     nv = plan(launcher(inner_restarts="nvrx", inner_hang="nvrx", inner_hang_timeout_s=45))
     assert "nvidia_resiliency_ext.fault_tolerance.launcher" in nv.argv and "--ft-rank-heartbeat-timeout=45" in nv.argv
     assert launcher_argv(resolve(launcher(inner_restarts="torchrun")), "py")[:3] == ["py", "-m", "torch.distributed.run"]
