@@ -20,12 +20,20 @@ _NVRX_HB_FLAGS = ("--ft-rank-heartbeat-timeout", "--ft-rank_heartbeat_timeout", 
 
 
 class LauncherLike(Protocol):
-    kind: str
-    extra_args: list[str]
-    inner_restarts: str
-    inner_max_restarts: int
-    inner_hang: str
-    inner_hang_timeout_s: float | None
+    """What of `[launcher]` (daemon/spec.py's LauncherSection) the modes read."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def extra_args(self) -> list[str]: ...
+    @property
+    def inner_restarts(self) -> str: ...
+    @property
+    def inner_max_restarts(self) -> int: ...
+    @property
+    def inner_hang(self) -> str: ...
+    @property
+    def inner_hang_timeout_s(self) -> float | None: ...
 
 
 @dataclass(frozen=True)
