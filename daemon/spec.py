@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
+from ulyssesd.daemon.coexist.modes import coexist_problems
 from ulyssesd.daemon.host.gpu_health import GpuHealthConfig
 from ulyssesd.daemon.telemetry.framework_files import file_source_problems
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
@@ -73,6 +74,18 @@ class LauncherSection(_Section):
     extra_args: list[str] = Field(default_factory=list, description="Extra launcher arguments, verbatim.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the ranks.")
     module: str = Field("ulyssesd.training", description="Python module each rank runs (tests swap in a fake job).")
+    # Restarts made inside one attempt by the launcher itself (docs/COEXISTENCE.md; daemon/coexist/).
+    inner_restarts: Literal["auto", "off", "torchrun", "nvrx"] = Field(
+        "auto", description="Who restarts failed workers inside an attempt: off = only the daemon; torchrun = torchrun "
+        "--max-restarts; nvrx = NVRx ft_launcher; auto = torchrun when extra_args carry --max-restarts > 0, nvrx when "
+        "they carry --ft-* flags, else off.")
+    inner_max_restarts: int = Field(2, ge=1, le=100, description="Worker-group restarts the inner launcher makes per "
+                                    "attempt before it gives up and the daemon takes over (its --max-restarts).")
+    inner_hang: Literal["daemon", "nvrx"] = Field(
+        "daemon", description="Who acts on a hang: the daemon (stack dumps, ends the attempt), or NVRx's rank "
+        "heartbeat monitor (the daemon waits past inner_hang_timeout_s before it acts itself).")
+    inner_hang_timeout_s: float | None = Field(None, gt=0, le=86400, description="inner_hang = 'nvrx': NVRx's rank "
+                                               "heartbeat timeout, passed to ft_launcher (--ft-rank-heartbeat-timeout).")
 
     @property
     def world_size(self) -> int:
@@ -337,6 +350,7 @@ def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
         if job.parallel.world_size is not None and job.parallel.world_size != launched:
             problems.append(f"parallel.world_size={job.parallel.world_size} does not match {where}={launched}")
         problems.extend(standby_problems(dspec.restart, dspec.launcher, job_section))
+        problems.extend(coexist_problems(dspec.launcher, dspec.detectors, dspec.restart.standby))
         problems.extend(file_source_problems(job.telemetry.source, dspec.detectors.hang_timeout_floor_s))
         sp = job.parallel.sequence_parallel_size
         if world % sp:

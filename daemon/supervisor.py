@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ulyssesd.daemon.coexist.watch import InnerRestartWatch
 from ulyssesd.daemon.core import commands, decisions, exits, housekeeping, startup, termination
 from ulyssesd.daemon.core import launch as launching
 from ulyssesd.daemon.core.files import _size
@@ -110,6 +111,7 @@ class Supervisor:
         self.pending_relaunch: Relaunch | None = None
         self.counters = Counters()
         self.standby = StandbyKeeper(spec.restart)  # the next attempt kept warm ([restart] standby)
+        self.inner = InnerRestartWatch.of(spec.launcher, store, lambda: self.run_id)  # in-job restarts (coexist/)
         self.events: collections.deque[tuple[str, Any]] = collections.deque()
         self.detach = False
         self.attempt_started_mono = 0.0
@@ -251,6 +253,8 @@ class Supervisor:
             # saves already on disk as rollback targets (job/checkpoint_watch.py).
             step("checkpoints", lambda: checkpoint_watch.tick(self, decisions.on_record))
             step("telemetry", lambda: decisions.read_telemetry(self))
+            step("inner_restarts", lambda: self.inner.tick(self.attempt, self.log_path, self.last_step or 0,
+                 self.incidents.incident, lambda r: decisions.on_record(self, r, self.os.time()), self.say))
             if self.engine is not None and self.term is None and self.state in (S.RUNNING, S.STARTING) \
                     and not health.failing:
                 step("engine", lambda: decisions.handle_outputs(self, self.engine.tick(self.os.time()),
@@ -262,7 +266,8 @@ class Supervisor:
         if self.job is not None and writes:
             step("exit_check", self._notice_exit)
         if self.job is not None and self.term is None and self.last_exiting is None and writes \
-                and self.state in (S.RUNNING, S.STARTING) and self.rank_watch.due(self.os.monotonic()):
+                and self.state in (S.RUNNING, S.STARTING) and self.rank_watch.due(self.os.monotonic()) \
+                and not self.inner.defers_rank_watch(self.attempt):
             step("rank_watch", self._watch_ranks)
         if self.state == S.BACKOFF and self.job is None and self.backoff_until is not None and writes \
                 and self.os.time() >= self.backoff_until:
@@ -345,7 +350,8 @@ class Supervisor:
         assert self.job is not None
         now = self.os.monotonic()
         self.term = Termination(reason=reason, plan=plan, started=now, grace_s=grace, dump_stacks=dump_stacks,
-                                log_offset=_size(self.log_path), on_stacks=on_stacks)
+                                log_offset=_size(self.log_path), on_stacks=on_stacks,
+                                with_launcher=self.inner.mode.on)  # an inner launcher must not restart them
         if dump_stacks and not (slurm_supervise.submit_mode(self) and slurm_supervise.request_stack_dumps(
                 self, self.term, self._stack_files(), now)):  # submit mode: through scancel --signal=USR1
             termination.request_stack_dumps(self.term, self.os, self.job, self.spec.launcher.module,

@@ -56,6 +56,9 @@ class Symptom(ParsedStrEnum):
     gpu_failure = "gpu_failure"
     #: A bug in the daemon's own loop (one tick step raised); the incident names the step and holds the traceback.
     internal_error = "internal_error"
+    #: An inner launcher (torchrun --max-restarts, NVRx ft_launcher) restarted the workers inside an attempt;
+    #: not a daemon restart (docs/COEXISTENCE.md).
+    inner_restart = "inner_restart"
 
 
 class Severity(ParsedStrEnum):

@@ -45,7 +45,10 @@ class FaultInjector:
 
     def __init__(self, faults: list[FaultSpec], rank: int, local_rank: int, attempt: int, seed: int,
                  device: torch.device, emit: Callable[..., None]):
-        self.faults = [f for f in faults if attempt in (f.attempts if f.attempts is not None else [1])]
+        # `restarts`: the launcher's own restarts inside one attempt (torchrun --max-restarts, NVRx ft_launcher).
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        self.faults = [f for f in faults if attempt in (f.attempts if f.attempts is not None else [1])
+                       and (f.restarts is None or restart in f.restarts)]
         self.rank, self.local_rank, self.seed, self.device, self.emit = rank, local_rank, seed, device, emit
         self._held: torch.Tensor | None = None
         self._held_until = -1

@@ -5,8 +5,7 @@ A run spec is one TOML file. The sections defined here describe the job itself; 
 The effective job config of each config version is this model dumped to JSON
 (`{run_dir}/configs/v{N}.json`), so everything here must round-trip through `model_dump(mode="json")`.
 
-Every field has a one-line doc; cross-field rules live in `JobSpec._cross_checks` and name both key paths
-in their message, e.g. `model.num_attention_heads=96 is not divisible by parallel.sequence_parallel_size=5`.
+Every field has a one-line doc; cross-field rules (`JobSpec._cross_checks`) name both key paths in their message.
 """
 
 from __future__ import annotations
@@ -315,6 +314,7 @@ class FaultSpec(_Section):
     steps: int = Field(1, ge=1, description="Duration in steps (loss_spike, slow_rank, memory_spike, lr_spike).")
     magnitude: float = Field(10.0, gt=0, description="Loss multiplier, LR multiplier (lr_spike), GiB held, or seconds slept, by kind.")
     attempts: list[int] | None = Field(None, description="Only on these attempt numbers (None = first attempt only).")
+    restarts: list[int] | None = Field(None, description="Only in these in-job restarts of an attempt (None = any).")
     corruption: Literal["truncate", "flip"] = Field(
         "truncate", description="corrupt_checkpoint: truncate a shard to half its size, or flip bytes (same size).")
 

@@ -7,12 +7,18 @@
 - `gather_step_stats`: ONE all_gather per step of a small float vector per rank, from which every rank
   learns the mean loss, the max step time / memory and which rank had them, and whether any rank wants
   to stop (SIGTERM seen) - so a slow or bloated rank anywhere shows in rank 0's stream.
+- `NvrxHeartbeat`: under NVRx's `ft_launcher` (docs/COEXISTENCE.md), every rank's heartbeat to its rank
+  monitor (FT_RANK_MONITOR_IPC_SOCKET): no heartbeat for `--ft-rank-heartbeat-timeout` seconds and the monitor
+  kills the rank and ft_launcher restarts the worker group. Outside ft_launcher it does nothing (no import).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -89,3 +95,31 @@ def gather_step_stats(loss: float, step_time_s: float, mem_max_gib: float, stop:
                      mem_max_allocated_gib=float(rows[m_rank, 2]), mem_max_rank=m_rank,
                      stop_requested=bool((rows[:, 3] > 0).any()),
                      extra=rows[:, 4:].sum(0).tolist() if extra is not None else None)
+
+
+RANK_MONITOR_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
+
+
+class NvrxHeartbeat:
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self.client: Any = None
+        if not (env if env is not None else os.environ).get(RANK_MONITOR_ENV):
+            return
+        try:
+            from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+        except ImportError as exc:  # ft_launcher is this package's own: a broken install, said plainly
+            raise RuntimeError(f"{RANK_MONITOR_ENV} is set (the job runs under NVRx's ft_launcher) but "
+                               f"nvidia_resiliency_ext cannot be imported in the ranks' Python: {exc}") from exc
+        self.client = RankMonitorClient()
+        self.client.init_workload_monitoring()
+
+    def beat(self) -> None:
+        """After each training step: the rank is alive and making progress."""
+        if self.client is not None:
+            self.client.send_heartbeat()
+
+    def close(self) -> None:
+        """A clean exit: the monitor stops watching (not a missed heartbeat)."""
+        if self.client is not None:
+            client, self.client = self.client, None
+            client.shutdown_workload_monitoring()

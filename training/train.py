@@ -31,7 +31,7 @@ from .planner.inputs import GPU_MEMORY_CAP_ENV
 from .scalars import ScalarWriter, check_monitor_dependencies, drop_unwritable_monitors, mfu, step_scalars
 from .spec import JobSpec, SpecError
 from .startup import STARTUP, init_process_group
-from .telemetry import TelemetryWriter, gather_step_stats, loss_by_source, memory_gib
+from .telemetry import NvrxHeartbeat, TelemetryWriter, gather_step_stats, loss_by_source, memory_gib
 from .train_checkpoints import EXIT_SAVE_FAILED, CheckpointLoadError, CheckpointSaveError, TrainerCheckpoints
 
 log = logging.getLogger("ulyssesd.training")
@@ -253,6 +253,8 @@ class Trainer(TrainerCheckpoints):
             raise
         finally:
             self.tele.close()
+            if getattr(self, "nvrx", None) is not None:
+                self.nvrx.close()
 
     def _run(self) -> int:
         spec = self.spec
@@ -272,7 +274,9 @@ class Trainer(TrainerCheckpoints):
         # `startup`: when each start-up phase ended, in seconds since this rank's process started (startup.py)
         self._event("started", world_size=self.world, sp=self.sp, dp=self.dp, config_version=self.config_version,
                     resumed_from=resumed_from, start_step=self.step, samples_seen=self.cursor.next_sample,
-                    device=str(self.device), dtype=spec.precision.dtype, startup=STARTUP.fields())
+                    device=str(self.device), dtype=spec.precision.dtype, startup=STARTUP.fields(),
+                    restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0))  # an inner launcher's
+        self.nvrx = NvrxHeartbeat()  # under NVRx's ft_launcher: its rank monitor's heartbeat (else nothing)
         tr = spec.train
         tokens_per_step = tr.micro_batch_size * tr.gradient_accumulation_steps * self.dp * tr.seq_len
         saved_at = self.step if resumed_from else -1
@@ -281,6 +285,7 @@ class Trainer(TrainerCheckpoints):
             step = self.step + 1
             stop = self._train_step(step, tokens_per_step)
             self.step = step
+            self.nvrx.beat()
             self.poll_saves()  # an async save whose manifest is durable is reported now, not at the next save
             if step % spec.checkpoint.interval_steps == 0 or (step == tr.steps and spec.checkpoint.save_at_end):
                 self._save()

@@ -101,6 +101,8 @@ def sync_known_good(sup: Supervisor) -> None:
 def on_record(sup: Supervisor, rec: Record, now: float) -> None:
     """One record of the running attempt: progress, the job's events, then the engine and its outputs."""
     track(sup, rec)
+    sup.inner.observe(sup.attempt, rec, step=sup.last_step or 0, incident=sup.incidents.incident, say=sup.say,
+                      feed_engine=lambda r: on_record(sup, r, now))  # an inner launcher's restart (daemon/coexist/)
     if isinstance(rec, StepRecord) or (isinstance(rec, EventRecord) and rec.event in ("started",)):
         sup.attempt_progress = sup.attempt_progress or isinstance(rec, StepRecord)
         if sup.state == S.STARTING:

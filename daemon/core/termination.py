@@ -101,6 +101,7 @@ class Termination:
     on_stacks: Callable[[str], None] | None = None
     stack_offsets: dict[str, int] = field(default_factory=dict)  # per-rank dump file -> size before SIGUSR1
     per_rank_stacks: dict[int, str] = field(default_factory=dict)  # what each rank wrote after SIGUSR1
+    with_launcher: bool = False  # SIGTERM the launcher with its ranks: one that restarts workers must not (coexist)
 
 
 def request_stack_dumps(t: Termination, os_: OSInterface, job: JobHandle, module: str,
@@ -147,7 +148,7 @@ def advance(t: Termination, os_: OSInterface, job: JobHandle, module: str, marke
             t.on_stacks(stacks)
     if t.termed_at is None:
         ranks = os_.rank_pids(job, module, marker)
-        targets = ranks or [p for p in os_.job_pids(job, marker) if p != job.pid]
+        targets = ranks if ranks and not t.with_launcher else [p for p in os_.job_pids(job, marker) if p != job.pid]
         sent = os_.signal_pids(targets, signal.SIGTERM)
         t.termed_at = now
         say(f"  SIGTERM -> {sent} ({t.reason}); SIGKILL after {t.grace_s:.0f}s")

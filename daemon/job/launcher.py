@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ulyssesd.daemon.coexist import modes as coexist
 from ulyssesd.daemon.spec import LauncherSection
 
 JOB_MARKER_ENV = "ULYSSESD_JOB_ID"
@@ -93,8 +94,9 @@ def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attem
     if kind == "local":
         cmd = direct
     elif kind == "torchrun":
-        cmd = [python, "-m", "torch.distributed.run", f"--nnodes={launcher.nnodes}",
-               f"--nproc-per-node={launcher.nproc_per_node}", "--max-restarts=0"]
+        # torchrun, or NVRx's ft_launcher, with the inner restarts of [launcher] inner_restarts (daemon/coexist/).
+        cmd = [*coexist.launcher_argv(coexist.resolve(launcher), python), f"--nnodes={launcher.nnodes}",
+               f"--nproc-per-node={launcher.nproc_per_node}"]
         if launcher.nnodes == 1 and not launcher.rdzv_endpoint:
             port = launcher.master_port or free_port()
             cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}-{attempt}"]
@@ -125,6 +127,8 @@ def build_launch(launcher: LauncherSection, *, run_id: str, run_dir: Path, attem
     marker = job_marker(run_id, run_dir, attempt)
     env = dict(base_env if base_env is not None else os.environ)
     env.update(launcher.env)
+    if kind == "torchrun":
+        env.update(coexist.launcher_env(coexist.resolve(launcher), env))
     env.update({
         "ULYSSESD_RUN_DIR": str(run_dir),
         "ULYSSESD_ATTEMPT": str(attempt),

@@ -129,8 +129,9 @@ class Attempt(Base):
     diagnosis_evidence: Mapped[list[Any] | dict[str, Any] | None] = mapped_column(JSON)
 
 
-#: The rows the incidents' unique key covers (a partial index): every symptom but the guard's internal errors.
-INCIDENT_KEY_WHERE = "symptom != 'internal_error'"
+#: The rows the incidents' unique key covers (a partial index): every symptom but the guard's internal errors and
+#: inner launchers' restarts (several can share a step; each is keyed by its ordinal, daemon/coexist/).
+INCIDENT_KEY_WHERE = "symptom NOT IN ('internal_error', 'inner_restart')"
 
 
 class Incident(Base):

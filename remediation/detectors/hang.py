@@ -130,7 +130,7 @@ class HangDetector:
                 self._phase = "startup"  # first step after a load still builds/warms up
         elif rec.event == "checkpoint_invalid":
             self._announced = self._behind = None  # a tag set aside ends the work on it; nothing measured
-        elif rec.event == "started":
+        elif rec.event in ("started", "inner_restart"):  # inner_restart: a launcher restarted the workers in-job
             self.reset(now, rec.step)
         elif rec.event == "exiting":
             self._last_progress = None  # the job is leaving on its own: silence from here is not a hang

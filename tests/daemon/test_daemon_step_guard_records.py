@@ -136,4 +136,4 @@ def test_the_store_keeps_internal_errors_apart_and_still_deduplicates_the_rest(t
             conn.execute("INSERT INTO incidents (run_id, attempt, step, symptom, severity, summary, evidence, status,"
                          " detected_at, updated_at) VALUES ('r', 1, 7, 'internal_error', 'critical', '', '{}', "
                          "'open', '2026-01-01', '2026-01-01')")
-    assert upgrade_to_head(db) == "0006"
+    assert upgrade_to_head(db) == "0007"

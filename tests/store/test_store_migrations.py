@@ -49,14 +49,14 @@ def drift(db: Path, metadata: sa.MetaData) -> list:
 
 
 def test_empty_to_head_creates_every_table(db_path):
-    assert head_revision() == "0006"
-    assert upgrade_to_head(db_path) == "0006"
+    assert head_revision() == "0007"
+    assert upgrade_to_head(db_path) == "0007"
     assert tables(db_path) == APP_TABLES | {"alembic_version"}
-    assert current_revision(db_path) == "0006"
+    assert current_revision(db_path) == "0007"
     with sqlite3.connect(db_path) as c:
         assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     # Idempotent: a second daemon start is a no-op.
-    assert upgrade_to_head(db_path) == "0006"
+    assert upgrade_to_head(db_path) == "0007"
 
 
 def test_head_to_base_to_head(db_path):
@@ -66,6 +66,14 @@ def test_head_to_base_to_head(db_path):
         st.record_incident("r", attempt=0, symptom="store_damaged", step=0)
         st.record_incident("r", attempt=0, symptom="crash", step=0)
         st.record_incident("r", attempt=0, symptom="internal_error", step=0)
+        st.record_incident("r", attempt=0, symptom="inner_restart", step=0)
+        st.record_incident("r", attempt=0, symptom="inner_restart", step=0)  # two in-job restarts at one step
+    with sqlite3.connect(db_path) as c:
+        assert [r[0] for r in c.execute("SELECT COUNT(*) FROM incidents WHERE symptom = 'inner_restart'")] == [2]
+    assert downgrade(db_path, "0005") == "0005"
+    with sqlite3.connect(db_path) as c:  # 0007's downgrade drops the inner restarts, keeps the rest
+        assert sorted(r[0] for r in c.execute("SELECT symptom FROM incidents")) == [
+            "crash", "internal_error", "store_damaged"]
     assert downgrade(db_path, "0003") == "0003"
     with sqlite3.connect(db_path) as c:
         assert sorted(r[0] for r in c.execute("SELECT symptom FROM incidents")) == ["crash", "store_damaged"]
@@ -80,7 +88,7 @@ def test_head_to_base_to_head(db_path):
     assert "checkpoints" not in tables(db_path)
     assert downgrade(db_path, "base") is None
     assert tables(db_path) == {"alembic_version"}
-    assert upgrade_to_head(db_path) == "0006"
+    assert upgrade_to_head(db_path) == "0007"
     assert tables(db_path) == APP_TABLES | {"alembic_version"}
     assert drift(db_path, Base.metadata) == []
 
@@ -102,7 +110,7 @@ def test_first_revision_with_data_upgrades_to_head_intact(db_path):
                   "applied_at, outcome) VALUES ('old', 1, 'rollback_skip', '{}', '{}', 'restart', 0, ?, 'pending')",
                   (ts,))
 
-    assert upgrade_to_head(db_path) == "0006"
+    assert upgrade_to_head(db_path) == "0007"
 
     with open_store(db_path, readonly=True) as st:
         run = st.get_run("old")
@@ -183,9 +191,9 @@ def test_alembic_does_not_touch_logging(db_path):
 def test_db_cli_functions(db_path):
     with pytest.raises(NoDatabaseError, match=r"no database at .*ulyssesd\.db — has ulyssesd run\?"):
         db_current(db_path)
-    assert db_upgrade(db_path) == "0006"
-    assert db_current(db_path) == "0006"
-    assert db_status(db_path) == {"path": str(db_path.resolve()), "current": "0006", "head": "0006",
+    assert db_upgrade(db_path) == "0007"
+    assert db_current(db_path) == "0007"
+    assert db_status(db_path) == {"path": str(db_path.resolve()), "current": "0007", "head": "0007",
                                   "up_to_date": True}
 
 
@@ -195,7 +203,7 @@ def test_readonly_open_refuses_old_or_empty_schema(db_path):
     with pytest.raises(NoDatabaseError, match="has no schema yet"):
         open_store(db_path, readonly=True)
     upgrade(db_path, "0001")
-    with pytest.raises(SchemaMismatchError, match=r"revision 0001, this code expects 0006: run `ulyssesctl db upgrade`"):
+    with pytest.raises(SchemaMismatchError, match=r"revision 0001, this code expects 0007: run `ulyssesctl db upgrade`"):
         open_store(db_path, readonly=True)
     # The writer (daemon start) upgrades, after which readers are fine.
     open_store(db_path).close()

@@ -84,7 +84,7 @@ class IncidentsRepository(StoreBase):
     ) -> tuple[int, bool]:
         """Insert-or-ignore on (run_id, attempt, symptom, step): (id, created), where created=False means it
         was already recorded (e.g. replayed telemetry after re-adoption) and must not trigger a second
-        remediation. An `internal_error` is always inserted (the step guard deduplicates its own). `step` is the step the symptom was seen at (the last telemetry step for crashes; 0 if
+        remediation. An `internal_error` or `inner_restart` is always inserted (the step guard, the coexist watch deduplicate their own). `step` is the step the symptom was seen at (the last telemetry step for crashes; 0 if
         none). `record_incident` is the same call answering only the id."""
         sym = parse_enum(Symptom, symptom)
         now = to_utc(detected_at)
