@@ -29,6 +29,7 @@ from .faults import FaultInjector
 from .model.gpt import GPT
 from .planner.inputs import GPU_MEMORY_CAP_ENV
 from .recovery.in_process import InProcessRecovery, StepDropped
+from .recovery.save_gate import DeferredSaves
 from .scalars import ScalarWriter, check_monitor_dependencies, drop_unwritable_monitors, mfu, step_scalars
 from .spec import JobSpec, SpecError
 from .startup import STARTUP, init_process_group
@@ -98,7 +99,7 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     return groups
 
 
-class Trainer(InProcessRecovery, TrainerCheckpoints):
+class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
     def __init__(self, spec: JobSpec, run_dir: Path, attempt: int, config_version: int | None):
         self.spec, self.run_dir, self.attempt, self.config_version = spec, run_dir, attempt, config_version
         self.stop_signal = False
@@ -290,7 +291,7 @@ class Trainer(InProcessRecovery, TrainerCheckpoints):
             disk_due = step % spec.checkpoint.interval_steps == 0 or (step == tr.steps and spec.checkpoint.save_at_end)
             if self._memory_snapshot_due(step, disk_due):
                 self._memory_snapshot(disk_due)   # the host tier first; the disk copy is written behind it
-            if disk_due:
+            if self._save_now(step, disk_due, final=step == tr.steps or stop):   # may defer a save that would block
                 self._save()
                 saved_at = step
             if stop:

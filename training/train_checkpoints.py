@@ -80,6 +80,7 @@ class TrainerCheckpoints:
     _async_waited_s = 0.0    # seconds the save in flight waited for the previous one's write (back-pressure)
     _pool_prepared = False   # the writer's snapshot pool was planned (first poll of the attempt)
     _pool_reported = False   # its `snapshot_pool_ready` event was sent
+    _save_gate_fields: dict[str, Any] = {}  # noqa: RUF012 - set by DeferredSaves, read once by _save
     preload: Any = None  # a warm standby's training.standby.Preload (set by __main__), used once by _resume
 
     def _event(self, name: str, **fields: Any) -> None:
@@ -210,7 +211,7 @@ class TrainerCheckpoints:
     def _save(self) -> None:
         tag = ckpt.tag_for_step(self.step)
         tag_dir = self.ckpt_dir / tag
-        due: dict[str, Any] = {}
+        due, self._save_gate_fields = dict(self._save_gate_fields), {}   # the save gate's (recovery/save_gate.py)
         if self.spec.checkpoint.async_save:
             # One save in flight: the previous one must be durable (or its failure agreed on) first. Training
             # stands still meanwhile, so the wait is this save's blocked time too (back-pressure, reported).

@@ -58,6 +58,7 @@ class InProcessRecovery:
     tele: Any
     preload: Any
     _tier: HostTier | None = None
+    _save_due_step: int | None = None
     _in_process_restarts = 0
 
     # Provided by Trainer / TrainerCheckpoints (annotations only: this class comes first in the MRO).
@@ -170,6 +171,7 @@ class InProcessRecovery:
         tier = self._tier
         assert tier is not None
         self._in_process_restarts += 1
+        self._save_due_step = None   # a save deferred on the abandoned steps is due again when they are redone
         if self.loader is not None:   # its thread built batches from the abandoned cursor
             self.loader.close()
             self.loader = None
