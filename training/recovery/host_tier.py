@@ -51,7 +51,7 @@ def _tensor_pieces(obj: Any) -> list[memoryview]:
             t = x.detach()
             if t.numel() == 0:
                 return
-            raw = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            raw = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
             for off in range(0, len(raw), CRC_PIECE_BYTES):
                 pieces.append(raw[off:off + CRC_PIECE_BYTES])
         elif isinstance(x, dict):
