@@ -119,7 +119,7 @@ def main() -> int:
     base = job_dict(args)
     base.setdefault("train", {}).update(steps=args.steps)
     base["checkpoint"] = {**base.get("checkpoint", {}), "interval_steps": 10, "save_at_end": False, "keep_last": 2,
-                          "async_save": True, "memory_tier": True, "in_process_restart": True,
+                          "async_save": True, "save_defer_max_steps": 5, "memory_tier": True, "in_process_restart": True,
                           "memory_interval_steps": args.memory_interval}
     result: dict[str, Any] = {"args": vars(args), "runs": {}}
     walls: dict[str, float] = {}

@@ -1,4 +1,4 @@
-"""In-process restart from the host-memory tier with the real 2-rank job (torchrun, gloo, DeepSpeed ZeRO-3 +
+"""In-process restart from the host-memory tier, and the save gate, with the real 2-rank job (torchrun, gloo, DeepSpeed ZeRO-3 +
 Ulysses, CPU): an exception in a step is dropped and the run goes on in the same processes with the losses of
 an uninterrupted run; a NaN rolls back to a memory-only snapshot with no disk read; a fault the tier cannot
 serve takes the usual path and says so."""
@@ -11,6 +11,7 @@ import pytest
 from train_job_helpers import launch, tiny_spec
 
 from ulyssesd.training import checkpoint as ckpt
+from ulyssesd.training.train_checkpoints import ASYNC_WRITE_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -76,3 +77,24 @@ def test_a_nan_before_any_snapshot_takes_the_usual_path_and_says_why(tmp_path: P
     (ev,) = run.events("in_process_restart")
     assert ev["path"] == "fallback" and "no snapshot in host memory" in ev["fallback_reason"]
     assert run.steps()[1]["loss"] == "nan"   # recorded as usual: the daemon's detectors act on it
+
+
+def test_an_async_save_due_while_the_previous_still_writes_moves_later_within_its_budget(tmp_path: Path):
+    # Each shard write sleeps 5 s first: step-2's write outlasts the next two steps by far, so the save due at
+    # step 4 finds it still running and moves (at most 2 steps); then it is taken as it is.
+    spec = tiny_spec(train={"steps": 8}, checkpoint={"async_save": True, "interval_steps": 2, "keep_last": 5,
+                                                      "save_defer_max_steps": 2})
+    run = launch(spec, tmp_path, env={ASYNC_WRITE_DELAY_ENV: "5"}, timeout=400)
+    assert run.returncode == 0, run.output[-3000:]
+    saving = run.events("checkpoint_saving")
+    assert saving[0]["tag"] == "step-00000002" and saving[0]["staging"] == "memory"   # CPU tensors: plain memory
+    deferred = run.events("checkpoint_deferred")
+    assert deferred and deferred[0]["due_step"] == 4 and "still being written" in deferred[0]["why"]
+    for e in saving:   # every moved save says from where and by how much, within the budget
+        if "deferred_steps" in e:
+            assert 1 <= e["deferred_steps"] <= 2 and e["step"] == e["due_step"] + e["deferred_steps"], e
+            assert e["tag"] == f"step-{e['step']:08d}"
+    moved = [e for e in saving if e.get("due_step") == 4]
+    assert len(moved) == 1 and moved[0]["step"] in (5, 6)
+    # Nothing lost: every save that was started is durable and reported.
+    assert [e["tag"] for e in run.events("checkpoint_saved")] == [e["tag"] for e in saving]

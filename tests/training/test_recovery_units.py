@@ -92,4 +92,5 @@ def test_recovery_options_are_validated_with_the_key_named(ck: dict, needle: str
 
 def test_recovery_options_default_off() -> None:
     cs = job_spec_from_dict({}).checkpoint
-    assert (cs.memory_tier, cs.memory_interval_steps, cs.in_process_restart) == (False, 0, False)
+    assert (cs.memory_tier, cs.memory_interval_steps, cs.in_process_restart, cs.save_defer_max_steps) == \
+        (False, 0, False, 0)

@@ -20,10 +20,11 @@ class RecoveryOptions(BaseModel):
     in_process_max_restarts: int = Field(3, ge=1, le=100, strict=True,
                                          description="In-process restarts per attempt; the next fault takes the "
                                          "usual path (crash / the daemon's rollback).")
-    save_defer_max_steps: int = Field(5, ge=0, le=10_000, strict=True,
+    save_defer_max_steps: int = Field(0, ge=0, le=10_000, strict=True,
                                       description="Async saves: a save due while its snapshot memory is not ready "
                                       "(or the previous write still runs) moves up to N steps later instead of "
-                                      "blocking; then it is taken as it is (0: never deferred).")
+                                      "blocking; then it is taken as it is (0: never deferred, the saves keep "
+                                      "their steps).")
 
     @model_validator(mode="after")
     def _needs_tier(self) -> RecoveryOptions:
