@@ -55,6 +55,7 @@ class FaultInjector:
         self.extra_mem_gib = 0.0  # CPU: the simulated part of a memory spike, added to memory telemetry
         self._save_fired: set[int] = set()
         self._write_fault_step: dict[int, int] = {}  # write fault index -> the save step it fires on
+        self.replayed_through = 0  # steps up to here are replays after an in-process restart (no fault again)
 
     def _rolls(self, idx: int, f: FaultSpec, step: int) -> bool:
         if f.probability >= 1.0:
@@ -62,6 +63,8 @@ class FaultInjector:
         return random.Random(hash((self.seed, idx, step)) & 0xFFFFFFFF).random() < f.probability
 
     def _due(self, idx: int, f: FaultSpec, step: int) -> bool:
+        if step <= self.replayed_through:
+            return False   # a step replayed after an in-process restart: its faults already fired
         if f.at_step is None:
             return self._rolls(idx, f, step)
         if f.kind in _DURATION_KINDS:

@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from ulyssesd.remediation.logread.options import TelemetrySourceOptions
 
+from .recovery.options import RecoveryOptions
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10
@@ -246,16 +248,14 @@ class DataSpec(_Section):
 
 
 # ----------------------------------------------------------------------------------- checkpoint
-class CheckpointSpec(_Section):
+class CheckpointSpec(RecoveryOptions, _Section):  # + memory_tier, memory_interval_steps, in_process_*, save_defer_max_steps
     dir: str | None = Field(None, description="Checkpoint root; default {run_dir}/checkpoints.")
     interval_steps: int = Field(50, ge=1, description="Save every N steps (and at the end / on SIGTERM).")
     keep_last: int = Field(3, ge=1, description="Retention keeps the last K valid tags plus known-good anchors.")
     load: str = Field("latest", description="'latest' (newest valid), 'none', or an explicit tag such as step-00000100.")
     verify_checksums: StrictBool = Field(True, description="Check manifest sha256 of every file on load.")
-    verify_threads: int | None = Field(None, ge=1, le=64, description="Threads hashing the checkpoint at load "
-                                       "(chunk by chunk); default min(CPU cores, 8).")
-    save_at_end: StrictBool = Field(True, description="Save when the last step completes (benchmarks turn it off: "
-                                                "a 7B ZeRO-3 checkpoint is ~96 GB of writes).")
+    verify_threads: int | None = Field(None, ge=1, le=64, description="Threads hashing at load; default min(cores, 8).")
+    save_at_end: StrictBool = Field(True, description="Save when the last step completes (benchmarks: off).")
     async_save: StrictBool = Field(False, description="Snapshot shards to host memory and write them in a background "
                              "thread while training goes on (one save in flight); the manifest is committed only "
                              "when every rank's shards are durable.")

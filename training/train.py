@@ -28,6 +28,8 @@ from .ds_config import build_ds_config
 from .faults import FaultInjector
 from .model.gpt import GPT
 from .planner.inputs import GPU_MEMORY_CAP_ENV
+from .recovery.in_process import InProcessRecovery, StepDropped
+from .recovery.save_gate import DeferredSaves
 from .scalars import ScalarWriter, check_monitor_dependencies, drop_unwritable_monitors, mfu, step_scalars
 from .spec import JobSpec, SpecError
 from .startup import STARTUP, init_process_group
@@ -97,7 +99,7 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     return groups
 
 
-class Trainer(TrainerCheckpoints):
+class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
     def __init__(self, spec: JobSpec, run_dir: Path, attempt: int, config_version: int | None):
         self.spec, self.run_dir, self.attempt, self.config_version = spec, run_dir, attempt, config_version
         self.stop_signal = False
@@ -283,11 +285,18 @@ class Trainer(TrainerCheckpoints):
         while self.step < tr.steps:
             self._poll_control()
             step = self.step + 1
-            stop = self._train_step(step, tokens_per_step)
+            try:
+                stop = self._train_step(step, tokens_per_step)
+            except StepDropped as drop:   # every rank: restore the host tier, or raise (the usual path)
+                self._restart_in_process(drop)
+                continue
             self.step = step
             self.nvrx.beat()
             self.poll_saves()  # an async save whose manifest is durable is reported now, not at the next save
-            if step % spec.checkpoint.interval_steps == 0 or (step == tr.steps and spec.checkpoint.save_at_end):
+            disk_due = step % spec.checkpoint.interval_steps == 0 or (step == tr.steps and spec.checkpoint.save_at_end)
+            if self._memory_snapshot_due(step, disk_due):
+                self._memory_snapshot(disk_due)   # the host tier first; the disk copy is written behind it
+            if self._save_now(step, disk_due, final=step == tr.steps or stop):   # may defer a save that would block
                 self._save()
                 saved_at = step
             if stop:
@@ -326,13 +335,21 @@ class Trainer(TrainerCheckpoints):
         tr, eng = self.spec.train, self.engine
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.faults.before_step(step)
+        failed: BaseException | None = None   # a failure before the step's first collective (in-process restart)
+        try:
+            self.faults.before_step(step)
+        except Exception as exc:
+            failed = self._start_failure(exc)
         t0 = time.perf_counter()
-        if self.loader is None:
-            self.loader = PrefetchLoader(self.source, self.cursor, self.dp_rank, self.dp, tr.micro_batch_size,
-                                         tr.gradient_accumulation_steps, depth=self.spec.data.prefetch,
-                                         pin_memory=self.device.type == "cuda")
-        batches = self.loader.next(self.cursor)
+        batches = None
+        if failed is None:
+            try:
+                batches = self._next_batches()
+            except Exception as exc:
+                failed = self._start_failure(exc)
+        if self._in_process_on():
+            self._agree_step_start(step, failed, None if batches is None else batches.samples)
+        assert batches is not None
         samples, self._data_wait_s = batches.samples, batches.wait_s
         lr = self._set_lr(step)
         factor = self.faults.loss_factor(step)
@@ -368,10 +385,24 @@ class Trainer(TrainerCheckpoints):
         alloc, max_alloc, reserved = memory_gib(self.device, self.faults.extra_mem_gib)
         extra = by_source.flatten().tolist() if by_source is not None else None
         stats = gather_step_stats(local_loss, step_time, max_alloc, self.stop_signal, self.device, extra)
+        self._check_loss(step, stats.loss, samples)   # a NaN drops the step when the host tier can serve it
         self.last_loss = stats.loss
         if step % tr.log_every == 0 or stats.stop_requested or step == tr.steps:
             self._record_step(step, stats, lr, step_time, tokens_per_step, samples, alloc, max_alloc, reserved)
         return stats.stop_requested
+
+    def _start_failure(self, exc: Exception) -> Exception:
+        if not self._in_process_on():
+            raise exc
+        return exc
+
+    def _next_batches(self) -> Any:
+        tr = self.spec.train
+        if self.loader is None:
+            self.loader = PrefetchLoader(self.source, self.cursor, self.dp_rank, self.dp, tr.micro_batch_size,
+                                         tr.gradient_accumulation_steps, depth=self.spec.data.prefetch,
+                                         pin_memory=self.device.type == "cuda")
+        return self.loader.next(self.cursor)
 
     def _record_step(self, step, stats, lr, step_time, tokens, samples, alloc, max_alloc, reserved) -> None:
         eng = self.engine

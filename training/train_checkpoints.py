@@ -10,13 +10,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import checkpoint as ckpt
@@ -24,6 +22,7 @@ from .checkpoint.budget import predicted_tag_bytes, room_for_save
 from .control import set_engine_clip
 from .data.batches import DataCursor, SampleSource
 from .faults import FaultInjector
+from .recovery.rng_state import rng_state, set_rng_state
 from .spec import JobSpec
 from .startup import STARTUP, in_background, mapped_loads
 
@@ -56,21 +55,6 @@ class CheckpointSaveError(RuntimeError):
         super().__init__(f"checkpoint save of {failure['tag']} failed: {failure['errno']} ({failure['error']})")
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 class TrainerCheckpoints:
     """Resume and save for one rank's Trainer (see the module docstring)."""
 
@@ -96,6 +80,7 @@ class TrainerCheckpoints:
     _async_waited_s = 0.0    # seconds the save in flight waited for the previous one's write (back-pressure)
     _pool_prepared = False   # the writer's snapshot pool was planned (first poll of the attempt)
     _pool_reported = False   # its `snapshot_pool_ready` event was sent
+    _save_gate_fields: dict[str, Any] = {}  # noqa: RUF012 - set by DeferredSaves, read once by _save
     preload: Any = None  # a warm standby's training.standby.Preload (set by __main__), used once by _resume
 
     def _event(self, name: str, **fields: Any) -> None:
@@ -184,12 +169,17 @@ class TrainerCheckpoints:
                 path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag, load_optimizer_states=True,
                                                            load_lr_scheduler_states=False)
         except Exception as exc:  # a shard the manifest vouched for still failed to load
-            if self.rank == 0 and (self.ckpt_dir / tag).is_dir():
+            if self.rank == 0 and (self.ckpt_dir / tag).is_dir() and not getattr(preload, "from_memory", False):
                 ckpt.quarantine(self.ckpt_dir / tag)
                 self._event("checkpoint_invalid", tag=tag, reason=f"load failed: {exc}")
             raise CheckpointLoadError(f"loading checkpoint {tag} failed: {exc}") from exc
         if path is None or client is None:
             raise CheckpointLoadError(f"DeepSpeed found no checkpoint {tag} in {self.ckpt_dir}")
+        self._adopt_client_state(tag, client)
+        return tag, time.time() - t0
+
+    def _adopt_client_state(self, tag: str, client: dict[str, Any]) -> None:
+        """What a loaded tag's client_state restores besides DeepSpeed's own: step, data cursor, RNG, loss."""
         self.step = int(client["ulyssesd_step"])
         self.cursor.load_state_dict(client["data_cursor"])
         saved_data = client.get("data_fingerprint")
@@ -201,10 +191,9 @@ class TrainerCheckpoints:
             self.cursor.add_skip(start, end)
         rng = client.get("rng", {}).get(self.rank)
         if rng is not None:
-            _set_rng_state(rng)
+            set_rng_state(rng)
         self.last_loss = client.get("loss")
         self._reapply_config_after_load()
-        return tag, time.time() - t0
 
     def _reapply_config_after_load(self) -> None:
         # docs/DEEPSPEED_NOTES.md: the checkpoint wins for lr (we set it every step anyway) and the whole fp16 loss
@@ -222,7 +211,7 @@ class TrainerCheckpoints:
     def _save(self) -> None:
         tag = ckpt.tag_for_step(self.step)
         tag_dir = self.ckpt_dir / tag
-        due: dict[str, Any] = {}
+        due, self._save_gate_fields = dict(self._save_gate_fields), {}   # the save gate's (recovery/save_gate.py)
         if self.spec.checkpoint.async_save:
             # One save in flight: the previous one must be durable (or its failure agreed on) first. Training
             # stands still meanwhile, so the wait is this save's blocked time too (back-pressure, reported).
@@ -253,10 +242,7 @@ class TrainerCheckpoints:
         except OSError as exc:
             failure = ckpt.save_failure(exc, tag_dir, tag, self.rank)
         self._agree_on_save(failure)
-        client = {"ulyssesd_step": self.step, "data_cursor": self.cursor.state_dict(),
-                  "data_position": self.source.position(self.cursor), "data_fingerprint": self.source.fingerprint(),
-                  "config_version": self.config_version, "loss": self.last_loss,
-                  "rng": {self.rank: _rng_state()}, "attempt": self.attempt}
+        client = self._client_state()
         if self.spec.checkpoint.async_save:
             self._save_async(tag, tag_dir, client, t0)
             return
@@ -275,6 +261,12 @@ class TrainerCheckpoints:
         self._agree_on_save(failure)
         self._after_durable(self.step, tag, tag_dir, {"seconds": round(time.time() - t0, 3), "bytes": nbytes})
         self.dist.barrier()
+
+    def _client_state(self) -> dict[str, Any]:
+        return {"ulyssesd_step": self.step, "data_cursor": self.cursor.state_dict(),
+                "data_position": self.source.position(self.cursor), "data_fingerprint": self.source.fingerprint(),
+                "config_version": self.config_version, "loss": self.last_loss,
+                "rng": {self.rank: rng_state()}, "attempt": self.attempt}
 
     def _room_for_save(self, tag: str) -> bool:
         """Collective: rank 0 makes room (budget.py), every rank learns if it fits; if not: skipped, an event."""
@@ -393,7 +385,8 @@ class TrainerCheckpoints:
         step (the optimizer's states exist then), sized by what DeepSpeed's save will hand over
         (ckpt.engine_snapshot_bytes). Plus a margin."""
         cs, device = self.spec.checkpoint, getattr(self, "device", None)
-        if not (cs.async_save and cs.snapshot_pool) or device is None or torch.device(device).type != "cuda":
+        if self._pool_prepared or not (cs.async_save and cs.snapshot_pool) or device is None \
+                or torch.device(device).type != "cuda":
             self._pool_prepared = True
             return   # off, or nothing to register off-GPU (CPU tensors are copied into plain memory)
         try:

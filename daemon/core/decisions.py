@@ -169,6 +169,10 @@ def on_event(sup: Supervisor, rec: EventRecord) -> None:
         sup.store.update_incident_status(sid, IncidentStatus.resolved, "the job fell back to the previous valid tag")
     elif rec.event == "exiting":
         sup.last_exiting = str(f.get("reason"))
+    elif rec.event == "in_process_restart":
+        from ulyssesd.daemon.telemetry.in_process import record_in_process_restart
+
+        record_in_process_restart(sup.incidents, sup.store, sup.say, rec.step, dict(f))
     elif rec.event == "fault_injected":
         log.info("fault injected by the job", fault=f.get("fault", f.get("kind")), step=rec.step)
         sup.say(f"[fault injected by the job: {f.get('fault', f.get('kind'))} at step {rec.step}]")
