@@ -19,11 +19,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import typer
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.host.logging import configure_logging, get_logger
 from ulyssesd.daemon.job.config import write_json_atomic
 
@@ -223,7 +223,7 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
         # Tells ulyssesctl where this daemon listens (the spec may put the socket anywhere).
         write_json_atomic(info, {"pid": os.getpid(), "socket": str(spec.daemon.resolved_socket_path()),
                                  "run_id": sup.run_id, "db": str(spec.daemon.resolved_db_path()),
-                                 "started": time.time()})
+                                 "started": SYSTEM.time()})
         try:
             final = sup.run_forever(poll=server.poll)
         except Exception as exc:  # a damaged page found by a write: restart into the start-up recovery

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 from pathlib import Path
+
+from ulyssesd.daemon.clock import SYSTEM
 
 DEMO_SPEC = """\
 # ulyssesd demo: tiny 2-rank CPU run (gloo, ZeRO-3, Ulysses SP=2) with scripted faults.
@@ -170,7 +171,7 @@ def run_demo(work_dir: str | None = None) -> int:
     configure_logging(json=True, stream=log_file)
     spec = load_run_spec(spec_path)
     store = open_store(spec.daemon.resolved_db_path())
-    t0 = time.monotonic()
+    t0 = SYSTEM.monotonic()
 
     def say(msg: str) -> None:
         limit = 200 if msg.startswith("INCIDENT") else 110
@@ -179,7 +180,7 @@ def run_demo(work_dir: str | None = None) -> int:
         style = ("bold red" if msg.startswith("INCIDENT") else "yellow" if msg.lstrip().startswith("action")
                  else "magenta" if msg.startswith("[fault") else "cyan" if msg.startswith("state") else
                  "green" if "saved" in msg else "white")
-        con.print(f"[dim]{time.monotonic() - t0:6.1f}s[/dim] [{style}]{escape(msg)}[/{style}]", highlight=False)
+        con.print(f"[dim]{SYSTEM.monotonic() - t0:6.1f}s[/dim] [{style}]{escape(msg)}[/{style}]", highlight=False)
 
     con.rule("[bold]ulyssesd demo[/bold]: tiny 2-rank CPU run, scripted faults")
     con.print(f"work dir: {work}\nspec:     {spec_path}\nfaults:   loss spike, slow rank, memory spike "
@@ -188,31 +189,31 @@ def run_demo(work_dir: str | None = None) -> int:
     sup.start()
     server = open_live_view(spec, sup, state, con)
     last_shown = 0
-    deadline = time.monotonic() + 900
+    deadline = SYSTEM.monotonic() + 900
     try:
-        while sup.state.value not in ("COMPLETED", "FAILED", "STOPPED") and time.monotonic() < deadline:
+        while sup.state.value not in ("COMPLETED", "FAILED", "STOPPED") and SYSTEM.monotonic() < deadline:
             sup.tick()
             r = sup.last_step_record
             if r is not None and r.step >= last_shown + 5:
                 last_shown = r.step
-                con.print(f"[dim]{time.monotonic() - t0:6.1f}s   step {r.step:3d}  loss {r.loss:.4f}  "
+                con.print(f"[dim]{SYSTEM.monotonic() - t0:6.1f}s   step {r.step:3d}  loss {r.loss:.4f}  "
                           f"{(r.tokens_per_s or 0):,.0f} tok/s  mem {(r.mem_max_allocated_gib or 0):.2f} GiB[/dim]",
                           highlight=False)
             if server is not None:
                 server.poll(spec.daemon.tick_s)  # the tick's sleep, answering ulyssesctl meanwhile
             else:
-                time.sleep(spec.daemon.tick_s)
+                SYSTEM.sleep(spec.daemon.tick_s)
     except KeyboardInterrupt:
         con.print("[yellow]interrupted: stopping the job[/yellow]")
         sup.handle_command({"cmd": "stop"})
-        while sup.job is not None and time.monotonic() < deadline:
+        while sup.job is not None and SYSTEM.monotonic() < deadline:
             sup.tick()
-            time.sleep(0.2)
+            SYSTEM.sleep(0.2)
     finally:
         if server is not None:  # the run is over (or the demo is leaving): nothing to watch any more
             (state / DAEMON_INFO).unlink(missing_ok=True)
             server.close()
-    wall = time.monotonic() - t0
+    wall = SYSTEM.monotonic() - t0
     con.rule("incidents")
     con.print(incidents_table(store.list_incidents(sup.run_id, with_actions=True)))
     good = goodput(sup.telemetry_path, wall)
@@ -257,7 +258,7 @@ def open_live_view(spec, sup, state: Path, con):
         con.print(f"[yellow]no live view ({escape(str(exc))}); the demo runs on[/yellow]")
         return None
     write_json_atomic(state / DAEMON_INFO, {"pid": os.getpid(), "socket": str(socket_path), "run_id": sup.run_id,
-                                            "db": str(spec.daemon.resolved_db_path()), "started": time.time()})
+                                            "db": str(spec.daemon.resolved_db_path()), "started": SYSTEM.time()})
     con.print(f"watch live (another terminal): [bold]{escape(watch_command(state))}[/bold]\n", highlight=False)
     return server
 

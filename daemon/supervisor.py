@@ -13,9 +13,11 @@ config version goes to the store (SQLite), which is also what makes re-adoption 
 cursor is persisted only after the records before it were acted upon, and incidents are deduplicated by
 (run, attempt, symptom, step), so a daemon killed at any point neither loses nor doubles an incident.
 
-The tick's parts live in `core/`, one concept each, and take the supervisor as `sup`, using only its public
-operations (`set_state`, `fail`, `stop_run`, `launch`, `begin_termination`, `new_config_version`, `alert`)
-and its collaborators: `incidents` (`core/incident_log.py`: every incident and action, settled and
+The tick's parts live in `core/`, one concept each, and take the supervisor as `sup`, typed by a Protocol of
+their own that names what they use (built from `daemon/ports.py`; no part imports this class, and every
+clock read goes through `self.os`, the OS seam, or `daemon/clock.py`), using only its public operations
+(`set_state`, `fail`, `stop_run`, `launch`, `begin_termination`, `new_config_version`, `alert`) and its
+collaborators: `incidents` (`core/incident_log.py`: every incident and action, settled and
 verified there) and `term` (`core/termination.py`: the phases, and the typed `TerminationPlan` that says
 what follows the exit). `core/startup.py` creates or re-adopts the run, `core/launch.py` starts an attempt
 (checkpoint choice, preflight, spawn), `core/decisions.py` runs the telemetry -> engine -> decisions path,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from typing import Any
+
+from ulyssesd.daemon.clock import SYSTEM
 
 from .protocol import (
     ANSWER_GRACE_S,
@@ -28,9 +29,9 @@ def send_request(path: str | os.PathLike, payload: dict[str, Any], timeout_s: fl
     """
     path = str(path)
     if with_deadline:
-        deadline = time.time() + timeout_s
+        deadline = SYSTEM.time() + timeout_s
         payload = {**payload, "deadline": deadline}
-        give_up = time.monotonic() + timeout_s + ANSWER_GRACE_S
+        give_up = SYSTEM.monotonic() + timeout_s + ANSWER_GRACE_S
     else:
         give_up = None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -61,7 +62,7 @@ def send_request(path: str | os.PathLike, payload: dict[str, Any], timeout_s: fl
         try:
             while b"\n" not in buf:
                 if give_up is not None:
-                    left = give_up - time.monotonic()
+                    left = give_up - SYSTEM.monotonic()
                     if left <= 0:
                         raise TimeoutError
                     sock.settimeout(left)

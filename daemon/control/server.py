@@ -26,11 +26,11 @@ import os
 import selectors
 import socket
 import stat
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.host.logging import get_logger
 
 from .peers import Peer, PeerAuthorizer, peer_credentials
@@ -71,7 +71,7 @@ class ControlServer:
         self._sel = selectors.DefaultSelector()
         self._mode, self._group = mode, group
         self.rebinds = 0  # times the socket file was found gone and bound again
-        self._next_check = time.monotonic() + SOCKET_CHECK_S
+        self._next_check = SYSTEM.monotonic() + SOCKET_CHECK_S
         self._foreign_logged = False
         self._listener = self._listen(mode, group)
         self._ino = os.stat(self.path).st_ino
@@ -188,13 +188,13 @@ class ControlServer:
         Returns early once a request was answered or a wakeup arrived, so the loop acts on it promptly.
         The handler runs here, in the main loop: it must only record/enqueue, never block.
         """
-        deadline = time.monotonic() + max(0.0, timeout_s)
+        deadline = SYSTEM.monotonic() + max(0.0, timeout_s)
         answered = 0
         if deadline >= self._next_check:
-            self._next_check = time.monotonic() + SOCKET_CHECK_S
+            self._next_check = SYSTEM.monotonic() + SOCKET_CHECK_S
             self.ensure_bound()
         while True:
-            now = time.monotonic()
+            now = SYSTEM.monotonic()
             wait = max(0.0, deadline - now)
             if self._conns:
                 wait = min(wait, max(0.0, min(c.deadline for c in self._conns.values()) - now))
@@ -211,8 +211,8 @@ class ControlServer:
                         pass
                 else:
                     answered += self._read(key.data)
-            self._expire(time.monotonic())
-            if answered or woken or time.monotonic() >= deadline:
+            self._expire(SYSTEM.monotonic())
+            if answered or woken or SYSTEM.monotonic() >= deadline:
                 return answered
 
     def _accept(self) -> int:
@@ -244,7 +244,7 @@ class ControlServer:
                                                  f"(max {self.max_connections}); retry"))
                 answered += 1
                 continue
-            conn = _Conn(sock, peer, time.monotonic() + self.read_timeout_s, None)
+            conn = _Conn(sock, peer, SYSTEM.monotonic() + self.read_timeout_s, None)
             self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
         return answered
@@ -288,8 +288,8 @@ class ControlServer:
             return error_response("bad_request", problem)
         assert request is not None
         deadline = request.pop("deadline", None)
-        if deadline is not None and time.time() > deadline:
-            late = time.time() - deadline
+        if deadline is not None and SYSTEM.time() > deadline:
+            late = SYSTEM.time() - deadline
             self._log.warning("control request expired; not applied", cmd=request["cmd"], late_s=round(late, 3),
                               uid=conn.peer.uid)
             return error_response("expired", f"{request['cmd']!r} reached the daemon {late:.1f} s after its deadline "
@@ -337,7 +337,7 @@ class ControlServer:
         if not linger:
             sock.close()
             return
-        self._lingering.append((time.monotonic() + REFUSED_LINGER_S, sock))
+        self._lingering.append((SYSTEM.monotonic() + REFUSED_LINGER_S, sock))
         while len(self._lingering) > self.max_connections:  # bounded: the oldest goes first
             self._lingering.pop(0)[1].close()
 

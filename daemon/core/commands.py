@@ -3,31 +3,42 @@
 `handle` answers a control-socket request (status, pause, resume, stop, restart, ack) on the supervisor's
 thread, validating its arguments (a bad one is `bad_request` naming the field; an exception is `internal`,
 with no internals in the answer, the traceback in the daemon log). Signals are queued by their handlers
-(`Supervisor.enqueue`) and done here by `drain_events`.
+(`CommandsRun.enqueue`) and done here by `drain_events`.
 """
 
 from __future__ import annotations
 
+import collections
 import signal
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ulyssesd.daemon.core.housekeeping import StepGuard
 from ulyssesd.daemon.core.relaunch import Relaunch
 from ulyssesd.daemon.core.states import TERMINAL
 from ulyssesd.daemon.core.termination import TerminationPlan
 from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.ports import HostSide, Lifecycle, Records, RunFiles
 from ulyssesd.daemon.store.enums import RunState
 from ulyssesd.daemon.store.errors import NotFoundError
 from ulyssesd.daemon.store.repository.runs import OPERATOR_REASON_PREFIX
 from ulyssesd.remediation.records import INT64_MAX, bounded_repr
 
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
-
 log = get_logger("ulyssesd.supervisor")
 S = RunState
 
 
-def drain_events(sup: Supervisor) -> None:
+class CommandsRun(RunFiles, Records, Lifecycle, HostSide, Protocol):
+    """What the control-socket requests and signals use of the run."""
+
+    notifier: Any  # sd_notify (host/sdnotify.py) or None
+    guard: StepGuard  # runs each request's body (core/housekeeping.py)
+    events: collections.deque[tuple[str, Any]]  # queued signals and requests, drained by the loop
+    detach: bool  # leave the job running and end the daemon
+
+    def status_dict(self) -> dict[str, Any]: ...
+
+
+def drain_events(sup: CommandsRun) -> None:
     """Do what signal handlers and `enqueue` queued, in order, on the loop's thread."""
     while sup.events:
         kind, payload = sup.events.popleft()
@@ -37,7 +48,7 @@ def drain_events(sup: Supervisor) -> None:
             handle(sup, payload)
 
 
-def on_signal(sup: Supervisor, signum: int) -> None:
+def on_signal(sup: CommandsRun, signum: int) -> None:
     """SIGTERM/SIGINT: detach (the job keeps training; the next daemon re-adopts it); SIGHUP: ignored."""
     if signum in (signal.SIGTERM, signal.SIGINT):
         # Detach: the job keeps training; the next daemon re-adopts it (KillMode=process).
@@ -69,7 +80,7 @@ def guard_step(cmd: object) -> str:
     return f"control_request:{cmd}" if isinstance(cmd, str) and cmd in COMMANDS else "control_request"
 
 
-def handle(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
+def handle(sup: CommandsRun, req: dict[str, Any]) -> dict[str, Any]:
     """Control-socket requests (answered on the main loop's thread).
 
     A refusal (`bad_state`, `bad_request`, `not_found`, `unknown_command`) is an answer, not an incident: the
@@ -97,7 +108,7 @@ def handle(sup: Supervisor, req: dict[str, Any]) -> dict[str, Any]:
             "error": f"internal error handling {bounded_repr(cmd)} ({what}); see the daemon log"}
 
 
-def _answer(sup: Supervisor, cmd: object, req: dict[str, Any]) -> dict[str, Any]:
+def _answer(sup: CommandsRun, cmd: object, req: dict[str, Any]) -> dict[str, Any]:
     """The answer to one request; raises only on a bug (`handle` turns that into `internal`)."""
     args = req.get("args") or {}
     peer = req.get("peer") or {}

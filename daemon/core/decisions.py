@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ulyssesd.daemon.core.relaunch import Relaunch, schedule_relaunch
+from ulyssesd.daemon.core.housekeeping import HousekeepingRun
+from ulyssesd.daemon.core.relaunch import Relaunch, RelaunchRun, schedule_relaunch
 from ulyssesd.daemon.core.termination import TerminationPlan, Then
 from ulyssesd.daemon.host import disk
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.job import config as jc
+from ulyssesd.daemon.job.checkpoint_watch import CheckpointWatchRun
+from ulyssesd.daemon.job.slurm_supervise import SlurmRun
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.daemon.telemetry import log_source
 from ulyssesd.remediation.detectors import Finding
@@ -26,14 +29,23 @@ from ulyssesd.remediation.engine import Decision
 from ulyssesd.remediation.hang_stacks import read_hang
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
-
 log = get_logger("ulyssesd.supervisor")
 S = RunState
 
 
-def track(sup: Supervisor, rec: Record) -> None:
+class DecisionsRun(RelaunchRun, HousekeepingRun, CheckpointWatchRun, SlurmRun, Protocol):
+    """What the telemetry -> engine -> decisions path uses of the run (and what the parts it calls use)."""
+
+    engine: Any  # the remediation engine
+    record_errors: int  # telemetry records whose handling raised
+    last_step_record: StepRecord | None
+    save_failures: dict[int, dict[str, Any]]  # attempt -> its job's checkpoint_save_failed event
+    hang_diagnosis: tuple[str | None, list[str]] | None  # what the hang path read from the stack dumps
+    attempt_progress: bool
+    last_exiting: str | None
+
+
+def track(sup: DecisionsRun, rec: Record) -> None:
     """What the supervisor remembers of a record: the last step, the job's `exiting` reason, a failed save,
     the newest checkpoint (also for records replayed into a warm engine at re-adoption)."""
     if isinstance(rec, StepRecord):
@@ -51,7 +63,7 @@ def track(sup: Supervisor, rec: Record) -> None:
                     sup.latest_ckpt = (tag, rec.step)
 
 
-def read_telemetry(sup: Supervisor) -> None:
+def read_telemetry(sup: DecisionsRun) -> None:
     """Hand the job's new records to `on_record`, then persist the cursor (after they were acted upon)."""
     assert sup.reader is not None
     log_source.pump(sup)  # [telemetry] source = "stdout": the job's new log lines become records first
@@ -80,7 +92,7 @@ def read_telemetry(sup: Supervisor) -> None:
                                     offset=cur.offset, last_step=sup.last_step)
 
 
-def retention_after_save(sup: Supervisor) -> None:
+def retention_after_save(sup: DecisionsRun) -> None:
     from ulyssesd.daemon.core.housekeeping import retention
 
     try:
@@ -89,7 +101,7 @@ def retention_after_save(sup: Supervisor) -> None:
         log.exception("checkpoint retention after a save failed", run_id=sup.run_id)
 
 
-def sync_known_good(sup: Supervisor) -> None:
+def sync_known_good(sup: DecisionsRun) -> None:
     """Mirror the engine's known-good tags (checkpoints followed by a clean window) into the store;
     retention keeps them as anchors and `ulyssesctl status` shows the newest."""
     for tag, step in list(getattr(sup.engine, "known_good", []) or []):
@@ -98,7 +110,7 @@ def sync_known_good(sup: Supervisor) -> None:
             sup.known_good_marked.add(tag)
 
 
-def on_record(sup: Supervisor, rec: Record, now: float) -> None:
+def on_record(sup: DecisionsRun, rec: Record, now: float) -> None:
     """One record of the running attempt: progress, the job's events, then the engine and its outputs."""
     track(sup, rec)
     sup.inner.observe(sup.attempt, rec, step=sup.last_step or 0, incident=sup.incidents.incident, say=sup.say,
@@ -118,7 +130,7 @@ def on_record(sup: Supervisor, rec: Record, now: float) -> None:
             early_warnings(sup)
 
 
-def early_warnings(sup: Supervisor) -> None:
+def early_warnings(sup: DecisionsRun) -> None:
     """The engine's early warnings (grad norm out of its own distribution): said, logged and alerted as a
     warning first; no incident until a detector finds the blow-up, no ladder rung."""
     for w in sup.engine.new_warnings:
@@ -129,7 +141,7 @@ def early_warnings(sup: Supervisor) -> None:
     sup.engine.new_warnings = []
 
 
-def save_calibration(sup: Supervisor) -> None:
+def save_calibration(sup: DecisionsRun) -> None:
     """The engine fitted its thresholds to the run's healthy history: kept in {run_dir}/calibration.json
     (what `ulyssesctl status` shows, with its evidence) and said in the daemon's log."""
     from ulyssesd.training.durable import atomic_write_text
@@ -146,7 +158,7 @@ def save_calibration(sup: Supervisor) -> None:
     sup.say(f"calibrated from {fit.get('steps')} healthy steps: {changed or 'no change'}")
 
 
-def on_event(sup: Supervisor, rec: EventRecord) -> None:
+def on_event(sup: DecisionsRun, rec: EventRecord) -> None:
     """The job's own events: a checkpoint saved (and the fixes it verifies), one it skipped, its exit reason."""
     f = rec.fields
     if rec.event == "checkpoint_saved" and isinstance(f.get("tag"), str):
@@ -178,7 +190,7 @@ def on_event(sup: Supervisor, rec: EventRecord) -> None:
         sup.say(f"[fault injected by the job: {f.get('fault', f.get('kind'))} at step {rec.step}]")
 
 
-def handle_outputs(sup: Supervisor, out: Iterable[Finding | Decision], step: int) -> None:
+def handle_outputs(sup: DecisionsRun, out: Iterable[Finding | Decision], step: int) -> None:
     findings, decisions = _split_outputs(out)
     for fnd in findings:
         if fnd.symptom == "nan_loss" and fnd.step is not None and sup.spec.job_section.kind == "command":
@@ -210,7 +222,7 @@ def handle_outputs(sup: Supervisor, out: Iterable[Finding | Decision], step: int
             decision_failed(sup, dec, step, exc)
 
 
-def decision_failed(sup: Supervisor, dec: Decision, step: int, exc: BaseException) -> None:
+def decision_failed(sup: DecisionsRun, dec: Decision, step: int, exc: BaseException) -> None:
     """Building or applying a decision raised (e.g. its config patch fails validation): the incident gets
     the failed action with the error, the operator an alert, and the engine forgets the rung (no later
     decision may claim its verification window); the job keeps training unchanged."""
@@ -234,7 +246,7 @@ def decision_failed(sup: Supervisor, dec: Decision, step: int, exc: BaseExceptio
         sup.set_state(S.RUNNING, f"decision not applied: {err}")
 
 
-def decision_write_failed(sup: Supervisor, dec: Decision, exc: OSError) -> None:
+def decision_write_failed(sup: DecisionsRun, dec: Decision, exc: OSError) -> None:
     """The daemon could not write control.json / configs/vN.json for a decision (full or read-only disk).
     Degrade: the job keeps training unchanged, the failure is logged and alerted; a recurrence of the
     symptom escalates as usual, and the next launch's write probe handles the disk (prune / clean stop)."""
@@ -265,7 +277,7 @@ def action_kind(dec: Decision) -> ActionKind:
     return ActionKind.alert
 
 
-def patch_of(sup: Supervisor, dec: Decision) -> dict[str, Any]:
+def patch_of(sup: DecisionsRun, dec: Decision) -> dict[str, Any]:
     """The decision's JobSpec patch (launcher.env.* keys go to the launch environment instead)."""
     patch = dict(dec.config_patch or {})
     if "data.skip_ranges" in patch:
@@ -279,7 +291,7 @@ def patch_of(sup: Supervisor, dec: Decision) -> dict[str, Any]:
     return patch
 
 
-def apply_decision(sup: Supervisor, dec: Decision, step: int) -> None:
+def apply_decision(sup: DecisionsRun, dec: Decision, step: int) -> None:
     apply = dec.apply
     symptom = Symptom(dec.symptom)
     dstep = dec.step
@@ -365,7 +377,7 @@ def apply_decision(sup: Supervisor, dec: Decision, step: int) -> None:
         schedule_relaunch(sup, relaunch)
 
 
-def host_evidence(sup: Supervisor) -> dict[str, Any]:
+def host_evidence(sup: DecisionsRun) -> dict[str, Any]:
     """Slow-step evidence the daemon can see: per-rank step times (telemetry), the job's processes'
     CPU use, and the busiest other processes on the host (CPU hogs)."""
     r = sup.last_step_record
@@ -381,7 +393,7 @@ def host_evidence(sup: Supervisor) -> dict[str, Any]:
     return ev
 
 
-def on_hang(sup: Supervisor, fnd: Finding) -> None:
+def on_hang(sup: DecisionsRun, fnd: Finding) -> None:
     """Hang: stack dumps of every rank into the incident, then SIGTERM, then SIGKILL after grace."""
     if sup.term is not None or sup.job is None:
         return

@@ -7,14 +7,14 @@ from __future__ import annotations
 import re
 import signal
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ulyssesd.daemon.core import attempt_diagnosis
-from ulyssesd.daemon.core.decisions import _split_outputs, action_kind, patch_of
+from ulyssesd.daemon.core.decisions import DecisionsRun, _split_outputs, action_kind, patch_of
 from ulyssesd.daemon.core.files import _read_tail
 from ulyssesd.daemon.core.relaunch import Relaunch, schedule_relaunch
 from ulyssesd.daemon.core.states import TERMINAL
-from ulyssesd.daemon.core.termination import UNREQUESTED, TerminationPlan, Then
+from ulyssesd.daemon.core.termination import UNREQUESTED, Termination, TerminationPlan, Then
 from ulyssesd.daemon.host import disk, host_oom
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus
@@ -24,16 +24,22 @@ from ulyssesd.remediation.diagnosis import Diagnosis
 from ulyssesd.remediation.diagnosis.facts import scheduler_ended
 from ulyssesd.remediation.playbook import ladder_for_crash
 
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
-
 log = get_logger("ulyssesd.supervisor")
 # A "killed" diagnosis whose sender is the scheduler (time limit, preemption, cancellation, pod eviction).
 _SCHEDULER_END = re.compile(r"CANCELLED AT|DUE TO (?:TIME LIMIT|PREEMPTION)|kubernetes-pod-termination|NODE_FAIL")
 S = RunState
 
 
-def on_exit(sup: Supervisor, status: ExitStatus) -> None:
+class ExitRun(DecisionsRun, Protocol):
+    """What handling an attempt's exit uses of the run (and the decisions path's `DecisionsRun`)."""
+
+    rank_lost: dict[str, Any] | None  # evidence when the rank watch ended the attempt
+    attempt_started_mono: float
+
+    def collect_stacks(self, t: Termination) -> str: ...
+
+
+def on_exit(sup: ExitRun, status: ExitStatus) -> None:
     """The attempt's process is gone: close the attempt in the store, then complete / stop / pause / fail /
     relaunch as requested, or handle an unrequested exit as a crash."""
     assert sup.job is not None
@@ -284,7 +290,7 @@ def on_exit(sup: Supervisor, status: ExitStatus) -> None:
     schedule_relaunch(sup, relaunch, early=early)
 
 
-def exit_handling_failed(sup: Supervisor, status: ExitStatus, plan: TerminationPlan, attempt: int,
+def exit_handling_failed(sup: ExitRun, status: ExitStatus, plan: TerminationPlan, attempt: int,
                          exc: BaseException) -> None:
     """`on_exit` raised (a bug, a store hiccup). Like a telemetry record whose handling raised, it must not end
     supervision: the traceback goes to the log (the caller logged it) and into a crash incident, and the run
@@ -339,7 +345,7 @@ def exit_handling_failed(sup: Supervisor, status: ExitStatus, plan: TerminationP
                              run_id=sup.run_id)
 
 
-def exit_codes_declared(sup: Supervisor) -> bool:
+def exit_codes_declared(sup: ExitRun) -> bool:
     """Whether the job's exit codes 2 and 3 carry ulyssesd's meaning (config rejected, no checkpoint left):
     the built-in job's do; a command job's only with `[job] exit_codes = "ulyssesd"` (a job written to the
     contract). Otherwise only the client's `exiting` event (reason config_rejected / no_checkpoint) gives a
@@ -348,7 +354,7 @@ def exit_codes_declared(sup: Supervisor) -> bool:
     return js is None or js.kind == "builtin" or getattr(js, "exit_codes", "none") == "ulyssesd"
 
 
-def _memory_replanner(sup: Supervisor) -> Any:
+def _memory_replanner(sup: ExitRun) -> Any:
     """The planner over the current config for the memory ladder (built-in GPT job on a GPU host), else None.
     Never raises: without it the ladder falls back to the OOM message alone."""
     if sup.spec.job_section.kind != "builtin" or sup.spec.job.train.device == "cpu":   # a CPU run on a GPU host

@@ -33,19 +33,30 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
+from ulyssesd.daemon.host.disk_budget import BudgetRun
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle
+from ulyssesd.daemon.ports import HostSide, Lifecycle
+from ulyssesd.daemon.safety.store_health import StoreHealth
 from ulyssesd.daemon.store.enums import TERMINAL_RUN_STATES, IncidentStatus, RunState, Severity, Symptom
-
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
+from ulyssesd.daemon.telemetry.telemetry_reader import TelemetryReader
 
 log = get_logger("ulyssesd.supervisor")
 sched_log = get_logger("ulyssesd.scheduler")
+
+
+class HousekeepingRun(BudgetRun, Lifecycle, HostSide, Protocol):
+    """What the periodic jobs and the tick's guard use of the run (and the budget's `BudgetRun`)."""
+
+    scheduler: LoopScheduler | None
+    reader: TelemetryReader | None  # the attempt's telemetry reader (its cursor is what was processed)
+    store_health: StoreHealth  # whether the store takes writes (safety/store_health.py)
+
+    def status_dict(self) -> dict[str, Any]: ...
 
 
 class LoopScheduler:
@@ -140,7 +151,7 @@ STORE_WRITING_STEPS = frozenset({"telemetry", "engine", "attempt_log", "exit_che
 class StepGuard:
     """Runs each tick step so that its exception is logged, recorded, counted and bounded, never fatal."""
 
-    def __init__(self, sup: Supervisor, limit: int) -> None:
+    def __init__(self, sup: HousekeepingRun, limit: int) -> None:
         self.sup = sup
         self.limit = limit  # raises in a row that end the run ([daemon] step_error_limit)
         self.steps: dict[str, StepErrors] = {}
@@ -277,7 +288,7 @@ class StepGuard:
             sup.state = RunState.FAILED
 
 
-def setup(sup: Supervisor) -> None:
+def setup(sup: HousekeepingRun) -> None:
     """Register the periodic jobs with the supervisor's scheduler (none in tests that pass no scheduler)."""
     if sup.scheduler is None:
         return
@@ -292,7 +303,7 @@ def setup(sup: Supervisor) -> None:
     sup.scheduler.start()
 
 
-def retention(sup: Supervisor) -> None:
+def retention(sup: HousekeepingRun) -> None:
     """The checkpoint directory's budget (host/disk_budget.py): surplus tags and set-aside copies over their caps
     go, room is made for the next save, the store is told. Runs after every `checkpoint_saved` and on a timer."""
     from ulyssesd.daemon.host import disk_budget
@@ -300,7 +311,7 @@ def retention(sup: Supervisor) -> None:
     disk_budget.run_retention(sup)
 
 
-def maintenance(sup: Supervisor) -> None:
+def maintenance(sup: HousekeepingRun) -> None:
     """The store's own upkeep and integrity check; a damaged database under a running daemon is an incident."""
     res = sup.store.maintenance()
     if getattr(res, "ok", True) is False and sup.run_id:
@@ -314,7 +325,7 @@ def maintenance(sup: Supervisor) -> None:
         log.error("store integrity check failed", incident=iid, integrity=res.integrity[:5])
 
 
-def backup(sup: Supervisor) -> None:
+def backup(sup: HousekeepingRun) -> None:
     """A consistent copy of the store next to the state dir (the newest `backups_keep` are kept)."""
     from ulyssesd.daemon.store.recovery import BACKUP_DIR_NAME, write_backup
 
@@ -322,7 +333,7 @@ def backup(sup: Supervisor) -> None:
     log.info("store backup written", path=str(path))
 
 
-def check_store_file(sup: Supervisor) -> None:
+def check_store_file(sup: HousekeepingRun) -> None:
     """Database file deleted or replaced under us (one stat): re-create it from the open connection
     before anything is written to an inode nobody can read, and say so (store/recovery/repair.py)."""
     if not hasattr(sup.store, "file_problem"):
@@ -342,7 +353,7 @@ def check_store_file(sup: Supervisor) -> None:
         sup.store.update_incident_status(iid, IncidentStatus.resolved, "database re-created in place")
 
 
-def check_store_damage(sup: Supervisor) -> None:
+def check_store_damage(sup: HousekeepingRun) -> None:
     """The database file itself damaged under us (emptied, header overwritten, truncated: one 100-byte
     read): salvage it from the open connection or restore the newest backup, re-derive this run from its
     directory, forget in-memory references to incidents the restored store does not have, say so."""
@@ -378,7 +389,7 @@ def check_store_damage(sup: Supervisor) -> None:
     sup.say(f"WARNING: {got['problem']}; recovered from {got['recovered_from']}")
 
 
-def sweep_stale_attempts(sup: Supervisor) -> None:
+def sweep_stale_attempts(sup: HousekeepingRun) -> None:
     """Attempts the store thinks are live but whose process is gone (e.g. left by a crashed daemon
     for another run) are closed with what their exit file says."""
     from ulyssesd.daemon.host.process import read_exit_file
@@ -393,6 +404,6 @@ def sweep_stale_attempts(sup: Supervisor) -> None:
             log.info("stale attempt closed", attempt=a.number, status=st.describe())
 
 
-def status_summary(sup: Supervisor) -> None:
+def status_summary(sup: HousekeepingRun) -> None:
     """One structured status line in the daemon log."""
     log.info("status", **sup.status_dict())

@@ -13,12 +13,12 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import tenacity
 
 from ulyssesd.daemon.core import relaunch
-from ulyssesd.daemon.core.relaunch import Relaunch
+from ulyssesd.daemon.core.relaunch import Relaunch, RelaunchRun
 from ulyssesd.daemon.core.termination import RankWatch
 from ulyssesd.daemon.host import disk, disk_budget
 from ulyssesd.daemon.host.gpu_health import gpus_needed
@@ -26,14 +26,25 @@ from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import JobHandle
 from ulyssesd.daemon.job import checkpoint_watch
 from ulyssesd.daemon.job import config as jc
+from ulyssesd.daemon.job.checkpoint_watch import CheckpointWatchRun
 from ulyssesd.daemon.job.launcher import LaunchPlan, build_launch
+from ulyssesd.daemon.job.standby import StandbyKeeper, StandbyRun
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
-
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
 
 log = get_logger("ulyssesd.supervisor")
 S = RunState
+
+
+class LaunchRun(RelaunchRun, CheckpointWatchRun, StandbyRun, Protocol):
+    """What starting an attempt uses of the run (and the parts it calls)."""
+
+    preflight: Callable[[dict[str, Any]], str | None] | None  # the planner's check of a config
+    standby: StandbyKeeper  # the next attempt kept warm
+    rank_watch: RankWatch
+    rank_lost: dict[str, Any] | None
+    hang_diagnosis: tuple[str | None, list[str]] | None
+    attempt_started_mono: float
+    attempt_resume_step: int | None  # the step of the checkpoint a command job's attempt was given
 
 
 class LaunchError(RuntimeError):
@@ -121,7 +132,7 @@ def tag_gib(ckpt_dir: Path, tag: str) -> float:
         return 0.0
 
 
-def checkpoint_for(sup: Supervisor, rollback_to_step: int | None) -> tuple[str, list[str]]:
+def checkpoint_for(sup: LaunchRun, rollback_to_step: int | None) -> tuple[str, list[str]]:
     """Validate tags newest -> oldest, quarantine bad ones; return (tag or "none", notes). The hashing uses the
     job's own `[checkpoint] verify_threads`: this check is on the restart's critical path too."""
     threads = jc.get_dotted(sup.config, "checkpoint.verify_threads")
@@ -131,7 +142,7 @@ def checkpoint_for(sup: Supervisor, rollback_to_step: int | None) -> tuple[str, 
         say=sup.say, threads=threads if type(threads) is int and threads >= 1 else None)
 
 
-def launch(sup: Supervisor, reason: str, rollback_to_step: int | None = None, incident_id: int | None = None) -> bool:
+def launch(sup: LaunchRun, reason: str, rollback_to_step: int | None = None, incident_id: int | None = None) -> bool:
     """Launch the next attempt. Returns False when the run ended instead (FAILED), or when the daemon's
     own writes to the run directory fail for lack of space (retried later, bounded: relaunch.py)."""
     try:
@@ -145,7 +156,7 @@ def launch(sup: Supervisor, reason: str, rollback_to_step: int | None = None, in
     return launched
 
 
-def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, incident_id: int | None) -> bool:
+def start_attempt(sup: LaunchRun, reason: str, rollback_to_step: int | None, incident_id: int | None) -> bool:
     command_job = sup.spec.job_section.kind == "command"
     resume: Path | None | bool = True
     resume_step: int | None = None
@@ -265,7 +276,7 @@ def start_attempt(sup: Supervisor, reason: str, rollback_to_step: int | None, in
     return True
 
 
-def spawn_with_retries(sup: Supervisor, plan: LaunchPlan) -> JobHandle:
+def spawn_with_retries(sup: LaunchRun, plan: LaunchPlan) -> JobHandle:
     """Bounded retries with exponential backoff + jitter for launches that fail to start at all
     (fork/exec errors, a missing interpreter). The waits are short and bounded (≤ ~10 s total)."""
     retrying = tenacity.Retrying(

@@ -7,13 +7,14 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ulyssesd.daemon.core.termination import Relaunch
+from ulyssesd.daemon.host import disk
+from ulyssesd.daemon.host.disk import DiskRun
 from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.ports import HostSide
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
-
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
 
 S = RunState
 log = get_logger("ulyssesd.supervisor")
@@ -25,14 +26,12 @@ OWN_WRITE_RETRIES = 6
 PROBE_BYTES = 256 << 10
 
 
-@dataclass
-class Relaunch:
-    """What to do once the current attempt has exited: start the next one."""
+class RelaunchRun(DiskRun, HostSide, Protocol):
+    """What the restart budget and backoff use of the run (and the disk handling's `DiskRun`)."""
 
-    reason: str
-    incident_id: int | None = None
-    rollback_to_step: int | None = None
-    counts_against_budget: bool = True
+    counters: Counters
+    pending_relaunch: Relaunch | None  # what starts when the backoff is over
+    backoff_until: float | None  # wall time the backoff ends
 
 
 @dataclass
@@ -46,7 +45,7 @@ class Counters:
     own_write_failures: int = 0  # launches in a row that failed on the daemon's own run-directory writes
 
 
-def schedule_relaunch(sup: Supervisor, relaunch: Relaunch, early: bool = False) -> None:
+def schedule_relaunch(sup: RelaunchRun, relaunch: Relaunch, early: bool = False) -> None:
     """Budget checks, then relaunch now or after a backoff."""
     now = sup.os.time()
     rcfg = sup.spec.remediation
@@ -84,7 +83,7 @@ def schedule_relaunch(sup: Supervisor, relaunch: Relaunch, early: bool = False) 
     sup.launch(relaunch.reason, relaunch.rollback_to_step, relaunch.incident_id)
 
 
-def fail_budget(sup: Supervisor, symptom: Symptom, reason: str) -> None:
+def fail_budget(sup: RelaunchRun, symptom: Symptom, reason: str) -> None:
     iid = sup.incidents.incident(symptom, sup.last_step or 0, Severity.critical, reason,
                         {"restarts_last_hour": len(sup.counters.restarts),
                          "restarts_without_progress": sup.counters.restarts_without_progress,
@@ -111,11 +110,11 @@ def probe_run_dir(run_dir: Path) -> None:
             pass
 
 
-def own_write_failed(sup: Supervisor, exc: BaseException, relaunch: Relaunch) -> bool:
+def own_write_failed(sup: RelaunchRun, exc: BaseException, relaunch: Relaunch) -> bool:
     """The daemon could not write to the run directory before a launch. Read-only: a clear incident and a
     clean stop, nothing deleted. Full: prune what is prunable, then retry the launch later with a growing
     delay, OWN_WRITE_RETRIES times at most, then FAILED with a disk_full incident. Returns False."""
-    from ulyssesd.daemon.host import disk
+
 
     code = disk.errno_of(exc) or "unknown"  # the OSError itself, or the cause of a LaunchError
     sup.counters.own_write_failures += 1

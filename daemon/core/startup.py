@@ -11,9 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ulyssesd.daemon.core import decisions, exits
+from ulyssesd.daemon.core.exits import ExitRun
 from ulyssesd.daemon.core.incident_log import jsonable
 from ulyssesd.daemon.core.relaunch import Relaunch
 from ulyssesd.daemon.core.states import LIVE_JOB_STATES, TERMINAL
@@ -22,7 +23,7 @@ from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import JobHandle
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job import slurm_supervise
-from ulyssesd.daemon.spec import engine_job_values
+from ulyssesd.daemon.spec import RunSpec, engine_job_values
 from ulyssesd.daemon.store.enums import ApplyMode, RunState
 from ulyssesd.daemon.store.permissions import private_dir
 from ulyssesd.daemon.store.recovery import refuse_unknown_run_dirs
@@ -31,14 +32,20 @@ from ulyssesd.remediation.engine import LadderState
 from ulyssesd.remediation.playbook import DEFAULTS, LADDERS, NON_FATAL
 from ulyssesd.remediation.records import StepRecord
 
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
-
 log = get_logger("ulyssesd.supervisor")
 S = RunState
 
 
-def find_existing_run(sup: Supervisor) -> Any:
+class StartupRun(ExitRun, Protocol):
+    """What creating or re-adopting the run uses of it (and the exit path's `ExitRun`)."""
+
+    run_lock: Callable[[Path, str], None] | None  # takes the per-run lock once the run is known
+    requested_run_id: str | None
+    engine_factory: Callable[[RunSpec, dict], Any]
+    attempt_started_mono: float
+
+
+def find_existing_run(sup: StartupRun) -> Any:
     """The unfinished run to re-adopt: the one `--run-id`/`[run] run_id` names (from its directory when the
     store lost it), else the unfinished run of this spec file; None when there is none (a new run)."""
     rid = sup.requested_run_id or sup.spec.run.run_id
@@ -63,7 +70,7 @@ def find_existing_run(sup: Supervisor) -> Any:
     return None
 
 
-def adopt_run_dir(sup: Supervisor, run_dir: Path, rid: str) -> Any:
+def adopt_run_dir(sup: StartupRun, run_dir: Path, rid: str) -> Any:
     """`--run-id X` of a run directory the store does not know: rebuild its rows from the directory
     (configs, checkpoints' manifests, attempts, telemetry cursor; store/recovery/) and re-adopt it."""
     from ulyssesd.daemon.store import recovery
@@ -82,7 +89,7 @@ def adopt_run_dir(sup: Supervisor, run_dir: Path, rid: str) -> Any:
     return sup.store.get_run(rid)
 
 
-def create_run(sup: Supervisor) -> None:
+def create_run(sup: StartupRun) -> None:
     rid = sup.requested_run_id or sup.spec.run.run_id or (
         f"{sup.spec.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(sup.os.time()))}")
     sup.run_id = rid
@@ -111,7 +118,7 @@ def create_run(sup: Supervisor) -> None:
     sup.say(f"run {rid} created in {sup.run_dir}")
 
 
-def adopt(sup: Supervisor, run: Any) -> None:
+def adopt(sup: StartupRun, run: Any) -> None:
     """Resume supervising a run a previous daemon left behind (its job may still be running)."""
     sup.run_id = run.id
     sup.run_dir = Path(run.run_dir)
@@ -176,7 +183,7 @@ def adopt(sup: Supervisor, run: Any) -> None:
         sup.backoff_until = now
 
 
-def decided_relaunch(sup: Supervisor, attempt: int, reason: str, counts: bool) -> Relaunch:
+def decided_relaunch(sup: StartupRun, attempt: int, reason: str, counts: bool) -> Relaunch:
     """The relaunch a previous daemon decided for `attempt` but did not carry out (it died in between):
     the newest restart-mode action on that attempt's incidents, read back from the store, so that a
     rollback-and-skip is not silently turned into a restart from the latest, possibly bad, checkpoint."""
@@ -195,7 +202,7 @@ def decided_relaunch(sup: Supervisor, attempt: int, reason: str, counts: bool) -
     return Relaunch(reason, last.incident_id, rollback, counts_against_budget=counts)
 
 
-def replanner(sup: Supervisor) -> Callable[[], Any]:
+def replanner(sup: StartupRun) -> Callable[[], Any]:
     """The engine's memory re-planner: memory spikes re-plan the daemon's current config as OOMs do."""
     return lambda: exits._memory_replanner(sup)
 
@@ -208,7 +215,7 @@ def engine_values(stored: dict[str, Any]) -> dict[str, Any]:
     return {**DEFAULTS, **{k: v for k, v in engine_job_values(cfg, env).items() if v is not None}}
 
 
-def seat_engine(sup: Supervisor, versions: list[Any], attempt: int, running: int | None) -> None:
+def seat_engine(sup: StartupRun, versions: list[Any], attempt: int, running: int | None) -> None:
     """What the replay cannot walk the engine to: a crash's fix comes from the exit handling, not from a
     record, so after re-adoption the engine's `values` would still be v1's and its `launched` (lr_scale and
     reverts are relative to it) would not be the config the live attempt runs. Tell it: `values` are the
@@ -254,7 +261,7 @@ def ladder_position(ladder: str, done: list[tuple[str, int]], verify_steps: int,
     return pos, uses, left
 
 
-def restore_ladders(sup: Supervisor) -> None:
+def restore_ladders(sup: StartupRun) -> None:
     """The telemetry replay walks the engine's ladders through the findings it sees again, but not through a
     crash's or a hang's decision (the exit handling and the clock made those, not a record): after re-adoption
     the next crash would start its ladder at rung 0 again and a bounded rung (`max_crash_restarts`) would get
@@ -285,7 +292,7 @@ def restore_ladders(sup: Supervisor) -> None:
                  position=pos, uses=uses, verify_left=st.verify_left)
 
 
-def warm_engine(sup: Supervisor, attempt: int) -> int | None:
+def warm_engine(sup: StartupRun, attempt: int) -> int | None:
     """Feed the current attempt's already-processed records to a fresh engine (baselines, hang clock)
     and drop its decisions: they were acted upon by the previous daemon. Returns the config version the
     attempt's own records say it runs (None when they say none)."""

@@ -35,7 +35,6 @@ from enum import Enum
 from pathlib import Path
 
 from ulyssesd.daemon.core.files import _read_tail, _size
-from ulyssesd.daemon.core.relaunch import Relaunch
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import JobHandle, OSInterface
 
@@ -58,6 +57,16 @@ class Then(Enum):
     STOP = "stop"  # an operator stop: the run ends STOPPED
     PAUSE = "pause"  # an operator pause: the run waits PAUSED for a resume
     FAIL = "fail"  # the playbook said stop: the run ends FAILED with the termination's reason
+
+
+@dataclass
+class Relaunch:
+    """What to do once the current attempt has exited: start the next one."""
+
+    reason: str
+    incident_id: int | None = None
+    rollback_to_step: int | None = None
+    counts_against_budget: bool = True
 
 
 @dataclass(frozen=True)

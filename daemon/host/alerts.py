@@ -24,7 +24,6 @@ import json
 import queue
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.host.logging import get_logger
 
 _stop_delay: Callable[[float], stop_base]  # either class below: same constructor
@@ -127,7 +127,7 @@ class AlertSender:
         """The POST body: Slack-compatible `text` plus the structured event (see module doc)."""
         cfg = self.config
         message = f"{cfg.prefix} {text}" if cfg.prefix else text
-        return json.dumps({"text": message, "event": event, "host": socket.gethostname(), "time": time.time(),
+        return json.dumps({"text": message, "event": event, "host": socket.gethostname(), "time": SYSTEM.time(),
                            "details": details or {}}, default=str).encode()
 
     def send_now(self, text: str, event: str = "incident", details: dict | None = None) -> AlertOutcome:
@@ -137,15 +137,15 @@ class AlertSender:
         headers = {"Content-Type": "application/json", "User-Agent": "ulyssesd"}
         if cfg.secret:
             headers[SIGNATURE_HEADER] = sign(cfg.secret, body)
-            headers[TIMESTAMP_HEADER] = str(int(time.time()))
-        start = time.monotonic()
+            headers[TIMESTAMP_HEADER] = str(int(SYSTEM.time()))
+        start = SYSTEM.monotonic()
         attempts = 0
         last_status: int | None = None
 
         def attempt() -> int:
             nonlocal attempts, last_status
             attempts += 1
-            left = cfg.max_total_s - (time.monotonic() - start)
+            left = cfg.max_total_s - (SYSTEM.monotonic() - start)
             req = urllib.request.Request(cfg.url, data=body, method="POST", headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=max(0.1, min(cfg.timeout_s, left))) as resp:
@@ -178,7 +178,7 @@ class AlertSender:
         except Exception as exc:  # never raise into the caller (the main loop)
             ok, error = False, f"{type(exc).__name__}: {exc}"
         outcome = AlertOutcome(text=message, ok=ok, attempts=attempts, status=last_status, error=error,
-                               elapsed_s=round(time.monotonic() - start, 3))
+                               elapsed_s=round(SYSTEM.monotonic() - start, 3))
         if ok:
             self._log.info("alert sent", alert_event=event, attempts=attempts, status=last_status)
         else:

@@ -11,14 +11,13 @@ import errno
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ulyssesd.daemon.host.disk_budget import BudgetRun
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.job import config as jc
+from ulyssesd.daemon.ports import Lifecycle
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, Severity, Symptom
-
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
 
 log = get_logger("ulyssesd.supervisor")
 
@@ -42,6 +41,10 @@ _AGENT_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: \d+")
 _REFUSAL_HEADER = re.compile(r"ulysses-train: (.*)")
 _PROBLEM_LINE = re.compile(r"^\s*- (.+)$")
 MAX_PROBLEM_LINES = 40
+
+
+class DiskRun(BudgetRun, Lifecycle, Protocol):
+    """What the disk-full and read-only handling uses of the run (and the budget's `BudgetRun`)."""
 
 
 def rank_exit_codes(log_text: str) -> list[int]:
@@ -128,7 +131,7 @@ def _reading_trusted(failure: dict[str, Any] | None, need: int) -> bool:
     return not (isinstance(free_then, int) and free_then >= need)
 
 
-def prune_for_space(sup: Supervisor, failure: dict[str, Any] | None = None) -> PruneOutcome:
+def prune_for_space(sup: DiskRun, failure: dict[str, Any] | None = None) -> PruneOutcome:
     """Make room for the next save after a failed one (the job has exited), in the budget's stated order:
     the failed save's partial and what retention removes anyway, set-aside copies oldest first, anchors beyond
     the newest known-good, the keep_last window down to the newest valid (training/checkpoint/budget.py)."""
@@ -165,7 +168,7 @@ def prune_for_space(sup: Supervisor, failure: dict[str, Any] | None = None) -> P
                         room.held_bytes)
 
 
-def resume_after_no_space(sup: Supervisor, iid: int, failure: dict[str, Any] | None) -> bool:
+def resume_after_no_space(sup: DiskRun, iid: int, failure: dict[str, Any] | None) -> bool:
     """The disk_full rung: make room, record what was freed, lengthen the save interval when the disk holds fewer
     tags than configured, and say whether the next attempt can save. False only when the disk cannot hold the
     newest valid tag plus one more: the incident is closed failed and the run FAILED, never a loop."""
@@ -210,7 +213,7 @@ def resume_after_no_space(sup: Supervisor, iid: int, failure: dict[str, Any] | N
     return False
 
 
-def _base_interval(sup: Supervisor) -> int | None:
+def _base_interval(sup: DiskRun) -> int | None:
     """The run's own save interval (its first config version's): a lengthened one is never lengthened again."""
     try:
         first = sup.store.list_config_versions(sup.run_id)[0].config
@@ -225,7 +228,7 @@ SKIP_EVIDENCE = "checkpoint_skipped"
 _SKIP_COUNT = re.compile(r"^(\d+) saves? skipped")
 
 
-def open_skip_episode(sup: Supervisor) -> Any | None:
+def open_skip_episode(sup: DiskRun) -> Any | None:
     """The run's open skipped-save incident (the episode in progress), or None."""
     for inc in sup.store.list_incidents(sup.run_id, symptom=Symptom.disk_full, status=IncidentStatus.open,
                                         newest_first=True):
@@ -246,7 +249,7 @@ def _episode_reason(count: int, fields: dict[str, Any], step: int) -> str:
             f"save is written again")
 
 
-def save_skipped(sup: Supervisor, step: int, fields: dict[str, Any]) -> None:
+def save_skipped(sup: DiskRun, step: int, fields: dict[str, Any]) -> None:
     """The job skipped a save for lack of space (its `checkpoint_skipped` event): training goes on. One open
     `disk_full` incident per episode: the first skip opens it (with the numbers, an alert), later skips only
     update its count and last numbers (status reason, log), and the next written save resolves it
@@ -268,7 +271,7 @@ def save_skipped(sup: Supervisor, step: int, fields: dict[str, Any]) -> None:
     sup.alert("incident", text, need_bytes=need, available_bytes=avail)
 
 
-def save_written(sup: Supervisor, tag: str, step: int) -> None:
+def save_written(sup: DiskRun, tag: str, step: int) -> None:
     """A save was written: the skipped-save episode in progress (if any) is resolved, saying how many saves it
     skipped."""
     episode = open_skip_episode(sup)
@@ -281,7 +284,7 @@ def save_written(sup: Supervisor, tag: str, step: int) -> None:
     sup.say(f"  {text}: incident #{episode.id} resolved")
 
 
-def stop_read_only(sup: Supervisor, where: str, evidence: dict[str, Any], iid: int | None = None) -> None:
+def stop_read_only(sup: DiskRun, where: str, evidence: dict[str, Any], iid: int | None = None) -> None:
     """A read-only filesystem: nothing a relaunch or a prune can fix, and nothing may be deleted."""
     reason = f"{READ_ONLY_REASON} ({where}); nothing was deleted: remount it read-write, then start the run again"
     if iid is None:

@@ -9,14 +9,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.job import config as jc
+from ulyssesd.daemon.ports import JobConfig, Records, RunFiles
 from ulyssesd.training.checkpoint import budget as bd
-
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
 
 log = get_logger("ulyssesd.supervisor")
 
@@ -25,6 +23,10 @@ TAG_BYTES_PER_PARAM = bd.TAG_BYTES_PER_PARAM
 #: The longest the save interval is stretched when the disk holds fewer tags than configured.
 MAX_INTERVAL_FACTOR = 8
 GIB = 1 << 30
+
+
+class BudgetRun(RunFiles, JobConfig, Records, Protocol):
+    """What the checkpoint budget uses of the run: its files, config, store and alerts."""
 
 
 def policy_of(dcfg: Any, config: dict[str, Any]) -> bd.BudgetPolicy:
@@ -39,7 +41,7 @@ def policy_of(dcfg: Any, config: dict[str, Any]) -> bd.BudgetPolicy:
         margin_bytes=int(float(getattr(dcfg, "min_free_gib", 0.0)) * GIB))
 
 
-def known_good(sup: Supervisor) -> list[str]:
+def known_good(sup: BudgetRun) -> list[str]:
     return [c.tag for c in sup.store.list_checkpoints(sup.run_id) if getattr(c, "known_good", False)]
 
 
@@ -64,7 +66,7 @@ def predicted_from_config(config: dict[str, Any]) -> int:
         return 0
 
 
-def classify_run(sup: Supervisor) -> bd.DirBudget:
+def classify_run(sup: BudgetRun) -> bd.DirBudget:
     return bd.classify(sup.ckpt_dir, policy_of(sup.dcfg, sup.config), known_good(sup))
 
 
@@ -82,7 +84,7 @@ class RetentionResult:
     budget: bd.DirBudget | None = None
 
 
-def run_retention(sup: Supervisor) -> RetentionResult:
+def run_retention(sup: BudgetRun) -> RetentionResult:
     """Routine retention (surplus tags, set-aside copies over their caps), then room for the next save while the
     job runs (not while a save is being written: the free space is then still falling, and the job makes room
     itself before its next save), the store told what went, and the budget published for the job."""
@@ -116,7 +118,7 @@ def run_retention(sup: Supervisor) -> RetentionResult:
     return out
 
 
-def publish_budget(sup: Supervisor) -> None:
+def publish_budget(sup: BudgetRun) -> None:
     """The budget file the job checks before every save, written before each attempt is launched, so that its
     first save is checked with the run's own settings (the margin, the predicted tag size) whatever the
     retention timer did. An OSError goes to the caller: the launch path retries the daemon's own failed writes."""
@@ -127,7 +129,7 @@ def publish_budget(sup: Supervisor) -> None:
 _warned: dict[str, str] = {}
 
 
-def warn_no_room(sup: Supervisor, room: bd.RoomOutcome, budget: bd.DirBudget) -> None:
+def warn_no_room(sup: BudgetRun, room: bd.RoomOutcome, budget: bd.DirBudget) -> None:
     """The next save will not fit even with everything removable gone: said once per newest tag (the job skips
     that save and says so with its own event)."""
     key = f"{sup.run_id}:{budget.newest_valid}"
@@ -142,7 +144,7 @@ def warn_no_room(sup: Supervisor, room: bd.RoomOutcome, budget: bd.DirBudget) ->
     sup.alert("incident", text, need_bytes=room.need_bytes, available_bytes=room.available_bytes)
 
 
-def warn_window_cut(sup: Supervisor, budget: bd.DirBudget, cut: list[str]) -> None:
+def warn_window_cut(sup: BudgetRun, budget: bd.DirBudget, cut: list[str]) -> None:
     """The disk holds fewer tags than the settings keep: said (log, console, alert) once per run."""
     key = f"{sup.run_id}:window"
     if _warned.get(key):
@@ -158,7 +160,7 @@ def warn_window_cut(sup: Supervisor, budget: bd.DirBudget, cut: list[str]) -> No
     sup.alert("incident", text, tags_held=tags, free_bytes=budget.free_bytes, removed=cut)
 
 
-def mark_pruned(sup: Supervisor, removed: list[str]) -> None:
+def mark_pruned(sup: BudgetRun, removed: list[str]) -> None:
     """Tell the store which tags are gone: those just removed and those another remover (the job's own room
     making) removed, so that `status` never names a tag that is not on disk."""
     on_disk = set(bd.classify(sup.ckpt_dir, policy_of(sup.dcfg, sup.config)).by_name()) \

@@ -7,7 +7,7 @@ before acting on it the daemon asks the host (`ulyssesd.remediation.diagnosis.re
   The count at each attempt's end is kept in `<run_dir>/host_oom.json`, so the next attempt compares with it;
   with no earlier count, 0 means "no OOM kill" and a positive count is unknown (it may predate the attempt).
 - the kernel log (`/dev/kmsg`, readable by root or with CAP_SYSLOG): OOM-killer records stamped after the
-  attempt started (kmsg stamps are CLOCK_MONOTONIC microseconds, the clock of `time.monotonic()`).
+  attempt started (kmsg stamps are CLOCK_MONOTONIC microseconds, the clock of `SYSTEM.monotonic()`).
 
 Every read is bounded (bytes, records, a time budget) and failing reads yield None ("unreadable"), never an
 exception: the check must not be able to break crash handling.
@@ -19,10 +19,11 @@ import errno
 import json
 import os
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ulyssesd.daemon.clock import SYSTEM
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 KMSG = Path("/dev/kmsg")
@@ -74,10 +75,10 @@ def read_kernel_oom_lines(since_monotonic: float, kmsg: Path = KMSG, max_records
     except OSError:
         return None
     out: list[str] = []
-    deadline = time.monotonic() + budget_s
+    deadline = SYSTEM.monotonic() + budget_s
     try:
         for _ in range(max_records):
-            if time.monotonic() > deadline:
+            if SYSTEM.monotonic() > deadline:
                 break
             try:
                 rec = os.read(fd, 8192)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.store.permissions import FILE_MODE
 
 STATE_LOCK_NAME = "ulyssesd.lock"
@@ -86,7 +87,7 @@ def acquire(path: str | os.PathLike[str], what: str, info: dict[str, Any]) -> Fi
     except BaseException:
         os.close(fd)
         raise
-    body = json.dumps({"pid": os.getpid(), "started": time.time(), **info}).encode()
+    body = json.dumps({"pid": os.getpid(), "started": SYSTEM.time(), **info}).encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, body + b"\n", 0)
     return FileLock(p, fd)

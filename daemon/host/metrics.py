@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.metrics_server import MetricsServer
 
@@ -143,7 +144,6 @@ class Metrics:
         attempt, so the store is not queried every tick. Cheap no-op when disabled."""
         if not self.enabled:
             return
-        import time
 
         relaunches = self._read_relaunches(attempt, relaunch_counts)
 
@@ -178,7 +178,7 @@ class Metrics:
                 snap.incidents.update({k: float(v) for k, v in incidents_by_symptom.items()})
             if actions_by_kind is not None:
                 snap.actions.update({k: float(v) for k, v in actions_by_kind.items()})
-            snap.values["ulyssesd_last_update_timestamp_seconds"] = time.time() if now is None else now
+            snap.values["ulyssesd_last_update_timestamp_seconds"] = SYSTEM.time() if now is None else now
 
     def _read_relaunches(self, attempt: int | None,
                          relaunch_counts: Callable[[], RelaunchCounts] | None) -> RelaunchCounts | None:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.host.logging import get_logger
 
 log = get_logger("ulyssesd.metrics")
@@ -73,7 +73,7 @@ class MetricsServer:
             except OSError:
                 if self._stop.is_set():
                     return
-                time.sleep(0.05)  # EMFILE and the like: back off instead of spinning
+                SYSTEM.sleep(0.05)  # EMFILE and the like: back off instead of spinning
                 continue
             if not self._open.acquire(blocking=False):
                 self.refused += 1
@@ -83,7 +83,7 @@ class MetricsServer:
                 conn.close()
                 continue
             try:
-                self._pool.submit(self._serve, conn, time.monotonic() + self.config.request_timeout_s)
+                self._pool.submit(self._serve, conn, SYSTEM.monotonic() + self.config.request_timeout_s)
             except RuntimeError:  # the pool is shut down
                 self._open.release()
                 conn.close()
@@ -118,7 +118,7 @@ class MetricsServer:
         """The request head; b"" when too large; None when the client was too slow or left."""
         buf = b""
         while b"\r\n\r\n" not in buf and b"\n\n" not in buf:
-            left = deadline - time.monotonic()
+            left = deadline - SYSTEM.monotonic()
             if left <= 0:
                 return None
             conn.settimeout(left)
@@ -140,7 +140,7 @@ class MetricsServer:
                   431: b"Request Header Fields Too Large"}[code]
         head = (b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
                 % (code, reason, ctype, len(body) if length is None else length))
-        conn.settimeout(max(0.1, deadline - time.monotonic()) + 5.0)  # a client that does not read: bounded
+        conn.settimeout(max(0.1, deadline - SYSTEM.monotonic()) + 5.0)  # a client that does not read: bounded
         conn.sendall(head + body)
 
     def shutdown(self) -> None:

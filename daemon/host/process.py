@@ -14,12 +14,13 @@ import json
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import psutil
+
+from ulyssesd.daemon.clock import SYSTEM, Clock
 
 #: How long `RealOS.host_load` measures CPU use over (psutil's cpu_percent needs an interval).
 HOST_CPU_INTERVAL_S = 0.2
@@ -70,10 +71,9 @@ class HostLoad:
     processes: list[tuple[float, int, str]]  # (cpu_percent, pid, command line or name), busiest first
 
 
-class OSInterface(Protocol):
-    def time(self) -> float: ...
-    def monotonic(self) -> float: ...
-    def sleep(self, seconds: float) -> None: ...
+class OSInterface(Clock, Protocol):
+    """The host as the supervisor sees it: the clock (time, monotonic, sleep) and process control."""
+
     def host_load(self) -> HostLoad: ...
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, log_path: Path) -> JobHandle: ...
     def is_alive(self, job: JobHandle) -> bool: ...
@@ -187,14 +187,15 @@ class RealOS:
     def __init__(self) -> None:
         self._children: dict[int, subprocess.Popen] = {}
 
+    # The clock part of the seam is the daemon's one clock (daemon/clock.py).
     def time(self) -> float:
-        return time.time()
+        return SYSTEM.time()
 
     def monotonic(self) -> float:
-        return time.monotonic()
+        return SYSTEM.monotonic()
 
     def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
+        SYSTEM.sleep(seconds)
 
     def host_load(self, interval_s: float = HOST_CPU_INTERVAL_S) -> HostLoad:
         procs = list(psutil.process_iter(["pid", "name", "cmdline"]))
@@ -203,7 +204,7 @@ class RealOS:
                 p.cpu_percent(None)
             except psutil.Error:
                 continue
-        time.sleep(interval_s)
+        self.sleep(interval_s)
         rows = []
         for p in procs:
             try:
@@ -220,7 +221,7 @@ class RealOS:
             proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
         self._children[proc.pid] = proc
-        start = self.start_time_of(proc.pid) or time.time()
+        start = self.start_time_of(proc.pid) or self.time()
         return JobHandle(proc.pid, start)
 
     def start_time_of(self, pid: int) -> float | None:

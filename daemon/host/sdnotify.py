@@ -14,6 +14,7 @@ import os
 import socket
 import time
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.host.logging import get_logger
 
 _ENV_KEYS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
@@ -85,7 +86,7 @@ class SdNotifier:
 
     def watchdog(self) -> bool:
         ok = self.notify("WATCHDOG=1")
-        self._last_ping = time.monotonic()
+        self._last_ping = SYSTEM.monotonic()
         return ok
 
     def watchdog_interval_s(self) -> float | None:
@@ -105,7 +106,7 @@ class SdNotifier:
         interval = self.watchdog_interval_s()
         if interval is None:
             return False
-        now = time.monotonic() if now is None else now
+        now = SYSTEM.monotonic() if now is None else now
         if self._last_ping is not None and now - self._last_ping < interval:
             return False
         self.watchdog()

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ulyssesd.daemon.clock import SYSTEM
+
 #: Where set-aside and quarantined checkpoints' names carry their mark (never resumed, kept as evidence).
 SET_ASIDE_MARKS = (".rolledback-", ".corrupt-")
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
@@ -351,7 +353,7 @@ def complete(cfg: WatchConfig, earlier: dict[str, tuple[int, int, int]] | None =
     if earlier is None:
         earlier = {f.name: f.signature for f in first}
         if first:
-            time.sleep(relook_s)
+            SYSTEM.sleep(relook_s)
         second, _ = look(cfg.root, cfg.pattern, cfg.requires)
     else:
         second = first
@@ -391,7 +393,7 @@ def resume_point(cfg: WatchConfig, bounds: RollbackBounds | None = None, max_ste
             stable = earlier.get(f.name) == f.signature
         elif relooks < MAX_RELOOKS:
             relooks += 1
-            time.sleep(relook_s)
+            SYSTEM.sleep(relook_s)
             g = _examine(p, root, cfg.requires, uses_manifests)
             stable = g is not None and g.marker_ok and g.signature == f.signature
         else:
@@ -404,7 +406,7 @@ def resume_point(cfg: WatchConfig, bounds: RollbackBounds | None = None, max_ste
 
 def set_aside_after(cfg: WatchConfig, step: int, now: float | None = None) -> list[tuple[str, str]]:
     """Rename every checkpoint (complete or not) past `step` to `NAME.rolledback-UNIXTIME`; [(old, new)]."""
-    stamp = int(now if now is not None else time.time())
+    stamp = int(now if now is not None else SYSTEM.time())
     moved = []
     found, _ = look(cfg.root, cfg.pattern, cfg.requires)
     for f in sorted(found, key=lambda f: f.step):

@@ -15,11 +15,11 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.job.checkpoint_files import (
     BEFORE_RUN,
@@ -33,13 +33,24 @@ from ulyssesd.daemon.job.checkpoint_files import (
     step_of_name,
 )
 from ulyssesd.daemon.job.command import watch_config
+from ulyssesd.daemon.ports import HostSide, Lifecycle, Records, RunFiles
 from ulyssesd.daemon.store.enums import IncidentStatus, Severity, Symptom
 from ulyssesd.remediation.records import EventRecord
 
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
-
 log = get_logger("ulyssesd.supervisor")
+
+
+class CheckpointWatchRun(RunFiles, Records, Lifecycle, HostSide, Protocol):
+    """What watching a command job's checkpoint dir uses of the run."""
+
+    engine: Any  # the remediation engine (primed with the checkpoints already known)
+    known_good_marked: set[str]
+    ckpt_watch: Any  # the command job's Watch (None until its first look)
+    ckpt_watch_incident: int | None  # the open 'no checkpoint recognised' incident
+    ckpt_watch_warned: bool
+
+
+R = TypeVar("R", bound=CheckpointWatchRun)  # the run handed to `tick` and back to its `on_record`
 
 
 @dataclass
@@ -99,7 +110,7 @@ class Watch:
 
 
 # ------------------------------------------------------------------------------------ the supervisor's side
-def launch_choice(sup: Supervisor, rollback_to_step: int | None) -> tuple[Found | None, list[str]]:
+def launch_choice(sup: CheckpointWatchRun, rollback_to_step: int | None) -> tuple[Found | None, list[str]]:
     """The command job's checkpoint for the attempt about to start (None: from the start) and notes. On a
     rollback every checkpoint after the chosen one is set aside and the bound persisted (`RollbackBounds`)."""
     job = sup.spec.job_section
@@ -131,12 +142,12 @@ def launch_choice(sup: Supervisor, rollback_to_step: int | None) -> tuple[Found 
         sup.say(f"  {old} set aside as {new} (after the rollback point, step {limit})")
         sup.store.upsert_checkpoint(sup.run_id, old, step=step_of_name(old) or 0, valid=False,
                                     invalid_reason=f"rolled back past it (to step {limit}); kept as {new}")
-    bounds.add(limit, time.time())
+    bounds.add(limit, SYSTEM.time())
     sup.latest_ckpt = (chosen.name, chosen.step) if chosen else None
     return chosen, notes
 
 
-def earlier_runs(sup: Supervisor, cfg: WatchConfig, bounds: RollbackBounds) -> None:
+def earlier_runs(sup: CheckpointWatchRun, cfg: WatchConfig, bounds: RollbackBounds) -> None:
     """The run's first launch without `[job] resume_first`: checkpoints already in checkpoint_dir belong to
     another run (a spec re-run in place, a shared folder). They are never this run's resume point, also not a
     later relaunch's (a bound `before_run` in rollback-bounds.json: their files are older than this launch),
@@ -144,7 +155,7 @@ def earlier_runs(sup: Supervisor, cfg: WatchConfig, bounds: RollbackBounds) -> N
     if any(b.get("why") == BEFORE_RUN for b in bounds.read()):
         return   # said at this run's first launch already (a daemon restarted before attempt 1 was stored)
     found, _ = look(cfg.root, cfg.pattern, cfg.requires)
-    bounds.add(-1, time.time(), why=BEFORE_RUN)
+    bounds.add(-1, SYSTEM.time(), why=BEFORE_RUN)
     if not found:
         return
     found.sort(key=lambda f: f.step)
@@ -157,13 +168,13 @@ def earlier_runs(sup: Supervisor, cfg: WatchConfig, bounds: RollbackBounds) -> N
     sup.say(msg)
 
 
-def poisoned_from(sup: Supervisor, bad_step: int) -> None:
+def poisoned_from(sup: CheckpointWatchRun, bad_step: int) -> None:
     """The job's loss went NaN at `bad_step`: a checkpoint at or after that step already on disk (saved
     before the NaN was read: the race between a save and detection) holds the bad weights and is never a
     resume point, whatever the next launch is (a rollback, or a restart after a crash the NaN caused). The
     job's later saves (files newer than now) are not affected."""
     bounds = RollbackBounds(sup.run_dir)
-    now = time.time()
+    now = SYSTEM.time()
     if any(b["to_step"] == bad_step - 1 and now - b["since"] < 5 and b.get("why") != BEFORE_RUN
            for b in bounds.read()):
         return   # just noted (a finding repeated within its episode)
@@ -176,14 +187,14 @@ def gives_resume(job: Any) -> bool:
     return any("{resume}" in arg for arg in job.command)
 
 
-def tick(sup: Supervisor, on_record: Callable[[Supervisor, EventRecord, float], None]) -> None:
+def tick(sup: R, on_record: Callable[[R, EventRecord, float], None]) -> None:
     """Look at a running command job's checkpoint dir: a checkpoint that became complete is a `checkpoint_saved`
     event (progress for the no-progress rule, known-good after a clean window, `status`); a dir that yields
     none for `checkpoint_unknown_after_s` is an incident (status, journal, webhook) naming the setting."""
     job = sup.spec.job_section
     if job.kind != "command" or sup.job is None:
         return
-    now = time.time()
+    now = SYSTEM.time()
     w: Watch | None = getattr(sup, "ckpt_watch", None)
     if w is None:
         known = sup.store.list_checkpoints(sup.run_id, include_pruned=True)
@@ -224,7 +235,7 @@ def forget_after(eng: Any, step: int) -> None:
         eng.max_ckpt_step = step
 
 
-def _prime_engine(sup: Supervisor, known: list[Any]) -> None:
+def _prime_engine(sup: CheckpointWatchRun, known: list[Any]) -> None:
     """A re-adopting daemon's engine is rebuilt from telemetry, which has no file-system finds: give it the
     stored known-good checkpoints (rollback targets) and the newest step (progress)."""
     eng = sup.engine
@@ -239,7 +250,7 @@ def _prime_engine(sup: Supervisor, known: list[Any]) -> None:
         eng.max_ckpt_step = max(steps)
 
 
-def _report_problem(sup: Supervisor, w: Watch, now: float) -> None:
+def _report_problem(sup: CheckpointWatchRun, w: Watch, now: float) -> None:
     iid = getattr(sup, "ckpt_watch_incident", None)
     if iid is not None and w.reported:
         sup.store.update_incident_status(iid, IncidentStatus.resolved, "checkpoints recognised since")
@@ -257,7 +268,7 @@ def _report_problem(sup: Supervisor, w: Watch, now: float) -> None:
          "unrecognised": w.unrecognised[:20], "incomplete": [f"{f.name}: {f.why_not}" for f in w.incomplete[:20]]})
 
 
-def reported_resume(sup: Supervisor, tag: str, step: int | None) -> None:
+def reported_resume(sup: CheckpointWatchRun, tag: str, step: int | None) -> None:
     """The job said what it loaded (`checkpoint_loaded`): the attempt's record follows the job's word; a
     disagreement with what it was given is logged (the job's own choice wins: it is what it runs from)."""
     try:

@@ -16,35 +16,39 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.core.relaunch import Relaunch
 from ulyssesd.daemon.core.termination import Termination, TerminationPlan, Then
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle
 from ulyssesd.daemon.job import slurm as sl
 from ulyssesd.daemon.job.slurm_watch import WatchPlan, final_end, read_end, read_job_id
+from ulyssesd.daemon.ports import HostSide, JobConfig, Lifecycle, Records, RunFiles
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, Severity, Symptom
-
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
 
 log = get_logger("ulyssesd.slurm")
 
 
-def submit_mode(sup: Supervisor) -> bool:
+class SlurmRun(RunFiles, JobConfig, Records, Lifecycle, HostSide, Protocol):
+    """What supervising an attempt through Slurm uses of the run."""
+
+    last_exiting: str | None  # the job's 'exiting' event, once it said it is ending
+
+
+def submit_mode(sup: SlurmRun) -> bool:
     slurm = getattr(sup.spec, "slurm", None)
     return slurm is not None and slurm.mode == "submit"
 
 
-def allocation_mode(sup: Supervisor) -> bool:
+def allocation_mode(sup: SlurmRun) -> bool:
     slurm = getattr(sup.spec, "slurm", None)
     return slurm is not None and slurm.mode == "allocation" and bool(os.environ.get("SLURM_JOB_ID"))
 
 
-def _allocation_exit(sup: Supervisor) -> sl.SlurmEnd | None:
+def _allocation_exit(sup: SlurmRun) -> sl.SlurmEnd | None:
     """Allocation mode: the srun step ended unrequested. A node of the allocation that is now DOWN or not
     responding (an allocation made with --no-kill outlives it) is the cause: named, excluded from the next
     srun within the allocation's nodes, resumed from the latest valid checkpoint; anything else: the crash path."""
@@ -76,7 +80,7 @@ def _allocation_exit(sup: Supervisor) -> sl.SlurmEnd | None:
     return end
 
 
-def commands(sup: Supervisor) -> sl.SlurmCommands:
+def commands(sup: SlurmRun) -> sl.SlurmCommands:
     """The Slurm seam of this supervisor (tests set `sup.slurm_commands` to a fake before start)."""
     cmds = getattr(sup, "slurm_commands", None)
     if cmds is None:
@@ -85,11 +89,11 @@ def commands(sup: Supervisor) -> sl.SlurmCommands:
     return cmds
 
 
-def current_job_id(sup: Supervisor) -> str | None:
+def current_job_id(sup: SlurmRun) -> str | None:
     return read_job_id(sup.run_dir, sup.attempt)
 
 
-def request_stack_dumps(sup: Supervisor, t: Termination, files: dict[int, Path], now: float) -> bool:
+def request_stack_dumps(sup: SlurmRun, t: Termination, files: dict[int, Path], now: float) -> bool:
     """SIGUSR1 to every rank of the attempt's job via `scancel --signal=USR1` (steps only: the batch shell
     would die of it). Returns False when there is no job to signal (the caller's local path then runs)."""
     from ulyssesd.daemon.core.files import _size
@@ -107,7 +111,7 @@ def request_stack_dumps(sup: Supervisor, t: Termination, files: dict[int, Path],
     return True
 
 
-def hang_nodes(sup: Supervisor, ranks: list[int], dumped: list[int] | None = None) -> dict[str, Any]:
+def hang_nodes(sup: SlurmRun, ranks: list[int], dumped: list[int] | None = None) -> dict[str, Any]:
     """The nodes of the hang path's suspects (rank -> node from the job's node list), for the hang incident:
     the waited-for ranks (`ranks`), or, when the stacks name none, the ranks that wrote no dump while the others
     did (`dumped`: a stopped or wedged process cannot run its SIGUSR1 handler). {} outside submit mode or
@@ -138,7 +142,7 @@ def hang_nodes(sup: Supervisor, ranks: list[int], dumped: list[int] | None = Non
             "rank_nodes": {str(r): n for r, n in named.items()}, "note": note}
 
 
-def _ensure_gone(sup: Supervisor, job_id: str) -> None:
+def _ensure_gone(sup: SlurmRun, job_id: str) -> None:
     """No Slurm job may outlive its attempt: a watcher killed by SIGKILL could not cancel it."""
     try:
         job = commands(sup).job(job_id)
@@ -149,7 +153,7 @@ def _ensure_gone(sup: Supervisor, job_id: str) -> None:
         log.warning("could not check/cancel the attempt's Slurm job", job_id=job_id, error=str(exc))
 
 
-def read_attempt_end(sup: Supervisor) -> sl.SlurmEnd | None:
+def read_attempt_end(sup: SlurmRun) -> sl.SlurmEnd | None:
     job_id = current_job_id(sup)
     if job_id is None:
         return None
@@ -161,7 +165,7 @@ def read_attempt_end(sup: Supervisor) -> sl.SlurmEnd | None:
     return final_end(commands(sup), job_id, sup.spec.launcher.nproc_per_node, mark.exists(), [])
 
 
-def before_exit(sup: Supervisor, status: ExitStatus) -> sl.SlurmEnd | None:
+def before_exit(sup: SlurmRun, status: ExitStatus) -> sl.SlurmEnd | None:
     """Turn the attempt's Slurm end into the request the exit path carries out (see the module doc)."""
     if allocation_mode(sup):
         return _allocation_exit(sup)
@@ -200,7 +204,7 @@ def before_exit(sup: Supervisor, status: ExitStatus) -> sl.SlurmEnd | None:
     return end
 
 
-def _refusal(sup: Supervisor) -> str | None:
+def _refusal(sup: SlurmRun) -> str | None:
     import json
 
     try:
@@ -210,7 +214,7 @@ def _refusal(sup: Supervisor) -> str | None:
     return str(data.get("error"))[:1000] if isinstance(data, dict) else None
 
 
-def _node_lost(sup: Supervisor, end: sl.SlurmEnd, partition: list[str] | None = None) -> None:
+def _node_lost(sup: SlurmRun, end: sl.SlurmEnd, partition: list[str] | None = None) -> None:
     """`partition`: the nodes a replacement can come from (default: the spec's partition, from sinfo)."""
     slurm = sup.spec.slurm
     current = list(dict.fromkeys([*slurm.exclude, *sl.read_exclusions(sup.run_dir)]))
@@ -242,13 +246,13 @@ def _node_lost(sup: Supervisor, end: sl.SlurmEnd, partition: list[str] | None = 
     _then(sup, summary, TerminationPlan.relaunching(Relaunch(f"node {', '.join(end.lost_nodes) or '?'} lost", iid)))
 
 
-def _then(sup: Supervisor, reason: str, plan: TerminationPlan) -> None:
+def _then(sup: SlurmRun, reason: str, plan: TerminationPlan) -> None:
     """What the exit path does next: an exit the Slurm record explains is a requested one (a termination
     already over: the job is gone), so the crash path's log diagnosis does not read Slurm's cancel lines."""
     sup.term = Termination(reason=reason, plan=plan, started=sup.os.monotonic(), grace_s=0.0)
 
 
-def after_exit(sup: Supervisor, attempt: int, end: sl.SlurmEnd | None) -> None:
+def after_exit(sup: SlurmRun, attempt: int, end: sl.SlurmEnd | None) -> None:
     """The closed attempt row: where it ran and, for a Slurm-decided end, the Slurm diagnosis."""
     if end is None:
         return
@@ -262,7 +266,7 @@ def after_exit(sup: Supervisor, attempt: int, end: sl.SlurmEnd | None) -> None:
         log.warning("could not record the attempt's Slurm end", error=repr(exc))
 
 
-def reattach(sup: Supervisor, attempt: Any) -> JobHandle | None:
+def reattach(sup: SlurmRun, attempt: Any) -> JobHandle | None:
     """A re-adopted attempt whose watcher process is gone but whose Slurm job id is recorded: start a new
     watcher for the same attempt; it attaches to the job (or reads how it ended) and exits as the old one
     would have. None when there is nothing to attach to."""
@@ -289,10 +293,10 @@ def reattach(sup: Supervisor, attempt: Any) -> JobHandle | None:
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", ULYSSESD_REATTACHED=str(int(time.time())))
+    return dict(os.environ, PYTHONUNBUFFERED="1", ULYSSESD_REATTACHED=str(int(SYSTEM.time())))
 
 
-def with_nodes(sup: Supervisor, fnd: Any) -> Any:
+def with_nodes(sup: SlurmRun, fnd: Any) -> Any:
     """A straggler finding (submit mode) also names the slowest rank's node: `evidence.slowest_node` and the
     message's `(rank R on node N)`, from the job's node list. Anything else is returned unchanged."""
     rank = (fnd.evidence or {}).get("slowest_rank") if fnd.symptom == "straggler" else None

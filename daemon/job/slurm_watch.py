@@ -21,12 +21,12 @@ import json
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.job.slurm import (
     SLURM_DIR,
     TERMINAL_STATES,
@@ -130,8 +130,8 @@ def final_end(slurm: SlurmCommands, job_id: str, ntasks_per_node: int, time_limi
 class Watcher:
     """One attempt's Slurm job, polled; `run()` returns how it ended. Signals only set flags (the loop acts)."""
 
-    def __init__(self, plan: WatchPlan, slurm: SlurmCommands, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, say: Callable[[str], None] | None = None) -> None:
+    def __init__(self, plan: WatchPlan, slurm: SlurmCommands, *, clock: Callable[[], float] = SYSTEM.monotonic,
+                 sleep: Callable[[float], None] = SYSTEM.sleep, say: Callable[[str], None] | None = None) -> None:
         self.plan, self.slurm, self.clock, self.sleep = plan, slurm, clock, sleep
         self.say = say or (lambda m: print(f"[ulyssesd slurm] {m}", flush=True))
         self.want_dump = False
@@ -154,7 +154,7 @@ class Watcher:
             write_json_atomic(self.plan.path("refused.json"), {"error": str(exc), "sbatch_args": self.plan.sbatch_args})
             raise
 
-        write_json_atomic(self.plan.path("job.json"), {"job_id": job_id, "submitted": time.time(),
+        write_json_atomic(self.plan.path("job.json"), {"job_id": job_id, "submitted": SYSTEM.time(),
                                                        "sbatch_args": self.plan.sbatch_args})
         self.say(f"submitted job {job_id}: sbatch {' '.join(self.plan.sbatch_args)}")
         return job_id

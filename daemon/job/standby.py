@@ -23,20 +23,19 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ulyssesd.daemon.core.files import _read_tail
 from ulyssesd.daemon.core.states import TERMINAL
+from ulyssesd.daemon.core.termination import Termination
 from ulyssesd.daemon.host import disk
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import JobHandle
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job.launcher import LaunchPlan, build_launch, job_marker
+from ulyssesd.daemon.ports import HostSide, JobConfig, RunFiles
 from ulyssesd.daemon.spec import LauncherSection, RestartSection
 from ulyssesd.daemon.store.enums import RunState
-
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
 
 log = get_logger("ulyssesd.standby")
 S = RunState
@@ -54,7 +53,16 @@ CKPT_DIR_ENV = "ULYSSESD_STANDBY_CKPT_DIR"
 DEVICE_ENV = "ULYSSESD_STANDBY_DEVICE"
 
 
-def effective_launcher(sup: Supervisor) -> LauncherSection:
+class StandbyRun(RunFiles, JobConfig, HostSide, Protocol):
+    """What keeping the next attempt warm uses of the run."""
+
+    state: RunState
+    term: Termination | None
+    last_exiting: str | None  # the job's 'exiting' event, once it said it is ending
+    attempt_progress: bool  # the current attempt has made progress (steps after its resume point)
+
+
+def effective_launcher(sup: StandbyRun) -> LauncherSection:
     """The spec's launcher with the environment remediation added (`launcher.env.*` patches)."""
     launcher = sup.spec.launcher
     if sup.launch_env:
@@ -82,7 +90,7 @@ class LaunchKey:
         return None
 
 
-def launch_key(sup: Supervisor) -> LaunchKey:
+def launch_key(sup: StandbyRun) -> LaunchKey:
     launcher = effective_launcher(sup)
     return LaunchKey(launcher.world_size, tuple(sorted(launcher.env.items())),
                      str(jc.get_dotted(sup.config, "train.device", "auto")))
@@ -122,7 +130,7 @@ class StandbyKeeper:
         self.last_note = ""  # why the newest relaunch was cold (tests, logs)
         self.lost: str | None = None  # why the last standby went away before a relaunch could use it
 
-    def describe(self, sup: Supervisor) -> dict[str, Any] | None:
+    def describe(self, sup: StandbyRun) -> dict[str, Any] | None:
         """For `status`: the standby now (None without one), e.g. {"attempt": 3, "pid": 123, "ready_ranks": 2,
         "warm_for_s": 41.0}; `ready_ranks` counts the ranks that finished warming up."""
         sb = self.current
@@ -132,7 +140,7 @@ class StandbyKeeper:
                 "warm_for_s": round(sup.os.monotonic() - sb.started_mono, 1)}
 
     # ------------------------------------------------------------------------------- the loop
-    def tick(self, sup: Supervisor) -> None:
+    def tick(self, sup: StandbyRun) -> None:
         if not self.cfg.standby:
             return
         if not self.swept:
@@ -148,12 +156,12 @@ class StandbyKeeper:
         if self.current is None and self._due(sup):
             self._start(sup)
 
-    def _due(self, sup: Supervisor) -> bool:
+    def _due(self, sup: StandbyRun) -> bool:
         return (sup.state == S.RUNNING and sup.attempt_progress and sup.job is not None and sup.term is None
                 and sup.last_exiting is None and self.failures < self.cfg.standby_max_failures
                 and sup.os.is_alive(sup.job))  # not beside an attempt that has just ended
 
-    def _start(self, sup: Supervisor) -> None:
+    def _start(self, sup: StandbyRun) -> None:
         n = sup.attempt + 1
         gate = sup.run_dir / STANDBY_DIR / f"gate-{n}.json"
         self._clear_files(sup.run_dir, n)
@@ -176,7 +184,7 @@ class StandbyKeeper:
         log.info("standby started", attempt=n, pid=job.pid, config_version=sup.config_version)
         sup.say(f"  warm standby for attempt {n} started (pid {job.pid})")
 
-    def _check(self, sup: Supervisor, sb: Standby) -> None:
+    def _check(self, sup: StandbyRun, sb: Standby) -> None:
         """A standby that died is cleaned up now (its files would shadow a cold attempt's), and counted."""
         if sb.attempt != sup.attempt + 1 and sup.job is not None:
             self.current = None
@@ -196,7 +204,7 @@ class StandbyKeeper:
         self._discard(sup, sb, self.lost)
 
     # ------------------------------------------------------------------------------ promotion
-    def take(self, sup: Supervisor, plan: LaunchPlan) -> Takeover:
+    def take(self, sup: StandbyRun, plan: LaunchPlan) -> Takeover:
         """The launch path's hook, after the attempt number was advanced: promote the standby for this
         attempt, or say why the launch is cold. Never raises for a standby problem (a cold launch follows)."""
         if not self.cfg.standby or sup.attempt <= 1:
@@ -231,7 +239,7 @@ class StandbyKeeper:
         log.info("cold launch instead of a standby", reason=why)
         return Takeover(note=f"; cold launch (standby not used: {why})")
 
-    def _unusable(self, sup: Supervisor, sb: Standby) -> str | None:
+    def _unusable(self, sup: StandbyRun, sb: Standby) -> str | None:
         status = sup.os.exit_status(sb.job, sb.plan.exit_file)
         if status is not None:
             return f"the standby died ({status.describe()})"
@@ -245,7 +253,7 @@ class StandbyKeeper:
             return f"the standby has {len(ranks)} of {sb.key.world_size} ranks alive"
         return None
 
-    def _old_attempt_gone(self, sup: Supervisor) -> bool:
+    def _old_attempt_gone(self, sup: StandbyRun) -> bool:
         """The attempt that ended must hold no process (GPU memory, ports) before its successor starts: the
         exit path SIGKILLed its survivors; confirm, bounded."""
         if self.watched is None:
@@ -254,13 +262,13 @@ class StandbyKeeper:
         return self._wait_gone(sup, job, marker)
 
     # ------------------------------------------------------------------------------ ending
-    def stop(self, sup: Supervisor, reason: str) -> None:
+    def stop(self, sup: StandbyRun, reason: str) -> None:
         """Kill the standby (run ended/stopped/paused, daemon leaving); a no-op without one."""
         sb, self.current = self.current, None
         if sb is not None:
             self._discard(sup, sb, reason)
 
-    def _discard(self, sup: Supervisor, sb: Standby, why: str) -> None:
+    def _discard(self, sup: StandbyRun, sb: Standby, why: str) -> None:
         pids = sup.os.job_pids(sb.job, sb.plan.marker)
         if pids:
             sup.os.signal_pids(pids, signal.SIGKILL)  # nothing to save: it never trained
@@ -278,7 +286,7 @@ class StandbyKeeper:
         log.info("standby stopped", attempt=sb.attempt, pid=sb.job.pid, reason=why, gone=gone)
         sup.say(f"  warm standby for attempt {sb.attempt} stopped: {why}")
 
-    def _wait_gone(self, sup: Supervisor, job: JobHandle, marker: tuple[str, str]) -> bool:
+    def _wait_gone(self, sup: StandbyRun, job: JobHandle, marker: tuple[str, str]) -> bool:
         deadline = sup.os.monotonic() + GONE_WAIT_S
         while True:
             left = sup.os.job_pids(job, marker)
@@ -290,7 +298,7 @@ class StandbyKeeper:
             sup.os.signal_pids(left, signal.SIGKILL)
             sup.os.sleep(GONE_POLL_S)
 
-    def _sweep_left_behind(self, sup: Supervisor) -> None:
+    def _sweep_left_behind(self, sup: StandbyRun) -> None:
         """A standby a dead daemon left (the next attempt's marker, no attempt row yet): kill it."""
         if not sup.run_id:
             return

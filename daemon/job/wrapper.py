@@ -20,8 +20,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.training.durable import atomic_write_text
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -73,7 +73,7 @@ def _reap() -> None:
 
 
 def write_exit_file(path: str, returncode: int | None, sig: int | None, extra: dict | None = None) -> None:
-    data = {"returncode": returncode, "signal": sig, "ended": time.time(), **(extra or {})}
+    data = {"returncode": returncode, "signal": sig, "ended": SYSTEM.time(), **(extra or {})}
     try:
         atomic_write_text(path, json.dumps(data))  # its temp file is removed when the write fails
     except OSError as exc:

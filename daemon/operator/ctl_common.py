@@ -26,6 +26,8 @@ from typing import Any, NoReturn
 import typer
 from rich.console import Console
 
+from ulyssesd.daemon.clock import utc_now
+
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE, EXIT_NO_DAEMON, EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_PERM = 0, 1, 2, 3, 4, 5, 6
 EXIT_NOT_RESPONDING = 7
 EXIT_NO_DB, EXIT_DB_DAMAGED, EXIT_DB_SCHEMA, EXIT_DB_BUSY, EXIT_DB_PERM = 20, 21, 22, 23, 24
@@ -278,7 +280,7 @@ def parse_since(since: str | None) -> datetime | None:
         return None
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     if since[-1] in units and since[:-1].replace(".", "", 1).isdigit():
-        return datetime.now(timezone.utc) - timedelta(seconds=float(since[:-1]) * units[since[-1]])
+        return utc_now() - timedelta(seconds=float(since[:-1]) * units[since[-1]])
     try:
         dt = datetime.fromisoformat(since)
     except ValueError:

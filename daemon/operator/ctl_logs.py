@@ -33,13 +33,13 @@ import glob
 import os
 import re
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 import typer
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.operator.ctl_common import (
     CTX,
     EXIT_NOT_FOUND,
@@ -204,7 +204,7 @@ def _attempt_over(run_dir: Path, attempt: int, run_id: str | None, last_check: l
         return True
     if any(n > attempt for n in attempt_logs(run_dir)):
         return True
-    now = time.monotonic()
+    now = SYSTEM.monotonic()
     if run_id is None or now - last_check[0] < FOLLOW_STORE_CHECK_S:
         return False
     last_check[0] = now
@@ -240,7 +240,7 @@ def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bo
     seen = [False]
     ranks: set[int] = set()
     shown = 0
-    last_check = [time.monotonic()]
+    last_check = [SYSTEM.monotonic()]
     with contextlib.ExitStack() as stack:
         no_piece: list[bool | None] = [None]
         files = [(stack.enter_context(open(p, "rb")), bytearray(), list(no_piece)) for p in paths]
@@ -259,7 +259,7 @@ def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bo
                 shown += _write(rank_filter(_lines(fh, pending, final=over), rank, seen, cont, ranks), raw)
             if over:
                 break
-            time.sleep(FOLLOW_POLL_S)
+            SYSTEM.sleep(FOLLOW_POLL_S)
             over = _attempt_over(run_dir, attempt, run_id, last_check)
     if rank is not None and not seen[0]:
         print(f"error: {paths[0]} has no rank-prefixed lines; --rank needs a launcher that labels its output "

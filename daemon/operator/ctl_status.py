@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.table import Table
 
+from ulyssesd.daemon.clock import SYSTEM, utc_now
 from ulyssesd.daemon.operator.ctl_common import (
     DAEMON_NOT_RESPONDING,
     EMPTY,
@@ -188,7 +188,7 @@ def status_data(store, run) -> dict[str, Any]:
     attempt = attempts[-1].number if attempts else None
     training = state in TRAINING_STATES and step.get("attempt") in (None, attempt)  # not the previous attempt's
     progress = progress_fields(recent, total, aware(run.created_at),
-                               aware(run.ended_at) if run.ended_at else None, datetime.now(timezone.utc))
+                               aware(run.ended_at) if run.ended_at else None, utc_now())
     if state in NO_ETA_STATES:
         progress["eta_s"] = None
     hang_s = hang_timeout_s(recent, (run.spec or {}).get("detectors"))
@@ -448,7 +448,7 @@ def _watch_live(store, interval: float) -> int:
                 live.update(render_status(d), refresh=True)
                 if run_ended(d):
                     return final_exit_code(d)
-                time.sleep(interval)
+                SYSTEM.sleep(interval)
         except KeyboardInterrupt:
             pass
     return EXIT_OK
@@ -461,7 +461,7 @@ def status_line(d: dict[str, Any]) -> str:
     tps = d.get("tokens_per_s")
     age = d.get("last_step_age_s")
     overdue = " OVERDUE" if d.get("last_step_overdue") else ""
-    return (f"{datetime.now(timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')} {d['run_id']} {d['state']} "
+    return (f"{utc_now().strftime('%Y-%m-%dT%H:%M:%SZ')} {d['run_id']} {d['state']} "
             f"step {or_empty(d['step'])}/{total_cell(d)}{pct} "
             f"loss {fmt_loss(loss)} "
             f"tok/s {f'{tps:,.0f}' if isinstance(tps, int | float) else EMPTY} "
@@ -481,7 +481,7 @@ def _watch_lines(store, json_out: bool, interval: float) -> int:
             sys.stdout.flush()
             if run_ended(d):
                 return final_exit_code(d)
-            time.sleep(interval)
+            SYSTEM.sleep(interval)
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:  # the reader closed the pipe (`| head -3`)

@@ -17,15 +17,13 @@ until it has caught up (bounded: `DRAIN_MAX_S`), then an ended attempt's log ove
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ulyssesd.daemon.clock import SYSTEM
+from ulyssesd.daemon.core.decisions import DecisionsRun
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.telemetry import log_source
-
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
 
 log = get_logger("ulyssesd.supervisor")
 
@@ -36,6 +34,10 @@ ROTATE_DRAIN_S = 2.0
 _COPY_CHUNK = 1 << 20
 
 
+class AttemptLogRun(DecisionsRun, Protocol):
+    """What draining and trimming an attempt's log uses of the run (with the telemetry path's `DecisionsRun`)."""
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -43,12 +45,12 @@ def _size(path: Path) -> int:
         return -1
 
 
-def _pump_caught_up(sup: Supervisor, size: int) -> bool:
+def _pump_caught_up(sup: AttemptLogRun, size: int) -> bool:
     src = getattr(sup, "_log_source", None)
     return src is None or src.attempt != sup.attempt or src.offset >= size
 
 
-def drain_pump(sup: Supervisor, budget_s: float) -> bool:
+def drain_pump(sup: AttemptLogRun, budget_s: float) -> bool:
     """Run the stdout pump (through the telemetry step, so records are acted upon) until it has read the log
     to its current end, or `budget_s` ran out; True when caught up. Jobs whose telemetry is not their stdout
     have nothing to drain (True)."""
@@ -56,13 +58,13 @@ def drain_pump(sup: Supervisor, budget_s: float) -> bool:
         return True
     from ulyssesd.daemon.core import decisions
 
-    deadline = time.monotonic() + budget_s
+    deadline = SYSTEM.monotonic() + budget_s
     while True:
         size = _size(sup.log_path)
         src = getattr(sup, "_log_source", None)
         if size <= 0 or (src is not None and src.attempt == sup.attempt and src.offset >= size):
             return True
-        if time.monotonic() >= deadline:
+        if SYSTEM.monotonic() >= deadline:
             return False
         before = src.offset if src is not None else None
         decisions.read_telemetry(sup)
@@ -71,13 +73,13 @@ def drain_pump(sup: Supervisor, budget_s: float) -> bool:
             return False  # no progress (a partial last line, an unreadable log): not caught up
 
 
-def drain_before_exit(sup: Supervisor) -> None:
+def drain_before_exit(sup: AttemptLogRun) -> None:
     """Read the ended attempt's output to its end, then bound its log (`trim_ended`)."""
     drain_pump(sup, DRAIN_MAX_S)
     trim_ended(sup)
 
 
-def trim_ended(sup: Supervisor) -> bool:
+def trim_ended(sup: AttemptLogRun) -> bool:
     """An ended attempt's log over the cap (a burst the per-tick rotation had no chance to see): keep its
     last half, from a line start, in the live file (the exit diagnosis and `ulyssesctl logs` read its end)."""
     cap = int(sup.dcfg.attempt_log_max_mib * (1 << 20))
@@ -101,13 +103,13 @@ def trim_ended(sup: Supervisor) -> bool:
     return True
 
 
-def _shortened(sup: Supervisor, removed: int) -> None:
+def _shortened(sup: AttemptLogRun, removed: int) -> None:
     src = getattr(sup, "_log_source", None)
     if src is not None and src.attempt == sup.attempt and hasattr(src, "log_shortened"):
         src.log_shortened(removed)
 
 
-def rotate_if_big(sup: Supervisor) -> bool:
+def rotate_if_big(sup: AttemptLogRun) -> bool:
     """Copy the live attempt log's last half to `.1` and truncate it when it is over the cap; True if done."""
     cap = int(sup.dcfg.attempt_log_max_mib * (1 << 20))
     path = sup.log_path

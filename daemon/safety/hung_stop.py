@@ -9,18 +9,24 @@ timeout (the same test as a hang incident), the remaining grace becomes `hang_gr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.ports import HostSide, RunFiles
 
 if TYPE_CHECKING:
     from ulyssesd.daemon.core.termination import Termination
-    from ulyssesd.daemon.supervisor import Supervisor
 
 log = get_logger("ulyssesd.supervisor")
 
 
-def shorten_grace_if_hung(sup: Supervisor, t: Termination, now_mono: float) -> bool:
+class HungRun(RunFiles, HostSide, Protocol):
+    """What shortening a hung job's grace uses of the run."""
+
+    engine: Any  # the remediation engine (its hang detector's stall)
+
+
+def shorten_grace_if_hung(sup: HungRun, t: Termination, now_mono: float) -> bool:
     """Cut the termination's grace to hang_grace_s from now when the job is hung; True when it did."""
     hang_grace = sup.dcfg.hang_grace_s
     if t.termed_at is None or t.killed_at is not None or t.hung_cut:

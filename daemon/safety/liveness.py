@@ -19,18 +19,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus, read_exit_file
-
-if TYPE_CHECKING:
-    from ulyssesd.daemon.supervisor import Supervisor
+from ulyssesd.daemon.ports import HostSide, RunFiles
 
 log = get_logger("ulyssesd.supervisor")
 
 #: How long "no process, no exit file" must hold, with no output and no process of the attempt, to be "gone".
 CONFIRM_S = 3.0
+
+
+class LivenessRun(RunFiles, HostSide, Protocol):
+    """What confirming an attempt is gone uses of the run: its files, the OS seam and the job."""
 
 
 @dataclass
@@ -52,7 +54,7 @@ def _output_size(paths: list[Path]) -> int:
     return total
 
 
-def confirm(sup: Supervisor, status: ExitStatus, check: GoneCheck) -> ExitStatus | None:
+def confirm(sup: LivenessRun, status: ExitStatus, check: GoneCheck) -> ExitStatus | None:
     """`status` when the end is certain; None while the verdict waits or a sign of life overruled it."""
     if status.source != "unknown":
         check.since = None

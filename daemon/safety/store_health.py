@@ -23,9 +23,12 @@ import errno
 import os
 import sqlite3
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from ulyssesd.daemon.core.termination import Termination
 from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.host.process import ExitStatus, JobHandle
+from ulyssesd.daemon.ports import HostSide, Lifecycle, Records, RunFiles
 
 log = get_logger("ulyssesd.supervisor")
 
@@ -127,7 +130,14 @@ def probe_state_dir(state_dir: str | os.PathLike[str]) -> None:
             os.unlink(path)
 
 
-def flush_pending_states(sup: Any) -> None:
+class StoreHealthRun(RunFiles, Records, Lifecycle, HostSide, Protocol):
+    """What writing the run's state through a failing store uses of the run."""
+
+    store_health: StoreHealth
+    unrecorded_exit: ExitStatus | None  # an exit the store could not record, handled again at the next retry
+
+
+def flush_pending_states(sup: StoreHealthRun) -> None:
     """Write the state changes the store could not take, oldest first (raises while it still cannot)."""
     health: StoreHealth = sup.store_health
     while health.pending_states:
@@ -136,7 +146,7 @@ def flush_pending_states(sup: Any) -> None:
         health.pending_states.pop(0)
 
 
-def store_state(sup: Any, to: Any, reason: str) -> None:
+def store_state(sup: StoreHealthRun, to: Any, reason: str) -> None:
     """Write a state change, or keep it (in order) for later while the store cannot be written: the state
     machine moves on in memory, so a stop is accepted; the store gets the change when it can."""
     health: StoreHealth = sup.store_health
@@ -152,7 +162,8 @@ def store_state(sup: Any, to: Any, reason: str) -> None:
         health.failed(exc, sup.os.time(), sup.say, "state")
 
 
-def keep_unrecorded_exit(sup: Any, exc: BaseException, job: Any, term: Any, status: Any, relaunching: bool) -> bool:
+def keep_unrecorded_exit(sup: StoreHealthRun, exc: BaseException, job: JobHandle | None, term: Termination | None,
+                         status: ExitStatus | None, relaunching: bool) -> bool:
     """The store cannot record this exit (`exc`): keep it unprocessed (the exit file stays) and handle it again
     at the next retry; nothing is relaunched or decided meanwhile. A stop or pause is honoured at once instead:
     there is nothing left to keep safe. False: not a store failure, or nothing to keep (the caller recovers)."""

@@ -31,6 +31,8 @@ from sqlalchemy import (
 from sqlalchemy import Enum as SAEnum
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from ulyssesd.daemon.clock import utc_now
+
 from .enums import ActionKind, ActionOutcome, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 
 # Deterministic constraint names: SQLite batch migrations recreate tables and must be able to name
@@ -45,7 +47,7 @@ NAMING_CONVENTION = {
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return utc_now()
 
 
 class UTCDateTime(TypeDecorator[datetime]):

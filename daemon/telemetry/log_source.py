@@ -23,11 +23,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from pathlib import Path
 from typing import Any
 
 from ulyssesd.client.contract import encode_record
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.remediation.log_telemetry import LogTelemetryParser
 from ulyssesd.training.durable import temp_path_for
@@ -210,7 +210,7 @@ class LogSource:
             pieces.append(chunk[chunk.rfind(b"\r") + 1:end + 1])  # the drawn bar after the last `\r`
         records = []
         consumed = 0
-        t0 = time.monotonic()
+        t0 = SYSTEM.monotonic()
         for piece in pieces:
             consumed += len(piece)
             raw = piece.rstrip(b"\r\n")
@@ -218,7 +218,7 @@ class LogSource:
                 self.skipped_long_lines += 1
             elif raw:
                 records.extend(self.parser.feed(raw.decode("utf-8", errors="replace"), now=now))
-            if time.monotonic() - t0 > MAX_PARSE_S:
+            if SYSTEM.monotonic() - t0 > MAX_PARSE_S:
                 break  # a backlog: the rest next tick (the tick's other work must not wait on a log)
         if records:
             with open(self.out_path, "a", encoding="utf-8") as out:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
@@ -14,9 +14,6 @@ from ulyssesd.remediation.job import JobReach
 from ulyssesd.remediation.learned.early_warning import GradNormWatch
 from ulyssesd.remediation.playbook import K_GA, K_MB, WEIGHT_SYMPTOMS, RollbackPlan
 from ulyssesd.remediation.records import Record, StepRecord
-
-if TYPE_CHECKING:
-    from ulyssesd.remediation.engine import Decision, LadderState
 
 # Findings whose onset step is exact (the first non-finite loss), not a smoothed test's estimate: their
 # rollback goes to the newest clean save before it (`_rollback_plan`'s precise path), not ~100 steps back.
@@ -32,13 +29,30 @@ def exact_onset(finding: Finding) -> bool:
 CALIBRATION_HISTORY = 5000
 
 
+class NotApplied(Protocol):
+    """What `not_applied` reads of the engine's Decision (engine.py imports this module, not the reverse)."""
+
+    @property
+    def action_kind(self) -> str: ...
+    @property
+    def symptom(self) -> str: ...
+    @property
+    def apply(self) -> str: ...
+    @property
+    def ladder(self) -> str: ...
+    @property
+    def config_patch(self) -> dict[str, Any]: ...
+    @property
+    def previous(self) -> dict[str, Any]: ...
+
+
 class LearnedParts:
     # Set by RemediationEngine.__init__ (declared for the type checker).
     config: DetectorsConfig
     policy: RemediationConfig
     values: dict[str, Any]
     detectors: list[Any]
-    ladders: dict[str, LadderState]
+    ladders: dict[str, Any]  # ladder -> engine.LadderState (typed there: this module is imported by engine.py)
     pending: dict[str, Any]
     known_good: list[tuple[str, int]]
     saved: list[tuple[str, int]]
@@ -221,7 +235,7 @@ class LearnedParts:
         return int((step - 1) * sps) if step > 0 else 0, True
 
 
-    def not_applied(self, d: Decision, why: str) -> None:
+    def not_applied(self, d: NotApplied, why: str) -> None:
         """The daemon could not apply decision `d` (building its config or writing it failed): undo the
         bookkeeping `_decide` did, so no later decision claims a verification window of a rung that never
         ran, and move past that rung (it is skipped next time, with `why`)."""

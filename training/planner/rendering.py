@@ -4,17 +4,15 @@ and its renderings (text for `ulyssesctl plan`, dict for JSON).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .inputs import (
     Cluster,
     GiB,
     ZeroSettings,
 )
-
-if TYPE_CHECKING:
-    from .fixes import Fix
 
 # Override keys of a suggestion that change the hardware or the experiment: advice, never applied by the daemon.
 ADVICE_KEYS = ("cluster.", "train.seq_len", "parallel.", "model.preset", "model.hidden_size", "model.num_layers")
@@ -26,6 +24,15 @@ def is_advice(overrides: dict[str, Any]) -> bool:
 
 
 # ------------------------------------------------------------------------------------- plan
+
+
+class FixLike(Protocol):
+    """What a plan shows of a fix (fixes.Fix; fixes.py imports this module, not the reverse)."""
+
+    def describe(self) -> str: ...
+    def to_dict(self) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class Item:
     name: str                 # what it is
@@ -75,7 +82,7 @@ class Plan:
     notes: list[str]
     deepspeed_view: dict[str, int]     # model states in DeepSpeed's estimator accounting (for comparison)
     suggestions: list[Suggestion] = field(default_factory=list)   # search.py: every kind of change (advice too)
-    fixes: list[Fix] = field(default_factory=list)   # fixes.py: experiment- and hardware-preserving, cheapest first
+    fixes: Sequence[FixLike] = field(default_factory=list)   # fixes.py: experiment- and hardware-preserving, cheapest first
     fix_search: str = ""                             # how the fixes were searched (plans, exhaustive or not)
 
     @property

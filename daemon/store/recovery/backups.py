@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.training.durable import durable_replace, fsync_dir
 
 from ..errors import StoreError
@@ -25,7 +26,7 @@ BACKUP_GLOB = "ulyssesd-*.db"
 
 def stamp() -> str:
     """UTC time to the millisecond, as it goes into backup and set-aside file names (sorts by time)."""
-    t = time.time()
+    t = SYSTEM.time()
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
 
 

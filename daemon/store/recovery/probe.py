@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import time
 from pathlib import Path
+
+from ulyssesd.daemon.clock import SYSTEM
 
 #: Wall-clock bound of the integrity probe at start (a quick_check of a few MB takes milliseconds).
 PROBE_BUDGET_S = 30.0
@@ -39,13 +40,13 @@ def probe_db_file(path: str | os.PathLike[str], budget_s: float = PROBE_BUDGET_S
     bad = header_bytes_problem(header, size)
     if bad is not None:
         return bad
-    deadline = time.monotonic() + budget_s
+    deadline = SYSTEM.monotonic() + budget_s
     try:
         conn = sqlite3.connect(str(p), timeout=5.0)
     except sqlite3.Error as exc:
         return f"cannot open: {exc}"
     try:
-        conn.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
+        conn.set_progress_handler(lambda: SYSTEM.monotonic() > deadline, 10_000)
         rows = [str(r[0]) for r in conn.execute("PRAGMA quick_check").fetchall()]
         if rows != ["ok"]:
             return f"quick_check found damage: {'; '.join(rows[:5])}"

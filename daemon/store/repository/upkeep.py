@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import time
 from pathlib import Path
+
+from ulyssesd.daemon.clock import SYSTEM
 
 from ..engine import BUSY_TIMEOUT_MS, make_engine
 from ..permissions import private_file
@@ -62,7 +63,7 @@ class UpkeepRepository(StoreBase):
         (retried next time) rather than stall the daemon's writes. In read-only mode only the integrity
         check runs.
         """
-        t0 = time.monotonic()
+        t0 = SYSTEM.monotonic()
         wal = Path(f"{self.path}-wal")
         wal_before = wal.stat().st_size if wal.exists() else 0
         raw = self._engine.raw_connection()
@@ -85,5 +86,5 @@ class UpkeepRepository(StoreBase):
         return MaintenanceResult(
             ok=integrity == ["ok"], integrity=integrity, wal_busy=int(busy), wal_frames=int(frames),
             wal_checkpointed=int(done), db_bytes=os.path.getsize(self.path),
-            wal_bytes_before=wal_before, wal_bytes_after=wal.stat().st_size if wal.exists() else 0, seconds=round(time.monotonic() - t0, 4),
+            wal_bytes_before=wal_before, wal_bytes_after=wal.stat().st_size if wal.exists() else 0, seconds=round(SYSTEM.monotonic() - t0, 4),
         )
