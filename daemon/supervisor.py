@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -57,15 +56,11 @@ from ulyssesd.daemon.spec import RunSpec, engine_job_values
 from ulyssesd.daemon.store.enums import IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.daemon.telemetry import log_source
 from ulyssesd.daemon.telemetry.telemetry_reader import TelemetryReader
-from ulyssesd.remediation.records import StepRecord
+from ulyssesd.remediation.records import StepRecord, finite_or_none
 from ulyssesd.training.control import STACK_DUMP_DIR, stack_dump_files
 
 log = get_logger("ulyssesd.supervisor")
 S = RunState
-
-
-def _finite(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
 
 
 class Supervisor:
@@ -183,7 +178,7 @@ class Supervisor:
         return Position(self.run_id, self.attempt, self.last_step)
 
     def status_line(self) -> str:
-        loss = _finite(self.last_step_record.loss) if self.last_step_record else None
+        loss = finite_or_none(self.last_step_record.loss) if self.last_step_record else None
         return (f"{self.run_id} {self.state.value} attempt {self.attempt} step {self.last_step} "
                 f"loss {loss if loss is None else round(loss, 4)} config v{self.config_version}")
 
@@ -484,7 +479,7 @@ class Supervisor:
             # The attempt's process group and its ranks as the rank watch's last scan saw them (py-spy, kill).
             "pgid": self.job.pgid if self.job else None,
             "rank_pids": list(self.rank_watch.live) if self.job else [],
-            "loss": _finite(r.loss) if r else None, "tokens_per_s": r.tokens_per_s if r else None,
+            "loss": finite_or_none(r.loss) if r else None, "tokens_per_s": r.tokens_per_s if r else None,
             "mem_max_allocated_gib": r.mem_max_allocated_gib if r else None,
             "latest_checkpoint": self.latest_ckpt[0] if self.latest_ckpt else None,
             "config_version": self.config_version, "restarts_last_hour": len(self.counters.restarts),

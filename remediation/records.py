@@ -369,3 +369,8 @@ def parse_line(line: str | bytes) -> Record:
 
 def is_finite(x: float | None) -> bool:
     return x is None or math.isfinite(x)
+
+
+def finite_or_none(x: float | None) -> float | None:
+    """The value when it is a finite number, else None (for JSON and tables: NaN and inf are not numbers there)."""
+    return x if x is not None and math.isfinite(x) else None

@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from ulyssesd.daemon.coexist.watch import InnerRestartWatch
 from ulyssesd.daemon.core.housekeeping import HousekeepingRun
 from ulyssesd.daemon.core.relaunch import Relaunch, RelaunchRun, schedule_relaunch
 from ulyssesd.daemon.core.termination import TerminationPlan, Then
@@ -43,6 +44,7 @@ class DecisionsRun(RelaunchRun, HousekeepingRun, CheckpointWatchRun, SlurmRun, P
     hang_diagnosis: tuple[str | None, list[str]] | None  # what the hang path read from the stack dumps
     attempt_progress: bool
     last_exiting: str | None
+    inner: InnerRestartWatch  # restarts an inner launcher made (daemon/coexist/)
 
 
 def track(sup: DecisionsRun, rec: Record) -> None:

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from ulyssesd.daemon.host.disk_budget import BudgetRun
+from ulyssesd.daemon.host.gpu_health import GpuHealth
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle
 from ulyssesd.daemon.ports import HostSide, Lifecycle
@@ -55,6 +56,7 @@ class HousekeepingRun(BudgetRun, Lifecycle, HostSide, Protocol):
     scheduler: LoopScheduler | None
     reader: TelemetryReader | None  # the attempt's telemetry reader (its cursor is what was processed)
     store_health: StoreHealth  # whether the store takes writes (safety/store_health.py)
+    gpu_health: GpuHealth  # NVML checks, polled on a timer (host/gpu_health.py)
 
     def status_dict(self) -> dict[str, Any]: ...
 

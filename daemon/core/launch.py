@@ -21,7 +21,7 @@ from ulyssesd.daemon.core import relaunch
 from ulyssesd.daemon.core.relaunch import Relaunch, RelaunchRun
 from ulyssesd.daemon.core.termination import RankWatch
 from ulyssesd.daemon.host import disk, disk_budget
-from ulyssesd.daemon.host.gpu_health import gpus_needed
+from ulyssesd.daemon.host.gpu_health import GpuHealth, gpus_needed
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import JobHandle
 from ulyssesd.daemon.job import checkpoint_watch
@@ -45,6 +45,7 @@ class LaunchRun(RelaunchRun, CheckpointWatchRun, StandbyRun, Protocol):
     hang_diagnosis: tuple[str | None, list[str]] | None
     attempt_started_mono: float
     attempt_resume_step: int | None  # the step of the checkpoint a command job's attempt was given
+    gpu_health: GpuHealth  # NVML checks before a launch (host/gpu_health.py)
 
 
 class LaunchError(RuntimeError):

@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.remediation.records import RecordError, StepRecord, parse_line
+from ulyssesd.remediation.records import RecordError, StepRecord, finite_or_none, parse_line
 
 #: Points kept per attempt and series in the plots (steps are sampled evenly beyond this).
 MAX_POINTS = 1500
@@ -101,10 +101,6 @@ def _known(values: Iterable[float | None]) -> list[float]:
     return [v for v in values if v is not None]
 
 
-def _finite(v: float | None) -> float | None:
-    return v if v is not None and math.isfinite(v) else None
-
-
 def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]) -> tuple[list[Series], Goodput]:
     """Two streaming passes over the telemetry file: the curves (sampled) and the goodput breakdown."""
     good = Goodput()
@@ -164,7 +160,7 @@ def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]
             good.productive_s += d
         if seen[n] % stride[n] == 0 or per[n].last_time == t:
             mem = rec.mem_max_allocated_gib if rec.mem_max_allocated_gib is not None else rec.mem_allocated_gib
-            series[n].points.append((t, _finite(rec.loss), _finite(rec.tokens_per_s), _finite(mem)))
+            series[n].points.append((t, finite_or_none(rec.loss), finite_or_none(rec.tokens_per_s), finite_or_none(mem)))
         seen[n] += 1
     for earlier, later in zip(numbers, numbers[1:], strict=False):
         lt, ft = per[earlier].last_time, per[later].first_time
@@ -194,7 +190,7 @@ def _plot(plot_id: str, title: str, unit: str, series: list[Series], col: int, t
           marks: list[tuple[float, str, str]], bands: list[tuple[float, int]]) -> str:
     """One inline SVG line chart over hours since t0; marks = (time, colour, label), bands = attempt starts."""
     w, h, left, right, top, bottom = 960, 260, 64, 16, 28, 36
-    values = _known(_finite(p[col]) for s in series for p in s.points)
+    values = _known(finite_or_none(p[col]) for s in series for p in s.points)
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
@@ -223,7 +219,7 @@ def _plot(plot_id: str, title: str, unit: str, series: list[Series], col: int, t
         out.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{top}" y2="{h - bottom}" class="attempt"/>'
                    f'<text x="{x(t) + 3:.1f}" y="{top + 11}" class="tick">#{number}</text>')
     for s in series:
-        line = [(x(p[0]), y(val)) for p in s.points if (val := _finite(p[col])) is not None]
+        line = [(x(p[0]), y(val)) for p in s.points if (val := finite_or_none(p[col])) is not None]
         if not line:
             continue
         colour = PALETTE[(s.attempt - 1) % len(PALETTE)]
