@@ -119,7 +119,7 @@ def events(log: Path) -> list[dict]:
 
 def ctl(state: Path, *args: str, check: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run([ULYSSESCTL, "--state-dir", str(state), *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "COLUMNS": "250"}, check=check)
+                          timeout=120, env={**os.environ, "COLUMNS": "400"}, check=check)
 
 
 def ctl_json(state: Path, *args: str):
@@ -260,7 +260,7 @@ def test_nan_incident_record_tells_what_happened(nan_run):
     (act,) = inc["actions"]
     assert act["parameters"]["rollback_to_step"] == 40
     table = ctl(state, "incidents").stdout
-    assert "resumed from ckpt_00040.pt" in table
+    assert "resumed from" in table and "ckpt_00040.pt" in table, table
 
 
 @pytest.mark.xfail(reason="a command job with stdout telemetry has no way to receive data.skip_ranges, yet the "
@@ -309,3 +309,76 @@ def test_replay_reads_the_script_log_and_finds_the_nan(nan_run):
     n_lines = len(re.findall(r"^iter \d+: loss", log1.read_text(), re.M))
     assert f"parsed {n_lines} step record(s)" in r.stdout + r.stderr
     assert "nan_loss" in r.stdout and re.search(r"\b45\b", r.stdout)
+
+
+# ---------------------------------------------------------------- 3. an operator SIGKILL mid-run
+def _ckpt_step(name: str) -> int:
+    m = re.search(r"(?:step=|iter)(\d+)", name)
+    return int(m.group(1)) if m else -1
+
+
+KILL_CASES = {
+    # name: (glob of its checkpoints under ck/, how attempt 2 says what it loaded, last step in a log)
+    "jsonl": ("weights-iter*.pth", '"event": "resumed", "from": "{path}"', r'"iteration": (\d+),'),
+    "lit": ("checkpoints/epoch=*-step=*.ckpt", "Restored all states from the checkpoint at {path}", None),
+}
+
+
+def _lit_last_step(text: str) -> int:
+    return max((int(e) * 20 + int(b) for e, b in re.findall(r"Epoch (\d+): +\d+%\|[^|]*\| (\d+)/20", text)),
+               default=0)
+
+
+@pytest.mark.parametrize("name", sorted(KILL_CASES))
+def test_sigkill_mid_run_resumes_from_the_newest_save_and_completes(tmp_path, name):
+    pattern, loaded_line, step_re = KILL_CASES[name]
+    spec = write_spec(tmp_path, name, env={"YJ_STEP_SLEEP": "0.12"})
+    state = tmp_path / "state"
+    ck = tmp_path / "ck"
+    p, out = start_daemon(spec, state)
+    try:
+        wait_for(lambda: any(_ckpt_step(x.name) >= 30 for x in ck.glob(pattern)), 240,
+                 "a save at step >= 30", p)
+        pids = wait_for(lambda: job_pids(SCRIPTS_SPEC[name][0]), 30, "the job's pid", p)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        import torch
+
+        def loads(f: Path) -> bool:
+            try:
+                torch.load(f, weights_only=False)
+                return True
+            except Exception:
+                return False
+
+        complete = [f for f in ck.glob(pattern) if loads(f)]
+        expected = max(complete, key=lambda f: _ckpt_step(f.name))
+        rc = finish(p)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    assert rc == 0
+    exp_name = str(expected.relative_to(ck))
+    st = ctl_json(state, "status")
+    assert st["state"] == "COMPLETED", st["state_reason"]
+    assert st["step"] == 80 and st["attempt"] == 2
+    assert st["resumed_from"] == exp_name
+    launched = [e for e in events(out) if e.get("event") == "launched"]
+    assert [e["resume"] for e in launched] == ["none", exp_name]
+    log1, log2 = attempt_log(state, 1), attempt_log(state, 2)
+    assert loaded_line.format(path=expected) in log2
+    first2 = _ckpt_step(expected.name) + 1
+    if step_re:
+        assert f'"iteration": {first2},' in log2
+        last1 = last_step_in(log1, step_re)
+    else:
+        assert _lit_last_step(log2) == 80
+        last1 = _lit_last_step(log1)
+    incs = ctl_json(state, "incidents")
+    assert len(incs) == 1, [(i["symptom"], i["summary"]) for i in incs]
+    (inc,) = incs
+    assert inc["attempt"] == 1
+    # docs/CLIENT.md: a crash incident names the last step the job's output showed
+    assert inc["step"] in (last1, last1 - 1), (inc["step"], last1)
+    table = ctl(state, "incidents").stdout
+    assert "resumed from" in table and exp_name in table, table   # the cell wraps
