@@ -382,3 +382,82 @@ def test_sigkill_mid_run_resumes_from_the_newest_save_and_completes(tmp_path, na
     assert inc["step"] in (last1, last1 - 1), (inc["step"], last1)
     table = ctl(state, "incidents").stdout
     assert "resumed from" in table and exp_name in table, table   # the cell wraps
+
+
+# ---------------------------------------------------------------- 4. a wording nothing reads: loud, and fixable
+# odd_wording.py prints `>> 0040 | obj 1.2345 | 12ms`: no step word, no loss word. docs/CLIENT.md "When nothing
+# is understood: unknown is loud": status row `telemetry: SILENT ... Fix: ...` after silent_after_s, a journal
+# line `telemetry silent`, and at exit 0 a COMPLETED run with a no_progress warning incident naming
+# `[telemetry] pattern`.
+def test_unreadable_wording_is_loud_while_running_and_at_the_end(tmp_path):
+    spec = write_spec(tmp_path, "odd", env={"YJ_STEP_SLEEP": "0.3"}, telemetry="silent_after_s = 5")
+    state = tmp_path / "state"
+    p, out = start_daemon(spec, state)
+    seen = None
+    try:
+        def silent_row():
+            if not (state / "ulyssesd.db").exists() and not list(state.glob("*.db")):
+                return None
+            r = ctl(state, "status")
+            row = [ln for ln in r.stdout.splitlines() if "telemetry" in ln and "SILENT" in ln]
+            return r.stdout if row else None
+        seen = wait_for(silent_row, 240, "status's telemetry row says SILENT", p)
+        rc = finish(p)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    flat = re.sub(r"[\s│]+", " ", seen)
+    assert "Fix:" in flat and "pattern" in flat, seen
+    assert rc == 0
+    assert any(e.get("event") == "telemetry silent" for e in events(out)), "journal line"
+    st = ctl_json(state, "status")
+    assert st["state"] == "COMPLETED"
+    assert "no step record was understood" in st["state_reason"]
+    assert st["step"] is None, "no final step is claimed"
+    assert st["latest_checkpoint"] == "step_000040", "its step_N/ folders are still checkpoints"
+    incs = ctl_json(state, "incidents")
+    (inc,) = [i for i in incs if i["symptom"] == "no_progress"]
+    assert inc["status"] == "escalated"
+    assert "[telemetry] pattern" in inc["evidence"]["fix"]
+    assert ">> 0040 | obj" in inc["evidence"]["example_line"]
+
+
+def test_replay_of_an_unreadable_log_says_so_with_the_setting(tmp_path):
+    log = tmp_path / "job.log"
+    log.write_text("".join(f">> {n:04d} | obj {1.0 + 1 / n:.4f} | 12ms\n" for n in range(1, 41)))
+    r = subprocess.run([ULYSSESCTL, "replay", str(log)], capture_output=True, text=True, timeout=120)
+    both = r.stdout + r.stderr
+    assert "parsed 0 step record(s)" in both
+    assert "[telemetry] pattern" in both and ">> 0040 | obj" in both
+
+
+@pytest.mark.xfail(reason="`ulyssesctl replay` of a log it parsed 0 step records from prints the error line but "
+                          "also 'replay: no findings, no decisions' and exits 0, so a script or CI check that runs "
+                          "replay reads 'nothing was checked' as success (unknown is loud)", strict=True)
+def test_replay_of_an_unreadable_log_does_not_exit_0_with_no_findings(tmp_path):
+    log = tmp_path / "job.log"
+    log.write_text("".join(f">> {n:04d} | obj {1.0 + 1 / n:.4f} | 12ms\n" for n in range(1, 41)))
+    r = subprocess.run([ULYSSESCTL, "replay", str(log)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "no findings" not in r.stdout
+
+
+ODD_PATTERN = r"""pattern = '>> (?P<step>\d+) \| obj (?P<loss>\S+)'"""
+
+
+def test_the_pattern_setting_the_fix_names_makes_it_read(tmp_path):
+    spec = write_spec(tmp_path, "odd", env={"YJ_NAN_AT": "25", "YJ_PAUSE_AT": "21:4"}, telemetry=ODD_PATTERN)
+    state = tmp_path / "state"
+    rc, evs = run_to_end(spec, state)
+    assert rc == 0
+    st = ctl_json(state, "status")
+    assert st["state"] == "COMPLETED", st["state_reason"]
+    assert st["step"] == 40
+    (inc,) = ctl_json(state, "incidents")
+    assert inc["symptom"] == "nan_loss" and inc["step"] == 25
+    assert st["resumed_from"] == "step_000020"
+    aside = [p.name for p in (tmp_path / "ck").iterdir() if ".rolledback-" in p.name]
+    assert any(n.startswith("step_000030.rolledback-") for n in aside), aside
+    r = subprocess.run([ULYSSESCTL, "replay", str(run_dir(state) / "logs" / "attempt-2.log"), "--spec", str(spec)],
+                       capture_output=True, text=True, timeout=120)
+    assert "parsed 20 step record(s)" in r.stdout + r.stderr
