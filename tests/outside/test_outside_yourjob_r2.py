@@ -238,15 +238,17 @@ def test_nan_rolls_back_to_the_clean_save_before_it_and_completes(nan_run):
 def test_nan_poisoned_saves_are_set_aside_not_resumed_not_deleted(nan_run):
     ck = nan_run["tmp"] / "ck"
     aside = sorted(p.name for p in ck.iterdir() if ".rolledback-" in p.name)
-    # attempt 1 saved at least ckpt_00050.pt after the NaN at 45 before it was stopped
-    assert aside and all(re.fullmatch(r"ckpt_000[5-9]0\.pt\.rolledback-\d+", n) for n in aside), aside
-    assert "ckpt_00050.pt.rolledback-" in " ".join(aside)
+    # attempt 1 saved ckpt_00050.pt after the NaN at 45 before it was stopped (the NaN line is printed 0.2 s
+    # before that save; the daemon reads it at its next tick, so a stop before the save is possible in
+    # principle: then nothing poisoned exists and there is nothing to set aside)
+    assert all(re.fullmatch(r"ckpt_000[5-9]0\.pt\.rolledback-\d+", n) for n in aside), aside
     # the clean lineage is untouched, attempt 2 re-saved 50..80 itself
     for s in (10, 20, 30, 40, 50, 60, 70, 80):
         assert (ck / f"ckpt_{s:05d}.pt").is_file()
     import torch
-    poisoned = torch.load(ck / aside[0], weights_only=False)
-    assert any(torch.isnan(v).any() for v in poisoned["model"].values()), "a set-aside save really is poisoned"
+    for n in aside:
+        poisoned = torch.load(ck / n, weights_only=False)
+        assert any(torch.isnan(v).any() for v in poisoned["model"].values()), f"{n} set aside but clean"
     clean = torch.load(ck / "ckpt_00080.pt", weights_only=False)
     assert not any(torch.isnan(v).any() for v in clean["model"].values())
 
@@ -456,8 +458,31 @@ def test_the_pattern_setting_the_fix_names_makes_it_read(tmp_path):
     (inc,) = ctl_json(state, "incidents")
     assert inc["symptom"] == "nan_loss" and inc["step"] == 25
     assert st["resumed_from"] == "step_000020"
+    # a poisoned step_000030 exists only if attempt 1 got there before it was stopped: whatever was set aside
+    # is from after the NaN
     aside = [p.name for p in (tmp_path / "ck").iterdir() if ".rolledback-" in p.name]
-    assert any(n.startswith("step_000030.rolledback-") for n in aside), aside
+    assert all(re.match(r"step_0000[3-9]0\.rolledback-", n) for n in aside), aside
     r = subprocess.run([ULYSSESCTL, "replay", str(run_dir(state) / "logs" / "attempt-2.log"), "--spec", str(spec)],
                        capture_output=True, text=True, timeout=120)
     assert "parsed 20 step record(s)" in r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------- 5. smaller record problems, seen on the NaN run
+@pytest.mark.xfail(reason="the journal's 'attempt ended' line of the attempt that exited 0 and COMPLETED the run "
+                          "says \"after\": \"crash\" (seen on every completed command-job run); docs/SYSTEMD.md "
+                          "uses after=crash for an attempt that crashed", strict=True)
+def test_journal_does_not_call_the_completing_exit_a_crash(nan_run):
+    ended = [e for e in nan_run["events"] if e.get("event") == "attempt ended"]
+    last = ended[-1]
+    assert last["status"] == "exit code 0"
+    assert last["after"] != "crash", last
+
+
+@pytest.mark.xfail(reason="issue 28 'Unknown is loud': a job whose total steps are unknown should be told in "
+                          "status with the fix (which setting to give); status shows '80 / unknown' and nothing "
+                          "names [job] total_steps (docs/CLIENT.md only promises 'unknown')", strict=True)
+def test_unknown_total_is_told_with_the_setting_that_fixes_it(nan_run):
+    table = ctl(nan_run["state"], "status").stdout
+    (row,) = [ln for ln in table.splitlines() if "step / total" in ln]
+    assert "unknown" in row
+    assert "total_steps" in re.sub(r"[\s│]+", " ", table), table

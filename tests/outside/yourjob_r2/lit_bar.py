@@ -45,4 +45,4 @@ for ep in range(a.max_epochs):
             torch.save({"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()],
                         "global_step": gstep, "epoch": ep}, path)
     sys.stdout.write("\n")
-print("`Trainer.fit` stopped: `max_epochs=%d` reached." % a.max_epochs, flush=True)
+print(f"`Trainer.fit` stopped: `max_epochs={a.max_epochs}` reached.", flush=True)
