@@ -486,3 +486,27 @@ def test_unknown_total_is_told_with_the_setting_that_fixes_it(nan_run):
     (row,) = [ln for ln in table.splitlines() if "step / total" in ln]
     assert "unknown" in row
     assert "total_steps" in re.sub(r"[\s│]+", " ", table), table
+
+
+# ---------------------------------------------------------------- 6. a poisoned save whose own step looked fine
+# An inf reaches only the gradients of step 40 (YJ_GRAD_NAN_AT): step 40's printed loss is finite, its update
+# makes the weights NaN, ckpt_00040.pt is saved from them, and the first NaN loss printed is step 41's. By the
+# wording alone ckpt_00040.pt is "saved before the first bad step while the loss was finite" - but resuming it
+# gives a NaN at the very first step, every time. ckpt_00030.pt is clean (and settled: the loader stalls 4 s
+# before step 31). Issue 28: "never resume poison"; docs/REMEDIATION.md: never "a restart that changes
+# nothing". Seen: attempts 2-5 all resume ckpt_00040.pt (config v3 -> v3, no change), all NaN at step 41, the
+# run ends FAILED with the clean ckpt_00030.pt never tried.
+@pytest.mark.xfail(reason="a checkpoint that NaNs at the first step after every resume (saved by the update that "
+                          "poisoned the weights, its own printed loss finite) is resumed again and again (4 "
+                          "identical rollbacks, config v3->v3) until the run ends FAILED; the clean older save is "
+                          "never tried", strict=True)
+def test_a_save_that_nans_right_after_resume_is_not_resumed_again(tmp_path):
+    spec = write_spec(tmp_path, "nano", env={"YJ_GRAD_NAN_AT": "40", "YJ_PAUSE_AT": "31:4"})
+    state = tmp_path / "state"
+    rc, evs = run_to_end(spec, state)
+    resumes = [e["resume"] for e in evs if e.get("event") == "launched"]
+    assert resumes.count("ckpt_00040.pt") <= 1, resumes
+    assert "ckpt_00030.pt" in resumes, resumes
+    st = ctl_json(state, "status")
+    assert rc == 0 and st["state"] == "COMPLETED", (st["state"], st["state_reason"])
+    assert st["step"] == 80

@@ -4,6 +4,8 @@ Faults come from the environment, only on the attempt named (ULYSSESD_ATTEMPT, s
   YJ_NAN_AT=N      the loss becomes NaN from step N on (the weights are poisoned, later saves too)
   YJ_FAULT_ATTEMPT the attempt the fault happens on (default 1)
   YJ_STEP_SLEEP    seconds per step (default 0.04)
+  YJ_GRAD_NAN_AT=N the update of step N makes the weights NaN while step N's printed loss is still finite
+                   (an inf in the backward only): the first NaN loss printed is step N+1's
   YJ_PAUSE_AT=N:S  sleep S seconds before step N (a slow data loader), every attempt
   YJ_HANG_AT=N     stop making progress at step N (sleep for an hour) on the fault attempt
 """
@@ -47,6 +49,9 @@ def train_step(model, opt, step: int) -> float:
         loss = loss * float("nan")
     opt.zero_grad()
     loss.backward()
+    gnan = os.environ.get("YJ_GRAD_NAN_AT")
+    if gnan and fault_attempt() and step == int(gnan):
+        next(model.parameters()).grad.fill_(float("inf"))
     opt.step()
     time.sleep(float(os.environ.get("YJ_STEP_SLEEP", "0.04")))
     return float(loss.item())
