@@ -29,6 +29,7 @@ class HangDetector:
         self._times.clear()
         self._last_progress = now
         self._last_step: int | None = None
+        self._resume_step: int | None = None  # the step a restart resumed from (its `started` event)
         self._phase = "startup"
         self._fired = False
 
@@ -64,7 +65,7 @@ class HangDetector:
             if st is not None and st > 0:  # NaN is not > 0
                 mx = rec.step_time_max_s
                 # The wall time between two records: a job that logs every 10 steps is silent for 10 steps.
-                last = self._last_step
+                last = self._last_step if self._last_step is not None else self._resume_step
                 span = rec.step - last if last is not None and rec.step > last else 1
                 self._times.append((mx if mx and mx == mx else st) * span)
             self._last_step = rec.step
@@ -77,6 +78,9 @@ class HangDetector:
             self._phase = "startup"  # first step after a load still builds/warms up
         elif rec.event == "started":
             self.reset(now)
+            # The step it resumes from: a job that logs every N steps is silent for N steps before its first record
+            # (counted as one step, the timeout would fall to the floor until the second record).
+            self._resume_step = rec.step if isinstance(rec.step, int) and rec.step >= 0 else None
         elif rec.event == "exiting":
             self._last_progress = None  # the job is leaving on its own: silence from here is not a hang
             return []
