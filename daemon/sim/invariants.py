@@ -13,7 +13,9 @@ processes and the store: never against the supervisor's own opinion of itself.
   attempt is resolved, escalated or failed (none lost across daemon restarts);
 - budget: the daemon's own relaunches in any hour of monotonic time stay within `max_restarts_per_hour`;
   every ladder's position is within its ladder and does not go back when a new daemon re-adopts the run;
-- resumes: no attempt resumes from a tag whose weights were poisoned (saved after a NaN onset).
+- resumes: no attempt resumes from a tag whose weights were poisoned (saved after a NaN onset);
+- hangs: a hang incident names an attempt that did hang (the simulation knows): a healthy job is never killed
+  as hung.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class Checker:
                     self.fail(now, "checkpoint_deleted", f"the {what} tag {tag} was deleted")
         self._processes(now, sup, simos)
         if sup is not None and sup.run_id:
-            self._store(now, sup)
+            self._store(now, sup, simos)
             self._disk(now, sup)
             self._ladders(now, sup)
         self._resumes(now, simos)
@@ -131,7 +133,7 @@ class Checker:
             if j.pid != held:
                 self.fail(now, "orphan_attempt", f"attempt pid {j.pid} runs but the supervisor holds {held}")
 
-    def _store(self, now: float, sup: Any) -> None:
+    def _store(self, now: float, sup: Any, simos: Any) -> None:
         rows = self.db.rows("SELECT id, from_state, to_state, reason FROM state_transitions WHERE run_id=? AND id>? "
                             "ORDER BY id", sup.run_id, self._seen_transitions)
         for tid, frm, to, reason in rows:
@@ -148,6 +150,12 @@ class Checker:
                 self.fail(now, "duplicate_incident", f"incidents {first} and {iid} are both {key}")
             if symptom == Symptom.internal_error.value:
                 self.fail(now, "internal_error", summary[:300])
+            if symptom == Symptom.hang.value:
+                pid = self.db.rows("SELECT pid FROM attempts WHERE run_id=? AND number=?", sup.run_id, attempt)
+                job = simos.jobs.get(pid[0][0]) if pid and pid[0][0] is not None else None
+                if job is not None and not job.was_hung:
+                    self.fail(now, "false_hang", f"incident {iid}: attempt {attempt} called hung, but its job was "
+                              f"{job.phase}: {summary[:200]}")
 
     def _disk(self, now: float, sup: Any) -> None:
         from ulyssesd.daemon.host import disk_budget

@@ -111,6 +111,7 @@ class SimJob:
     exit_after_save: bool = False  # a SIGTERM's save: exit 0 once written
     saving_tag: str | None = None
     resumes: list[tuple[str, bool]] = field(default_factory=list)  # (tag, poisoned) this attempt loaded
+    was_hung: bool = False  # a hang fault stopped it (the truth a hang incident is checked against)
 
     def __post_init__(self) -> None:
         self.ranks = [self.pid + 1, self.pid + 2]
@@ -323,7 +324,7 @@ class SimJob:
 
     def hang(self) -> None:
         if self.phase in ("training", "starting"):
-            self.phase, self.next_m = "hung", INF
+            self.phase, self.next_m, self.was_hung = "hung", INF, True
 
 
 def _poisoned(tag_dir: Path) -> bool:
