@@ -19,7 +19,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.daemon.sim.runner import RunResult, SimConfig, config_from, describe, faults_from, minimise, run_seed
+from ulyssesd.daemon.sim.runner import (
+    RunResult,
+    SimConfig,
+    config_from,
+    describe,
+    faults_from,
+    minimise,
+    run_seed,
+)
 
 
 def _quiet() -> None:

@@ -106,6 +106,16 @@ class Checker:
         self._guard = (newest, good)
 
     def after(self, now: float, sup: Any, simos: Any) -> None:
+        self.kept_checkpoints(now, sup)
+        self._processes(now, sup, simos)
+        if sup is not None and sup.run_id:
+            self._store(now, sup, simos)
+            self._disk(now, sup)
+            self._ladders(now, sup)
+        self._resumes(now, simos)
+
+    def kept_checkpoints(self, now: float, sup: Any) -> None:
+        """The newest valid and newest known-good tags seen by `before` are still there (or renamed aside)."""
         newest, good = self._guard
         if newest is not None or good is not None:
             tags = valid_tags(self.ckpt_dir)
@@ -116,12 +126,6 @@ class Checker:
                 # Gone while still the newest of its kind (a newer one written in the same event may take its place).
                 if tag is not None and not kept(self.ckpt_dir, tag) and not any(t > tag for t in newer):
                     self.fail(now, "checkpoint_deleted", f"the {what} tag {tag} was deleted")
-        self._processes(now, sup, simos)
-        if sup is not None and sup.run_id:
-            self._store(now, sup, simos)
-            self._disk(now, sup)
-            self._ladders(now, sup)
-        self._resumes(now, simos)
 
     # ---------------------------------------------------------------- the parts
     def _processes(self, now: float, sup: Any, simos: Any) -> None:

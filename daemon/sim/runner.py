@@ -197,11 +197,13 @@ class SimRun:
                         heapq.heappush(self.queue, (f.at, self._next_seq(), f))
                 due = [f for f in due if f.at <= nxt]
             self.checker.before(self.sup)
-            self.os.advance_to(nxt)
+            self.os.advance_to(nxt)  # the job's own actions (its room check before a save deletes too)
+            self.checker.kept_checkpoints(self.os.m, self.sup)
             for f in due:
                 self.apply(f)
             if self.sup is None:
                 continue
+            self.checker.before(self.sup)
             for name, at in self.due.items():
                 if self.os.m >= at:
                     self.scheduler.enqueue(name)
