@@ -9,8 +9,9 @@ processes and the store: never against the supervisor's own opinion of itself.
 - processes: at most one live attempt, and it is the one the supervisor holds (no orphan);
 - states: every recorded transition is an edge of core/states.py; no tick step raised (an `internal_error`
   incident is a daemon bug);
-- incidents: none duplicated (one per run, attempt, symptom, step); at the end every incident of an earlier
-  attempt is resolved, escalated or failed (none lost across daemon restarts);
+- incidents: none duplicated (one per run, attempt, symptom, step); at the end no incident of an earlier attempt
+  is still open, and none has waited for its fix's verification longer than a simulated day (none lost across
+  daemon restarts);
 - budget: the daemon's own relaunches in any hour of monotonic time stay within `max_restarts_per_hour`;
   every ladder's position is within its ladder and does not go back when a new daemon re-adopts the run;
 - resumes: no attempt resumes from a tag whose weights were poisoned (saved after a NaN onset);
@@ -31,6 +32,8 @@ from ulyssesd.daemon.store.enums import TERMINAL_INCIDENT_STATUSES, RunState, Sy
 
 #: Ticks the checkpoint directory may stay over its budget (a rollback's set-aside tags wait for retention).
 GRACE_TICKS = 3
+#: The longest an incident of an earlier attempt may wait for its fix's verification (simulated seconds).
+UNVERIFIED_MAX_S = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,20 @@ class Checker:
                 return
 
     def settled(self, now: float, sup: Any) -> None:
-        for inc in sup.store.list_incidents(sup.run_id):
-            if inc.attempt < sup.attempt and inc.status not in TERMINAL_INCIDENT_STATUSES:
-                self.fail(now, "incident_unsettled", f"incident {inc.id} ({inc.symptom.value}, attempt "
-                          f"{inc.attempt}) is still {inc.status.value} at attempt {sup.attempt}")
+        """At the end: no incident of an earlier attempt is still open (never acted on, never settled), and none
+        still waits for its fix's verification a simulated day after it was detected."""
+        end = sup.os.time()
+        for iid, attempt, symptom, status, detected in self.db.rows(
+                "SELECT id, attempt, symptom, status, detected_at FROM incidents WHERE run_id=?", sup.run_id):
+            if attempt >= sup.attempt or status in {s.value for s in TERMINAL_INCIDENT_STATUSES}:
+                continue
+            age = end - _epoch(detected)
+            if status == "open" or age > UNVERIFIED_MAX_S:
+                self.fail(now, "incident_unsettled", f"incident {iid} ({symptom}, attempt {attempt}) is still "
+                          f"{status} at attempt {sup.attempt}, {age / 3600:.1f} h after it was detected")
+
+
+def _epoch(text: str) -> float:
+    from datetime import datetime, timezone
+
+    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc).timestamp()

@@ -42,12 +42,13 @@ def test_fault_process_follows_the_llama3_record_and_its_seed():
     assert len(small) < len(table) / 8
 
 
+@pytest.mark.slow  # two 0.2-day runs: ~25 s on the loaded 2-core box
 def test_same_seed_same_run_and_every_invariant_holds():
-    cfg = SimConfig(days=0.3)
+    cfg = SimConfig(days=0.2)
     a, b = run_seed(3, cfg), run_seed(3, cfg)
     assert a.ok, a.violations
     assert (a.trace, a.ticks, a.attempts, a.incidents, a.state) == (b.trace, b.ticks, b.attempts, b.incidents, b.state)
-    assert a.ticks > 10 and a.attempts >= 1
+    assert a.ticks > 5 and a.attempts >= 1 and a.trace
 
 
 def test_checker_catches_retention_that_deletes_the_newest_valid_tag(monkeypatch):
