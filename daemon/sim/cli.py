@@ -60,7 +60,23 @@ def summary(results: list[RunResult], wall_s: float) -> dict[str, Any]:
             "attempts": sum(r.attempts for r in results), "incidents": sum(r.incidents for r in results),
             "daemon_restarts": sum(r.daemons - 1 for r in results),
             "faults": sum(len(r.trace) for r in results),
-            "end_states": {s: sum(1 for r in results if r.state == s) for s in sorted({r.state for r in results})}}
+            "end_states": {s: sum(1 for r in results if r.state == s) for s in sorted({r.state for r in results})},
+            "ended_because": _reasons(results)}
+
+
+#: What an early end's reason says, most specific first (the budget's words come before the crash it followed).
+END_PHRASES = ("restarts without a checkpoint", "restarts in the last hour", "no valid checkpoint", "read-only",
+               "internal error", "persisted", "recurred", "crashed with", "operator stop")
+
+
+def _reasons(results: list[RunResult]) -> dict[str, int]:
+    """Why runs ended early, by the first words of their last transition's reason."""
+    out: dict[str, int] = {}
+    for r in results:
+        if r.end_reason:
+            key = next((p for p in END_PHRASES if p in r.end_reason), " ".join(r.end_reason.split()[:6]))
+            out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def simulate(seed: int, runs: int, days: float, jobs: int, out: str | None, replay: str | None,

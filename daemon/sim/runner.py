@@ -76,6 +76,8 @@ class RunResult:
     incidents: int = 0
     daemons: int = 1
     wall_s: float = 0.0
+    end_reason: str = ""  # the last state transition's reason when the run ended before the simulated time
+
 
     @property
     def ok(self) -> bool:
@@ -219,6 +221,10 @@ class SimRun:
         if self.sup is not None:
             r.state, r.attempts = self.sup.state.value, self.sup.attempt
             r.incidents = len(self.sup.store.list_incidents(self.sup.run_id))
+            if self.sup.state in TERMINAL:
+                last = self.checker.db.rows("SELECT reason FROM state_transitions WHERE run_id=? ORDER BY id DESC "
+                                            "LIMIT 1", self.sup.run_id)
+                r.end_reason = last[0][0][:300] if last else ""
             self.sup.store.close()
         self.checker.db.close()
         return r
