@@ -75,6 +75,10 @@ class StoreReader:
             self.db.close()
             self.db = None
 
+    def set_aside(self, run_id: str) -> set[str]:
+        """Tags the daemon marked invalid: rolled back past (poisoned lineage) or quarantined."""
+        return {r[0] for r in self.rows("SELECT tag FROM checkpoints WHERE run_id=? AND NOT valid", run_id)}
+
     def known_good(self, run_id: str) -> set[str]:
         return {r[0] for r in self.rows("SELECT tag FROM checkpoints WHERE run_id=? AND known_good", run_id)}
 
@@ -125,9 +129,12 @@ class Checker:
             kg = set()
             if good is not None and sup is not None and sup.run_id:
                 kg = self.db.known_good(sup.run_id) & set(tags)
+            aside = self.db.set_aside(sup.run_id) if sup is not None and sup.run_id else set()
             for what, tag, newer in (("newest valid", newest, tags), ("newest known-good", good, kg)):
-                # Gone while still the newest of its kind (a newer one written in the same event may take its place).
-                if tag is not None and not kept(self.ckpt_dir, tag) and not any(t > tag for t in newer):
+                # Gone while still the newest of its kind (a newer one written in the same event may take its place),
+                # and not set aside by the daemon (a rollback's set-aside copy may go when room is made: seed 100).
+                if tag is not None and not kept(self.ckpt_dir, tag) and not any(t > tag for t in newer) \
+                        and tag not in aside:
                     self.fail(now, "checkpoint_deleted", f"the {what} tag {tag} was deleted")
 
     # ---------------------------------------------------------------- the parts
