@@ -79,6 +79,21 @@ def build_app() -> typer.Typer:
 
         raise typer.Exit(run_demo(work_dir=work_dir))
 
+    @app.command("simulate")
+    def simulate_cmd(
+        seed: int = typer.Option(0, "--seed", help="first seed (runs use seed .. seed+runs-1)"),
+        runs: int = typer.Option(100, "--runs", min=1, help="simulated runs"),
+        days: float = typer.Option(7.0, "--days", min=0.01, help="simulated days per run"),
+        jobs: int = typer.Option(1, "--jobs", min=1, help="worker processes"),
+        out: str = typer.Option(None, "--out", metavar="DIR", help="write each violation's replayable trace here"),
+        replay: str = typer.Option(None, "--replay", metavar="FILE", help="replay one violation's trace"),
+    ) -> None:
+        """Run the real supervisor, engine and store against a simulated clock, job and disk with seeded faults,
+        checking invariants after every event (docs/SIMULATION.md). Exit 1 on any violation."""
+        from ulyssesd.daemon.sim.cli import simulate
+
+        raise typer.Exit(simulate(seed, runs, days, jobs, out, replay))
+
     return app
 
 

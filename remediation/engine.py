@@ -148,14 +148,14 @@ class RemediationEngine(LearnedParts):
     def observe(self, record: Record, now: float) -> list[Finding | Decision]:
         """Feed one telemetry record; returns the findings it raised and the decisions they led to."""
         out: list[Finding | Decision] = []
+        if isinstance(record, EventRecord) and record.event == "started":  # before the hang clock sees it (sim seed 0)
+            self.on_restart(now, attempt=record.attempt)  # its reset would drop the step the attempt resumed from
         self.hang.observe(record, now)
         self.footprint.observe(record)
         if self._history is not None and isinstance(record, EventRecord):
             self._history.append(record)
         if isinstance(record, EventRecord):
-            if record.event == "started":
-                self.on_restart(now, attempt=record.attempt)
-            elif record.event in ("checkpoint_saving", "checkpoint_saved") and record.step is not None:
+            if record.event in ("checkpoint_saving", "checkpoint_saved") and record.step is not None:
                 tag = str(record.fields.get("tag") or f"step-{record.step:08d}")
                 (self.saving_started if record.event == "checkpoint_saving" else self.checkpoint_saved)(tag, record.step)
             for det in self.detectors:

@@ -269,6 +269,7 @@ SUPERVISOR = "ulyssesd.daemon.supervisor"
 SUPERVISOR_WIRING = {
     "ulyssesd.daemon.cli": "builds the daemon's Supervisor from the spec and runs its loop",
     "ulyssesd.daemon.demo": "builds a Supervisor for `ulyssesd demo` and ticks it",
+    "ulyssesd.daemon.sim.runner": "builds the real Supervisor against the simulated clock, job and disk (ulyssesd simulate)",
 }
 
 

@@ -333,6 +333,9 @@ def apply_decision(sup: DecisionsRun, dec: Decision, step: int) -> None:
         return
     if sup.term is not None and apply != "stop":
         sup.say(f"  (attempt already terminating; {params['rung']} folded into the pending restart)")
+        # Its incident is settled here: nothing else holds it once taken from the unacted list (simulator seed 1).
+        sup.store.update_incident_status(iid, IncidentStatus.resolved, f"{params['rung']} folded into the pending "
+                                         f"restart of attempt {sup.attempt}")
         return
     if apply == "stop":
         sup.incidents.action(iid, ActionKind.stop, params, {}, ApplyMode.none)
