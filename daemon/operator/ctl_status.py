@@ -48,6 +48,11 @@ from ulyssesd.daemon.operator.ctl_common import (
 #: How many of the newest step records the ETA's step rate and the hang timeout are measured over (same
 #: attempt only for the rate: a restart's resume time is not training speed).
 RATE_WINDOW_STEPS = 20
+#: How far back from the telemetry file's end `status` looks for its newest steps (at most), and per read.
+TAIL_READ_BYTES = 256 * 1024
+TAIL_BLOCK_BYTES = 32 * 1024
+#: Open incidents `status` lists one by one (the newest; the count is always the exact total).
+OPEN_INCIDENTS_LISTED = 50
 #: States with no ETA: the run waits for an operator (PAUSED) or is on its way there or to its end (STOPPING).
 NO_ETA_STATES = frozenset({"PAUSED", "STOPPING"})
 #: States in which a job trains: the only ones with a current tokens/s and MFU, and in which a silent job is a
@@ -67,24 +72,41 @@ def recent_steps_from_telemetry(run_dir: str | None, limit: int = RATE_WINDOW_ST
     from ulyssesd.daemon.telemetry.log_source import telemetry_file_of
 
     path = telemetry_file_of(run_dir, spec)
+    found: list[dict[str, Any]] = []
     try:
         with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 256 * 1024))
-            lines = fh.read().decode("utf-8", errors="replace").splitlines()
+            # Backwards from the end, one block at a time, until `limit` steps are found or TAIL_READ_BYTES are
+            # read: a long run's file is gigabytes and the newest steps are in its last few kilobytes.
+            end = fh.seek(0, os.SEEK_END)
+            pos, carry = end, b""
+            while pos > 0 and end - pos < TAIL_READ_BYTES and len(found) < limit:
+                size = min(TAIL_BLOCK_BYTES, pos)
+                pos -= size
+                fh.seek(pos)
+                lines = (fh.read(size) + carry).split(b"\n")
+                carry = lines.pop(0) if pos > 0 else b""  # its start is in the block before
+                for line in reversed(lines):
+                    if _step_of(line, found) and len(found) >= limit:
+                        break
+            if pos == 0 and carry:
+                _step_of(carry, found)
     except OSError:
         return []
-    found: list[dict[str, Any]] = []
-    for line in reversed(lines):
-        try:
-            d = json.loads(line)
-        except (ValueError, RecursionError):  # garbage or a hostile deeply nested line: not a step
-            continue
-        if isinstance(d, dict) and d.get("kind") == "step":
-            found.append(d)
-            if len(found) >= limit:
-                break
-    return found[::-1]
+    return found[:limit][::-1]
+
+
+def _step_of(line: bytes, found: list[dict[str, Any]]) -> bool:
+    """Append `line`'s record to `found` when it is a step record; True when it was."""
+    if not line.strip():
+        return False
+    try:
+        d = json.loads(line.decode("utf-8", errors="replace"))
+    except (ValueError, RecursionError):  # garbage or a hostile deeply nested line: not a step
+        return False
+    if isinstance(d, dict) and d.get("kind") == "step":
+        found.append(d)
+        return True
+    return False
 
 
 def progress_fields(recent: list[dict[str, Any]], total_steps: int | None, created_at: datetime,
@@ -171,7 +193,7 @@ def calibration_of(run_dir: str | None) -> dict[str, Any] | None:
 def status_data(store, run) -> dict[str, Any]:
     from ulyssesd.daemon.store import flat_diff
 
-    attempts = store.list_attempts(run.id)
+    last_attempt = store.latest_attempt(run.id)  # one row: a long run has thousands of attempts
     cursor = store.get_telemetry_cursor(run.id)
     latest = store.latest_checkpoint(run.id)
     good = store.latest_checkpoint(run.id, known_good=True)
@@ -181,11 +203,15 @@ def status_data(store, run) -> dict[str, Any]:
     recent = recent_steps_from_telemetry(run.run_dir, spec=run.spec)
     step = recent[-1] if recent else {}
     total, total_source = total_steps_of(run.spec, cur_v.config if cur_v else None, recent)
-    open_inc = store.list_incidents(run.id, status="open") + store.list_incidents(run.id, status="remediating")
+    # Counted in SQL, listed newest first up to OPEN_INCIDENTS_LISTED: a noisy month can leave thousands open.
+    n_open = store.count_incidents(run.id, status="open") + store.count_incidents(run.id, status="remediating")
+    open_inc = sorted(store.list_incidents(run.id, status="open", limit=OPEN_INCIDENTS_LISTED, newest_first=True)
+                      + store.list_incidents(run.id, status="remediating", limit=OPEN_INCIDENTS_LISTED,
+                                             newest_first=True), key=lambda i: i.id)[-OPEN_INCIDENTS_LISTED:]
     relaunches = store.relaunch_counts(run.id)  # the store owns the rule (pause/resume, restart: not restarts)
     daemon, live = _live_daemon(run.id)
     state = run.state.value
-    attempt = attempts[-1].number if attempts else None
+    attempt = last_attempt.number if last_attempt else None
     training = state in TRAINING_STATES and step.get("attempt") in (None, attempt)  # not the previous attempt's
     progress = progress_fields(recent, total, aware(run.created_at),
                                aware(run.ended_at) if run.ended_at else None, datetime.now(timezone.utc))
@@ -196,9 +222,9 @@ def status_data(store, run) -> dict[str, Any]:
     return {
         "run_id": run.id, "state": state, "state_reason": run.state_reason,
         "daemon": daemon, "daemon_pid": daemon_info().get("pid") if daemon != "not running" else None,
-        "attempt": attempts[-1].number if attempts else None,
+        "attempt": attempt,
         # What the newest attempt was given to resume from (or reported loading); None: from the start.
-        "resumed_from": attempts[-1].resumed_from if attempts else None,
+        "resumed_from": last_attempt.resumed_from if last_attempt else None,
         "restarts": relaunches.restarts, "operator_relaunches": relaunches.operator_relaunches,
         "step": step.get("step", cursor.last_step if cursor else None),
         "loss": step.get("loss"),
@@ -209,11 +235,12 @@ def status_data(store, run) -> dict[str, Any]:
         "known_good_checkpoint": good.tag if good else None,
         "checkpoint_disk": _checkpoint_disk(store, run),
         "config_version": run.config_version, "config_diff_from_v1": diff,
-        "open_incidents": len(open_inc),
+        "open_incidents": n_open,
+        # The newest OPEN_INCIDENTS_LISTED of them, oldest first (`ulyssesctl incidents --status open`: all).
         "open_incident_list": [{"id": i.id, "symptom": i.symptom.value, "status": i.status.value, "step": i.step,
-                                "summary": i.summary} for i in sorted(open_inc, key=lambda i: i.id)],
+                                "summary": i.summary} for i in open_inc],
         "run_dir": run.run_dir,
-        **job_processes(attempts[-1] if attempts else None, live, (run.spec or {}).get("launcher") or {}),
+        **job_processes(last_attempt, live, (run.spec or {}).get("launcher") or {}),
         "created_at": run.created_at.isoformat(), "ended_at": run.ended_at.isoformat() if run.ended_at else None,
         **progress,
         "total_steps_source": total_source,
@@ -393,7 +420,10 @@ def render_status(d: dict[str, Any]) -> Table:
     diff = d["config_diff_from_v1"]
     t.add_row("config", f"v{d['config_version']}" + ("" if not diff else "; vs v1: " + escape(", ".join(
         f"{k}: {b!r} -> {a!r}" for k, (b, a) in diff.items()))))
-    t.add_row("open incidents", str(d["open_incidents"]))
+    listed = len(d["open_incident_list"])
+    t.add_row("open incidents", str(d["open_incidents"]) + (f" (the newest {listed} below; `ulyssesctl incidents "
+                                                              f"--status open` lists them all)"
+                                                              if listed < d["open_incidents"] else ""))
     for inc in d["open_incident_list"]:
         t.add_row("", f"[yellow]#{inc['id']} {inc['symptom']}[/yellow] ({inc['status']}, step {inc['step']}) "
                       f"{escape((inc['summary'] or '')[:100])}")
