@@ -179,7 +179,7 @@ def main() -> None:
         sys.path.insert(0, str(HERE))
         from ingest_bench import ingest_backlog
 
-        res["ingest"] = ingest_backlog(args.dir / "backlog", args.backlog)
+        res["ingest"] = ingest_backlog(args.dir / "backlog", args.backlog, args.incidents)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:
