@@ -264,12 +264,10 @@ def restore_ladders(sup: Supervisor) -> None:
     ladders = getattr(eng, "ladders", None)
     if not isinstance(ladders, dict):
         return  # an engine without ladders (a test's stand-in): nothing to restore
-    steps = {i.id: i.step for i in sup.store.list_incidents(sup.run_id)}
     done: dict[str, list[tuple[str, int]]] = {}
-    for act in sup.store.list_actions(run_id=sup.run_id):
-        ladder, rung = (act.parameters or {}).get("ladder"), (act.parameters or {}).get("rung")
+    for ladder, rung, step in sup.store.ladder_rungs(sup.run_id):  # one query: a long run has 10^5 actions
         if ladder in LADDERS and rung in {r.kind for r in LADDERS[ladder]}:
-            done.setdefault(ladder, []).append((rung, steps.get(act.incident_id, 0)))
+            done.setdefault(ladder, []).append((rung, step))
     now_step = eng.last_step if eng.last_step is not None else (sup.last_step or 0)
     policy = eng.policy
     for ladder, rungs in done.items():

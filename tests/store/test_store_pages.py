@@ -79,3 +79,21 @@ def test_newest_actions_attempt_and_the_rollbacks(store):
     for n in (1, 2, 3):
         store.add_attempt("run-b", command=["python", "train.py"], number=n)
     assert store.latest_attempt("run-b").number == 3 and store.latest_attempt("run-a") is None
+
+
+def test_ladder_rungs_is_what_the_actions_parameters_and_incident_steps_say(store):
+    _fill(store)
+    iid = store.record_incident("run-b", attempt=9, symptom="nan_loss", step=77)
+    store.record_action("run-b", "rollback_skip", incident_id=iid, mode="restart",
+                        parameters={"ladder": "loss", "rung": "rollback_skip", "rollback_to_step": 70})
+    store.record_action("run-b", "hot_control", mode="hot", parameters={"ladder": "loss", "rung": "lr_cut"})
+    store.record_action("run-b", "restart", incident_id=iid, parameters={"ladder": 3, "rung": None})
+    other = store.record_incident("run-a", attempt=1, symptom="hang", step=5)
+    store.record_action("run-a", "restart", incident_id=other, parameters={"ladder": "hang", "rung": "restart"})
+    # The derivation from full records (what re-adoption did before), for comparison.
+    steps = {i.id: i.step for i in store.list_incidents("run-b")}
+    expected = [(a.parameters.get("ladder"), a.parameters.get("rung"), steps.get(a.incident_id, 0))
+                for a in store.list_actions("run-b") if (a.parameters or {}).get("ladder") is not None]
+    assert store.ladder_rungs("run-b") == expected == [("loss", "rollback_skip", 77), ("loss", "lr_cut", 0),
+                                                      (3, None, 77)]
+    assert store.ladder_rungs("run-a") == [("hang", "restart", 5)]
