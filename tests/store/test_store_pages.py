@@ -97,3 +97,16 @@ def test_ladder_rungs_is_what_the_actions_parameters_and_incident_steps_say(stor
     assert store.ladder_rungs("run-b") == expected == [("loss", "rollback_skip", 77), ("loss", "lr_cut", 0),
                                                       (3, None, 77)]
     assert store.ladder_rungs("run-a") == [("hang", "restart", 5)]
+
+
+def test_restart_actions_are_those_on_the_attempts_incidents(store):
+    _fill(store)
+    for attempt in (1, 2, 4, 9):
+        incidents = {i.id for i in store.list_incidents("run-b") if i.attempt == attempt}
+        expected = [a for a in store.list_actions("run-b")
+                    if a.incident_id in incidents and a.mode.value == "restart" and not a.observe_only]
+        assert store.restart_actions("run-b", attempt) == expected
+    assert store.restart_actions("run-b", 1)  # the comparison saw some
+    iid = store.record_incident("run-b", attempt=7, symptom="crash", step=999)
+    store.record_action("run-b", "restart", incident_id=iid, mode="restart", observe_only=True)
+    assert store.restart_actions("run-b", 7) == []

@@ -325,3 +325,12 @@ class IncidentsRepository(StoreBase):
              .where(Action.run_id == run_id, ladder.is_not(None)).order_by(Action.id))
         with self._read() as s:
             return [(a, b, int(c)) for a, b, c in s.execute(q)]
+
+    def restart_actions(self, run_id: str, attempt: int) -> list[ActionRecord]:
+        """The restart-mode actions (observe-only ones left out) on the incidents of one attempt, oldest first:
+        the relaunch a previous daemon decided for it, read back without reading the run's other actions."""
+        q = (select(Action).join(Incident, Incident.id == Action.incident_id)
+             .where(Action.run_id == run_id, Incident.run_id == run_id, Incident.attempt == int(attempt),
+                    Action.mode == ApplyMode.restart, Action.observe_only.is_(False)).order_by(Action.id))
+        with self._read() as s:
+            return [ActionRecord.from_row(a) for a in s.scalars(q)]
