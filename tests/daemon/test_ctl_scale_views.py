@@ -87,7 +87,9 @@ def test_the_tail_read_backwards_finds_the_same_steps(tmp_path, monkeypatch):
             if s % 50 == 0:
                 fh.write("not json at all\n\n")
         fh.write('{"v": 1, "kind": "step", "step": 400, "lo')  # torn last line
-    monkeypatch.setattr(ctl_status, "TAIL_BLOCK_BYTES", 97)  # lines straddle every block boundary
+    from ulyssesd.daemon.telemetry import tail
+
+    monkeypatch.setattr(tail, "TAIL_BLOCK_BYTES", 97)  # lines straddle every block boundary
     for limit in (1, 20, 200, 1000):
         got = ctl_status.recent_steps_from_telemetry(str(run), limit=limit)
         assert got == _tail_reference(path, limit) and got, limit
