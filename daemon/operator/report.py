@@ -139,6 +139,8 @@ def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]
         hi = started.get(later) or per[later].first_time or float("inf")
         return any(t is not None and lo <= t <= hi for t in rollback_times)
 
+    # Per attempt, not per redone step: it depends on the attempt and its cutoff only.
+    rolled_back = {n: n in cutoff and by_rollback(n, cutoff[n][1]) for n in numbers}
     series = {n: Series(n) for n in numbers}
     stride = {n: max(1, math.ceil(per[n].count / MAX_POINTS)) for n in numbers}
     seen = dict.fromkeys(numbers, 0)
@@ -152,7 +154,7 @@ def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]
         prev_time[n] = t
         cut = cutoff.get(n)
         if cut is not None and rec.step >= cut[0]:
-            if by_rollback(n, cut[1]):
+            if rolled_back[n]:
                 good.redone_rollback_s += d
             else:
                 good.redone_restart_s += d
