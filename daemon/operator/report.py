@@ -13,8 +13,8 @@ goodput breakdown of the wall-clock time from the first launch to the end:
 - other: the rest (the first start-up, checkpoint saves, evaluation, pauses).
 
 The page is one file with inline SVG and a few lines of inline JS (hover values): no network, no CDN.
-Telemetry is read twice, streaming (the second pass samples at most MAX_POINTS points per attempt), so a
-multi-day run's file is never held in memory.
+Telemetry is read twice, streaming (the second pass samples at most MAX_POINTS points per attempt and
+MAX_TOTAL_POINTS in all), so a multi-day run's file is never held in memory.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from ulyssesd.daemon.telemetry.step_scan import timed_steps
 
 #: Points kept per attempt and series in the plots (steps are sampled evenly beyond this).
 MAX_POINTS = 1500
+#: ...and over all attempts together (a run of up to 8 attempts keeps 1,500 each), never under MIN_POINTS each.
+MAX_TOTAL_POINTS, MIN_POINTS = 12_000, 20
 #: Incidents and actions listed (and marked on the curves): the newest; the page stays a few MB at 10^5 of each.
 MAX_ROWS = 2000
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
@@ -142,7 +144,9 @@ def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]
     # Per attempt, not per redone step: it depends on the attempt and its cutoff only.
     rolled_back = {n: n in cutoff and by_rollback(n, cutoff[n][1]) for n in numbers}
     series = {n: Series(n) for n in numbers}
-    stride = {n: max(1, math.ceil(per[n].count / MAX_POINTS)) for n in numbers}
+    # MAX_POINTS per attempt, MAX_TOTAL_POINTS over all: 10^3 attempts would otherwise draw 4.5 million points.
+    budget = max(MIN_POINTS, min(MAX_POINTS, MAX_TOTAL_POINTS // max(1, len(numbers))))
+    stride = {n: max(1, math.ceil(per[n].count / budget)) for n in numbers}
     seen = dict.fromkeys(numbers, 0)
     prev_time: dict[int, float | None] = dict.fromkeys(numbers)
     for rec in _steps(path):

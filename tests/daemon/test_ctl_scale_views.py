@@ -149,3 +149,28 @@ def test_the_report_lists_the_newest_rows_and_counts_them_all(tmp_path, monkeypa
     page = report.render_report(store, "long-run")
     assert "The newest" not in page and "slow 0" in page
     store.close()
+
+
+def test_the_curves_keep_a_bounded_number_of_points_however_many_attempts(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    path = tmp_path / "telemetry.jsonl"
+    with path.open("w") as fh:
+        for a in range(1, 31):
+            for s in range(1000):
+                fh.write(json.dumps({"kind": "step", "step": (a - 1) * 900 + s, "loss": 2.0, "attempt": a,
+                                     "time": a * 10_000.0 + s, "step_time_s": 1.0}) + "\n")
+    attempts = [SimpleNamespace(number=a, started_at=None, ended_at=None) for a in range(1, 31)]
+    series, good = report.analyse_telemetry(path, attempts, [])
+    assert len(series) == 30 and all(200 <= len(s.points) <= 400 for s in series)  # 12,000 over 30 attempts
+    monkeypatch.setattr(report, "MAX_TOTAL_POINTS", 600)
+    series2, good2 = report.analyse_telemetry(path, attempts, [])
+    # MIN_POINTS each (and the attempt's last step); goodput still counts every step.
+    assert all(len(s.points) in (report.MIN_POINTS, report.MIN_POINTS + 1) for s in series2) and good2 == good
+    # Two attempts keep every point up to MAX_POINTS each, as before the total bound.
+    monkeypatch.undo()
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                           if json.loads(line)["attempt"] <= 2))
+    series3, _ = report.analyse_telemetry(two, attempts[:2], [])
+    assert [len(s.points) for s in series3] == [1000, 1000]
