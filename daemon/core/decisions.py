@@ -25,6 +25,7 @@ from ulyssesd.daemon.job.checkpoint_watch import CheckpointWatchRun
 from ulyssesd.daemon.job.slurm_supervise import SlurmRun
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.daemon.telemetry import log_source
+from ulyssesd.daemon.telemetry.telemetry_reader import DRAIN_BUDGET_S
 from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.engine import Decision
 from ulyssesd.remediation.hang_stacks import read_hang
@@ -66,13 +67,24 @@ def track(sup: DecisionsRun, rec: Record) -> None:
 
 
 def read_telemetry(sup: DecisionsRun) -> None:
-    """Hand the job's new records to `on_record`, then persist the cursor (after they were acted upon)."""
+    """Hand the job's new records to `on_record`, then persist the cursor (after they were acted upon). A
+    backlog (the reader stopped at its byte bound) is read on, batch after batch, for up to DRAIN_BUDGET_S of
+    the tick while nothing changed the run's state; each batch's cursor is stored before the next is read."""
     assert sup.reader is not None
     log_source.pump(sup)  # [telemetry] source = "stdout": the job's new log lines become records first
+    deadline, state, term = sup.os.monotonic() + DRAIN_BUDGET_S, sup.state, sup.term
+    while (read_batch(sup) and sup.reader.behind and sup.state == state and sup.term is term
+           and sup.os.monotonic() < deadline):
+        pass
+
+
+def read_batch(sup: DecisionsRun) -> bool:
+    """One reader batch: its records acted upon, then its cursor stored. False when nothing was consumed."""
+    assert sup.reader is not None
     offset_before = sup.reader.cursor.offset
     batch = sup.reader.read()
     if not batch and sup.reader.cursor.offset == offset_before:
-        return
+        return False
     now = sup.os.time()
     saved = False
     for rec, _off in batch:
@@ -92,6 +104,7 @@ def read_telemetry(sup: DecisionsRun) -> None:
     cur = sup.reader.cursor
     sup.store.set_telemetry_cursor(sup.run_id, path=str(sup.telemetry_path), inode=cur.inode,
                                     offset=cur.offset, last_step=sup.last_step)
+    return True
 
 
 def retention_after_save(sup: DecisionsRun) -> None:

@@ -24,7 +24,7 @@ from ulyssesd.daemon.host.process import JobHandle
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job import slurm_supervise
 from ulyssesd.daemon.spec import RunSpec, engine_job_values
-from ulyssesd.daemon.store.enums import ApplyMode, RunState
+from ulyssesd.daemon.store.enums import RunState
 from ulyssesd.daemon.store.permissions import private_dir
 from ulyssesd.daemon.store.recovery import refuse_unknown_run_dirs
 from ulyssesd.daemon.telemetry.telemetry_reader import Cursor, TelemetryReader
@@ -187,9 +187,7 @@ def decided_relaunch(sup: StartupRun, attempt: int, reason: str, counts: bool) -
     """The relaunch a previous daemon decided for `attempt` but did not carry out (it died in between):
     the newest restart-mode action on that attempt's incidents, read back from the store, so that a
     rollback-and-skip is not silently turned into a restart from the latest, possibly bad, checkpoint."""
-    incidents = {i.id for i in sup.store.list_incidents(sup.run_id) if i.attempt == attempt}
-    decided = [a for a in sup.store.list_actions(run_id=sup.run_id)
-               if a.incident_id in incidents and a.mode == ApplyMode.restart and not a.observe_only]
+    decided = sup.store.restart_actions(sup.run_id, attempt)  # one query: a long run has 10^5 actions
     if not decided:
         return Relaunch(reason, counts_against_budget=counts)
     last = decided[-1]
@@ -271,12 +269,10 @@ def restore_ladders(sup: StartupRun) -> None:
     ladders = getattr(eng, "ladders", None)
     if not isinstance(ladders, dict):
         return  # an engine without ladders (a test's stand-in): nothing to restore
-    steps = {i.id: i.step for i in sup.store.list_incidents(sup.run_id)}
     done: dict[str, list[tuple[str, int]]] = {}
-    for act in sup.store.list_actions(run_id=sup.run_id):
-        ladder, rung = (act.parameters or {}).get("ladder"), (act.parameters or {}).get("rung")
+    for ladder, rung, step in sup.store.ladder_rungs(sup.run_id):  # one query: a long run has 10^5 actions
         if ladder in LADDERS and rung in {r.kind for r in LADDERS[ladder]}:
-            done.setdefault(ladder, []).append((rung, steps.get(act.incident_id, 0)))
+            done.setdefault(ladder, []).append((rung, step))
     now_step = eng.last_step if eng.last_step is not None else (sup.last_step or 0)
     policy = eng.policy
     for ladder, rungs in done.items():

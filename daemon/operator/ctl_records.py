@@ -33,24 +33,42 @@ from ulyssesd.daemon.operator.ctl_common import (
     store_exit_code,
 )
 
+#: How many incidents `ulyssesctl incidents` lists unless --limit says otherwise (the newest; a month-long run
+#: with a noisy detector has 10^5, which no terminal reads and which took seconds to render).
+DEFAULT_INCIDENTS_LIMIT = 1000
+
 
 def incidents(json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
               kind: str = typer.Option(None, "--kind", help="symptom, e.g. hang, nan_loss, crash"),
               status_: str = typer.Option(None, "--status", help="open|remediating|resolved|escalated|failed"),
               since: str = typer.Option(None, "--since", help="30m, 12h, 2d or an ISO time"),
-              all_runs: bool = typer.Option(False, "--all-runs", help="every run, not only the newest")) -> None:
-    """List incidents (filter by kind, status, since)."""
+              all_runs: bool = typer.Option(False, "--all-runs", help="every run, not only the newest"),
+              limit: int = typer.Option(DEFAULT_INCIDENTS_LIMIT, "--limit", min=0, metavar="N",
+                                        help="list the newest N matching incidents (0: all of them)"),
+              before: int = typer.Option(None, "--before", min=1, metavar="ID",
+                                         help="only incidents older than incident ID (the next page: pass the "
+                                              "oldest id listed)")) -> None:
+    """List incidents (filter by kind, status, since; the newest --limit of them, paged with --before)."""
     store = open_ro_store(json_out)
     run_id = None if all_runs else current_run(store, json_out).id
     try:
-        # With their actions, in one more query however many incidents (the table's action column needs them).
-        rows = store.list_incidents(run_id, symptom=kind, status=status_, since=parse_since(since), with_actions=True)
+        # With their actions, in the same query however many incidents (the table's action column needs them).
+        filters: dict[str, Any] = dict(symptom=kind, status=status_, since=parse_since(since), before_id=before)
+        rows = store.list_incidents(run_id, **filters, limit=limit or None, with_actions=True)
+        total = store.count_incidents(run_id, **filters) if limit and len(rows) == limit else len(rows)
     except ValueError as exc:
         die(str(exc), EXIT_USAGE, json_out)
+    left = total - len(rows)
+    more = (f"{left} older incident(s) not listed: --before {rows[0].id} for the next page, --limit 0 for all"
+            if left and rows else "")
     if json_out:
         out([r.to_dict() for r in rows], True)
+        if more:  # the JSON stays a list of incidents; the cut is said where a script's log sees it
+            typer.echo(f"ulyssesctl incidents: the newest {len(rows)} of {total} listed; {more}", err=True)
         return
     console.print(incidents_table(rows, resumes=next_resumes(store, rows)))
+    if more:
+        console.print(f"the newest {len(rows)} of {total} listed; {escape(more)}")
 
 
 def next_resumes(store, rows) -> dict[tuple[str, int], str]:
@@ -284,14 +302,14 @@ def runs_data(store) -> list[dict[str, Any]]:
         total, _ = ctl_status.total_steps_of(run.spec, cur_v.config if cur_v else None, recent)
         cursor = store.get_telemetry_cursor(run.id)
         step = recent[-1].get("step") if recent else (cursor.last_step if cursor else None)
-        incs = store.list_incidents(run.id)
+        n_open = store.count_incidents(run.id, status="open") + store.count_incidents(run.id, status="remediating")
         rows.append({"run_id": run.id, "state": run.state.value, "step": step,
                      "total_steps": total,
                      "attempts": len(store.list_attempts(run.id)),
                      "started": aware(run.created_at).isoformat(), "last_change": aware(run.updated_at).isoformat(),
                      "ended": aware(run.ended_at).isoformat() if run.ended_at else None,
-                     "incidents": len(incs),
-                     "open_incidents": sum(1 for i in incs if i.status.value in ("open", "remediating")),
+                     "incidents": store.count_incidents(run.id),  # counted in SQL: a long run has 10^5
+                     "open_incidents": n_open,
                      "run_dir": run.run_dir})
     return rows
 

@@ -14,7 +14,6 @@ directory's telemetry (so both work with the daemon down), plus the live daemon'
 from __future__ import annotations
 
 import json
-import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -44,10 +43,13 @@ from ulyssesd.daemon.operator.ctl_common import (
     reader_gone,
     socket_path,
 )
+from ulyssesd.daemon.telemetry.tail import recent_steps_from_telemetry
 
 #: How many of the newest step records the ETA's step rate and the hang timeout are measured over (same
 #: attempt only for the rate: a restart's resume time is not training speed).
 RATE_WINDOW_STEPS = 20
+#: Open incidents `status` lists one by one (the newest; the count is always the exact total).
+OPEN_INCIDENTS_LISTED = 50
 #: States with no ETA: the run waits for an operator (PAUSED) or is on its way there or to its end (STOPPING).
 NO_ETA_STATES = frozenset({"PAUSED", "STOPPING"})
 #: States in which a job trains: the only ones with a current tokens/s and MFU, and in which a silent job is a
@@ -55,36 +57,6 @@ NO_ETA_STATES = frozenset({"PAUSED", "STOPPING"})
 TRAINING_STATES = frozenset({"RUNNING", "REMEDIATING"})
 #: Width of the progress bar, in characters.
 BAR_WIDTH = 24
-
-
-def recent_steps_from_telemetry(run_dir: str | None, limit: int = RATE_WINDOW_STEPS,
-                                spec: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The newest `limit` step records in the run's telemetry file (telemetry.jsonl, or the one its spec's
-    [telemetry] names: stdout-derived, a custom path), oldest first (read from its end; works with the daemon
-    down)."""
-    if not run_dir:
-        return []
-    from ulyssesd.daemon.telemetry.log_source import telemetry_file_of
-
-    path = telemetry_file_of(run_dir, spec)
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 256 * 1024))
-            lines = fh.read().decode("utf-8", errors="replace").splitlines()
-    except OSError:
-        return []
-    found: list[dict[str, Any]] = []
-    for line in reversed(lines):
-        try:
-            d = json.loads(line)
-        except (ValueError, RecursionError):  # garbage or a hostile deeply nested line: not a step
-            continue
-        if isinstance(d, dict) and d.get("kind") == "step":
-            found.append(d)
-            if len(found) >= limit:
-                break
-    return found[::-1]
 
 
 def progress_fields(recent: list[dict[str, Any]], total_steps: int | None, created_at: datetime,
@@ -171,7 +143,7 @@ def calibration_of(run_dir: str | None) -> dict[str, Any] | None:
 def status_data(store, run) -> dict[str, Any]:
     from ulyssesd.daemon.store import flat_diff
 
-    attempts = store.list_attempts(run.id)
+    last_attempt = store.latest_attempt(run.id)  # one row: a long run has thousands of attempts
     cursor = store.get_telemetry_cursor(run.id)
     latest = store.latest_checkpoint(run.id)
     good = store.latest_checkpoint(run.id, known_good=True)
@@ -181,11 +153,15 @@ def status_data(store, run) -> dict[str, Any]:
     recent = recent_steps_from_telemetry(run.run_dir, spec=run.spec)
     step = recent[-1] if recent else {}
     total, total_source = total_steps_of(run.spec, cur_v.config if cur_v else None, recent)
-    open_inc = store.list_incidents(run.id, status="open") + store.list_incidents(run.id, status="remediating")
+    # Counted in SQL, listed newest first up to OPEN_INCIDENTS_LISTED: a noisy month can leave thousands open.
+    n_open = store.count_incidents(run.id, status="open") + store.count_incidents(run.id, status="remediating")
+    open_inc = sorted(store.list_incidents(run.id, status="open", limit=OPEN_INCIDENTS_LISTED, newest_first=True)
+                      + store.list_incidents(run.id, status="remediating", limit=OPEN_INCIDENTS_LISTED,
+                                             newest_first=True), key=lambda i: i.id)[-OPEN_INCIDENTS_LISTED:]
     relaunches = store.relaunch_counts(run.id)  # the store owns the rule (pause/resume, restart: not restarts)
     daemon, live = _live_daemon(run.id)
     state = run.state.value
-    attempt = attempts[-1].number if attempts else None
+    attempt = last_attempt.number if last_attempt else None
     training = state in TRAINING_STATES and step.get("attempt") in (None, attempt)  # not the previous attempt's
     progress = progress_fields(recent, total, aware(run.created_at),
                                aware(run.ended_at) if run.ended_at else None, utc_now())
@@ -196,9 +172,9 @@ def status_data(store, run) -> dict[str, Any]:
     return {
         "run_id": run.id, "state": state, "state_reason": run.state_reason,
         "daemon": daemon, "daemon_pid": daemon_info().get("pid") if daemon != "not running" else None,
-        "attempt": attempts[-1].number if attempts else None,
+        "attempt": attempt,
         # What the newest attempt was given to resume from (or reported loading); None: from the start.
-        "resumed_from": attempts[-1].resumed_from if attempts else None,
+        "resumed_from": last_attempt.resumed_from if last_attempt else None,
         "restarts": relaunches.restarts, "operator_relaunches": relaunches.operator_relaunches,
         "step": step.get("step", cursor.last_step if cursor else None),
         "loss": step.get("loss"),
@@ -209,11 +185,12 @@ def status_data(store, run) -> dict[str, Any]:
         "known_good_checkpoint": good.tag if good else None,
         "checkpoint_disk": _checkpoint_disk(store, run),
         "config_version": run.config_version, "config_diff_from_v1": diff,
-        "open_incidents": len(open_inc),
+        "open_incidents": n_open,
+        # The newest OPEN_INCIDENTS_LISTED of them, oldest first (`ulyssesctl incidents --status open`: all).
         "open_incident_list": [{"id": i.id, "symptom": i.symptom.value, "status": i.status.value, "step": i.step,
-                                "summary": i.summary} for i in sorted(open_inc, key=lambda i: i.id)],
+                                "summary": i.summary} for i in open_inc],
         "run_dir": run.run_dir,
-        **job_processes(attempts[-1] if attempts else None, live, (run.spec or {}).get("launcher") or {}),
+        **job_processes(last_attempt, live, (run.spec or {}).get("launcher") or {}),
         "created_at": run.created_at.isoformat(), "ended_at": run.ended_at.isoformat() if run.ended_at else None,
         **progress,
         "total_steps_source": total_source,
@@ -393,7 +370,10 @@ def render_status(d: dict[str, Any]) -> Table:
     diff = d["config_diff_from_v1"]
     t.add_row("config", f"v{d['config_version']}" + ("" if not diff else "; vs v1: " + escape(", ".join(
         f"{k}: {b!r} -> {a!r}" for k, (b, a) in diff.items()))))
-    t.add_row("open incidents", str(d["open_incidents"]))
+    listed = len(d["open_incident_list"])
+    t.add_row("open incidents", str(d["open_incidents"]) + (f" (the newest {listed} below; `ulyssesctl incidents "
+                                                              f"--status open` lists them all)"
+                                                              if listed < d["open_incidents"] else ""))
     for inc in d["open_incident_list"]:
         t.add_row("", f"[yellow]#{inc['id']} {inc['symptom']}[/yellow] ({inc['status']}, step {inc['step']}) "
                       f"{escape((inc['summary'] or '')[:100])}")

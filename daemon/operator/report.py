@@ -13,8 +13,8 @@ goodput breakdown of the wall-clock time from the first launch to the end:
 - other: the rest (the first start-up, checkpoint saves, evaluation, pauses).
 
 The page is one file with inline SVG and a few lines of inline JS (hover values): no network, no CDN.
-Telemetry is read twice, streaming (the second pass samples at most MAX_POINTS points per attempt), so a
-multi-day run's file is never held in memory.
+Telemetry is read twice, streaming (the second pass samples at most MAX_POINTS points per attempt and
+MAX_TOTAL_POINTS in all), so a multi-day run's file is never held in memory.
 """
 
 from __future__ import annotations
@@ -28,10 +28,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.remediation.records import RecordError, StepRecord, finite_or_none, parse_line
+from ulyssesd.daemon.telemetry.step_scan import timed_steps
+from ulyssesd.remediation.records import finite_or_none
 
 #: Points kept per attempt and series in the plots (steps are sampled evenly beyond this).
 MAX_POINTS = 1500
+#: ...and over all attempts together (a run of up to 8 attempts keeps 1,500 each), never under MIN_POINTS each.
+MAX_TOTAL_POINTS, MIN_POINTS = 12_000, 20
+#: Incidents and actions listed (and marked on the curves): the newest; the page stays a few MB at 10^5 of each.
+MAX_ROWS = 2000
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 ROLLBACK_KINDS = ("rollback_skip",)
 INCIDENT_COLOUR, ACTION_COLOUR = "#d62728", "#111111"  # marks: not in PALETTE, so never an attempt's colour
@@ -74,19 +79,13 @@ class Series:
     points: list[tuple[float, float | None, float | None, float | None]] = field(default_factory=list)
 
 
-def _steps(path: Path) -> Iterator[StepRecord]:
-    """Step records of a telemetry file; lines that do not parse (a torn last line, events) are skipped."""
-    with path.open("rb") as fh:
-        for line in fh:
-            try:
-                rec = parse_line(line)
-            except RecordError:
-                continue
-            if isinstance(rec, StepRecord) and rec.time is not None:
-                yield rec
+def _steps(path: Path) -> Iterator[Any]:
+    """Step records of a telemetry file with a time; lines that do not parse (a torn last line, events) are
+    skipped. Decoded by `step_scan` (nine fields of a step, not twenty): a long run's file is 10^7 lines."""
+    return timed_steps(path)
 
 
-def _duration(rec: StepRecord, prev_time: float | None) -> float:
+def _duration(rec: Any, prev_time: float | None) -> float:
     for d in (rec.step_time_max_s, rec.step_time_s):
         if d is not None and math.isfinite(d) and d >= 0:
             return d
@@ -139,8 +138,12 @@ def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]
         hi = started.get(later) or per[later].first_time or float("inf")
         return any(t is not None and lo <= t <= hi for t in rollback_times)
 
+    # Per attempt, not per redone step: it depends on the attempt and its cutoff only.
+    rolled_back = {n: n in cutoff and by_rollback(n, cutoff[n][1]) for n in numbers}
     series = {n: Series(n) for n in numbers}
-    stride = {n: max(1, math.ceil(per[n].count / MAX_POINTS)) for n in numbers}
+    # MAX_POINTS per attempt, MAX_TOTAL_POINTS over all: 10^3 attempts would otherwise draw 4.5 million points.
+    budget = max(MIN_POINTS, min(MAX_POINTS, MAX_TOTAL_POINTS // max(1, len(numbers))))
+    stride = {n: max(1, math.ceil(per[n].count / budget)) for n in numbers}
     seen = dict.fromkeys(numbers, 0)
     prev_time: dict[int, float | None] = dict.fromkeys(numbers)
     for rec in _steps(path):
@@ -152,7 +155,7 @@ def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]
         prev_time[n] = t
         cut = cutoff.get(n)
         if cut is not None and rec.step >= cut[0]:
-            if by_rollback(n, cut[1]):
+            if rolled_back[n]:
                 good.redone_rollback_s += d
             else:
                 good.redone_restart_s += d
@@ -358,11 +361,13 @@ def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str
     run = store.get_run(run_id)
     attempts = store.list_attempts(run_id)
     transitions = store.list_transitions(run_id)
-    incidents = store.list_incidents(run_id=run_id)
-    actions = store.list_actions(run_id)
+    # The newest MAX_ROWS incidents and actions (marks and tables; a long run has 10^5), the totals counted.
+    incidents = store.list_incidents(run_id=run_id, limit=MAX_ROWS)
+    actions = store.list_actions(run_id, limit=MAX_ROWS)
+    n_inc, n_act = store.count_incidents(run_id), store.count_actions(run_id)
     versions = store.list_config_versions(run_id)
     path = telemetry or telemetry_path_of(run)
-    series, good = analyse_telemetry(path, attempts, actions)
+    series, good = analyse_telemetry(path, attempts, store.list_actions(run_id, rollbacks=True))
 
     times = [p[0] for s in series for p in s.points]
     stamps = _known([_ts(a.started_at) for a in attempts] + [_ts(a.ended_at) for a in attempts])
@@ -405,7 +410,7 @@ def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str
     summary = (f"<table><tr><th>run</th><td>{_e(run.id)}</td><th>state</th><td><b>{_val(run.state)}</b> — "
                f"{_e(run.state_reason)}</td></tr><tr><th>created</th><td>{_time(run.created_at)}</td><th>ended</th>"
                f"<td>{_time(run.ended_at)}</td></tr><tr><th>attempts</th><td>{len(attempts)}</td><th>incidents / "
-               f"actions</th><td>{len(incidents)} / {len(actions)}</td></tr><tr><th>run directory</th>"
+               f"actions</th><td>{n_inc} / {n_act}</td></tr><tr><th>run directory</th>"
                f"<td class='mono' colspan='3'>{_e(run.run_dir)}</td></tr><tr><th>telemetry</th>"
                f"<td class='mono' colspan='3'>{_e(path)}"
                f"{_last_loss(last_step)}</td></tr>"
@@ -424,13 +429,19 @@ def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str
 <th>resumed from</th></tr>{rows_att}</table>
 <h2>States</h2><table><tr><th>at</th><th>transition</th><th>attempt</th><th>reason</th></tr>{rows_tr}</table>
 <h2>Incidents</h2><table><tr><th>id</th><th>detected</th><th>attempt</th><th>step</th><th>symptom</th>
-<th>severity</th><th>status</th><th>summary</th></tr>{rows_inc}</table>
+<th>severity</th><th>status</th><th>summary</th></tr>{rows_inc}</table>{_cut(len(incidents), n_inc, "incidents")}
 <h2>Actions</h2><table><tr><th>id</th><th>applied</th><th>incident</th><th>kind</th><th>mode</th><th>outcome</th>
-<th>config diff</th></tr>{rows_act}</table>
+<th>config diff</th></tr>{rows_act}</table>{_cut(len(actions), n_act, "actions")}
 <h2>Config versions</h2><table><tr><th>version</th><th>created</th><th>parent</th><th>reason</th><th>diff from parent</th>
 </tr>{rows_cfg}</table>
 <script>{_JS}</script></body></html>
 """
+
+
+def _cut(shown: int, total: int, what: str) -> str:
+    """The line under a table that lists only the newest rows."""
+    return (f"<p><b>The newest {shown} of {total} {what}</b> are shown (here and as marks on the curves); "
+            f"<code>ulyssesctl incidents --limit 0 --json</code> lists them all.</p>" if shown < total else "")
 
 
 def _checkpoint_disk(store: Any, run: Any) -> str:

@@ -23,7 +23,10 @@ from ulyssesd.remediation.records import MAX_LINE_BYTES, Record, RecordError, pa
 
 log = get_logger("ulyssesd.telemetry")
 
-MAX_BATCH_BYTES = 4 << 20  # bound one tick's work on a huge backlog (> MAX_LINE_BYTES: a line fits a batch)
+MAX_BATCH_BYTES = 4 << 20  # bound one read's work on a huge backlog (> MAX_LINE_BYTES: a line fits a batch)
+#: How long one tick may go on reading a backlog, batch after batch (the daemon's other work waits meanwhile;
+#: one batch per 1 s tick made a 5-million-record backlog take minutes of sleeping alone).
+DRAIN_BUDGET_S = 2.0
 
 
 @dataclass
@@ -44,6 +47,9 @@ class TelemetryReader:
         self.max_line_bytes = max_line_bytes
         # While skipping an over-long line: how far past the cursor (its start) the newline search got.
         self._skip_scanned: int | None = None
+        #: True when the last `read()` stopped at its byte bound with more of the file behind it: a backlog,
+        #: which the caller may drain with more reads in the same tick (`ingest.drain`).
+        self.behind = False
 
     @property
     def scanned_to(self) -> int:
@@ -75,13 +81,16 @@ class TelemetryReader:
             self.cursor = Cursor(st.st_ino, 0)
             self._skip_scanned = None
         self.cursor.inode = st.st_ino
+        self.behind = False
         if st.st_size == self.cursor.offset:
             return []
         with open(self.path, "rb") as fh:
             if self._skip_scanned is not None and not self._skip_long_line(fh):
+                self.behind = True
                 return []  # still inside the over-long line
             fh.seek(self.cursor.offset)
             chunk = fh.read(self.max_batch_bytes)
+        self.behind = len(chunk) == self.max_batch_bytes and self.cursor.offset + len(chunk) < st.st_size
         out: list[tuple[Record, int]] = []
         pos = self.cursor.offset
         start = 0

@@ -1,5 +1,5 @@
 """The incidents listing reads a bounded number of statements however many incidents there are: one query for
-the incidents and one for all their actions (`Store.list_incidents(with_actions=True)`), not one per incident
+the incidents joined with all their actions (`Store.list_incidents(with_actions=True)`), not one per incident
 (the table's action column read each incident's actions on its own before: 200 incidents, 200+ queries).
 Counted with SQLAlchemy's `before_cursor_execute` on a real SQLite store, through `ulyssesctl` itself."""
 
@@ -69,7 +69,7 @@ def test_the_listing_costs_the_same_statements_for_20_and_200_incidents(tmp_path
         assert "hot_control (hot), stop" in out
 
 
-def test_the_store_listing_carries_each_incidents_actions_in_two_statements(tmp_path):
+def test_the_store_listing_carries_each_incidents_actions_in_one_statement(tmp_path):
     _store_with(tmp_path, 200)
     store = open_store(tmp_path / "state" / "ulyssesd.db", readonly=True)
     store.list_incidents("new-run")  # the connection's own set-up statements are not the listing's
@@ -78,7 +78,7 @@ def test_the_store_listing_carries_each_incidents_actions_in_two_statements(tmp_
     assert len(rows) == 200 and [a.kind.value for a in rows[0].actions] == ["hot_control", "stop"]
     assert rows[1].actions == () and rows[0].actions[0].config_diff == {"train.gradient_clipping": [1.0, 0.5]}
     queries = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
-    assert len(queries) == 2, queries
+    assert len(queries) == 1, queries
     newest = store.list_incidents("new-run", with_actions=True, limit=3, newest_first=True)
     assert [r.summary for r in newest] == ["spike 199", "spike 198", "spike 197"]
     assert [len(r.actions) for r in newest] == [0, 2, 0]  # the limit applies to the incidents, not the actions

@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, ParamSpec
 
-from sqlalchemy import select, text
+from sqlalchemy import Select, func, or_, select, text
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
@@ -151,21 +151,9 @@ class IncidentsRepository(StoreBase):
             s.flush()
             return IncidentRecord.from_row(inc)
 
-    def list_incidents(
-        self,
-        run_id: str | None = None,
-        symptom: Symptom | str | None = None,
-        status: IncidentStatus | str | None = None,
-        since: Timestamp = None,
-        *,
-        unacknowledged: bool = False,
-        limit: int | None = None,
-        newest_first: bool = False,
-        with_actions: bool = False,
-    ) -> list[IncidentRecord]:
-        """Filtered incidents; `limit` keeps the newest N. Without their actions, unless `with_actions`: then
-        each carries its actions (oldest first), read in one more query however many incidents are listed."""
-        # Core rows, not ORM entities: listings can be thousands of rows and ulyssesctl should stay snappy.
+    def _incidents_query(self, run_id: str | None, symptom: Symptom | str | None, status: IncidentStatus | str | None,
+                         since: Timestamp, unacknowledged: bool, before_id: int | None) -> Select[Any]:
+        """The listing's filter (no order, no limit): shared by `list_incidents` and `count_incidents`."""
         q = select(Incident.__table__)
         if run_id is not None:
             q = q.where(Incident.run_id == run_id)
@@ -177,19 +165,70 @@ class IncidentsRepository(StoreBase):
             q = q.where(Incident.detected_at >= to_utc(since))
         if unacknowledged:
             q = q.where(Incident.acknowledged_at.is_(None))
-        q = q.order_by(Incident.id.desc())
+        if before_id is not None:
+            q = q.where(Incident.id < int(before_id))
+        return q
+
+    def list_incidents(
+        self,
+        run_id: str | None = None,
+        symptom: Symptom | str | None = None,
+        status: IncidentStatus | str | None = None,
+        since: Timestamp = None,
+        *,
+        unacknowledged: bool = False,
+        limit: int | None = None,
+        before_id: int | None = None,
+        newest_first: bool = False,
+        with_actions: bool = False,
+    ) -> list[IncidentRecord]:
+        """Filtered incidents; `limit` keeps the newest N, `before_id` only those older than that id (the next
+        page of a listing: pass the oldest id of the page before). Without their actions, unless
+        `with_actions`: then each carries its actions (oldest first), in the same single query (a join)."""
+        if limit is not None and limit < 0:
+            raise InvalidValueError(f"limit must be >= 0 (0: no limit), got {limit}")
+        # Core rows, not ORM entities: listings can be 10^5 rows and ulyssesctl should stay snappy.
+        q = self._incidents_query(run_id, symptom, status, since, unacknowledged, before_id).order_by(Incident.id.desc())
         if limit:
             q = q.limit(limit)
+        rows: list[IncidentRecord] = []
         with self._read() as s:
-            rows = [IncidentRecord.from_row(i) for i in s.execute(q)]
-            if with_actions and rows:
-                # The listing's own filter as a subquery: no id list to bind (SQLite caps bound parameters).
-                ids = select(q.subquery().c.id)
-                by_incident: dict[int, list[ActionRecord]] = {}
-                for a in s.execute(select(Action.__table__).where(Action.incident_id.in_(ids)).order_by(Action.id)):
-                    by_incident.setdefault(a.incident_id, []).append(ActionRecord.from_row(a))
-                rows = [r.replace(actions=tuple(by_incident.get(r.id, ()))) for r in rows]
+            if not with_actions:
+                rows = [IncidentRecord.from_row(i) for i in s.execute(q)]
+                return rows if newest_first else rows[::-1]
+            # One statement: the page of incidents (its own order and limit) joined with all their actions.
+            page = q.subquery()
+            act = Action.__table__
+            joined = (select(page, *(c.label(f"act_{c.name}") for c in act.columns))
+                      .outerjoin(act, act.c.incident_id == page.c.id).order_by(page.c.id.desc(), act.c.id))
+            actions: list[ActionRecord] = []
+            names = [c.name for c in act.columns]
+            for r in s.execute(joined):
+                if not rows or rows[-1].id != r.id:
+                    if rows:
+                        rows[-1] = rows[-1].replace(actions=tuple(actions))
+                    rows.append(IncidentRecord.from_row(r))
+                    actions = []
+                if r.act_id is not None:
+                    actions.append(ActionRecord(**{n: getattr(r, f"act_{n}") for n in names}))
+            if rows:
+                rows[-1] = rows[-1].replace(actions=tuple(actions))
         return rows if newest_first else rows[::-1]
+
+    def count_incidents(
+        self,
+        run_id: str | None = None,
+        symptom: Symptom | str | None = None,
+        status: IncidentStatus | str | None = None,
+        since: Timestamp = None,
+        *,
+        unacknowledged: bool = False,
+        before_id: int | None = None,
+    ) -> int:
+        """How many incidents `list_incidents` with the same filter lists without a limit (one COUNT)."""
+        q = self._incidents_query(run_id, symptom, status, since, unacknowledged, before_id)
+        with self._read() as s:
+            return int(s.scalar(select(func.count()).select_from(q.subquery())) or 0)
 
     def get_incident(self, incident_id: int) -> IncidentRecord:
         """The incident with its actions (oldest first)."""
@@ -253,11 +292,45 @@ class IncidentsRepository(StoreBase):
             s.flush()
             return ActionRecord.from_row(act)
 
-    def list_actions(self, run_id: str | None = None, incident_id: int | None = None) -> list[ActionRecord]:
-        q = select(Action).order_by(Action.id)
+    def list_actions(self, run_id: str | None = None, incident_id: int | None = None, *, limit: int | None = None,
+                     rollbacks: bool = False) -> list[ActionRecord]:
+        """Actions oldest first; `limit` keeps the newest N; `rollbacks` only those that rolled the run back
+        (kind rollback_skip, or parameters naming `rollback_to_step`): what goodput needs of 10^5 actions."""
+        q = select(Action).order_by(Action.id.desc())
         if run_id is not None:
             q = q.where(Action.run_id == run_id)
         if incident_id is not None:
             q = q.where(Action.incident_id == incident_id)
+        if rollbacks:
+            q = q.where(or_(Action.kind == ActionKind.rollback_skip,
+                            func.json_extract(Action.parameters, "$.rollback_to_step").is_not(None)))
+        if limit:
+            q = q.limit(limit)
+        with self._read() as s:
+            return [ActionRecord.from_row(a) for a in s.scalars(q)][::-1]
+
+    def count_actions(self, run_id: str) -> int:
+        """How many actions the run has (one COUNT)."""
+        with self._read() as s:
+            return int(s.scalar(select(func.count()).select_from(Action).where(Action.run_id == run_id)) or 0)
+
+    def ladder_rungs(self, run_id: str) -> list[tuple[Any, Any, int]]:
+        """(ladder, rung, the step of its incident or 0) of every action of the run whose parameters name a
+        ladder, oldest first: what a re-adopting daemon restores ladder positions from, in one query (the
+        actions' JSON read by SQLite, not 10^5 records built in Python)."""
+        ladder = func.json_extract(Action.parameters, "$.ladder")
+        q = (select(ladder, func.json_extract(Action.parameters, "$.rung"), func.coalesce(Incident.step, 0))
+             .select_from(Action)
+             .outerjoin(Incident, (Incident.id == Action.incident_id) & (Incident.run_id == run_id))
+             .where(Action.run_id == run_id, ladder.is_not(None)).order_by(Action.id))
+        with self._read() as s:
+            return [(a, b, int(c)) for a, b, c in s.execute(q)]
+
+    def restart_actions(self, run_id: str, attempt: int) -> list[ActionRecord]:
+        """The restart-mode actions (observe-only ones left out) on the incidents of one attempt, oldest first:
+        the relaunch a previous daemon decided for it, read back without reading the run's other actions."""
+        q = (select(Action).join(Incident, Incident.id == Action.incident_id)
+             .where(Action.run_id == run_id, Incident.run_id == run_id, Incident.attempt == int(attempt),
+                    Action.mode == ApplyMode.restart, Action.observe_only.is_(False)).order_by(Action.id))
         with self._read() as s:
             return [ActionRecord.from_row(a) for a in s.scalars(q)]

@@ -204,6 +204,13 @@ class RunsRepository(StoreBase):
             q = select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number)
             return [AttemptRecord.from_row(a) for a in s.scalars(q)]
 
+    def latest_attempt(self, run_id: str) -> AttemptRecord | None:
+        """The run's newest attempt (highest number), or None before its first launch: one row, however many."""
+        with self._read() as s:
+            att = s.scalars(select(Attempt).where(Attempt.run_id == run_id)
+                            .order_by(Attempt.number.desc()).limit(1)).first()
+            return AttemptRecord.from_row(att) if att else None
+
     def open_attempt(self, run_id: str) -> AttemptRecord | None:
         """The newest attempt without `ended_at` (what a restarted daemon tries to re-adopt), or None."""
         with self._read() as s:
