@@ -216,7 +216,7 @@ class LossSpikeDetector(EpisodeDetector):
             self._noise_centre = 0.0
             if n < SIGMA_MIN_RECORDS:
                 xs = [math.log(v) for v in self._win]
-                d2 = sorted(abs(a - 2 * b + c) for a, b, c in zip(xs, xs[1:], xs[2:]))
+                d2 = sorted(abs(a - 2 * b + c) for a, b, c in zip(xs, xs[1:], xs[2:], strict=False))
                 self._noise_sigma = max(_MAD_TO_SIGMA * d2[len(d2) // 2] / math.sqrt(6), 1e-3)
             else:
                 logs = [math.log(v) for v in vals]
