@@ -105,6 +105,21 @@ def load_configs(spec: Path | None) -> tuple[DetectorsConfig, RemediationConfig,
     return rs.detectors, rs.remediation, engine_job_values(rs.job.model_dump(mode="json"), rs.launcher.env)
 
 
+def load_reach(spec: Path | None) -> Any:
+    """What of remediation's changes reach the spec's job (remediation/job.py `JobReach`), as the daemon's
+    engine has it: a command job's replay recommends only the rungs that job can take (no spec: the built-in
+    job, every rung)."""
+    from ulyssesd.remediation.job import BUILTIN
+
+    if spec is None:
+        return BUILTIN
+    from ulyssesd.daemon.job.command import job_reach
+    from ulyssesd.daemon.spec import load_run_spec
+
+    rs = load_run_spec(spec)
+    return job_reach(rs.job_section, rs.job.model_dump(mode="json"))
+
+
 def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,
                out: Any = None, err: Any = None) -> int:
     """The command's body (callable from tests): returns the exit code."""
@@ -115,6 +130,7 @@ def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,
         return 2
     try:
         det, pol, job = load_configs(spec)
+        reach = load_reach(spec)
     except Exception as exc:  # noqa: BLE001 - SpecError or a pydantic error: show it, exit 2
         print(f"error: cannot load run spec {spec}: {exc}", file=err)
         return 2
@@ -125,7 +141,9 @@ def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,
     raw_log = not looks_like_telemetry(_first_line(telemetry))
     parser = LogTelemetryParser(pattern=_spec_pattern(spec)) if raw_log else None
     counted = CountingRecords(read_records(telemetry, bad, parser))
-    items = replay(counted, det, pol, job)
+    from ulyssesd.remediation.engine import RemediationEngine
+
+    items = replay(counted, engine=RemediationEngine(det, pol, job, reach=reach))
     if as_json:
         collected = [item_to_dict(it) for it in items]
         from ulyssesd.daemon.operator.ctl_common import json_text  # strict JSON: a NaN loss as "NaN"

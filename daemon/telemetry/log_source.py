@@ -4,11 +4,12 @@ Each tick, before the telemetry reader runs, the attempt's log (`{run_dir}/logs/
 daemon already captures) is read from where the last tick stopped; complete lines go through the log parsers
 (`ulyssesd.remediation.log_telemetry`) and the records they yield are appended to
 `{run_dir}/telemetry-stdout.jsonl`, which the ordinary telemetry reader then tails (same cursor, store,
-detectors and replay as a job that writes its own telemetry). The log offset of each attempt is kept in
-`telemetry-stdout.offsets.json` so a re-adopting daemon neither re-reads nor skips lines; should that file
-be behind (its last write lost), the lines re-read yield no second record: the parser starts after the last
-step this attempt already has in the output file. A record's `time` is the line's own timestamp or the time
-the daemon read it.
+detectors and replay as a job that writes its own telemetry). Where each attempt's log was read up to is kept in
+`telemetry-stdout.offsets.json` (log_offsets.py) so a re-adopting daemon neither re-reads nor skips lines; should
+that file be behind (its last write lost), the lines re-read yield no second record: the parser starts after the
+last step this attempt already has in the output file. A log truncated, replaced or rewritten outside the
+daemon, or an offsets file that cannot be read, is read again from its start, and said (journal, log, webhook,
+status). A record's `time` is the line's own timestamp or the time the daemon read it.
 
 `source = "trainer_state" | "tensorboard"` read what the framework writes instead (daemon/telemetry/framework_files.py)
 into the same output file. For every derived source, `{run_dir}/telemetry-stdout.health.json` says what the
@@ -29,6 +30,7 @@ from typing import Any
 from ulyssesd.client.contract import encode_record
 from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.telemetry import log_offsets
 from ulyssesd.remediation.log_telemetry import LogTelemetryParser
 from ulyssesd.training.durable import temp_path_for
 
@@ -98,7 +100,14 @@ class LogSource:
         self.attempt = attempt
         self.log_path = self.run_dir / "logs" / f"attempt-{attempt}.log"
         self.out_path = self.run_dir / STDOUT_TELEMETRY_NAME
-        self.offset = self._load_offset()
+        self.notices: list[str] = []   # what the reader could not do as asked (said by `pump(sup)`, once each)
+        self._log_missing = False      # the log could not be stat'ed (said once per spell)
+        self.pos = log_offsets.LogPosition()
+        if self.reads_log:
+            self.pos, problem = log_offsets.load(self._offsets_path(), attempt)
+            if problem:
+                self.notices.append(f"{problem}: cannot resume reading attempt {attempt}'s log where it stopped; "
+                                    f"reading it again from its start (steps already recorded are not recorded twice)")
         self.parser = LogTelemetryParser(attempt=attempt, config_version=config_version,
                                          after_step=self._last_emitted_step(), pattern=pattern,
                                          total_steps=total_steps)
@@ -108,15 +117,15 @@ class LogSource:
         self.skipped_long_lines = 0
         self._torn_tail = self._ends_mid_line()
 
+    reads_log = True   # the attempt's log is what it reads (its position is kept in the offsets file)
+
+    @property
+    def offset(self) -> int:
+        """How far the attempt's log has been read (bytes)."""
+        return self.pos.offset
+
     def _offsets_path(self) -> Path:
         return self.run_dir / OFFSETS_NAME
-
-    def _load_offset(self) -> int:
-        try:
-            data = json.loads(self._offsets_path().read_text())
-            return int(data.get(str(self.attempt), 0))
-        except (OSError, ValueError, TypeError, AttributeError):
-            return 0
 
     def _last_emitted_step(self) -> int | None:
         """The last step record of this attempt in the output file (its end: the current attempt's records
@@ -148,50 +157,77 @@ class LogSource:
             return False
 
     def log_shortened(self, removed_bytes: int) -> None:
-        """The log's first `removed_bytes` were cut away (rotation, or an ended attempt's log trimmed to its
-        tail): what was read stays read. Without this, the shorter file reads as a new one from offset 0 and
-        the kept lines would be parsed a second time."""
-        self.offset = max(0, self.offset - removed_bytes)
+        """The log's first `removed_bytes` were cut away by the daemon (rotation, or an ended attempt's log
+        trimmed to its tail): what was read stays read. Without this, the shorter file reads as a new one from
+        offset 0 and the kept lines would be parsed a second time. The bytes before the offset are the same
+        text (what is left of it); the file may be a new one (a trim replaces it)."""
+        pos = self.pos
+        pos.offset = max(0, pos.offset - removed_bytes)
+        pos.tail = pos.tail[len(pos.tail) - min(len(pos.tail), pos.offset):]
+        try:
+            pos.inode = os.stat(self.log_path).st_ino
+        except OSError:
+            pos.inode = None
         self._save_offset()
 
     def _save_offset(self) -> None:
-        """Replace the offsets file whole: a per-process temp name (two writers, e.g. a daemon that has not
-        yet noticed its successor, never write into one temp file and rename the other's half) + rename.
-
-        No fsync, though this runs every tick that read lines: the offset only bounds how much is re-read.
+        """No fsync, though this runs every tick that read lines: the offset only bounds how much is re-read.
         Should the rename or the write be lost (power loss), the file holds an older offset, the next
         daemon re-reads those lines and the parser drops them (it starts after this attempt's last step in
         the output file, see `_last_emitted_step`); only steps whose output append was lost with it are
         missing, which the telemetry reader and the detectors take as a gap, as after any restart."""
-        path = self._offsets_path()
+        log_offsets.save(self._offsets_path(), self.attempt, self.pos)
+
+    def _stat_log(self) -> os.stat_result | None:
         try:
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict):
-                data = {}
-        except (OSError, ValueError):
-            data = {}
-        data[str(self.attempt)] = self.offset
-        tmp = temp_path_for(path)
-        try:
-            tmp.write_text(json.dumps(data))
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+            st = os.stat(self.log_path)
+        except OSError as exc:
+            if not self._log_missing and (self.pos.offset > 0 or self.pos.inode is not None):
+                self.notices.append(f"attempt {self.attempt}'s log {self.log_path} cannot be read "
+                                    f"({type(exc).__name__}: {exc}): no step records from it until it is back")
+            self._log_missing = True
+            return None
+        self._log_missing = False
+        return st
+
+    def _start_over(self, why: str, st: os.stat_result) -> None:
+        last = self.parser._last_step
+        self.notices.append(f"attempt {self.attempt}'s log {self.log_path} {why}: cannot resume reading at byte "
+                            f"{self.pos.offset}; reading it again from its start"
+                            + (f" (steps up to {last}, already recorded, are not recorded twice)" if last is not None
+                               else ""))
+        self.pos = log_offsets.LogPosition(0, st.st_ino, b"")
 
     def pump(self, now: float) -> int:
         """Parse the log lines written since the last call; returns how many records were appended."""
-        try:
-            size = os.path.getsize(self.log_path)
-        except OSError:
+        st = self._stat_log()
+        if st is None:
             return 0
-        if size < self.offset:  # the log was truncated or replaced: start over
-            self.offset = 0
-        if size == self.offset:
+        pos = self.pos
+        if st.st_size == pos.offset and st.st_ino == pos.inode:
             return 0
+        why = log_offsets.moved_on(pos, st, None)   # replaced, or shorter than where reading stopped
+        if why:
+            self._start_over(why, st)
+            pos = self.pos
         with open(self.log_path, "rb") as fh:
-            fh.seek(self.offset)
-            chunk = fh.read(MAX_READ_BYTES)
+            k = min(len(pos.tail), pos.offset)
+            fh.seek(pos.offset - k)
+            chunk = fh.read(k + MAX_READ_BYTES)
+            # The bytes before the offset must be the text read there: else the log was rewritten (same inode,
+            # as long or longer) and reading on from the offset would start inside other text.
+            why = log_offsets.moved_on(pos, st, chunk[:k]) if k else None
+            if why:
+                self._start_over(why, st)
+                fh.seek(0)
+                chunk = fh.read(MAX_READ_BYTES)
+            else:
+                chunk = chunk[k:]
+        pos = self.pos
+        pos.inode = st.st_ino
+        if not chunk:
+            self._save_offset()
+            return 0
         # Up to the last newline or carriage return: a progress bar redraws with `\r` and may print `\n` once an
         # epoch, so each redraw is read (and its record timed) when it is written, not at the epoch's end.
         end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
@@ -201,7 +237,8 @@ class LogSource:
             end = len(chunk) - 1
         if end < 0:
             if len(chunk) >= MAX_LINE_BYTES:  # no newline in a huge chunk: skip it, do not stall
-                self.offset += len(chunk)
+                pos.offset += len(chunk)
+                pos.tail = log_offsets.tail_after(pos.tail, chunk)
                 self.skipped_long_lines += 1
                 self._save_offset()
             return 0
@@ -225,13 +262,16 @@ class LogSource:
                 out.write(("\n" if self._torn_tail else "") + "".join(encode_record(r) + "\n" for r in records))
                 out.flush()
             self._torn_tail = False
-        self.offset += consumed
+        pos.offset += consumed
+        pos.tail = log_offsets.tail_after(pos.tail, chunk[:consumed])
         self._save_offset()
         return len(records)
 
 
 class FileSource(LogSource):
     """Records from the framework's own files (trainer_state.json, TensorBoard events) instead of the log."""
+
+    reads_log = False
 
     def __init__(self, run_dir: Path, attempt: int, config_version: int | None, kind: str, files: Path):
         super().__init__(run_dir, attempt, config_version)
@@ -279,6 +319,7 @@ class SilenceWatch:
         self.reported = False
         self._last_write = 0.0
         self._last_verdict: bool | None = None
+        self.read_problems: list[str] = []   # what the log reader could not do as asked (the last 5)
 
     def check(self, now: float, appended: int) -> bool:
         """True when the attempt is silent now (no step record for silent_after_s)."""
@@ -304,6 +345,9 @@ def health_text(h: dict[str, Any]) -> str:
     text = f"{h.get('source')}: {h.get('step_records')} step records{bad}{jumps}"
     if h.get("silent"):
         text += f": no step record for over {h.get('silent_after_s')} s. Fix: {h.get('fix')}"
+    problems = h.get("read_problems")
+    if isinstance(problems, list) and problems:
+        text += f"; {problems[-1]}" + (f" (and {len(problems) - 1} earlier)" if len(problems) > 1 else "")
     return text
 
 
@@ -342,6 +386,7 @@ def pump(sup: Any) -> None:
     bad_before, disc_before = stats.bad_lines, stats.discontinuities
     appended = src.pump(now)
     watch: SilenceWatch = sup._telemetry_watch
+    problems = _say_read_problems(sup, src, watch, kind)
     silent = watch.check(now, appended) and getattr(sup, "job", True) is not None
     if stats.bad_lines > bad_before and (bad_before < 5 or stats.bad_lines // 100 > bad_before // 100):
         log.warning("telemetry step line out of the run's progress dropped", run_id=getattr(sup, "run_id", None),
@@ -369,7 +414,7 @@ def pump(sup: Any) -> None:
         watch.reported = False
         log.info("telemetry readable again", run_id=getattr(sup, "run_id", None), attempt=sup.attempt,
                  step_records=stats.step_records)
-    if silent != watch._last_verdict or appended or now - watch._last_write >= HEALTH_WRITE_EVERY_S:
+    if silent != watch._last_verdict or appended or problems or now - watch._last_write >= HEALTH_WRITE_EVERY_S:
         watch._last_verdict, watch._last_write = silent, now
         _write_health(sup.run_dir, {
             "attempt": sup.attempt, "source": kind, "checked_at": now, "started_at": watch.started,
@@ -377,7 +422,22 @@ def pump(sup: Any) -> None:
             "lines": stats.lines, "step_records": stats.step_records, "bad_lines": stats.bad_lines,
             "bad_samples": stats.bad_samples, "discontinuities": stats.discontinuities,
             "unparsed_sample": sample, "problem": getattr(src, "problem", None),
+            "read_problems": watch.read_problems,
             "fix": fix_hint(kind, sample) if silent else None})
+
+
+def _say_read_problems(sup: Any, src: LogSource, watch: SilenceWatch, kind: str) -> int:
+    """Say what the log reader could not do as asked (resume where it stopped, read the log): the journal, the
+    daemon's log, a `telemetry` webhook and the health file (status). Returns how many there were."""
+    notices, src.notices = src.notices, []
+    for text in notices:
+        log.warning("telemetry log reading", run_id=getattr(sup, "run_id", None), attempt=sup.attempt, problem=text)
+        if hasattr(sup, "say"):
+            sup.say(f"TELEMETRY: {text}")
+        if hasattr(sup, "alert"):
+            sup.alert("telemetry", text, source=kind)
+        watch.read_problems = [*watch.read_problems, text][-5:]
+    return len(notices)
 
 
 def telemetry_file_of(run_dir: str | Path, spec: dict[str, Any] | None) -> Path:

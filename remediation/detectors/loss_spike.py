@@ -21,6 +21,8 @@ from ulyssesd.remediation.detectors.loss_band import BandVerdict, SourceBand, sp
 from ulyssesd.remediation.records import Record, StepRecord
 
 _MAD_TO_SIGMA = 1.4826
+# The standard error of a median of n normal values is about 1.25 sigma / sqrt(n) (pi/2 under the root).
+_MEDIAN_SE = math.sqrt(math.pi / 2)
 # The baseline spans at most this many windows of training steps (see __init__).
 SPAN_FACTOR = 10
 # Below this many baseline records the sigma (MAD) rule is not trusted; a relative rule applies instead.
@@ -50,6 +52,12 @@ class LossSpikeDetector(EpisodeDetector):
         self.modes: list[tuple[str, float]] = []  # (band name, log centre), ascending
         self._probe: deque[float] = deque(maxlen=max(cfg.window, 60))
         self._probe_age = 0
+        # The run's own noise in log space: log(loss / median) of every healthy value that joins the baseline
+        # (against a trusted median), kept across restarts: a reset empties the window, not what the run
+        # taught about its noise. A loss whose per-step values routinely differ 20x is not "severe" at 1.5x.
+        self._noise: deque[float] = deque(maxlen=max(2 * cfg.window, 50))
+        self._noise_centre = math.nan
+        self._noise_sigma = math.nan   # robust sigma of `_noise` (nan: too few yet)
         super().__init__(cfg)
 
     def reset(self) -> None:
@@ -63,6 +71,10 @@ class LossSpikeDetector(EpisodeDetector):
         self._smooth_sum = 0.0
         self._lag: deque[tuple[int, float]] = deque()   # smoothed values waiting to join the baseline
         self._run_start: int | None = None   # first step of the current run of values above the threshold
+        # The current excursion (from its first value above the threshold until its episode ends), in log
+        # space against the median it started from: its level and its length say whether it is severe.
+        self._exc_base = math.nan
+        self._exc: deque[float] = deque(maxlen=self.cfg.window)
         self._median = math.nan
         self._sigma = math.nan
         self._threshold = math.inf
@@ -191,7 +203,66 @@ class LossSpikeDetector(EpisodeDetector):
             # A few records (a short or sparse log): a MAD of 2-9 values says little about the noise. Use twice
             # the relative floor, and never less than the window's own spread above its maximum.
             self._threshold = max(med + 2 * rel * abs(med), vals[-1] + (vals[-1] - vals[0]))
+        noise = list(self._noise)
+        if len(noise) >= SIGMA_MIN_RECORDS:
+            centre = sorted(noise)[len(noise) // 2]
+            self._noise_centre = max(0.0, centre)
+            self._noise_sigma = max(_MAD_TO_SIGMA * sorted(abs(x - centre) for x in noise)[len(noise) // 2], 1e-3)
+        elif n >= SPAN_MIN_RECORDS and vals[0] > 0:
+            # Not learned yet (the run's first records): the window's own log-space noise stands in for it.
+            # Below 10 records from its second differences in time order (a trend is no noise: a sparse log's
+            # rows rising 6.4 -> 6.6 -> 7.3 are a divergence starting); from 10 its MAD. Fewer than 5 records
+            # (a sparse log's first rows) say nothing of the noise: the relative line alone.
+            self._noise_centre = 0.0
+            if n < SIGMA_MIN_RECORDS:
+                xs = [math.log(v) for v in self._win]
+                d2 = sorted(abs(a - 2 * b + c) for a, b, c in zip(xs, xs[1:], xs[2:], strict=False))
+                self._noise_sigma = max(_MAD_TO_SIGMA * d2[len(d2) // 2] / math.sqrt(6), 1e-3)
+            else:
+                logs = [math.log(v) for v in vals]
+                self._noise_sigma = max(_MAD_TO_SIGMA * sorted(abs(x - logs[n // 2]) for x in logs)[n // 2], 1e-3)
         self._age = 0
+
+    def severe_line(self) -> float:
+        """The loss from which one value is severe at once: `loss_spike_severe_rel` above the median and beyond
+        the run's own noise (its learned log-space scale, k sigmas, like a band's) once known. A sparse log of a
+        few records never learns it: the relative line alone, as a diverging 5-row curve needs."""
+        med = self._median
+        line = med + self.cfg.loss_spike_severe_rel * abs(med)
+        if med > 0 and self._noise_sigma == self._noise_sigma:
+            line = max(line, med * math.exp(min(self._noise_centre + self.cfg.loss_spike_mad * self._noise_sigma,
+                                                700.0)))
+        return line
+
+    def _excursion(self, loss: float) -> None:
+        """A value of the current excursion (above the threshold or not): its log ratio to the median the
+        excursion started from."""
+        if self._exc_base != self._exc_base:
+            self._exc_base = self._median
+            self._exc.clear()
+        ratio = loss / self._exc_base if self._exc_base > 0 else 0.0
+        if 0 < ratio < math.inf:   # a denormal loss over a normal median underflows to 0
+            self._exc.append(math.log(ratio))
+
+    def _excursion_level(self) -> float | None:
+        """The excursion's level as a factor over the median it started from, when it is severe by
+        persistence: the median of its log ratios is `severe_rel` above that median and beyond the run's noise
+        for an average of that many values (k sigmas / sqrt(n), x1.25 for a median). Ten values at 8x a loss
+        whose single values swing 50x are a blow-up; one value is not, and iid noise holds no level (its
+        median stays at the baseline). None when it is not (yet) severe."""
+        n = len(self._exc)
+        if n < 2 or self._noise_sigma != self._noise_sigma:
+            return None
+        vals = sorted(self._exc)
+        level = vals[n // 2] if n % 2 else 0.5 * (vals[n // 2 - 1] + vals[n // 2])
+        noise = self.cfg.loss_spike_mad * _MEDIAN_SE * self._noise_sigma / math.sqrt(n)
+        if level >= math.log1p(self.cfg.loss_spike_severe_rel) and level - self._noise_centre >= noise:
+            return math.exp(level)
+        return None
+
+    def _excursion_end(self) -> None:
+        self._exc_base = math.nan
+        self._exc.clear()
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
         if not isinstance(rec, StepRecord):
@@ -314,7 +385,11 @@ class LossSpikeDetector(EpisodeDetector):
         if ready and loss > self._threshold:
             # Spikes stay out of the baseline so a multi-step spike keeps being measured against healthy data.
             # Severe: far above the band (a catastrophic jump); the engine's grace is shorter for these.
-            severe = loss >= self._median + self.cfg.loss_spike_severe_rel * abs(self._median)
+            # Severe: one value far beyond the run's own noise, or an excursion that holds a level beyond it.
+            self._excursion(loss)
+            line = self.severe_line()
+            held = None if loss >= line else self._excursion_level()
+            severe = loss >= line or held is not None
             if not self._ep.active:
                 # A noisy preset may ask a spike to persist before it is one (iid noise rarely repeats).
                 if self._run_start is None:
@@ -336,18 +411,28 @@ class LossSpikeDetector(EpisodeDetector):
                 return []
             ev = {"loss": loss, "median": self._median, "sigma": self._sigma, "threshold": self._threshold,
                   "window": len(self._win), "since_step": self._ep.started_step, "severe": severe}
+            if held is not None:   # severe by persistence: its level, its length and the run's noise it beat
+                ev.update(held_level=held, held_values=len(self._exc), noise_sigma_log=self._noise_sigma)
             if self._smooth is not None:
                 ev["raw_loss"], ev["smoothed_over"] = rec.loss, len(self._smooth)
             # A flat window (sigma 0) or a zero median must not turn the report into a ZeroDivisionError.
             sigmas = (loss - self._median) / self._sigma if self._sigma else math.inf
             above = loss / self._median - 1 if self._median else math.inf
+            why = ""
+            if held is not None:
+                why = (f"; its last {len(self._exc)} values held {held:.1f}x the median before them, beyond the "
+                       f"run's own noise: severe")
+            elif severe:
+                why = f", {above:.0%} above it: severe"
             msg = (f"step {rec.step}: {'mean ' if self._smooth is not None else ''}loss {fmt(loss)} is {sigmas:.1f} sigma above "
-                   f"the {len(self._win)}-record median {fmt(self._median)} (threshold {fmt(self._threshold)})"
-                   f"{f', {above:.0%} above it: severe' if severe else ''}.")
+                   f"the {len(self._win)}-record median {fmt(self._median)} (threshold {fmt(self._threshold)}){why}.")
             return [Finding(self.symptom, rec.step, "critical" if severe else "warning", ev, msg, now)]
         self._run_start = None
         if self._ep.active:
+            self._excursion(loss)
             self._ep.normal(rec.step)
+        if not self._ep.active and self._exc_base == self._exc_base:
+            self._excursion_end()
         win, steps = self._win, self._win_steps
         if self._smooth is not None:
             # A smoothed value joins the baseline one smoothing window late: the rising edge of a lasting
@@ -358,6 +443,12 @@ class LossSpikeDetector(EpisodeDetector):
             step_in, loss = self._lag.popleft()
         else:
             step_in = rec.step
+        if self._ready and self._median > 0 and loss > 0 and len(win) >= min(SIGMA_MIN_RECORDS, self.cfg.window):
+            # Only against a trusted median (warm, a full-enough window): the first records' median of two
+            # says nothing about the noise, and a falling early loss would widen it.
+            ratio = loss / self._median
+            if 0 < ratio < math.inf:   # a denormal loss over a normal median underflows to 0
+                self._noise.append(math.log(ratio))
         win.append(loss)
         steps.append(step_in)
         span_limit = SPAN_FACTOR * self.cfg.window

@@ -99,7 +99,7 @@ def test_log_source_tails_the_attempt_log_and_resumes_at_its_offset(tmp_path):
     recs = [parse_line(x) for x in (tmp_path / "telemetry-stdout.jsonl").read_text().splitlines()]
     assert [(r.step, r.loss, r.attempt, r.time) for r in recs] == [(1, 2.0, 2, 100.0), (2, 1.9, 2, 100.0),
                                                                    (3, 1.8, 2, 101.0)]
-    assert json.loads((tmp_path / "telemetry-stdout.offsets.json").read_text()) == {"2": log.stat().st_size}
+    assert json.loads((tmp_path / "telemetry-stdout.offsets.json").read_text())["2"]["offset"] == log.stat().st_size
 
 
 def test_remediations_config_changes_land_in_the_jobs_own_ds_config(tmp_path):

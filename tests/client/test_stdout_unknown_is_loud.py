@@ -98,7 +98,7 @@ def test_progress_bar_redraws_are_read_and_timed_as_they_are_written(tmp_path):
     assert [r["step"] for r in recs] == list(range(1, 11))
     assert [r["time"] for r in recs] == [1000.0 + i for i in range(10)]
     offsets = json.loads((tmp_path / log_source.OFFSETS_NAME).read_text())
-    assert offsets["1"] == log.stat().st_size  # every byte read once: a redraw is never parsed twice
+    assert offsets["1"]["offset"] == log.stat().st_size  # every byte read once: a redraw is never parsed twice
 
 
 def test_a_torn_redraw_waits_for_its_end(tmp_path):
