@@ -30,6 +30,7 @@ from ulyssesd.daemon.clock import utc_now
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE, EXIT_NO_DAEMON, EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_PERM = 0, 1, 2, 3, 4, 5, 6
 EXIT_NOT_RESPONDING = 7
+EXIT_NOTHING_PARSED = 8  # `replay` read no step record: nothing was judged
 EXIT_NO_DB, EXIT_DB_DAMAGED, EXIT_DB_SCHEMA, EXIT_DB_BUSY, EXIT_DB_PERM = 20, 21, 22, 23, 24
 DAEMON_NOT_RESPONDING = "not responding (stopped or busy)"
 #: What a command prints for a field that has no value (yet, or not in this state): never a literal None.

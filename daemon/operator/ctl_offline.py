@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from ulyssesd.daemon.operator.ctl_common import EXIT_NOTHING_PARSED
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.log_telemetry import looks_like_telemetry
@@ -155,13 +156,14 @@ def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,
                             indent=1))
         out.write("\n")
     else:
-        _print_table(items, out)
+        _print_table(items, out, judged=lambda: counted.steps > 0)
     for b in bad:
         print(f"warning: {telemetry}:{b.line}: skipped: {b.error}", file=err)
     if not as_json or counted.steps == 0:
         print(("error: " if counted.steps == 0 else "") + counted.summary(str(telemetry), parser.stats if parser else None),
               file=err)
-    return 0
+    # Unknown is loud: nothing parsed is not "no findings" (a script or CI check reads 0 as a clean run).
+    return 0 if counted.steps > 0 else EXIT_NOTHING_PARSED
 
 
 def _spec_pattern(spec: Path | None) -> str | None:
@@ -173,7 +175,7 @@ def _spec_pattern(spec: Path | None) -> str | None:
     return load_run_spec(spec).job.telemetry.pattern
 
 
-def _print_table(items: Iterator[ReplayItem], out: Any) -> None:
+def _print_table(items: Iterator[ReplayItem], out: Any, judged: Callable[[], bool] = lambda: True) -> None:
     from rich.console import Console
     from rich.markup import escape  # messages quote logs and patches: `[patch: …]` was eaten as a style tag
     from rich.table import Table
@@ -194,8 +196,10 @@ def _print_table(items: Iterator[ReplayItem], out: Any) -> None:
     console = Console(file=out, width=200 if not getattr(out, "isatty", lambda: False)() else None)
     if n:
         console.print(table)
-    else:
+    elif judged():
         console.print("replay: no findings, no decisions")
+    else:
+        console.print("replay: nothing judged: no step records were parsed (see the error below)")
 
 
 def register(app: typer.Typer) -> None:

@@ -328,7 +328,7 @@ def test_ulyssesctl_replay_says_how_many_records_it_parsed_and_is_loud_at_zero(t
     odd = tmp_path / "odd.log"
     odd.write_text("".join(f"E3 it#{i} L=2.{i}\n" for i in range(1, 9)))
     out, err = io.StringIO(), io.StringIO()
-    assert run_replay(odd, as_json=True, out=out, err=err) == 0
+    assert run_replay(odd, as_json=True, out=out, err=err) == 8  # nothing judged: not a clean exit
     doc = json.loads(out.getvalue())
     assert doc["parsed"]["step_records"] == 0
     assert "NO STEP RECORDS" in err.getvalue() and "[telemetry] pattern" in err.getvalue()

@@ -433,9 +433,6 @@ def test_replay_of_an_unreadable_log_says_so_with_the_setting(tmp_path):
     assert "[telemetry] pattern" in both and ">> 0040 | obj" in both
 
 
-@pytest.mark.xfail(reason="`ulyssesctl replay` of a log it parsed 0 step records from prints the error line but "
-                          "also 'replay: no findings, no decisions' and exits 0, so a script or CI check that runs "
-                          "replay reads 'nothing was checked' as success (unknown is loud)", strict=True)
 def test_replay_of_an_unreadable_log_does_not_exit_0_with_no_findings(tmp_path):
     log = tmp_path / "job.log"
     log.write_text("".join(f">> {n:04d} | obj {1.0 + 1 / n:.4f} | 12ms\n" for n in range(1, 41)))
