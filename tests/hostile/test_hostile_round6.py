@@ -932,6 +932,8 @@ for s in range(11, T + 1):
         run.stop()
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "the daemon wedges in the hang path: its log ends at 'stack dump requested' (state RESTARTING), blocked on the FIFO stacks/attempt-1-rank-0.txt; the hung job is never killed nor relaunched"))
 def test_stack_dump_file_replaced_by_a_fifo_before_a_hang(tmp_path: Path) -> None:
     """The job catches SIGUSR1 (so the hang path signals it) but its stack-dump file is a FIFO nobody
     writes to; then it hangs. The hang path must not block on the FIFO: the attempt is ended and the run
@@ -981,7 +983,6 @@ for s in range(1, T + 1):
         run.signal_daemon(signal.SIGKILL)
         run.wait_daemon(20)
         run.start()
-        wait_for(lambda: str(run.status().get("daemon", "")).startswith("running"), 60, "daemon running")
         assert final_state(run, 120) == "COMPLETED", run.daemon_output()[-3000:]
         assert run.status()["step"] == 120
     finally:
