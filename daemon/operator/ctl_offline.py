@@ -141,7 +141,8 @@ def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,
 
     raw_log = not looks_like_telemetry(_first_line(telemetry))
     parser = LogTelemetryParser(pattern=_spec_pattern(spec)) if raw_log else None
-    counted = CountingRecords(read_records(telemetry, bad, parser))
+    counted = CountingRecords(with_checkpoint_files(read_records(telemetry, bad, parser),
+                                                    spec_checkpoints(spec, telemetry.parent)))
     from ulyssesd.remediation.engine import RemediationEngine
 
     items = replay(counted, engine=RemediationEngine(det, pol, job, reach=reach))
@@ -164,6 +165,45 @@ def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,
               file=err)
     # Unknown is loud: nothing parsed is not "no findings" (a script or CI check reads 0 as a clean run).
     return 0 if counted.steps > 0 else EXIT_NOTHING_PARSED
+
+
+def spec_checkpoints(spec: Path | None, run_dir: Path) -> list[tuple[int, str]]:
+    """(step, name) of the complete checkpoints a command job's checkpoint dir holds now (the daemon learns a
+    command job's saves from its files, not its log: replay looks at the same files). Set-aside copies are not
+    rollback targets. Empty without a spec, for the built-in job (its saves are telemetry events) or no dir."""
+    if spec is None:
+        return []
+    from ulyssesd.daemon.job.checkpoint_files import is_set_aside, look
+    from ulyssesd.daemon.job.command import watch_config
+    from ulyssesd.daemon.spec import load_run_spec
+
+    job = load_run_spec(spec).job_section
+    if job.kind != "command":
+        return []
+    cfg = watch_config(job, run_dir)
+    if not cfg.root.is_dir():
+        return []
+    found, _ = look(cfg.root, cfg.pattern, cfg.requires)
+    return sorted((f.step, f.name) for f in found if f.marker_ok and not is_set_aside(f.name))
+
+
+def with_checkpoint_files(records: Iterator[Record], saves: list[tuple[int, str]]) -> Iterator[Record]:
+    """`records` with a `checkpoint_saved` event for each of `saves` once the stream reaches its step, unless the
+    stream reports that checkpoint itself."""
+    from ulyssesd.remediation.records import EventRecord, StepRecord
+
+    reported: set[str] = set()
+    i = 0
+    for rec in records:
+        if isinstance(rec, EventRecord) and rec.event == "checkpoint_saved":
+            reported.add(str(rec.fields.get("tag")))
+        yield rec
+        while isinstance(rec, StepRecord) and i < len(saves) and saves[i][0] <= rec.step:
+            step, name = saves[i]
+            i += 1
+            if name not in reported:
+                yield EventRecord("checkpoint_saved", step=step, time=rec.time, attempt=rec.attempt,
+                                  fields={"tag": name, "source": "files"})
 
 
 def _spec_pattern(spec: Path | None) -> str | None:

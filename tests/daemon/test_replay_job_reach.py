@@ -60,3 +60,27 @@ def test_replay_of_a_command_job_with_ds_config_takes_the_clip(tmp_path):
     first = _decisions(_log(tmp_path), _spec(tmp_path, f"ds_config = {json.dumps(str(ds))}\n"))[0]
     # The clip reaches it through its ds_config (the daemon applies a hot rung to such a job as a restart).
     assert first["action_kind"] == "lower_clip" and "train.gradient_clipping" in first["config_patch"], first
+
+
+def test_replay_of_a_command_job_knows_its_checkpoint_files_and_never_rolls_back_to_scratch(tmp_path):
+    """The daemon learns a command job's saves from its checkpoint dir, not its log: replay looks at the same
+    files, so a NaN after saves rolls back to the newest clean save before it; set-aside copies are not targets.
+    Without the dir (the negative control) there is no save to go back to: from scratch, said as such."""
+    import torch
+
+    log = tmp_path / "attempt-1.log"
+    log.write_text("".join(f"iter {s}: loss {'nan' if s == 45 else f'{3 - s / 100:.4f}'}, time 12.00ms\n"
+                           for s in range(1, 49)))
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for s in (10, 20, 30, 40):
+        torch.save({"step": s}, ck / f"ckpt_{s:05d}.pt")
+    torch.save({"step": 50}, ck / "ckpt_00050.pt.rolledback-1700000000")  # a poisoned save, set aside
+    spec = _spec(tmp_path, f'checkpoint_dir = "{ck}"\n')
+    rollbacks = [d for d in _decisions(log, spec) if d["action_kind"] == "rollback_skip"]
+    assert rollbacks and "from scratch" not in rollbacks[0]["reason"], rollbacks
+    assert "ckpt_00040.pt" in json.dumps(rollbacks[0]), rollbacks[0]
+    for p in ck.iterdir():
+        p.unlink()
+    rollbacks = [d for d in _decisions(log, spec) if d["action_kind"] == "rollback_skip"]
+    assert rollbacks and "from scratch" in rollbacks[0]["reason"], rollbacks

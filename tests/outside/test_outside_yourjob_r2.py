@@ -289,10 +289,6 @@ def test_checkpoint_disk_row_knows_the_command_jobs_saves_and_set_aside_copies(n
     assert disk["categories"]["newest_valid"]["count"] == 1, disk["categories"]
 
 
-@pytest.mark.xfail(reason="`ulyssesctl replay` of the run's own telemetry-stdout.jsonl with its spec says the "
-                          "NaN rollback goes 'to step 0 (no known-good checkpoint: from scratch)', while the daemon "
-                          "rolled back to ckpt_00040.pt from the spec's checkpoint_dir; docs/CLIENT.md: once the "
-                          "run saved a checkpoint a rollback is never the start of the run", strict=True)
 def test_replay_of_the_runs_telemetry_does_not_tell_a_from_scratch_rollback(nan_run):
     tele = run_dir(nan_run["state"]) / "telemetry-stdout.jsonl"
     r = subprocess.run([ULYSSESCTL, "replay", str(tele), "--spec", str(nan_run["spec"]), "--json"],
