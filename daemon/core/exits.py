@@ -102,7 +102,7 @@ def on_exit(sup: ExitRun, status: ExitStatus) -> None:
     # A crash is an error (journalctl -p err); a requested end or a completion is progress.
     (log.error if crashed else log.info)("attempt ended", run_id=sup.run_id, attempt=sup.attempt,
                                          status=status.describe(), ran_s=round(ran_s, 1), last_step=sup.last_step,
-                                         after=str(plan), exiting=sup.last_exiting)
+                                         after="completed" if completed else str(plan), exiting=sup.last_exiting)
     sup.say(f"attempt {sup.attempt} ended: {status.describe()} after {ran_s:.0f}s (last step {sup.last_step})")
     if completed:
         sup.incidents.resolve_all("run completed")
