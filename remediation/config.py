@@ -106,6 +106,7 @@ class RemediationConfig(_Section):
     skip_min_batches: int = Field(200, ge=1, description="Rollback-and-skip skips at least this many batches (steps) of data.")
     skip_max_batches: int = Field(500, ge=1, description="...and at most this many.")
     max_rollbacks: int = Field(3, ge=1, description="Rollbacks a ladder may take in a row (no verified window between) before it stops the run.")
+    suspect_resume_steps: int = Field(3, ge=0, description="A NaN within this many steps of resuming a checkpoint makes that checkpoint suspect: the next rollback goes to a save before it (0: off).")
     max_crash_restarts: int = Field(3, ge=1, description="Plain restarts in a row per crash kind (NCCL, segfault, hang, ...) before stop + alert.")
     clip_floor: float = Field(0.1, gt=0, description="Gradient clipping is never lowered below this.")
     lr_floor_frac: float = Field(0.5, gt=0, le=1, description="LR is never lowered below this fraction of the run's initial LR.")

@@ -124,15 +124,13 @@ class RemediationEngine(LearnedParts):
         self.ladders: dict[str, LadderState] = {}
         self.pending: dict[str, _Pending] = {}
         self.suppressed = 0
-        # Restart budget / progress.
-        self.restart_times: deque[float] = deque()
+        self.restart_times: deque[float] = deque()   # restart budget / progress
         self.restarts_without_progress = 0
         self._ckpt_step_at_restart: int | None = None
         self.max_ckpt_step: int | None = None
         self.attempt: int | None = attempt
         self._init_learned()   # known-good tracking, saved tags, calibration, early warning
-        # Recent sample ranges for rollback-and-skip.
-        self._samples: deque[tuple[int, tuple[int, int]]] = deque(
+        self._samples: deque[tuple[int, tuple[int, int]]] = deque(   # recent sample ranges, for rollback-and-skip
             maxlen=4 * self.policy.skip_max_batches + self.policy.rollback_steps_back)
         self.last_step: int | None = None
         self.failed = False
@@ -233,8 +231,9 @@ class RemediationEngine(LearnedParts):
         return self._decide(ladder, symptom, None, self.last_step, now, f"the job crashed with {label}{ev}",
                             memory=choice)
 
-    def on_restart(self, now: float, attempt: int | None = None) -> None:
-        """A new attempt started: all patches are now launched, detectors warm up again."""
+    def on_restart(self, now: float, attempt: int | None = None, resumed: tuple[str, int] | None = None) -> None:
+        """A new attempt started (from `resumed`: tag, step): all patches are now launched, detectors rewarm."""
+        self.resumed = resumed or (self.resumed if attempt is not None and attempt == self.attempt else None)
         if attempt is not None and attempt == self.attempt:
             return  # the daemon's call and the telemetry `started` event describe the same restart
         # The run's very first start is not a restart (a re-adopting daemon passes `attempt` to the constructor).
@@ -377,8 +376,8 @@ class RemediationEngine(LearnedParts):
         precise = exact or (finding is not None and "sources" in finding.evidence)
         n_sources = int(finding.evidence.get("window") or 1) if precise and finding is not None else 1
         ctx = Context(self.values, self.initial, self.launched, self.policy,
-                      self._rollback_plan(anomaly_step, precise, n_sources, exact),
-                      finding.evidence if finding else {})
+                      self._rollback_plan(anomaly_step, precise, n_sources, exact), finding.evidence if finding else {},
+                      self._skip_unreached())
         if memory is None and finding is not None and finding.symptom == "memory_spike":
             memory = memory_evidence.choose_spike(finding.evidence, ctx, self.replanner,
                                                   self.config.memory_capacity_frac)
@@ -446,6 +445,8 @@ class RemediationEngine(LearnedParts):
             reason += f"; the evidence implicates {finding.evidence['implicates']}"
         if skipped:
             reason += f" ({'; '.join(skipped)})"
+        if apply == "rollback_skip" and plan is not None and plan.note and plan.note not in reason:
+            reason += f"; {plan.note}"   # why the rollback goes further back than the onset suggests
         hot = dict(built.hot_control)
         if action.procedure:
             hot["dump_stacks"] = True

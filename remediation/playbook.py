@@ -55,6 +55,7 @@ class RollbackPlan:
     skip_ranges: list[tuple[int, int]]
     skip_steps: tuple[int, int]
     estimated: bool
+    note: str = ""   # why the target is older than the onset suggests (a resumed checkpoint found suspect)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Context:
     policy: RemediationConfig
     rollback: RollbackPlan | None = None
     evidence: dict[str, Any] = field(default_factory=dict)   # the triggering finding's evidence
+    skip_unreached: str = ""   # why a rollback's data skip cannot reach the job ("": it does)
 
     def get(self, key: str) -> Any:
         v = self.values.get(key)
@@ -205,8 +207,11 @@ def _rollback_skip(c: Context) -> Proposal | str:
     old = [(int(a), int(b)) for a, b in (c.get(K_SKIP) or [])]
     new = merge_ranges(old + list(plan.skip_ranges))
     where = plan.tag or f"step {plan.to_step} (no known-good checkpoint: from scratch)"
+    note = f" ({plan.note})" if plan.note else ""
+    if c.skip_unreached:   # the rollback applies; its data skip would be a claim the job never gets
+        return Proposal(rollback=plan, what=f"roll back to {where}{note}, without a data skip ({c.skip_unreached})")
     return Proposal({K_SKIP: new}, rollback=plan,
-                    what=f"roll back to {where} and skip the batches of steps {plan.skip_steps[0]}-"
+                    what=f"roll back to {where}{note} and skip the batches of steps {plan.skip_steps[0]}-"
                          f"{plan.skip_steps[1] - 1} (samples {plan.skip_ranges})")
 
 

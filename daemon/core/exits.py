@@ -10,7 +10,7 @@ import traceback
 from typing import Any, Protocol
 
 from ulyssesd.daemon.core import attempt_diagnosis
-from ulyssesd.daemon.core.decisions import DecisionsRun, _split_outputs, action_kind, patch_of
+from ulyssesd.daemon.core.decisions import DecisionsRun, _split_outputs, action_kind, on_record, patch_of
 from ulyssesd.daemon.core.files import _read_tail
 from ulyssesd.daemon.core.relaunch import Relaunch, schedule_relaunch
 from ulyssesd.daemon.core.states import TERMINAL
@@ -18,6 +18,7 @@ from ulyssesd.daemon.core.termination import UNREQUESTED, Termination, Terminati
 from ulyssesd.daemon.host import disk, host_oom
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus
+from ulyssesd.daemon.job import checkpoint_watch
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.daemon.telemetry import declared_total, unread_exit
 from ulyssesd.remediation.diagnosis import Diagnosis
@@ -96,13 +97,15 @@ def on_exit(sup: ExitRun, status: ExitStatus) -> None:
             diag_evidence = [f"checkpoint_save_failed: {save_failure.get('errno')} writing {save_failure.get('path')} "
                              f"({save_failure.get('error')}); {save_failure.get('bytes_free')} bytes free",
                              *(diag_evidence or [])][:20]
+    if completed:   # a save made just before the exit: the file system, not a look that came too late, says
+        checkpoint_watch.tick(sup, on_record, final=True)
     rank_codes = disk.rank_exit_codes(tail)
     sup.store.end_attempt(sup.run_id, sup.attempt, returncode=status.returncode, signal=status.signal,
                           diagnosis=diag_label, diagnosis_evidence=diag_evidence)
     # A crash is an error (journalctl -p err); a requested end or a completion is progress.
     (log.error if crashed else log.info)("attempt ended", run_id=sup.run_id, attempt=sup.attempt,
                                          status=status.describe(), ran_s=round(ran_s, 1), last_step=sup.last_step,
-                                         after=str(plan), exiting=sup.last_exiting)
+                                         after="completed" if completed else str(plan), exiting=sup.last_exiting)
     sup.say(f"attempt {sup.attempt} ended: {status.describe()} after {ran_s:.0f}s (last step {sup.last_step})")
     if completed:
         sup.incidents.resolve_all("run completed")

@@ -267,7 +267,12 @@ def start_attempt(sup: LaunchRun, reason: str, rollback_to_step: int | None, inc
     sup.rank_watch = RankWatch(sup.dcfg.rank_exit_grace_s, sup.dcfg.rank_watch_every_s)
     sup.incidents.settle_unacted("the attempt ended before any action on it")
     if sup.engine is not None:
-        sup.engine.on_restart(sup.os.time(), attempt=sup.attempt)
+        if resume_step is None and tag != "none":
+            from ulyssesd.training.checkpoint import step_of_tag
+            resume_step = step_of_tag(tag)
+        # What the attempt resumed: a NaN right after it makes that checkpoint suspect (engine_parts.py).
+        sup.engine.on_restart(sup.os.time(), attempt=sup.attempt,
+                              resumed=(tag, resume_step) if tag != "none" and resume_step is not None else None)
     if sup.state != S.STARTING:
         sup.set_state(S.STARTING, f"attempt {sup.attempt} launched ({reason}) from "
                        + (tag if tag != "none" else "the start (no checkpoint)"))

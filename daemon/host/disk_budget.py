@@ -265,6 +265,22 @@ def command_checkpoint_dir(run: Any) -> str | None:
     return d
 
 
+def command_recogniser(run: Any, root: Path) -> bd.Recogniser | None:
+    """A command job's checkpoints as the daemon recognises them while it runs (job/checkpoint_files.py:
+    its own names, files and folders, complete or not); None for the built-in job (its tags)."""
+    job = (run.spec or {}).get("job") or {}
+    if not isinstance(job, dict) or job.get("kind") != "command":
+        return None
+    from ulyssesd.daemon.job.checkpoint_files import classify as recognise_one
+
+    requires = tuple(job.get("resume_requires") or ())
+
+    def recognise(p: Path) -> tuple[int, bool] | None:
+        f = recognise_one(p, root, requires)
+        return None if f is None else (f.step, f.marker_ok)
+    return recognise
+
+
 def disk_status(store: Any, run: Any) -> dict[str, Any] | None:
     """The run's checkpoint directory by category with bytes and the free space left (`ulyssesctl status` and
     `report`); None when the run has no directory to look at."""
@@ -284,7 +300,7 @@ def disk_status(store: Any, run: Any) -> dict[str, Any] | None:
         return None
     kg = [c.tag for c in store.list_checkpoints(run.id) if getattr(c, "known_good", False)]
     try:
-        return bd.classify(root, policy_of(dcfg, config), kg).to_dict()
+        return bd.classify(root, policy_of(dcfg, config), kg, recognise=command_recogniser(run, root)).to_dict()
     except (OSError, ValueError) as exc:
         return {"dir": str(root), "error": str(exc)}
 

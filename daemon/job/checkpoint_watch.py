@@ -69,15 +69,17 @@ class Watch:
     def due(self, now: float) -> bool:
         return self.last_look is None or now - self.last_look >= self.cfg.settle_s
 
-    def look(self, now: float, bounds: RollbackBounds | None = None) -> tuple[list[Found], list[Found]]:
+    def look(self, now: float, bounds: RollbackBounds | None = None,
+             final: bool = False) -> tuple[list[Found], list[Found]]:
         """(the checkpoints first seen being written, the ones that became complete), each reported once,
         oldest first. Complete: the format's marker and a stable size, by two equal looks or, on first sight,
         by files untouched for `settle_s` (a save written between two looks is fed at once, not a look later:
-        a NaN read meanwhile needs it as its rollback target)."""
+        a NaN read meanwhile needs it as its rollback target). `final`: the job has exited, nothing is being
+        written any more: the marker alone makes a checkpoint complete."""
         found, other = look(self.cfg.root, self.cfg.pattern, self.cfg.requires, skip=self.reported)
         fresh = [f for f in found if f.name not in self.reported and not (bounds and bounds.poisoned(f))]
         new = [f for f in fresh if f.marker_ok
-               and (self.last.get(f.name) == f.signature or now - f.mtime >= self.cfg.settle_s)]
+               and (final or self.last.get(f.name) == f.signature or now - f.mtime >= self.cfg.settle_s)]
         done = {f.name for f in new}
         saving = [f for f in fresh if f.name not in done and f.name not in self.announced]
         self.last = {f.name: f.signature for f in found}
@@ -187,12 +189,12 @@ def gives_resume(job: Any) -> bool:
     return any("{resume}" in arg for arg in job.command)
 
 
-def tick(sup: R, on_record: Callable[[R, EventRecord, float], None]) -> None:
+def tick(sup: R, on_record: Callable[[R, EventRecord, float], None], final: bool = False) -> None:
     """Look at a running command job's checkpoint dir: a checkpoint that became complete is a `checkpoint_saved`
     event (progress for the no-progress rule, known-good after a clean window, `status`); a dir that yields
     none for `checkpoint_unknown_after_s` is an incident (status, journal, webhook) naming the setting."""
     job = sup.spec.job_section
-    if job.kind != "command" or sup.job is None:
+    if job.kind != "command" or (sup.job is None and not final):
         return
     now = SYSTEM.time()
     w: Watch | None = getattr(sup, "ckpt_watch", None)
@@ -201,9 +203,9 @@ def tick(sup: R, on_record: Callable[[R, EventRecord, float], None]) -> None:
         w = Watch(watch_config(job, sup.run_dir), started=now, reported={c.tag for c in known if c.valid})
         sup.ckpt_watch = w
         _prime_engine(sup, known)
-    if not w.due(now):
+    if not w.due(now) and not final:
         return
-    saving, done = w.look(now, RollbackBounds(sup.run_dir))
+    saving, done = w.look(now, RollbackBounds(sup.run_dir), final)
     for f in saving:
         # First sight of a save (its step is in its name): the engine counts a snapshot of a step before an
         # onset as a rollback target while it is written, so a NaN read before the next look has its target.

@@ -334,7 +334,9 @@ def render_status(d: dict[str, Any]) -> Table:
                                                     if d.get("resumed_from") else " (from the start)"))
     t.add_row("restarts / operator relaunches", f"{d['restarts']} / {d['operator_relaunches']}")
     pct = f" ({d['progress']:.1%})" if isinstance(d.get("progress"), float) else ""
-    t.add_row("step / total", f"{or_empty(d['step'])} / {total_cell(d)}{pct}")
+    # Unknown is loud: the setting that gives a progress bar and an ETA (rich markup: "\\[" is a literal "[").
+    fix = " (set \\[job] total_steps for progress and ETA)" if total_cell(d) == "unknown" else ""
+    t.add_row("step / total", f"{or_empty(d['step'])} / {total_cell(d)}{pct}{fix}")
     if d.get("progress") is not None:
         t.add_row("progress", progress_bar(d["progress"]))
     t.add_row("elapsed", fmt_duration(d.get("elapsed_s")))

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
-from ulyssesd.remediation.job import JobReach
+from ulyssesd.remediation.job import K_SKIP, JobReach
 from ulyssesd.remediation.learned.early_warning import GradNormWatch
 from ulyssesd.remediation.playbook import K_GA, K_MB, WEIGHT_SYMPTOMS, RollbackPlan
 from ulyssesd.remediation.records import Record, StepRecord
@@ -77,6 +77,8 @@ class LearnedParts:
         self._clean_through = -1   # the last step with a finite loss and no weight symptom active
         self._last_loss_finite = True
         self.no_rollback_why = ""   # why the last rollback plan found no target
+        # (tag, step) the current attempt resumed from (the daemon's launch says), None: from the start/unknown.
+        self.resumed: tuple[str, int] | None = None
         self.failures: list[str] = []   # decisions the daemon could not apply (newest last)
         # The run's healthy records (step records without a finding, and events), bounded; refits read them.
         self._history: deque[Record] | None = deque(maxlen=CALIBRATION_HISTORY) if self.config.calibrate else None
@@ -172,6 +174,7 @@ class LearnedParts:
         step 0 is never chosen automatically then."""
         pol = self.policy
         a = anomaly_step if anomaly_step is not None else (self.last_step or 0)
+        a, note = self._suspect_resume(a) if exact else (a, "")
         target: tuple[str | None, int] | None = None
         tag: str | None
         # The detector's onset may trail the true one by its smoothing (each source is seen about every
@@ -216,9 +219,28 @@ class LearnedParts:
             last = first + n  # exclusive
         start, est1 = self._sample_start(first)
         end, est2 = self._sample_start(last)
-        return RollbackPlan(to_step=to_step, tag=tag, skip_ranges=[(start, end)], skip_steps=(first, last),
-                            estimated=est1 or est2)
+        # A job the skip cannot reach (a command job) is claimed none: the rollback alone applies.
+        skips = [] if self._skip_unreached() else [(start, end)]
+        return RollbackPlan(to_step=to_step, tag=tag, skip_ranges=skips, skip_steps=(first, last),
+                            estimated=est1 or est2, note=note)
 
+
+    def _skip_unreached(self) -> str:
+        """Why a rollback's data skip cannot reach the job ("" when it does: the built-in job)."""
+        return "" if self.reach.takes_key(K_SKIP) else f"{K_SKIP} does not reach the job ({self.reach.why_limited})"
+
+    def _suspect_resume(self, onset: int) -> tuple[int, str]:
+        """An exact onset within `suspect_resume_steps` of the attempt's resume point: the resumed checkpoint
+        already held the bad weights (its save followed the update that poisoned them, its own loss still
+        finite), so resuming it again changes nothing. The onset moves to its step: the rollback goes to a
+        save before it (and the daemon sets it aside with every later one)."""
+        r = self.resumed
+        if r is None or not (r[1] < onset <= r[1] + self.policy.suspect_resume_steps):
+            return onset, ""
+        tag, step = r
+        self.tainted.add(tag)
+        return step, (f"{tag} is suspect: the loss went non-finite at step {onset}, {onset - step} step(s) after "
+                      f"resuming it; remediation.suspect_resume_steps={self.policy.suspect_resume_steps}")
 
     def _sample_start(self, step: int) -> tuple[int, bool]:
         """First global sample index of `step`: recorded when seen recently, else extrapolated."""

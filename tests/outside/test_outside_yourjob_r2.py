@@ -188,10 +188,6 @@ def test_own_wording_script_completes_with_its_steps_and_checkpoints(tmp_path, n
     assert ctl_json(state, "incidents") == [], "a clean run has no incidents"
 
 
-@pytest.mark.xfail(reason="a save written in the last seconds before the job exits 0 is never recorded: the "
-                          "completed run's 'latest checkpoint' is an older one (seen: accel snapshot_step50, lit "
-                          "epoch=1-step=40 with step 80 on disk); racy, so not strict",
-                   strict=False)
 def test_final_save_before_exit_is_the_latest_checkpoint(tmp_path):
     spec = write_spec(tmp_path, "accel")
     state = tmp_path / "state"
@@ -265,10 +261,6 @@ def test_nan_incident_record_tells_what_happened(nan_run):
     assert "resumed from" in table and "ckpt_00040.pt" in table, table
 
 
-@pytest.mark.xfail(reason="a command job with stdout telemetry has no way to receive data.skip_ranges, yet the "
-                          "NaN rollback's action, state reason and config diff say 'skip the batches of steps "
-                          "41-240'; docs/CLIENT.md: data skip ranges 'do not reach your job', a rung whose "
-                          "change does not reach the job is skipped with the reason said", strict=True)
 def test_nan_rollback_does_not_claim_a_data_skip_the_job_never_gets(nan_run):
     (inc,) = ctl_json(nan_run["state"], "incidents")
     (act,) = inc["actions"]
@@ -277,10 +269,6 @@ def test_nan_rollback_does_not_claim_a_data_skip_the_job_never_gets(nan_run):
     assert "data.skip_ranges" not in (act["config_diff"] or {}), act["config_diff"]
 
 
-@pytest.mark.xfail(reason="status --json checkpoint_disk for a command job counts every checkpoint and the "
-                          "*.rolledback-<time> copies as 'other': newest_valid is null and set_aside is empty, "
-                          "while docs/CHECKPOINT_DISK.md lists *.rolledback-<time> as set_aside and the dir read "
-                          "is the command job's checkpoint_dir", strict=True)
 def test_checkpoint_disk_row_knows_the_command_jobs_saves_and_set_aside_copies(nan_run):
     st = ctl_json(nan_run["state"], "status")
     disk = st["checkpoint_disk"]
@@ -461,9 +449,6 @@ def test_the_pattern_setting_the_fix_names_makes_it_read(tmp_path):
 
 
 # ---------------------------------------------------------------- 5. smaller record problems, seen on the NaN run
-@pytest.mark.xfail(reason="the journal's 'attempt ended' line of the attempt that exited 0 and COMPLETED the run "
-                          "says \"after\": \"crash\" (seen on every completed command-job run); docs/SYSTEMD.md "
-                          "uses after=crash for an attempt that crashed", strict=True)
 def test_journal_does_not_call_the_completing_exit_a_crash(nan_run):
     ended = [e for e in nan_run["events"] if e.get("event") == "attempt ended"]
     last = ended[-1]
@@ -471,9 +456,6 @@ def test_journal_does_not_call_the_completing_exit_a_crash(nan_run):
     assert last["after"] != "crash", last
 
 
-@pytest.mark.xfail(reason="issue 28 'Unknown is loud': a job whose total steps are unknown should be told in "
-                          "status with the fix (which setting to give); status shows '80 / unknown' and nothing "
-                          "names [job] total_steps (docs/CLIENT.md only promises 'unknown')", strict=True)
 def test_unknown_total_is_told_with_the_setting_that_fixes_it(nan_run):
     table = ctl(nan_run["state"], "status").stdout
     (row,) = [ln for ln in table.splitlines() if "step / total" in ln]
@@ -489,10 +471,6 @@ def test_unknown_total_is_told_with_the_setting_that_fixes_it(nan_run):
 # before step 31). Issue 28: "never resume poison"; docs/REMEDIATION.md: never "a restart that changes
 # nothing". Seen: attempts 2-5 all resume ckpt_00040.pt (config v3 -> v3, no change), all NaN at step 41, the
 # run ends FAILED with the clean ckpt_00030.pt never tried.
-@pytest.mark.xfail(reason="a checkpoint that NaNs at the first step after every resume (saved by the update that "
-                          "poisoned the weights, its own printed loss finite) is resumed again and again (4 "
-                          "identical rollbacks, config v3->v3) until the run ends FAILED; the clean older save is "
-                          "never tried", strict=True)
 def test_a_save_that_nans_right_after_resume_is_not_resumed_again(tmp_path):
     spec = write_spec(tmp_path, "nano", env={"YJ_GRAD_NAN_AT": "40", "YJ_PAUSE_AT": "31:4"})
     state = tmp_path / "state"

@@ -313,3 +313,25 @@ def test_a_current_budget_is_not_waited_for_and_a_run_by_hand_never_waits(tmp_pa
     skip = bd.room_for_save(root, run_dir, "step-00000040", 3, under_daemon=False, log=logging.getLogger("t"),
                             sleep=no_sleep)
     assert skip is not None
+
+
+def test_a_command_jobs_own_names_are_categorised_with_its_recogniser(tmp_path):
+    """A command job's checkpoints (its own file names) and their `*.rolledback-<time>` copies, as the daemon's
+    watch recognises them; without the recogniser (the built-in job's tags) the same entries are `other`."""
+    import torch
+
+    from ulyssesd.daemon.host.disk_budget import command_recogniser
+
+    for s in (10, 20):
+        torch.save({"step": s}, tmp_path / f"ckpt_{s:05d}.pt")
+    torch.save({"step": 30}, tmp_path / "ckpt_00030.pt.rolledback-1764444444")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    run = type("Run", (), {"spec": {"job": {"kind": "command", "checkpoint_dir": str(tmp_path)}}})()
+    rec = command_recogniser(run, tmp_path)
+    assert rec is not None
+    by = {e.name: e.category for e in bd.classify(tmp_path, bd.BudgetPolicy(), recognise=rec).entries}
+    assert by == {"ckpt_00020.pt": "newest_valid", "ckpt_00010.pt": "keep_last",
+                  "ckpt_00030.pt.rolledback-1764444444": "set_aside", "notes.txt": "other"}, by
+    builtin = {e.name: e.category for e in bd.classify(tmp_path, bd.BudgetPolicy()).entries}
+    assert set(builtin.values()) == {"other"}, builtin
+    assert command_recogniser(type("Run", (), {"spec": {"job": {"kind": "builtin"}}})(), tmp_path) is None

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterable
@@ -33,15 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from ..durable import atomic_write_text
-from .files import DELETING_PREFIX, MANIFEST_NAME, step_of_tag, validate_tag
+from .entries import SET_ASIDE_ANY_RE, SET_ASIDE_RE, Recogniser, entry_kind
+from .files import DELETING_PREFIX, MANIFEST_NAME, step_of_tag
 from .retention import remove_dir, tree_bytes
 
 CATEGORIES = ("newest_valid", "keep_last", "anchor", "in_flight", "set_aside", "surplus", "deleting", "other")
-#: A set-aside copy: a rolled-back or quarantined tag, `{tag}.{kind}-{time}[-n]`, where `{time}` is when it was set
-#: aside: Unix seconds (what ulyssesd writes, `step-00000050.corrupt-1764444444`) or ISO-like UTC
-#: (`step-00000050.rolledback-20261207T121503Z`, copies set aside by hand or by other tools); `-n` tells apart
-#: two set aside in the same second.
-SET_ASIDE_RE = re.compile(r"^(step-\d{8,})\.(corrupt|rolledback)-(\d+|\d{8}T\d{6}Z)(?:-\d+)?$")
 #: The file the daemon publishes its budget in ({run_dir}/checkpoint_budget.json), read by the job before a save.
 BUDGET_FILE = "checkpoint_budget.json"
 #: The fewest tags a run can go on with: the newest valid one plus room for the next save.
@@ -161,7 +156,7 @@ def select_anchors(known_good_steps: Iterable[int], max_anchors: int, spacing: i
 
 def set_aside_time(name: str, mtime: float) -> float:
     """When a set-aside copy was set aside (Unix seconds), from its name's `<time>` (SET_ASIDE_RE), else `mtime`."""
-    m = SET_ASIDE_RE.match(name)
+    m = SET_ASIDE_RE.match(name) or SET_ASIDE_ANY_RE.match(name)
     if not m:
         return mtime
     stamp = m.group(3)
@@ -171,9 +166,10 @@ def set_aside_time(name: str, mtime: float) -> float:
 
 
 def classify(ckpt_dir: str | Path, policy: BudgetPolicy, known_good: Iterable[str] = (),
-             free: Callable[[Path], int | None] = free_bytes) -> DirBudget:
+             free: Callable[[Path], int | None] = free_bytes, recognise: Recogniser | None = None) -> DirBudget:
     """Every entry of `ckpt_dir` in its category (module doc); `known_good`: tag names followed by a clean
-    window (the daemon's store). Validity is judged on sizes (no checksums): cheap enough to run at every save."""
+    window (the daemon's store). Validity is judged on sizes (no checksums): cheap enough to run at every save.
+    `recognise`: what a checkpoint is in a command job's own naming (files too); default the built-in's tags."""
     root = Path(ckpt_dir)
     entries: list[Entry] = []
     if not root.is_dir():
@@ -185,12 +181,11 @@ def classify(ckpt_dir: str | Path, policy: BudgetPolicy, known_good: Iterable[st
         except OSError:
             continue  # removed meanwhile
         size = tree_bytes(p) if p.is_dir() and not p.is_symlink() else st.st_size
-        step = step_of_tag(p.name)
-        if step is not None and p.is_dir():
-            tags.append((step, p.name, validate_tag(p, verify_checksums=False)[0], size, st.st_mtime))
-        elif p.is_dir() and SET_ASIDE_RE.match(p.name):
-            entries.append(Entry(p.name, "set_aside", step_of_tag(SET_ASIDE_RE.match(p.name).group(1)),  # type: ignore[union-attr]
-                                 size, st.st_mtime))
+        kind = entry_kind(p, recognise)
+        if kind is not None and not kind.set_aside and kind.step is not None:
+            tags.append((kind.step, p.name, kind.complete, size, st.st_mtime))
+        elif kind is not None:
+            entries.append(Entry(p.name, "set_aside", kind.step, size, st.st_mtime))
         elif p.name.startswith(DELETING_PREFIX):
             entries.append(Entry(p.name, "deleting", None, size, st.st_mtime, doomed=True))
         else:
