@@ -762,14 +762,10 @@ for s in range(1, T + 1):
 # Signals to the daemon at awkward moments
 # --------------------------------------------------------------------------------------------------------
 
-_DIES_OF = ("the daemon has no handler for this signal and dies of its default action (`ulyssesd run` "
-            "returncode {}), leaving the job training unsupervised in state RUNNING")
-
-
 @pytest.mark.parametrize("sig", [
     signal.SIGHUP,
-    pytest.param(signal.SIGUSR1, marks=pytest.mark.xfail(strict=True, reason=_DIES_OF.format(-10))),
-    pytest.param(signal.SIGUSR2, marks=pytest.mark.xfail(strict=True, reason=_DIES_OF.format(-12))),
+    signal.SIGUSR1,
+    signal.SIGUSR2,
     signal.SIGPIPE,
 ])
 def test_stray_signal_to_the_daemon_does_not_end_supervision(tmp_path: Path, sig: int) -> None:
