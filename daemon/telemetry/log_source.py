@@ -21,15 +21,18 @@ as a `telemetry` webhook and in `ulyssesctl status`, with the setting that fixes
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
 from ulyssesd.client.contract import encode_record
 from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.safety.regular_file import NotRegularFile, open_regular
 from ulyssesd.daemon.telemetry import log_offsets
 from ulyssesd.remediation.log_telemetry import LogTelemetryParser
 from ulyssesd.training.durable import temp_path_for
@@ -131,7 +134,7 @@ class LogSource:
         """The last step record of this attempt in the output file (its end: the current attempt's records
         are the newest), None when there is none."""
         try:
-            with open(self.out_path, "rb") as fh:
+            with open_regular(self.out_path, "rb") as fh:
                 fh.seek(max(0, os.path.getsize(self.out_path) - RESUME_TAIL_BYTES))
                 tail = fh.read().decode("utf-8", errors="replace").splitlines()
         except OSError:
@@ -150,7 +153,7 @@ class LogSource:
         """Whether the output file ends in a torn record (an append cut short): the next append then starts
         on a new line, so that the fragment stays one bad line and does not swallow the next record."""
         try:
-            with open(self.out_path, "rb") as fh:
+            with open_regular(self.out_path, "rb") as fh:
                 fh.seek(-1, os.SEEK_END)
                 return fh.read(1) != b"\n"
         except OSError:  # absent or empty
@@ -181,6 +184,8 @@ class LogSource:
     def _stat_log(self) -> os.stat_result | None:
         try:
             st = os.stat(self.log_path)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO put there would block the read for ever: reported, not read
+                raise NotRegularFile(errno.EINVAL, "is not a regular file; not read", str(self.log_path))
         except OSError as exc:
             if not self._log_missing and (self.pos.offset > 0 or self.pos.inode is not None):
                 self.notices.append(f"attempt {self.attempt}'s log {self.log_path} cannot be read "
@@ -210,7 +215,7 @@ class LogSource:
         if why:
             self._start_over(why, st)
             pos = self.pos
-        with open(self.log_path, "rb") as fh:
+        with open_regular(self.log_path, "rb") as fh:
             k = min(len(pos.tail), pos.offset)
             fh.seek(pos.offset - k)
             chunk = fh.read(k + MAX_READ_BYTES)

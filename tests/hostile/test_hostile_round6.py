@@ -335,8 +335,6 @@ for s in range(1, T + 1):
         run.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'ulyssesctl status blocks forever in open() of the FIFO telemetry.jsonl (wchan wait_for_partner), also after the daemon exited; every status call in the test timed out (step None), and the hang incident/stop came only after the 60 s hang floor'))
 def test_telemetry_file_replaced_by_a_fifo_does_not_wedge_the_daemon(tmp_path: Path) -> None:
     """The job replaces telemetry.jsonl by a FIFO nobody writes to. The daemon must not block on it:
     `status` keeps answering, and `stop` stops the run."""
@@ -506,8 +504,6 @@ for s in range(1, T + 1):
 # The checkpoint directory and the paths
 # --------------------------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the daemon wedges before the first launch: its log ends at 'run created', the process sits in open() of the FIFO ckpt/step_000500.pt (wchan wait_for_partner) forever; no job is launched, status never shows a step, the control socket is not served"))
 def test_checkpoint_dir_with_junk_a_fifo_and_a_symlink_loop(tmp_path: Path) -> None:
     """checkpoint_dir holds 3,000 junk entries (odd names, huge numbers), a FIFO named like a checkpoint
     file, a symlink loop and a directory link to /proc. The daemon's looks must not block on the FIFO nor
@@ -525,7 +521,7 @@ def test_checkpoint_dir_with_junk_a_fifo_and_a_symlink_loop(tmp_path: Path) -> N
     job = _job("""\
 for s in range(1, T + 1):
     print(step_line(s), flush=True)
-    time.sleep(0.2)
+    time.sleep(0.5)          # long enough that `status` is asked while it runs, on a loaded machine
 """, total=40)
     run = make_run(tmp_path, job, job_extra='checkpoint_dir = "ckpt"\ncheckpoint_settle_s = 0.5')
     try:
@@ -928,8 +924,6 @@ for s in range(11, T + 1):
         run.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the daemon wedges in the hang path: its log ends at 'stack dump requested' (state RESTARTING), blocked on the FIFO stacks/attempt-1-rank-0.txt; the hung job is never killed nor relaunched"))
 def test_stack_dump_file_replaced_by_a_fifo_before_a_hang(tmp_path: Path) -> None:
     """The job catches SIGUSR1 (so the hang path signals it) but its stack-dump file is a FIFO nobody
     writes to; then it hangs. The hang path must not block on the FIFO: the attempt is ended and the run
