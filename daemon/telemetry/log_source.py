@@ -50,6 +50,7 @@ MAX_LINE_BYTES = 1 << 20  # a longer "line" (binary junk, a progress bar that ne
 MAX_PARSE_S = 0.5  # bound one tick's parsing time (a 4 MiB backlog of dense lines takes seconds)
 RESUME_TAIL_BYTES = 1 << 20  # how much of the output file's end is searched for the attempt's last step
 _PIECE = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")  # a line or a progress bar's redraw, with its terminator
+_UNICODE_BREAK = re.compile("[\u2028\u2029\x85]")  # line breaks of Unicode that are no `\r`/`\n` byte
 _DRAWN_BAR = re.compile(rb"^[^\r\n]{0,4000}\d+/\d+ \[[^\r\n\[\]]*\]\Z")  # a whole tqdm bar: `... N/M [...]`
 
 
@@ -119,6 +120,9 @@ class LogSource:
         self.parser.count_dicts_from(self.parser._last_step if self.parser._last_step is not None else resume_step)
         self.skipped_long_lines = 0
         self._torn_tail = self._ends_mid_line()
+        #: Set once the attempt's process has exited: nothing more will be written, so an unterminated last
+        #: line (a `\r`-only progress redraw, a last print without newline) is read as the last line.
+        self.job_ended = False
 
     reads_log = True   # the attempt's log is what it reads (its position is kept in the offsets file)
 
@@ -240,6 +244,9 @@ class LogSource:
             # The newest redraw ends when the next one starts: a bar drawn whole (tqdm's `N/M [...]`, one
             # write) is read now, so that a job that hangs after it is reported at its step, not the one before.
             end = len(chunk) - 1
+        if self.job_ended and end < len(chunk) - 1 and len(chunk) < MAX_READ_BYTES \
+                and len(chunk) - end - 1 <= MAX_LINE_BYTES:
+            end = len(chunk) - 1  # the job is gone and this is the log's end: its unterminated tail is a line
         if end < 0:
             if len(chunk) >= MAX_LINE_BYTES:  # no newline in a huge chunk: skip it, do not stall
                 pos.offset += len(chunk)
@@ -249,7 +256,8 @@ class LogSource:
             return 0
         pieces = _PIECE.findall(chunk[:end + 1])  # each with its terminator: the offset counts the file's bytes
         if chunk[end:end + 1] not in (b"\n", b"\r"):
-            pieces.append(chunk[chunk.rfind(b"\r") + 1:end + 1])  # the drawn bar after the last `\r`
+            # the drawn bar (or the ended job's last words) after the last `\r` or `\n`
+            pieces.append(chunk[max(chunk.rfind(b"\r", 0, end), chunk.rfind(b"\n", 0, end)) + 1:end + 1])
         records = []
         consumed = 0
         t0 = SYSTEM.monotonic()
@@ -259,7 +267,10 @@ class LogSource:
             if len(raw) > MAX_LINE_BYTES:
                 self.skipped_long_lines += 1
             elif raw:
-                records.extend(self.parser.feed(raw.decode("utf-8", errors="replace"), now=now))
+                # U+2028/U+2029/NEL end lines too (a JSON logger that escapes nothing): each part is a line.
+                for line in _UNICODE_BREAK.split(raw.decode("utf-8", errors="replace")):
+                    if line:
+                        records.extend(self.parser.feed(line, now=now))
             if SYSTEM.monotonic() - t0 > MAX_PARSE_S:
                 break  # a backlog: the rest next tick (the tick's other work must not wait on a log)
         if records:

@@ -82,10 +82,6 @@ for s in range(1, T + 1):
         run.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the last \\r redraw, unterminated when the job exits 0, is never read: the run ends COMPLETED with "
-    "state_reason 'reached final step 29' and status step 29 while the job printed step 30/30 "
-    "(telemetry_health: lines 29, step_records 29)"))
 def test_carriage_return_only_progress_is_read_to_the_last_step(tmp_path: Path) -> None:
     """A job that draws its progress with `\\r` only and never prints a newline, then exits 0: the last
     redraw is the final step, not 'final step unknown'."""
@@ -106,9 +102,6 @@ for s in range(1, T + 1):
         run.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a step record after a U+2028 on the same line is lost: 30 steps printed on 15 lines give "
-    "step_records 15 (the odd steps), and the run ends 'reached final step 29' at status step 29"))
 def test_step_lines_split_by_unicode_line_separators(tmp_path: Path) -> None:
     """Two step records on one newline-terminated line, separated by U+2028 (what a JSON logger that
     escapes nothing emits): neither record blinds the reader for the lines after it."""
