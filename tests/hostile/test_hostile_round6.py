@@ -470,8 +470,6 @@ os.waitpid(pid, 0)
         run.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`ulyssesctl stop` of a command job whose SIGTERM handler exits 0 ends the run COMPLETED ('job exited 0 ... before its declared total'), not STOPPED"))
 def test_operator_stop_of_a_script_that_exits_0_on_sigterm_is_stopped_not_completed(tmp_path: Path) -> None:
     """A plain script's graceful SIGTERM handler exits 0. The operator asked for a stop: the run is
     STOPPED, never COMPLETED (which would claim the training finished)."""
@@ -797,8 +795,6 @@ for s in range(1, T + 1):
         run.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the re-adopting daemon sees state STOPPING and the job's exit 0, and records STOPPING -> COMPLETED ('job exited 0 at step 69, before its declared total 100000') plus a no_progress incident: the operator's stop is lost"))
 def test_daemon_sigterm_in_the_middle_of_an_operator_stop(tmp_path: Path) -> None:
     """`ulyssesctl stop`, then the daemon gets SIGTERM (detach) while the job is still saving on its
     SIGTERM; a new daemon re-adopts. The operator's stop is not lost: the run ends STOPPED, never
