@@ -21,13 +21,14 @@ as a `telemetry` webhook and in `ulyssesctl status`, with the setting that fixes
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from ulyssesd.client.contract import encode_record
 from ulyssesd.daemon.clock import SYSTEM
@@ -123,6 +124,9 @@ class LogSource:
         #: Set once the attempt's process has exited: nothing more will be written, so an unterminated last
         #: line (a `\r`-only progress redraw, a last print without newline) is read as the last line.
         self.job_ended = False
+        #: The attempt's log, held open across pumps: a removed log is read on from it (`_stat_log`).
+        self._held: BinaryIO | None = None
+        self._log_unlinked = False
 
     reads_log = True   # the attempt's log is what it reads (its position is kept in the offsets file)
 
@@ -190,14 +194,35 @@ class LogSource:
             st = os.stat(self.log_path)
             if not stat.S_ISREG(st.st_mode):  # a FIFO put there would block the read for ever: reported, not read
                 raise NotRegularFile(errno.EINVAL, "is not a regular file; not read", str(self.log_path))
+            if self._held is None or os.fstat(self._held.fileno()).st_ino != st.st_ino:
+                if self._held is not None:
+                    self._held.close()
+                self._held = None
+                self._held = cast(BinaryIO, open_regular(self.log_path, "rb"))
+            st, self._log_unlinked = os.fstat(self._held.fileno()), False
+        except FileNotFoundError as exc:
+            if self._held is None:
+                self._unreadable(exc)
+                return None
+            # Removed (a tmp cleaner, logrotate without copytruncate): the job still writes to its open file,
+            # and this reader still holds it open too, so its steps are read on.
+            if not self._log_unlinked:
+                self.notices.append(f"attempt {self.attempt}'s log {self.log_path} was removed; its steps are "
+                                    f"read on from the file the job still writes (it is gone once the job ends)")
+            self._log_unlinked = True
+            return os.fstat(self._held.fileno())
         except OSError as exc:
-            if not self._log_missing and (self.pos.offset > 0 or self.pos.inode is not None):
-                self.notices.append(f"attempt {self.attempt}'s log {self.log_path} cannot be read "
-                                    f"({type(exc).__name__}: {exc}): no step records from it until it is back")
-            self._log_missing = True
+            self._unreadable(exc)
             return None
         self._log_missing = False
         return st
+
+    def _unreadable(self, exc: OSError) -> None:
+        """Say (once per spell) that the log cannot be read."""
+        if not self._log_missing and (self.pos.offset > 0 or self.pos.inode is not None):
+            self.notices.append(f"attempt {self.attempt}'s log {self.log_path} cannot be read "
+                                f"({type(exc).__name__}: {exc}): no step records from it until it is back")
+        self._log_missing = True
 
     def _start_over(self, why: str, st: os.stat_result) -> None:
         last = self.parser._last_step
@@ -219,7 +244,8 @@ class LogSource:
         if why:
             self._start_over(why, st)
             pos = self.pos
-        with open_regular(self.log_path, "rb") as fh:
+        with contextlib.nullcontext(self._held) as fh:  # held open by `_stat_log` (read on if it is removed)
+            assert fh is not None
             k = min(len(pos.tail), pos.offset)
             fh.seek(pos.offset - k)
             chunk = fh.read(k + MAX_READ_BYTES)
