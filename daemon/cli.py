@@ -214,7 +214,8 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
         locks.release()
         return EXIT_BUSY
     # Signal handlers only enqueue (and wake the poll); the loop does the work.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    # SIGUSR1/2 too: a stray `kill -USR1` meant for a rank must not kill the daemon by its default action.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda signum, frame: sup.enqueue("signal", signum))
     try:
         signal.set_wakeup_fd(server.wakeup_fileno, warn_on_full_buffer=False)

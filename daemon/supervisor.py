@@ -230,7 +230,7 @@ class Supervisor:
     def tick(self) -> None:
         bind_run(self.run_id, self.attempt)  # every log line of this tick names the run and attempt
         step = self.guard.run  # each step's exception: logged once, an incident, bounded (never the daemon's end)
-        step("store_check", lambda: housekeeping.check_store_file(self))
+        step("store_check", lambda: housekeeping.check_on_disk_state(self, self.run_dir))
         step("commands", lambda: commands.drain_events(self))
         if self.scheduler is not None:
             step("scheduler", self.scheduler.run_due)

@@ -49,7 +49,8 @@ def drain_events(sup: CommandsRun) -> None:
 
 
 def on_signal(sup: CommandsRun, signum: int) -> None:
-    """SIGTERM/SIGINT: detach (the job keeps training; the next daemon re-adopts it); SIGHUP: ignored."""
+    """SIGTERM/SIGINT: detach (the job keeps training; the next daemon re-adopts it); SIGHUP, SIGUSR1, SIGUSR2:
+    logged and ignored (a stray signal never ends supervision)."""
     if signum in (signal.SIGTERM, signal.SIGINT):
         # Detach: the job keeps training; the next daemon re-adopts it (KillMode=process).
         log.info("signal: detaching, the job keeps running", signal=signal.Signals(signum).name)
@@ -59,6 +60,9 @@ def on_signal(sup: CommandsRun, signum: int) -> None:
         sup.detach = True
     elif signum == signal.SIGHUP:
         log.info("SIGHUP ignored (no reloadable settings)")
+    elif signum in (signal.SIGUSR1, signal.SIGUSR2):
+        log.warning("signal ignored: the daemon has no use for it (was it meant for a rank?)",
+                    signal=signal.Signals(signum).name)
 
 
 def operator_reason(what: str, peer: dict[str, Any] | None = None) -> str:

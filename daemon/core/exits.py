@@ -64,9 +64,11 @@ def on_exit(sup: ExitRun, status: ExitStatus) -> None:
     requested = plan.then is not Then.CRASH
     diag_label, diag_evidence, diag_confidence = None, None, None
     crashed = not status.ok and not requested
-    # A user's command job that says nothing (no client: no `exiting` event) has completed when it exits 0.
+    # A user's command job that says nothing (no client: no `exiting` event) has completed when it exits 0 of
+    # its own accord; after a requested end (an operator stop or pause, a restart, also one carried over a daemon
+    # restart) its exit 0 is its SIGTERM handler's, not the end of the training: the plan decides.
     completed = status.ok and (sup.last_exiting == "completed" or (
-        sup.last_exiting is None and sup.spec.job_section.kind == "command"))
+        sup.last_exiting is None and sup.spec.job_section.kind == "command" and not requested))
     if crashed or (status.ok and not requested and not completed):
         # One function for the daemon and `ulyssesctl diagnose` (daemon/core/attempt_diagnosis.py); a bare SIGKILL
         # asks the host's OOM counters before it is called an OOM kill (daemon/host/host_oom.py).

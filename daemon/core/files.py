@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ulyssesd.daemon.safety.regular_file import open_regular
+
 LOG_TAIL_BYTES = 64 * 1024
 
 
 def _read_tail(path: Path, nbytes: int = LOG_TAIL_BYTES, start: int | None = None) -> str:
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path, "rb") as fh:
             if start is not None:
                 fh.seek(start)
                 return fh.read(nbytes).decode("utf-8", errors="replace")

@@ -355,6 +355,29 @@ def check_store_file(sup: HousekeepingRun) -> None:
         sup.store.update_incident_status(iid, IncidentStatus.resolved, "database re-created in place")
 
 
+def check_on_disk_state(sup: HousekeepingRun, run_dir: Path) -> None:
+    """The tick's look at what an operator or a cleaner may remove under the daemon: its store, the run dir."""
+    check_store_file(sup)
+    check_run_dir(sup, run_dir)
+
+
+def check_run_dir(sup: HousekeepingRun, run_dir: Path) -> None:
+    """The live run's directory removed under us (an `rm -rf`, a tmp cleaner; one stat): re-create it empty (with
+    logs/ and attempts/) so the daemon's own files and the job's exit record can be written again, and say so
+    (an incident: what was in it, the spec copy, logs and telemetry, is gone). The job trains on; `stop` works."""
+    if not sup.run_id or sup.state in TERMINAL_RUN_STATES or run_dir.is_dir():
+        return
+    for sub in ("logs", "attempts"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    text = (f"the run dir {run_dir} was removed while the run was live; re-created it empty: its logs, telemetry "
+            f"and spec copy are gone, the job trains on (its output from now is not in the new log)")
+    log.warning("run directory removed under the daemon; re-created", path=str(run_dir))
+    sup.say(f"WARNING: {text}")
+    iid = sup.incidents.incident(Symptom.store_damaged, sup.last_step or 0, Severity.warning, text,
+                                 {"problem": "run directory removed", "path": str(run_dir)})
+    sup.store.update_incident_status(iid, IncidentStatus.escalated, "run directory removed under the daemon")
+
+
 def check_store_damage(sup: HousekeepingRun) -> None:
     """The database file itself damaged under us (emptied, header overwritten, truncated: one 100-byte
     read): salvage it from the open connection or restore the newest backup, re-derive this run from its

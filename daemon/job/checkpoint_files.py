@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ulyssesd.daemon.clock import SYSTEM
+from ulyssesd.daemon.safety.regular_file import open_regular, read_regular_text
 
 #: Where set-aside and quarantined checkpoints' names carry their mark (never resumed, kept as evidence).
 SET_ASIDE_MARKS = (".rolledback-", ".corrupt-")
@@ -109,7 +110,7 @@ def whole_torch_file(path: Path) -> tuple[bool, str]:
     """Whether `torch.save` finished writing `path`: a zip-format save ends with the zip's end record (a save
     killed midway has none). A legacy pickle save (not a zip) cannot be told apart: size stability decides."""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path, "rb") as fh:
             head = fh.read(4)
     except OSError as exc:
         return False, f"{path.name}: unreadable ({exc.strerror})"
@@ -124,7 +125,7 @@ def whole_safetensors(path: Path) -> tuple[bool, str]:
     """A safetensors file is whole when its size is 8 + header + the largest tensor end the header names."""
     try:
         size = path.stat().st_size
-        with open(path, "rb") as fh:
+        with open_regular(path, "rb") as fh:
             n = struct.unpack("<Q", fh.read(8))[0]
             if n <= 0 or 8 + n > size or n > 100 << 20:
                 return False, f"{path.name}: safetensors header length {n} does not fit the file ({size} bytes)"
@@ -153,7 +154,7 @@ def _files_whole(files: list[Path]) -> tuple[bool, str]:
 
 def _read_int(path: Path) -> int | None:
     try:
-        text = path.read_text(errors="replace").strip()[:200]
+        text = read_regular_text(path, errors="replace").strip()[:200]
     except OSError:
         return None
     m = _LAST_NUMBER.search(text)
@@ -198,7 +199,7 @@ def classify(path: Path, root: Path, requires: tuple[str, ...] = ()) -> Found | 
             ok, why = False, "no trainer_state.json yet (the Trainer writes it at the end of a save)"
         else:
             try:
-                step = int(json.loads(state.read_text())["global_step"])
+                step = int(json.loads(read_regular_text(state))["global_step"])
             except (OSError, ValueError, KeyError, TypeError):
                 ok, why = False, "trainer_state.json unreadable or without global_step"
     elif base.startswith("iter_") and (path.parent / "latest_checkpointed_iteration.txt").exists():
@@ -213,7 +214,7 @@ def classify(path: Path, root: Path, requires: tuple[str, ...] = ()) -> Found | 
     elif (path.parent / "latest").is_file() and any(p.name.endswith(("model_states.pt", "optim_states.pt"))
                                                    for p in listed[:MAX_FILES_CHECKED]):
         layout = "deepspeed"
-        latest = (path.parent / "latest").read_text(errors="replace").strip()
+        latest = read_regular_text(path.parent / "latest", errors="replace").strip()
         done = step_of_name(latest) if latest else None
         if latest != base and (done is None or step is None or step > done):
             ok, why = False, f"`latest` names {latest!r}: tag {base} not finished"

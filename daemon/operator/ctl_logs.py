@@ -35,7 +35,7 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import typer
 
@@ -51,6 +51,7 @@ from ulyssesd.daemon.operator.ctl_common import (
     reader_gone,
     store_exit_code,
 )
+from ulyssesd.daemon.safety.regular_file import NotRegularFile, open_regular
 
 #: How often `-f` looks for new output and for the attempt's end (seconds).
 FOLLOW_POLL_S = 0.25
@@ -243,7 +244,7 @@ def print_log(paths: list[Path], rank: int | None, lines: int | None, follow: bo
     last_check = [SYSTEM.monotonic()]
     with contextlib.ExitStack() as stack:
         no_piece: list[bool | None] = [None]
-        files = [(stack.enter_context(open(p, "rb")), bytearray(), list(no_piece)) for p in paths]
+        files = [(stack.enter_context(cast(BinaryIO, open_regular(p, "rb"))), bytearray(), list(no_piece)) for p in paths]
         for fh, _, _ in files:
             if lines is not None and rank is not None:
                 _seek_last_rank_lines(fh, lines, rank)
@@ -350,6 +351,9 @@ def logs(run_id: str = typer.Argument(None, metavar="RUN", help="run id (default
                          number, known_id, raw)
     except KeyboardInterrupt:
         code = EXIT_OK
+    except NotRegularFile as exc:  # a FIFO put at the log's path would block the read for ever
+        print(f"ulyssesctl logs: {exc.filename} {exc.strerror}", file=sys.stderr)
+        code = EXIT_NOT_FOUND
     except BrokenPipeError:  # `| head`: the reader left; exit quietly like other Unix tools
         reader_gone()
         code = EXIT_OK

@@ -75,6 +75,9 @@ def drain_pump(sup: AttemptLogRun, budget_s: float) -> bool:
 
 def drain_before_exit(sup: AttemptLogRun) -> None:
     """Read the ended attempt's output to its end, then bound its log (`trim_ended`)."""
+    src = getattr(sup, "_log_source", None)
+    if src is not None and src.attempt == sup.attempt:
+        src.job_ended = True  # its unterminated last line (a `\r`-only progress bar) is read now
     drain_pump(sup, DRAIN_MAX_S)
     trim_ended(sup)
 

@@ -13,12 +13,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ulyssesd.daemon.safety.regular_file import open_regular
+
 TAIL_BYTES = 256 * 1024
 
 
 def _recent_steps(path: Path, limit: int = 20) -> list[dict[str, Any]]:
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
             fh.seek(max(0, fh.tell() - TAIL_BYTES))
             lines = fh.read().decode("utf-8", errors="replace").splitlines()

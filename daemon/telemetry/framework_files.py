@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ulyssesd.daemon.safety.regular_file import read_regular_text
 from ulyssesd.remediation.logread.tokens import _loss_rank, words_of
 
 MAX_STATE_BYTES = 64 << 20  # a trainer_state.json larger than this is not read whole (months of logging)
@@ -66,7 +67,7 @@ def trainer_state_records(path: Path, after_step: int | None) -> tuple[list[dict
     try:
         if path.stat().st_size > MAX_STATE_BYTES:
             return [], f"{path} is larger than {MAX_STATE_BYTES >> 20} MiB; not read"
-        state = json.loads(path.read_text())
+        state = json.loads(read_regular_text(path))
     except (OSError, ValueError) as exc:  # mid-write (the Trainer replaces it) or unreadable: next tick
         return [], f"{path}: {type(exc).__name__}: {exc}"
     if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):

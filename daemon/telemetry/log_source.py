@@ -21,15 +21,19 @@ as a `telemetry` webhook and in `ulyssesctl status`, with the setting that fixes
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from ulyssesd.client.contract import encode_record
 from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.safety.regular_file import NotRegularFile, open_regular
 from ulyssesd.daemon.telemetry import log_offsets
 from ulyssesd.remediation.log_telemetry import LogTelemetryParser
 from ulyssesd.training.durable import temp_path_for
@@ -47,6 +51,7 @@ MAX_LINE_BYTES = 1 << 20  # a longer "line" (binary junk, a progress bar that ne
 MAX_PARSE_S = 0.5  # bound one tick's parsing time (a 4 MiB backlog of dense lines takes seconds)
 RESUME_TAIL_BYTES = 1 << 20  # how much of the output file's end is searched for the attempt's last step
 _PIECE = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")  # a line or a progress bar's redraw, with its terminator
+_UNICODE_BREAK = re.compile("[\u2028\u2029\x85]")  # line breaks of Unicode that are no `\r`/`\n` byte
 _DRAWN_BAR = re.compile(rb"^[^\r\n]{0,4000}\d+/\d+ \[[^\r\n\[\]]*\]\Z")  # a whole tqdm bar: `... N/M [...]`
 
 
@@ -116,6 +121,12 @@ class LogSource:
         self.parser.count_dicts_from(self.parser._last_step if self.parser._last_step is not None else resume_step)
         self.skipped_long_lines = 0
         self._torn_tail = self._ends_mid_line()
+        #: Set once the attempt's process has exited: nothing more will be written, so an unterminated last
+        #: line (a `\r`-only progress redraw, a last print without newline) is read as the last line.
+        self.job_ended = False
+        #: The attempt's log, held open across pumps: a removed log is read on from it (`_stat_log`).
+        self._held: BinaryIO | None = None
+        self._log_unlinked = False
 
     reads_log = True   # the attempt's log is what it reads (its position is kept in the offsets file)
 
@@ -131,7 +142,7 @@ class LogSource:
         """The last step record of this attempt in the output file (its end: the current attempt's records
         are the newest), None when there is none."""
         try:
-            with open(self.out_path, "rb") as fh:
+            with open_regular(self.out_path, "rb") as fh:
                 fh.seek(max(0, os.path.getsize(self.out_path) - RESUME_TAIL_BYTES))
                 tail = fh.read().decode("utf-8", errors="replace").splitlines()
         except OSError:
@@ -150,7 +161,7 @@ class LogSource:
         """Whether the output file ends in a torn record (an append cut short): the next append then starts
         on a new line, so that the fragment stays one bad line and does not swallow the next record."""
         try:
-            with open(self.out_path, "rb") as fh:
+            with open_regular(self.out_path, "rb") as fh:
                 fh.seek(-1, os.SEEK_END)
                 return fh.read(1) != b"\n"
         except OSError:  # absent or empty
@@ -181,14 +192,37 @@ class LogSource:
     def _stat_log(self) -> os.stat_result | None:
         try:
             st = os.stat(self.log_path)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO put there would block the read for ever: reported, not read
+                raise NotRegularFile(errno.EINVAL, "is not a regular file; not read", str(self.log_path))
+            if self._held is None or os.fstat(self._held.fileno()).st_ino != st.st_ino:
+                if self._held is not None:
+                    self._held.close()
+                self._held = None
+                self._held = cast(BinaryIO, open_regular(self.log_path, "rb"))
+            st, self._log_unlinked = os.fstat(self._held.fileno()), False
+        except FileNotFoundError as exc:
+            if self._held is None:
+                self._unreadable(exc)
+                return None
+            # Removed (a tmp cleaner, logrotate without copytruncate): the job still writes to its open file,
+            # and this reader still holds it open too, so its steps are read on.
+            if not self._log_unlinked:
+                self.notices.append(f"attempt {self.attempt}'s log {self.log_path} was removed; its steps are "
+                                    f"read on from the file the job still writes (it is gone once the job ends)")
+            self._log_unlinked = True
+            return os.fstat(self._held.fileno())
         except OSError as exc:
-            if not self._log_missing and (self.pos.offset > 0 or self.pos.inode is not None):
-                self.notices.append(f"attempt {self.attempt}'s log {self.log_path} cannot be read "
-                                    f"({type(exc).__name__}: {exc}): no step records from it until it is back")
-            self._log_missing = True
+            self._unreadable(exc)
             return None
         self._log_missing = False
         return st
+
+    def _unreadable(self, exc: OSError) -> None:
+        """Say (once per spell) that the log cannot be read."""
+        if not self._log_missing and (self.pos.offset > 0 or self.pos.inode is not None):
+            self.notices.append(f"attempt {self.attempt}'s log {self.log_path} cannot be read "
+                                f"({type(exc).__name__}: {exc}): no step records from it until it is back")
+        self._log_missing = True
 
     def _start_over(self, why: str, st: os.stat_result) -> None:
         last = self.parser._last_step
@@ -210,7 +244,8 @@ class LogSource:
         if why:
             self._start_over(why, st)
             pos = self.pos
-        with open(self.log_path, "rb") as fh:
+        with contextlib.nullcontext(self._held) as fh:  # held open by `_stat_log` (read on if it is removed)
+            assert fh is not None
             k = min(len(pos.tail), pos.offset)
             fh.seek(pos.offset - k)
             chunk = fh.read(k + MAX_READ_BYTES)
@@ -235,6 +270,9 @@ class LogSource:
             # The newest redraw ends when the next one starts: a bar drawn whole (tqdm's `N/M [...]`, one
             # write) is read now, so that a job that hangs after it is reported at its step, not the one before.
             end = len(chunk) - 1
+        if self.job_ended and end < len(chunk) - 1 and len(chunk) < MAX_READ_BYTES \
+                and len(chunk) - end - 1 <= MAX_LINE_BYTES:
+            end = len(chunk) - 1  # the job is gone and this is the log's end: its unterminated tail is a line
         if end < 0:
             if len(chunk) >= MAX_LINE_BYTES:  # no newline in a huge chunk: skip it, do not stall
                 pos.offset += len(chunk)
@@ -244,7 +282,8 @@ class LogSource:
             return 0
         pieces = _PIECE.findall(chunk[:end + 1])  # each with its terminator: the offset counts the file's bytes
         if chunk[end:end + 1] not in (b"\n", b"\r"):
-            pieces.append(chunk[chunk.rfind(b"\r") + 1:end + 1])  # the drawn bar after the last `\r`
+            # the drawn bar (or the ended job's last words) after the last `\r` or `\n`
+            pieces.append(chunk[max(chunk.rfind(b"\r", 0, end), chunk.rfind(b"\n", 0, end)) + 1:end + 1])
         records = []
         consumed = 0
         t0 = SYSTEM.monotonic()
@@ -254,7 +293,10 @@ class LogSource:
             if len(raw) > MAX_LINE_BYTES:
                 self.skipped_long_lines += 1
             elif raw:
-                records.extend(self.parser.feed(raw.decode("utf-8", errors="replace"), now=now))
+                # U+2028/U+2029/NEL end lines too (a JSON logger that escapes nothing): each part is a line.
+                for line in _UNICODE_BREAK.split(raw.decode("utf-8", errors="replace")):
+                    if line:
+                        records.extend(self.parser.feed(line, now=now))
             if SYSTEM.monotonic() - t0 > MAX_PARSE_S:
                 break  # a backlog: the rest next tick (the tick's other work must not wait on a log)
         if records:

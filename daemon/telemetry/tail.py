@@ -7,6 +7,8 @@ import json
 import os
 from typing import Any
 
+from ulyssesd.daemon.safety.regular_file import open_regular
+
 #: How far back from the file's end the newest steps are looked for (at most), and how much per read.
 TAIL_READ_BYTES = 256 * 1024
 TAIL_BLOCK_BYTES = 32 * 1024
@@ -24,7 +26,7 @@ def recent_steps_from_telemetry(run_dir: str | None, limit: int = 20,
     path = telemetry_file_of(run_dir, spec)
     found: list[dict[str, Any]] = []
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path, "rb") as fh:
             # Backwards from the end, one block at a time, until `limit` steps are found or TAIL_READ_BYTES are
             # read: a long run's file is gigabytes and the newest steps are in its last few kilobytes.
             end = fh.seek(0, os.SEEK_END)

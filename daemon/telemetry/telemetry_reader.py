@@ -15,10 +15,12 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.safety.regular_file import open_regular
 from ulyssesd.remediation.records import MAX_LINE_BYTES, Record, RecordError, parse_line
 
 log = get_logger("ulyssesd.telemetry")
@@ -50,6 +52,8 @@ class TelemetryReader:
         #: True when the last `read()` stopped at its byte bound with more of the file behind it: a backlog,
         #: which the caller may drain with more reads in the same tick (`ingest.drain`).
         self.behind = False
+        #: True while the path is not a regular file (a FIFO put there): it is not read, and said once.
+        self.not_regular = False
 
     @property
     def scanned_to(self) -> int:
@@ -70,6 +74,13 @@ class TelemetryReader:
             st = os.stat(self.path)
         except FileNotFoundError:
             return []
+        if not stat.S_ISREG(st.st_mode):  # a FIFO put there would block open() for ever: reported, not read
+            if not self.not_regular:
+                log.warning("telemetry file is not a regular file (a FIFO, a device?); not read until it is one",
+                            path=str(self.path), mode=stat.filemode(st.st_mode))
+            self.not_regular = True
+            return []
+        self.not_regular = False
         if self.cursor.inode and st.st_ino != self.cursor.inode:
             log.warning("telemetry file replaced; reading from the start", path=str(self.path),
                         old_inode=self.cursor.inode, new_inode=st.st_ino)
@@ -84,7 +95,11 @@ class TelemetryReader:
         self.behind = False
         if st.st_size == self.cursor.offset:
             return []
-        with open(self.path, "rb") as fh:
+        try:
+            fh = open_regular(self.path, "rb")
+        except OSError:  # replaced by something else since the stat: the next read sees what it is
+            return []
+        with fh:
             if self._skip_scanned is not None and not self._skip_long_line(fh):
                 self.behind = True
                 return []  # still inside the over-long line

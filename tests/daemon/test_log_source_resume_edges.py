@@ -151,18 +151,20 @@ def test_the_daemons_own_rotation_is_quiet(tmp_path):
     assert _steps(tmp_path) == list(range(1, 63))
 
 
-def test_a_log_that_disappears_is_said_once_and_read_again_when_back(tmp_path):
+def test_a_log_that_disappears_is_said_once_and_read_on_from_the_open_file(tmp_path):
     log = _log(tmp_path, _lines(1, 3))
     src = LogSource(tmp_path, attempt=1)
     assert src.pump(now=1.0) == 3
     log.rename(tmp_path / "away.log")
     assert src.pump(now=2.0) == 0 and src.pump(now=3.0) == 0
-    [said] = src.notices
-    assert "cannot be read" in said and "until it is back" in said
+    [said] = src.notices  # the reader holds the log open: it reads on from the file the job still writes
+    assert "was removed" in said and "read on" in said
+    _append(tmp_path / "away.log", _lines(4, 4))
+    assert src.pump(now=3.5) == 1 and len(src.notices) == 1
     (tmp_path / "away.log").rename(log)
-    _append(log, _lines(4, 4))
+    _append(log, _lines(5, 5))
     assert src.pump(now=4.0) == 1 and len(src.notices) == 1
-    assert _steps(tmp_path) == [1, 2, 3, 4]
+    assert _steps(tmp_path) == [1, 2, 3, 4, 5]
 
 
 def test_the_supervisors_hook_says_it_in_the_journal_a_webhook_and_status(tmp_path):
