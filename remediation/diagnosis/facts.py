@@ -224,6 +224,9 @@ def where_raised(frames: list[Frame], exc_type: str, cfg: DiagnosisConfig) -> st
     if any(_WORKER_FILE.search(f.file) for f in inner):
         return "dataloader_worker"
     for f in reversed(inner):
+        if _PG_FILE.search(f.file):
+            # A collective failed (a save's barrier included): its peer died or hung, not the disk or the file.
+            return "process_group"
         if _SAVE_FUNC.match(f.func) or _SAVE_CALL.search(f.code):
             return "saving"
         if _LOAD_FUNC.match(f.func) or _LOAD_CALL.search(f.code):

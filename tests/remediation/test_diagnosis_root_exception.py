@@ -192,3 +192,13 @@ def test_exit_zero_and_sigterm_rules_are_unchanged():
     text = log(STEPS, traceback(1, "RuntimeError: boom"), traceback(0, GLOO_PEER[9:]))
     assert diagnose(text, exit_code=0).label == "healthy"
     assert diagnose(log(STEPS, traceback(0, "RuntimeError: boom")), exit_code=-15).label == "healthy"
+
+
+def test_a_peer_killed_during_a_saves_barrier_is_not_a_full_disk():
+    """A real log (bench/soak.py, 2026-12-07): rank 1 was SIGKILLed while rank 0 waited in the save's barrier, so
+    rank 0's RuntimeError comes from the collective inside `_save` ("Connection reset by peer"). The raising frame is
+    the process group's, not a write: the label is the kill (torchrun's Root Cause names SIGKILL), never disk_full
+    (it was "disk_full, high confidence" before)."""
+    text = (FIXTURES.parent / "soak_sigkill_in_save_barrier.log").read_text(encoding="utf-8")
+    d = diagnose(text)
+    assert d.label in ("killed", "host_oom_killed"), (d.label, d.evidence)
