@@ -398,8 +398,10 @@ def test_real_job_enospc_mid_save_on_a_small_disk_makes_room_lengthens_the_inter
         # Two tags and room for a third: one removal after the last save. While attempt 2 still runs it maps step
         # 4's files (CPU tensors loaded with mmap), removing step 4 would free nothing and step 8 goes instead
         # (held_entries); once it has exited, step 4 goes. Before held_entries both went.
+        # Whether that last removal happens before the run completes depends on the daemon's pass racing the job's
+        # exit (a loaded box can end the run first): both are within the budget (the disk holds 3 tags).
         tags = ck.list_tags(ckpt)
-        assert len(tags) == 2 and tags[-1] == "step-00000010", tags
+        assert 2 <= len(tags) <= prune.parameters["tags_fit"] and tags[-1] == "step-00000010", tags
         assert all(ck.validate_tag(ckpt / t, True)[0] for t in tags)
 
 
