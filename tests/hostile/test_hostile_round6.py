@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from round6.harness import final_state, job_pids, make_run, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(300)]
 
 STEP_LINES = """\
 import os, sys, time
