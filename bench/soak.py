@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import threading
 import time
@@ -22,16 +21,7 @@ from pathlib import Path
 import psutil
 from chaos import Chaos, records
 
-
-def tree_bytes(p: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(p):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
-    return total
+from ulyssesd.training.checkpoint.retention import tree_bytes
 
 
 def sample(c: Chaos) -> dict | None:

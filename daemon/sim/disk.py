@@ -9,22 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-
-def dir_bytes(root: Path) -> int:
-    """Bytes of every regular file under `root` (0 when it does not exist)."""
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                continue
-    return total
+from ulyssesd.training.checkpoint.retention import tree_bytes
 
 
 @dataclass
@@ -37,7 +26,7 @@ class SimDisk:
     external_bytes: int = 0  # what others wrote on this filesystem (a disk-fill fault)
 
     def used(self) -> int:
-        return dir_bytes(self.root)
+        return tree_bytes(self.root)
 
     def free(self) -> int:
         return max(0, self.capacity_bytes - self.external_bytes - self.used())

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ulyssesd.daemon.core.states import TRANSITIONS
-from ulyssesd.daemon.sim.disk import dir_bytes
 from ulyssesd.daemon.store.enums import TERMINAL_INCIDENT_STATUSES, RunState, Symptom
+from ulyssesd.training.checkpoint.retention import tree_bytes
 
 #: Ticks the checkpoint directory may stay over its budget (a rollback's set-aside tags wait for retention).
 GRACE_TICKS = 3
@@ -176,7 +176,7 @@ class Checker:
 
         policy = disk_budget.policy_of(sup.dcfg, sup.config)
         limit = policy.budget_bytes(self.tag_bytes)
-        used = dir_bytes(self.ckpt_dir)
+        used = tree_bytes(self.ckpt_dir)
         if used > limit:
             self._over_budget += 1
             if self._over_budget > GRACE_TICKS:
