@@ -52,6 +52,9 @@ class DetectorsConfig(_Section):
     # --- speed
     slow_step_ratio: float = Field(2.0, gt=1, description="Slow step = step time above ratio × rolling median (seed: 2×).")
     slow_step_min_consecutive: int = Field(3, ge=1, description="Consecutive slow steps before a slow_step finding (one GC/save step is normal).")
+    slow_step_period: int = Field(0, ge=0, description="Slow steps that recur every N steps (an unannounced eval/save) pass; 0 = none (the calibration learns it).")
+    slow_step_period_phase: int = Field(0, ge=0, description="...their first step modulo the period.")
+    slow_step_period_steps: int = Field(0, ge=0, description="...and how many steps each lasts (a slowdown that outlasts it is still found).")
     straggler_ratio: float = Field(1.25, gt=1, description="Straggler = slowest rank's step time above ratio × rank 0's.")
     straggler_persist_steps: int = Field(10, ge=1, description="...with the same slowest rank for this many consecutive steps.")
     throughput_drop_frac: float = Field(0.25, gt=0, lt=1, description="Throughput drop = tokens/s below (1 - frac) × baseline median.")

@@ -186,7 +186,7 @@ class RemediationEngine(LearnedParts):
                 if causes and any(self._by_symptom[c].active for c in causes):
                     self.suppressed += 1
                     continue
-                out.append(f)
+                out.append(self._with_fit(f))
                 out.extend(self._on_finding(f, record.step, now))
         self._note_clean(record.step, weight_anomaly)
         if self._history is not None:
@@ -211,7 +211,7 @@ class RemediationEngine(LearnedParts):
         f = h.check(now)
         if f is None:
             return []
-        return [f, *self._decide("hang", f.symptom, f, f.step, now, f"{f.message}")]
+        return [self._with_fit(f), *self._decide("hang", f.symptom, f, f.step, now, f"{f.message}")]
 
     def on_crash(self, label: str, evidence: list[str] | dict[str, Any] | None, now: float, *,
                  replan: Replan | None = None) -> list[Decision]:

@@ -25,6 +25,14 @@ def exact_onset(finding: Finding) -> bool:
     return finding.symptom in EXACT_ONSET_SYMPTOMS or finding.evidence.get("onset") == "exact"
 
 
+# The fitted thresholds each symptom is judged by (shown with its finding's evidence).
+FITTED_FOR: dict[str, tuple[str, ...]] = {
+    "slow_step": ("slow_step_ratio", "slow_step_period", "slow_step_period_phase", "slow_step_period_steps"),
+    "throughput_drop": ("throughput_drop_frac",),
+    "memory_spike": ("memory_spike_ratio",),
+    "hang": ("hang_timeout_floor_s", "hang_checkpoint_timeout_s", "hang_startup_timeout_s"),
+}
+
 # Healthy records kept for the calibration refits (references to records already parsed).
 CALIBRATION_HISTORY = 5000
 
@@ -154,6 +162,9 @@ class LearnedParts:
         spike = self._by_symptom.get("loss_spike")
         bands = spike.source_summary() if spike is not None and hasattr(spike, "source_summary") else None
         f = calibration.fit(recs, self._configured, self.config.calibrate_false_alarm_rate, bands)
+        for k in (self.calibration or {}).get("values") or {}:   # an earlier fit's value this one does not set
+            if k not in f.values:
+                setattr(self.config, k, getattr(self._configured, k))
         before = {k: getattr(self._configured, k) for k in f.values}
         calibration.apply(self.config, f)
         changed = {k: (before[k], v) for k, v in f.values.items() if before[k] != v}
@@ -163,6 +174,32 @@ class LearnedParts:
         self.calibration_new = True
         return self.calibration
 
+
+    def _with_fit(self, finding: Finding) -> Finding:
+        """The thresholds that judged `finding`, fitted or configured, in its evidence: which are fitted and from
+        what (sample size, fitted value, the rate targeted) - what `ulyssesctl incident` shows."""
+        keys = FITTED_FOR.get(finding.symptom, ())
+        cal = self.calibration
+        if not keys or "thresholds" in finding.evidence:
+            return finding
+        vals, ev = (cal.get("values") or {}, cal.get("evidence") or {}) if cal else ({}, {})
+        th: dict[str, Any] = {}
+        for k in keys:
+            if k in vals:
+                e = ev.get("slow_step_period" if k.startswith("slow_step_period") else k) or {}
+                th[k] = {"value": getattr(self.config, k), "configured": getattr(self._configured, k),
+                         "fitted": True, "n": e.get("n"), "statistic": e.get("statistic")}
+            else:
+                th[k] = {"value": getattr(self.config, k), "fitted": False}
+        if cal:
+            th["fit"] = {"at_step": cal.get("at_step"), "healthy_steps": cal.get("steps"),
+                         "false_alarm_rate_per_step": cal.get("false_alarm_rate_per_step"),
+                         "config_version": cal.get("config_version")}
+        else:
+            th["fit"] = (f"not fitted yet: {self._healthy_steps} healthy steps of {self.config.calibrate_after_steps}"
+                         if self.config.calibrate else "calibrate = false: the configured values")
+        finding.evidence["thresholds"] = th
+        return finding
 
     def _rollback_plan(self, anomaly_step: int | None, precise: bool = False, sources: int = 1,
                        exact: bool = False) -> RollbackPlan | None:
