@@ -191,7 +191,7 @@ class RemediationEngine(LearnedParts):
         self._note_clean(record.step, weight_anomaly)
         if self._history is not None:
             self._count_healthy(record, findings, now)
-        if self.grad_watch is not None and record.grad_norm is not None:
+        if self.grad_watch is not None:   # early warning: grad norm, logits, update ratios, loss scale
             self._watch_grad(record)
         # Bookkeeping has nothing to do without a finding, a checkpoint candidate, a ladder or a pending symptom.
         if weight_anomaly or self.candidates or self.ladders or self.pending:
@@ -245,7 +245,7 @@ class RemediationEngine(LearnedParts):
         for det in self.detectors:
             det.reset()
         if self.grad_watch is not None:
-            self.grad_watch.reset()
+            self._reset_watches()
         self.hang.reset(now)
         self.pending.clear()
         for st in self.ladders.values():

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.job import K_SKIP, JobReach
+from ulyssesd.remediation.learned.early_signals import SignalWatch
 from ulyssesd.remediation.learned.early_warning import GradNormWatch
 from ulyssesd.remediation.playbook import K_GA, K_MB, WEIGHT_SYMPTOMS, RollbackPlan
 from ulyssesd.remediation.records import Record, StepRecord
@@ -97,6 +98,7 @@ class LearnedParts:
         self.calibration_new = False
         # Early warning (grad norm out of its own distribution): alerts, drained by the daemon.
         self.grad_watch = GradNormWatch(z=self.config.early_warning_z) if self.config.early_warning else None
+        self.signal_watch = SignalWatch(z=self.config.early_warning_z)   # logits, update ratios, loss scale
         self.new_warnings: list[dict[str, Any]] = []
 
     def _reachable(self, memory: Any, skipped: list[str]) -> Any:
@@ -133,10 +135,26 @@ class LearnedParts:
 
     def _watch_grad(self, record: StepRecord) -> None:
         assert self.grad_watch is not None
-        warning = self.grad_watch.observe(record)
-        if warning is not None:
-            self.new_warnings.append(warning)
+        warnings = []
+        if record.grad_norm is not None:
+            w = self.grad_watch.observe(record)
+            if w is not None:
+                warnings.append({"signal": "grad_norm", **w})
+        if record.logit_max is not None or record.update_ratio:
+            warnings.extend(self.signal_watch.observe(record))
+        if record.loss_scale is not None:
+            w = self.signal_watch.observe_scale(record)
+            if w is not None:
+                warnings.append(w)
+        if warnings:
+            self.new_warnings.extend(warnings)
             del self.new_warnings[:-16]
+
+    def _reset_watches(self) -> None:
+        """A restart: the early-warning watches keep the run's history, not their recent flags."""
+        assert self.grad_watch is not None
+        self.grad_watch.reset()
+        self.signal_watch.reset()
 
     def _count_healthy(self, record: StepRecord, findings: list[Finding] | None, now: float) -> None:
         """Keep healthy step records (no finding, no ladder at work); fit after `calibrate_after_steps` of
