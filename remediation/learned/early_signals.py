@@ -23,7 +23,6 @@ from typing import Any
 
 from ulyssesd.remediation.records import StepRecord
 
-
 SCALE_DROP = 4.0   # a loss scale this many times below its typical level, falling, is a run-up
 WINSOR_Z = 2.0   # values above this z update the EMA as if they were at it
 
