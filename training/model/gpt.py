@@ -249,6 +249,7 @@ class GPT(nn.Module):
         # `last_sample_loss`; the mean loss it returns is the same value.
         self.track_sample_loss = False
         self.last_sample_loss: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.logit_max: torch.Tensor | None = None   # the last forward's largest |logit| (`_note_logits`)
         if loss_chunk_tokens:
             log.info("tiled LM loss: head + fp32 cross-entropy over chunks of %d local tokens", loss_chunk_tokens)
         # Selective recompute: the first N blocks are checkpointed one by one, the rest keep activations.
@@ -300,8 +301,7 @@ class GPT(nn.Module):
         """The largest |logit| of this forward (early warning: logit growth comes before a blow-up), kept on the
         device (no sync); a checkpointed chunk's recompute in backward sees the same values (max: unchanged)."""
         m = logits.detach().abs().amax().float()
-        prev = getattr(self, "logit_max", None)
-        self.logit_max = m if prev is None else torch.maximum(prev, m)
+        self.logit_max = m if self.logit_max is None else torch.maximum(self.logit_max, m)
 
     def _chunk_loss_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self._logits(x)
@@ -345,7 +345,7 @@ class GPT(nn.Module):
         return total / (flat_labels != IGNORE_INDEX).sum()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        self.logit_max: torch.Tensor | None = None
+        self.logit_max = None
         x = self.embed(input_ids)
         cos, sin = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
         n, k = len(self.blocks), self.checkpoint_every
