@@ -47,7 +47,7 @@ def run(curve: dict[str, Any], calibrate: bool) -> dict[str, Any]:
     from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
     from ulyssesd.remediation.detectors import Finding
     from ulyssesd.remediation.engine import RemediationEngine
-    from ulyssesd.remediation.records import parse_record, StepRecord
+    from ulyssesd.remediation.records import StepRecord, parse_record
     from ulyssesd.remediation.replay import replay
 
     eng = RemediationEngine(DetectorsConfig(calibrate=calibrate), RemediationConfig(mode="observe"), curve["job"])
