@@ -22,6 +22,7 @@ from ulyssesd.daemon.host import disk
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job.checkpoint_watch import CheckpointWatchRun
+from ulyssesd.daemon.job.early_warning import early_warnings
 from ulyssesd.daemon.job.slurm_supervise import SlurmRun
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.daemon.telemetry import log_source
@@ -141,19 +142,8 @@ def on_record(sup: DecisionsRun, rec: Record, now: float) -> None:
         handle_outputs(sup, sup.engine.observe(rec, now), step=rec.step if rec.step is not None else (sup.last_step or 0))
         if getattr(sup.engine, "calibration_new", False):
             save_calibration(sup)
-        if getattr(sup.engine, "new_warnings", None):
-            early_warnings(sup)
-
-
-def early_warnings(sup: DecisionsRun) -> None:
-    """The engine's early warnings (grad norm out of its own distribution): said, logged and alerted as a
-    warning first; no incident until a detector finds the blow-up, no ladder rung."""
-    for w in sup.engine.new_warnings:
-        log.warning("early warning", run_id=sup.run_id, step=w.get("step"), z=w.get("z"), source=w.get("source"))
-        sup.say(f"  early warning: {w.get('message')}")
-        sup.alert("incident", f"early warning at step {w.get('step')}: {w.get('message')}", warning=True,
-                  evidence={k: v for k, v in w.items() if k != "message"})
-    sup.engine.new_warnings = []
+        if getattr(sup.engine, "new_warnings", None) or getattr(getattr(sup.engine, "preempt", None), "outcomes", None):
+            early_warnings(sup)   # said and alerted; a pre-emptive clip applied and verified (daemon/job/early_warning.py)
 
 
 def save_calibration(sup: DecisionsRun) -> None:

@@ -13,7 +13,8 @@ from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.job import K_SKIP, JobReach
 from ulyssesd.remediation.learned.early_signals import SignalWatch
 from ulyssesd.remediation.learned.early_warning import GradNormWatch
-from ulyssesd.remediation.playbook import K_GA, K_MB, WEIGHT_SYMPTOMS, RollbackPlan
+from ulyssesd.remediation.learned.preempt import PreemptiveClip
+from ulyssesd.remediation.playbook import K_CLIP, K_GA, K_MB, WEIGHT_SYMPTOMS, RollbackPlan
 from ulyssesd.remediation.records import Record, StepRecord
 
 # Findings whose onset step is exact (the first non-finite loss), not a smoothed test's estimate: their
@@ -99,6 +100,7 @@ class LearnedParts:
         # Early warning (grad norm out of its own distribution): alerts, drained by the daemon.
         self.grad_watch = GradNormWatch(z=self.config.early_warning_z) if self.config.early_warning else None
         self.signal_watch = SignalWatch(z=self.config.early_warning_z)   # logits, update ratios, loss scale
+        self.preempt = PreemptiveClip(self.policy)   # the optional clip on a grad-norm warning (off by default)
         self.new_warnings: list[dict[str, Any]] = []
 
     def _reachable(self, memory: Any, skipped: list[str]) -> Any:
@@ -118,6 +120,8 @@ class LearnedParts:
             self.saving.pop(next(iter(self.saving)))
 
     def _note_clean(self, step: int, weight_anomaly: bool) -> None:
+        if self.preempt.pending is not None:
+            self.preempt.observe(step, weight_anomaly)
         if weight_anomaly or not self._last_loss_finite:
             return
         # An episode lives on after its finding only with a ladder or a pending grace: the quiet path is cheap.
@@ -139,7 +143,10 @@ class LearnedParts:
         if record.grad_norm is not None:
             w = self.grad_watch.observe(record)
             if w is not None:
-                warnings.append({"signal": "grad_norm", **w})
+                act = self.preempt.propose(w, self.values.get(K_CLIP))
+                if act is not None and "patch" in act:
+                    self.values[K_CLIP] = act["to"]   # later rungs start from the lowered clip
+                warnings.append({"signal": "grad_norm", **w, **({"action": act} if act else {})})
         if record.logit_max is not None or record.update_ratio:
             warnings.extend(self.signal_watch.observe(record))
         if record.loss_scale is not None:
