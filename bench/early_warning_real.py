@@ -3,8 +3,10 @@
     DS_ACCELERATOR=cpu .venv/bin/python bench/early_warning_real.py [--out DIR]
 
 Curves: the public real-curve corpus (tests/fixtures/replay/real/, 27 curves with their sources) and the two
-recorded real runs of the built-in job (tests/fixtures/replay/: the 3,000-step healthy tiny run, and the tiny
-run with its LR raised 30x from step 300). Each is replayed through the whole engine (hang findings left out:
+recorded real runs of the built-in job (tests/fixtures/replay/: the 3,000-step healthy tiny run, and two runs of the tiny preset
+with its LR raised 30x from step 300: `tiny_cpu_sources_lr30.jsonl`, and `tiny_cpu_logits_lr30.jsonl` recorded
+2026-12-07 on the 2-core dev box by tests/remediation/test_rem_loss_judgment_real.py with the job reporting
+`logit_max`, reduced to the step fields and the start/save events). Each is replayed through the whole engine (hang findings left out:
 the public rows are excerpts) twice: fixed thresholds (`calibrate = false`) and calibrated (the default).
 
 Per curve: the findings and their steps, the first early warning (any signal) and, for incidents, the
@@ -40,6 +42,9 @@ def curves() -> list[dict[str, Any]]:
     lr30 = [json.loads(line) for line in (RECORDED / "tiny_cpu_sources_lr30.jsonl").read_text().splitlines() if line]
     out.append({"id": "recorded-tiny-cpu-lr30", "kind": "incident", "onset": 300, "job": None, "rows": lr30,
                 "source": "tests/fixtures/replay/tiny_cpu_sources_lr30.jsonl"})
+    logits = [json.loads(line) for line in (RECORDED / "tiny_cpu_logits_lr30.jsonl").read_text().splitlines() if line]
+    out.append({"id": "recorded-tiny-cpu-lr30-logits", "kind": "incident", "onset": 300, "job": None, "rows": logits,
+                "source": "tests/fixtures/replay/tiny_cpu_logits_lr30.jsonl"})
     return out
 
 
@@ -71,6 +76,7 @@ def run(curve: dict[str, Any], calibrate: bool) -> dict[str, Any]:
         out["delay"] = hits[0] - onset if hits else None
         first_w = next((w["step"] for w in warnings if w.get("step") is not None and w["step"] >= onset - 50), None)
         out["warned_at"] = first_w
+        out["signals"] = sorted({str(w.get("signal")) for w in warnings if (w.get("step") or 0) >= onset - 50})
         out["lead"] = (hits[0] - first_w) if hits and first_w is not None and first_w <= hits[0] else None
     return out
 

@@ -15,7 +15,7 @@ import early_warning_real as ew  # noqa: E402
 
 def test_real_curves_warnings_and_calibration():
     rows = {c["id"]: (c, ew.run(c, calibrate=False), ew.run(c, calibrate=True)) for c in ew.curves()}
-    assert len(rows) >= 29
+    assert len(rows) >= 30
     for cid, (c, fixed, fitted) in rows.items():
         if c["kind"] in ("healthy", "healthy_spike"):
             assert fitted["warnings"] == [], (cid, fitted["warnings"])
@@ -25,5 +25,11 @@ def test_real_curves_warnings_and_calibration():
     _, fixed, fitted = rows["recorded-tiny-cpu-3k"]
     assert fitted["fitted"] and len(fitted["findings"]) < len(fixed["findings"])
     assert not any(s in ew.INCIDENT_SYMPTOMS for s, _ in fitted["findings"])
-    _, _, lr30 = rows["recorded-tiny-cpu-lr30"]
-    assert lr30["lead"] is not None and lr30["lead"] > 0 and lr30["warned_at"] >= 300
+    for cid in ("recorded-tiny-cpu-lr30", "recorded-tiny-cpu-lr30-logits"):
+        _, _, lr30 = rows[cid]
+        assert lr30["lead"] is not None and lr30["lead"] > 0 and lr30["warned_at"] >= 300, (cid, lr30)
+    # The job's logit_max warns too on the run that reports it (before the loss finding).
+    _, _, logits = rows["recorded-tiny-cpu-lr30-logits"]
+    assert "logit_max" in logits["signals"], logits
+    first_logit = min(w["step"] for w in logits["warnings"] if w["signal"] == "logit_max")
+    assert 300 <= first_logit < logits["found_at"], logits
