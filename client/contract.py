@@ -101,7 +101,7 @@ _STEP_FIELDS: dict[str, tuple[type, ...]] = {
     "grad_norm": _NUM, "lr": _NUM, "loss_scale": _NUM, "skipped": (bool,), "step_time_s": _NUM,
     "step_time_max_s": _NUM, "slowest_rank": (int,), "tokens": (int,), "tokens_per_s": _NUM,
     "mem_allocated_gib": _NUM, "mem_max_allocated_gib": _NUM, "mem_max_rank": (int,), "mem_reserved_gib": _NUM,
-    "config_version": (int,), "samples": (list,), "total_steps": (int,),
+    "config_version": (int,), "samples": (list,), "total_steps": (int,), "logit_max": _NUM,
 }
 _NONFINITE = ("nan", "inf", "-inf")
 
@@ -152,6 +152,10 @@ def validate_record(rec: Any) -> list[str]:
         if by_source is not None and not (isinstance(by_source, dict) and all(
                 isinstance(k, str) and k and _is_number(v) for k, v in by_source.items())):
             problems.append(f"loss_by_source={by_source!r}: expected an object {{source name: loss}}")
+        ratios = rec.get("update_ratio")
+        if ratios is not None and not (isinstance(ratios, dict) and all(
+                isinstance(k, str) and k and _is_number(v) for k, v in ratios.items())):
+            problems.append(f"update_ratio={ratios!r}: expected an object {{layer group: ||delta W|| / ||W||}}")
         samples = rec.get("samples")
         if samples is not None and not (len(samples) == 2 and all(isinstance(x, int) for x in samples)
                                         and samples[0] <= samples[1]):

@@ -215,7 +215,7 @@ class Supervisor:
         parent = self.config_version
         version = parent + 1
         jc.write_json_atomic(self.run_dir / "configs" / f"v{version}.json", new)
-        stored = {**new, "launcher": {"env": new_env}}
+        stored = {**new, "launcher": {"env": new_env}, **decisions.carried_fit(self, parent)}
         self.store.add_config_version(self.run_id, stored, reason=reason, parent_version=parent, version=version)
         self.config, self.config_version, self.launch_env = new, version, new_env
         log.info("config version", run_id=self.run_id, version=version, diff=diff, reason=reason)

@@ -52,6 +52,9 @@ class DetectorsConfig(_Section):
     # --- speed
     slow_step_ratio: float = Field(2.0, gt=1, description="Slow step = step time above ratio × rolling median (seed: 2×).")
     slow_step_min_consecutive: int = Field(3, ge=1, description="Consecutive slow steps before a slow_step finding (one GC/save step is normal).")
+    slow_step_period: int = Field(0, ge=0, description="Slow steps that recur every N steps (an unannounced eval/save) pass; 0 = none (the calibration learns it).")
+    slow_step_period_phase: int = Field(0, ge=0, description="...their first step modulo the period.")
+    slow_step_period_steps: int = Field(0, ge=0, description="...and how many steps each lasts (a slowdown that outlasts it is still found).")
     straggler_ratio: float = Field(1.25, gt=1, description="Straggler = slowest rank's step time above ratio × rank 0's.")
     straggler_persist_steps: int = Field(10, ge=1, description="...with the same slowest rank for this many consecutive steps.")
     throughput_drop_frac: float = Field(0.25, gt=0, lt=1, description="Throughput drop = tokens/s below (1 - frac) × baseline median.")
@@ -109,6 +112,8 @@ class RemediationConfig(_Section):
     suspect_resume_steps: int = Field(3, ge=0, description="A NaN within this many steps of resuming a checkpoint makes that checkpoint suspect: the next rollback goes to a save before it (0: off).")
     max_crash_restarts: int = Field(3, ge=1, description="Plain restarts in a row per crash kind (NCCL, segfault, hang, ...) before stop + alert.")
     clip_floor: float = Field(0.1, gt=0, description="Gradient clipping is never lowered below this.")
+    early_warning_clip: StrictBool = Field(False, description="Pre-emptive, off by default: on a grad-norm early warning lower gradient clipping (hot) to the run's own grad-norm threshold (ZClip: EMA of log grad norm, mean + 2.5 sigma), never below clip_floor; verified like a rung.")
+    early_warning_clip_max: int = Field(3, ge=1, description="...at most this many pre-emptive clips per run.")
     lr_floor_frac: float = Field(0.5, gt=0, le=1, description="LR is never lowered below this fraction of the run's initial LR.")
     lr_step_frac: float = Field(0.10, gt=0, lt=1, description="Each LR step lowers the LR by this fraction.")
     fp32_layers: int = Field(10, ge=1, description="Loss ladder: run the first N blocks in fp32 (capped at the model's layers).")

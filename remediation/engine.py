@@ -186,12 +186,12 @@ class RemediationEngine(LearnedParts):
                 if causes and any(self._by_symptom[c].active for c in causes):
                     self.suppressed += 1
                     continue
-                out.append(f)
+                out.append(self._with_fit(f))
                 out.extend(self._on_finding(f, record.step, now))
         self._note_clean(record.step, weight_anomaly)
         if self._history is not None:
             self._count_healthy(record, findings, now)
-        if self.grad_watch is not None and record.grad_norm is not None:
+        if self.grad_watch is not None:   # early warning: grad norm, logits, update ratios, loss scale
             self._watch_grad(record)
         # Bookkeeping has nothing to do without a finding, a checkpoint candidate, a ladder or a pending symptom.
         if weight_anomaly or self.candidates or self.ladders or self.pending:
@@ -211,7 +211,7 @@ class RemediationEngine(LearnedParts):
         f = h.check(now)
         if f is None:
             return []
-        return [f, *self._decide("hang", f.symptom, f, f.step, now, f"{f.message}")]
+        return [self._with_fit(f), *self._decide("hang", f.symptom, f, f.step, now, f"{f.message}")]
 
     def on_crash(self, label: str, evidence: list[str] | dict[str, Any] | None, now: float, *,
                  replan: Replan | None = None) -> list[Decision]:
@@ -245,7 +245,7 @@ class RemediationEngine(LearnedParts):
         for det in self.detectors:
             det.reset()
         if self.grad_watch is not None:
-            self.grad_watch.reset()
+            self._reset_watches()
         self.hang.reset(now)
         self.pending.clear()
         for st in self.ladders.values():

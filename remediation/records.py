@@ -96,6 +96,10 @@ class StepRecord:
     config_version: int | None = None
     # {data source: mean loss of its samples in this step} (optional; docs/CONTRACTS.md `loss_by_source`).
     loss_by_source: dict[str, float] | None = None
+    # Early-warning signals (optional; docs/CONTRACTS.md): the largest |output logit| of the step, and the
+    # update-to-weight ratio ||delta W|| / ||W|| of the step per layer group.
+    logit_max: float | None = None
+    update_ratio: dict[str, float] | None = None
     v: int = 1
     kind: str = "step"
 
@@ -114,7 +118,7 @@ class EventRecord:
 Record = StepRecord | EventRecord
 
 _FLOATS = ("grad_norm", "lr", "loss_scale", "step_time_s", "step_time_max_s", "tokens_per_s",
-           "mem_allocated_gib", "mem_max_allocated_gib", "mem_reserved_gib")
+           "mem_allocated_gib", "mem_max_allocated_gib", "mem_reserved_gib", "logit_max")
 _INTS = ("attempt", "slowest_rank", "tokens", "mem_max_rank", "config_version")
 
 
@@ -175,7 +179,8 @@ _INT = frozenset((int, type(None)))
 # Positional order of StepRecord's fields (kwargs matching 20 names per record is measurably slow).
 _ORDER = ("step", "loss", "time", "attempt", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s",
           "step_time_max_s", "slowest_rank", "tokens", "tokens_per_s", "mem_allocated_gib", "mem_max_allocated_gib",
-          "mem_max_rank", "mem_reserved_gib", "samples", "config_version", "loss_by_source")
+          "mem_max_rank", "mem_reserved_gib", "samples", "config_version", "loss_by_source", "logit_max",
+          "update_ratio")
 _FLOAT_AT = itemgetter(*(_ORDER.index(k) for k in (*_FLOATS, "time")))
 _INT_AT = itemgetter(*(_ORDER.index(k) for k in _INTS))
 
@@ -186,7 +191,7 @@ def _fast_step(d: dict[str, Any]) -> StepRecord | None:
     # Any: the checks below establish each field's type before StepRecord(*vals) is built.
     vals: tuple[Any, ...] = tuple(map(d.get, _ORDER))
     step, loss, sk, smp = vals[0], vals[1], vals[7], vals[17]
-    if vals[19] is not None:   # loss_by_source: the validating path checks its keys and values
+    if vals[19] is not None or vals[21] is not None:   # {name: value} fields: the validating path checks them
         return None
     if (type(step) is not int or step < 0 or type(loss) not in _NUM or loss is None
             or not _NUM.issuperset(map(type, _FLOAT_AT(vals))) or not _INT.issuperset(map(type, _INT_AT(vals)))
@@ -249,6 +254,8 @@ if _msgspec is not None:
         samples: tuple[_I64, _I64] | None = None
         config_version: _OptI64 = None
         loss_by_source: dict[str, float] | None = None
+        logit_max: _F = None
+        update_ratio: dict[str, float] | None = None
         v: _I64 = 1
         kind: Literal["step"]
 
@@ -261,15 +268,15 @@ if _msgspec is not None:
 MAX_SOURCES = 256   # per record: a blend of more named datasets is not a per-step loss view
 
 
-def _loss_by_source(val: Any) -> dict[str, float]:
+def _loss_by_source(val: Any, key: str = "loss_by_source", what: str = "{source: loss}") -> dict[str, float]:
     if not isinstance(val, dict):
-        raise RecordError(f"field 'loss_by_source' must be an object {{source: loss}}, got {bounded_repr(val)}")
+        raise RecordError(f"field {key!r} must be an object {what}, got {bounded_repr(val)}")
     if len(val) > MAX_SOURCES:
-        raise RecordError(f"field 'loss_by_source' names {len(val)} sources; at most {MAX_SOURCES}")
+        raise RecordError(f"field {key!r} names {len(val)} entries; at most {MAX_SOURCES}")
     out: dict[str, float] = {}
     for name, loss in val.items():
         if not isinstance(name, str) or not name or len(name) > 200:
-            raise RecordError(f"field 'loss_by_source' needs non-empty source names (<= 200 characters), "
+            raise RecordError(f"field {key!r} needs non-empty names (<= 200 characters), "
                               f"got {bounded_repr(name)}")
         got = _float({"v": loss}, "v", required=True)
         assert got is not None
@@ -321,6 +328,9 @@ def parse_record(d: Any) -> Record:
         by_source = d.get("loss_by_source")
         if by_source is not None:
             rec.loss_by_source = _loss_by_source(by_source)
+        ratios = d.get("update_ratio")
+        if ratios is not None:
+            rec.update_ratio = _loss_by_source(ratios, "update_ratio", "{layer group: ||delta W|| / ||W||}")
         if "v" in d:
             rec.v = _int(d, "v") or 1
         return rec

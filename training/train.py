@@ -358,6 +358,7 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
         # Per source: [sum of token losses, labelled tokens] over this rank's micro-batches.
         # On the device: no sync per micro-step (read once, after the step's own synchronize).
         by_source = torch.zeros(2, len(names), dtype=torch.float32, device=self.device) if names is not None else None
+        self._logit_max: Any = None   # this rank's largest |logit| over the step's micro-batches (on the device)
         for micro, host_tokens in enumerate(batches.micro):
             tokens = host_tokens.to(self.device, non_blocking=True)
             inputs, labels, positions = slice_for_sp(tokens, self.sp_rank, self.sp)
@@ -366,6 +367,9 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
                 loss = loss * factor
             eng.backward(loss)
             losses.append(loss.detach().float())
+            lm = getattr(eng.module, "logit_max", None)
+            if lm is not None:
+                self._logit_max = lm if self._logit_max is None else torch.maximum(self._logit_max, lm)
             sample_loss = getattr(eng.module, "last_sample_loss", None)
             if by_source is not None and batches.sources is not None and sample_loss is not None:
                 ids = torch.tensor(batches.sources[micro], dtype=torch.long).to(self.device, non_blocking=True)
@@ -418,6 +422,8 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
             clip=engine_clip(eng), samples=list(samples), data_wait_s=round(self._data_wait_s, 6))
         if self.source_names is not None and stats.extra is not None:
             rec["loss_by_source"] = loss_by_source(self.source_names, stats.extra)
+        if self._logit_max is not None:   # rank 0's (docs/CONTRACTS.md `logit_max`): read after the step's sync
+            rec["logit_max"] = round(float(self._logit_max), 4)
         step_mfu = mfu(self.spec, self.world, tokens, stats.step_time_max_s)
         if step_mfu is not None:
             rec["mfu"] = round(step_mfu, 6)

@@ -29,6 +29,7 @@ from ulyssesd.daemon.store.permissions import private_dir
 from ulyssesd.daemon.store.recovery import refuse_unknown_run_dirs
 from ulyssesd.daemon.telemetry.telemetry_reader import Cursor, TelemetryReader
 from ulyssesd.remediation.engine import LadderState
+from ulyssesd.remediation.learned.fit_version import job_part
 from ulyssesd.remediation.playbook import DEFAULTS, LADDERS, NON_FATAL
 from ulyssesd.remediation.records import StepRecord
 
@@ -127,7 +128,7 @@ def adopt(sup: StartupRun, run: Any) -> None:
     sup.state = RunState(run.state)
     cv = sup.store.list_config_versions(run.id)
     latest = max(cv, key=lambda c: c.version)
-    sup.config_version, sup.config = latest.version, dict(latest.config)
+    sup.config_version, sup.config = latest.version, job_part(latest.config)   # the fit's keys are not the job's
     sup.launch_env = dict((sup.config.pop("launcher", None) or {}).get("env") or {})
     # The engine starts from v1 (its bounds are relative to the initial values); the warm-up replay walks it
     # through the telemetry's findings again (decisions dropped), and `seat_engine` then tells it the configs
@@ -208,7 +209,7 @@ def replanner(sup: StartupRun) -> Callable[[], Any]:
 def engine_values(stored: dict[str, Any]) -> dict[str, Any]:
     """A stored config version (job config + `launcher.env`) as the engine holds it: the engine's defaults
     under the config's dotted values, as `RemediationEngine.__init__` takes them, the launcher env included."""
-    cfg = dict(stored)
+    cfg = job_part(stored)
     env = (cfg.pop("launcher", None) or {}).get("env") or {}
     return {**DEFAULTS, **{k: v for k, v in engine_job_values(cfg, env).items() if v is not None}}
 
@@ -226,6 +227,10 @@ def seat_engine(sup: StartupRun, versions: list[Any], attempt: int, running: int
             log.warning("the attempt reports a config version the store does not have; taking the newest",
                         attempt=attempt, reported=running, newest=newest)
         running = newest
+    fitted = by_version[newest].config.get("detectors")
+    if fitted and getattr(sup.engine, "calibration", True) is None:   # the replay did not reach the fit: keep it
+        for key, value in fitted.items():
+            setattr(sup.engine.config, key, value)
     try:
         sup.engine.values = engine_values(by_version[newest].config)
         sup.engine.launched = engine_values(by_version[running].config)

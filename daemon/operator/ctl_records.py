@@ -166,6 +166,18 @@ def _section_excerpt(section: str, share: int) -> str:
     return header + note + "".join(kept)
 
 
+def threshold_line(th: dict[str, Any]) -> str:
+    """A finding's `thresholds` evidence in one line: each value, fitted (from n samples) or configured."""
+    fit = th.get("fit")
+    vals = [f"{k} {v.get('value')}" + (f" (fitted, was {v.get('configured')}, n={v.get('n')})" if v.get("fitted")
+                                       else " (configured)")
+            for k, v in th.items() if k != "fit" and isinstance(v, dict)]
+    src = (f"fit at step {fit.get('at_step')} from {fit.get('healthy_steps')} healthy steps, target "
+           f"{fit.get('false_alarm_rate_per_step')} false alarms/step, config v{fit.get('config_version')}"
+           if isinstance(fit, dict) else str(fit))
+    return f"{', '.join(vals)} — {src}"
+
+
 def incident(incident_id: int = typer.Argument(..., metavar="ID", help="incident id"),
              json_out: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
     """One incident. Evidence, actions with their config diffs, outcome."""
@@ -189,6 +201,8 @@ def incident(incident_id: int = typer.Argument(..., metavar="ID", help="incident
         console.print(f"acknowledged by {escape(inc.acknowledged_by)} at {fmt_time(inc.acknowledged_at)}")
     console.print(f"summary: {escape(inc.summary or '')}")
     ev = dict(inc.evidence or {})
+    if isinstance(ev.get("thresholds"), dict):   # which thresholds judged it: fitted (from what) or configured
+        console.print(f"thresholds: {escape(threshold_line(ev['thresholds']))}")
     long_keys = [k for k in ("stacks", "log_tail") if k in ev]
     console.print_json(json.dumps({k: v for k, v in ev.items() if k not in long_keys}, default=str))
     for k in long_keys:

@@ -140,6 +140,20 @@ def calibration_of(run_dir: str | None) -> dict[str, Any] | None:
         return None
 
 
+def thresholds_text(cal: dict[str, Any]) -> str:
+    """Which detector thresholds are fitted and from what: sample size, fitted value, the rate targeted."""
+    ev = cal.get("evidence") or {}
+    parts = []
+    for k, (a, b) in (cal.get("changed") or {}).items():
+        n = (ev.get("slow_step_period" if k.startswith("slow_step_period") else k) or {}).get("n")
+        parts.append(f"{k} {a} -> {b}" + (f" (n={n})" if n is not None else ""))
+    version = f"config v{cal['config_version']}: " if cal.get("config_version") is not None else ""
+    not_fitted = cal.get("not_fitted") or {}
+    return (f"{version}fitted at step {cal.get('at_step')} from {cal.get('steps')} healthy steps (target "
+            f"{cal.get('false_alarm_rate_per_step'):g} false alarms/step): {', '.join(parts) or 'no change'}"
+            + (f"; not fitted: {', '.join(f'{k} ({why})' for k, why in not_fitted.items())}" if not_fitted else ""))
+
+
 def status_data(store, run) -> dict[str, Any]:
     from ulyssesd.daemon.store import flat_diff
 
@@ -149,7 +163,9 @@ def status_data(store, run) -> dict[str, Any]:
     good = store.latest_checkpoint(run.id, known_good=True)
     versions = store.list_config_versions(run.id)
     cur_v = next((v for v in versions if v.version == run.config_version), versions[-1] if versions else None)
-    diff = flat_diff(versions[0].config, cur_v.config) if versions and cur_v else {}
+    # Fitted thresholds show as detectors.X; the fit's evidence is the thresholds row, not a config diff.
+    diff = flat_diff({"detectors": {}, **versions[0].config}, {"detectors": {}, **{
+        k: v for k, v in cur_v.config.items() if k != "calibration"}}) if versions and cur_v else {}
     recent = recent_steps_from_telemetry(run.run_dir, spec=run.spec)
     step = recent[-1] if recent else {}
     total, total_source = total_steps_of(run.spec, cur_v.config if cur_v else None, recent)
@@ -354,10 +370,7 @@ def render_status(d: dict[str, Any]) -> Table:
         t.add_row("", f"{escape(src['source'])}: {src['loss']:.4g}{before}, {src['trend']} over its last {src['n']} steps")
     cal = d.get("calibration")
     if cal:
-        changed = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in (cal.get("changed") or {}).items())
-        t.add_row("thresholds", f"fitted at step {cal.get('at_step')} from {cal.get('steps')} healthy steps "
-                                f"(target {cal.get('false_alarm_rate_per_step'):g} false alarms/step): "
-                                f"{escape(changed or 'no change')}")
+        t.add_row("thresholds", escape(thresholds_text(cal)))
     tps = d["tokens_per_s"]
     t.add_row("tokens/s", f"{tps:,.0f}" if isinstance(tps, int | float) else EMPTY)
     t.add_row("MFU", f"{d['mfu']:.1%}" if isinstance(d.get("mfu"), int | float) else EMPTY)

@@ -1,10 +1,12 @@
 """Slow steps: the step time (slowest rank's when known) stays above ratio × its rolling median for a few
 consecutive steps; single slow steps (GC, checkpoint) are normal. Steps right after a checkpoint event are
-not counted."""
+not counted, nor slow steps inside a learned periodic window (`slow_step_period`: an evaluation every N steps
+the job does not announce; learned/periodic.py) - a slowdown that outlasts the window is still found."""
 
 from __future__ import annotations
 
 from ulyssesd.remediation.detectors.base import Finding, MedianWindowDetector, fmt
+from ulyssesd.remediation.learned.periodic import in_window
 from ulyssesd.remediation.records import EventRecord, Record, StepRecord
 
 
@@ -36,6 +38,9 @@ class SlowStepDetector(MedianWindowDetector):
             self._normal_step(rec.step)
             win.add(t)
             return []
+        if cfg.slow_step_period and in_window(rec.step, cfg.slow_step_period, cfg.slow_step_period_phase,
+                                              cfg.slow_step_period_steps):
+            return []   # the run's own rhythm: neither counted nor a baseline value; a longer run goes on after it
         if not self._anomalous_steps(rec.step, span, cfg.slow_step_min_consecutive):
             return []
         spread = (rec.step_time_max_s / rec.step_time_s

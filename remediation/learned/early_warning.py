@@ -67,7 +67,8 @@ class GradNormWatch:
             return None
         self._last_warning = rec.step
         w = {"step": rec.step, "since_step": hot[0][0], "z": round(max(zz for _, zz in hot), 2),
-             "grad_norm": g, "typical_grad_norm": math.exp(st.mean), "source": list(key) or None,
+             "grad_norm": g, "typical_grad_norm": math.exp(st.mean), "log_sd": math.sqrt(st.var),
+             "source": list(key) or None,
              "message": (f"step {rec.step}: grad norm {g:.4g} is {math.exp(x - st.mean):.1f}x its running level "
                          f"{math.exp(st.mean):.4g}{' for ' + ', '.join(key) if key else ''}; "
                          f"{len(hot)} of the last {len(self._flags)} steps out of the run's grad-norm distribution "

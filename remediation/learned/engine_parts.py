@@ -11,8 +11,10 @@ from typing import Any, Protocol
 from ulyssesd.remediation.config import DetectorsConfig, RemediationConfig
 from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.job import K_SKIP, JobReach
+from ulyssesd.remediation.learned.early_signals import SignalWatch
 from ulyssesd.remediation.learned.early_warning import GradNormWatch
-from ulyssesd.remediation.playbook import K_GA, K_MB, WEIGHT_SYMPTOMS, RollbackPlan
+from ulyssesd.remediation.learned.preempt import PreemptiveClip
+from ulyssesd.remediation.playbook import K_CLIP, K_GA, K_MB, WEIGHT_SYMPTOMS, RollbackPlan
 from ulyssesd.remediation.records import Record, StepRecord
 
 # Findings whose onset step is exact (the first non-finite loss), not a smoothed test's estimate: their
@@ -24,6 +26,14 @@ def exact_onset(finding: Finding) -> bool:
     """Whether `finding` dates its onset exactly (by its symptom, or its evidence's `onset = "exact"`)."""
     return finding.symptom in EXACT_ONSET_SYMPTOMS or finding.evidence.get("onset") == "exact"
 
+
+# The fitted thresholds each symptom is judged by (shown with its finding's evidence).
+FITTED_FOR: dict[str, tuple[str, ...]] = {
+    "slow_step": ("slow_step_ratio", "slow_step_period", "slow_step_period_phase", "slow_step_period_steps"),
+    "throughput_drop": ("throughput_drop_frac",),
+    "memory_spike": ("memory_spike_ratio",),
+    "hang": ("hang_timeout_floor_s", "hang_checkpoint_timeout_s", "hang_startup_timeout_s"),
+}
 
 # Healthy records kept for the calibration refits (references to records already parsed).
 CALIBRATION_HISTORY = 5000
@@ -89,6 +99,8 @@ class LearnedParts:
         self.calibration_new = False
         # Early warning (grad norm out of its own distribution): alerts, drained by the daemon.
         self.grad_watch = GradNormWatch(z=self.config.early_warning_z) if self.config.early_warning else None
+        self.signal_watch = SignalWatch(z=self.config.early_warning_z)   # logits, update ratios, loss scale
+        self.preempt = PreemptiveClip(self.policy)   # the optional clip on a grad-norm warning (off by default)
         self.new_warnings: list[dict[str, Any]] = []
 
     def _reachable(self, memory: Any, skipped: list[str]) -> Any:
@@ -108,6 +120,8 @@ class LearnedParts:
             self.saving.pop(next(iter(self.saving)))
 
     def _note_clean(self, step: int, weight_anomaly: bool) -> None:
+        if self.preempt.pending is not None:
+            self.preempt.observe(step, weight_anomaly)
         if weight_anomaly or not self._last_loss_finite:
             return
         # An episode lives on after its finding only with a ladder or a pending grace: the quiet path is cheap.
@@ -125,10 +139,29 @@ class LearnedParts:
 
     def _watch_grad(self, record: StepRecord) -> None:
         assert self.grad_watch is not None
-        warning = self.grad_watch.observe(record)
-        if warning is not None:
-            self.new_warnings.append(warning)
+        warnings = []
+        if record.grad_norm is not None:
+            w = self.grad_watch.observe(record)
+            if w is not None:
+                act = self.preempt.propose(w, self.values.get(K_CLIP))
+                if act is not None and "patch" in act:
+                    self.values[K_CLIP] = act["to"]   # later rungs start from the lowered clip
+                warnings.append({"signal": "grad_norm", **w, **({"action": act} if act else {})})
+        if record.logit_max is not None or record.update_ratio:
+            warnings.extend(self.signal_watch.observe(record))
+        if record.loss_scale is not None:
+            w = self.signal_watch.observe_scale(record)
+            if w is not None:
+                warnings.append(w)
+        if warnings:
+            self.new_warnings.extend(warnings)
             del self.new_warnings[:-16]
+
+    def _reset_watches(self) -> None:
+        """A restart: the early-warning watches keep the run's history, not their recent flags."""
+        assert self.grad_watch is not None
+        self.grad_watch.reset()
+        self.signal_watch.reset()
 
     def _count_healthy(self, record: StepRecord, findings: list[Finding] | None, now: float) -> None:
         """Keep healthy step records (no finding, no ladder at work); fit after `calibrate_after_steps` of
@@ -154,6 +187,9 @@ class LearnedParts:
         spike = self._by_symptom.get("loss_spike")
         bands = spike.source_summary() if spike is not None and hasattr(spike, "source_summary") else None
         f = calibration.fit(recs, self._configured, self.config.calibrate_false_alarm_rate, bands)
+        for k in (self.calibration or {}).get("values") or {}:   # an earlier fit's value this one does not set
+            if k not in f.values:
+                setattr(self.config, k, getattr(self._configured, k))
         before = {k: getattr(self._configured, k) for k in f.values}
         calibration.apply(self.config, f)
         changed = {k: (before[k], v) for k, v in f.values.items() if before[k] != v}
@@ -163,6 +199,32 @@ class LearnedParts:
         self.calibration_new = True
         return self.calibration
 
+
+    def _with_fit(self, finding: Finding) -> Finding:
+        """The thresholds that judged `finding`, fitted or configured, in its evidence: which are fitted and from
+        what (sample size, fitted value, the rate targeted) - what `ulyssesctl incident` shows."""
+        keys = FITTED_FOR.get(finding.symptom, ())
+        cal = self.calibration
+        if not keys or "thresholds" in finding.evidence:
+            return finding
+        vals, ev = (cal.get("values") or {}, cal.get("evidence") or {}) if cal else ({}, {})
+        th: dict[str, Any] = {}
+        for k in keys:
+            if k in vals:
+                e = ev.get("slow_step_period" if k.startswith("slow_step_period") else k) or {}
+                th[k] = {"value": getattr(self.config, k), "configured": getattr(self._configured, k),
+                         "fitted": True, "n": e.get("n"), "statistic": e.get("statistic")}
+            else:
+                th[k] = {"value": getattr(self.config, k), "fitted": False}
+        if cal:
+            th["fit"] = {"at_step": cal.get("at_step"), "healthy_steps": cal.get("steps"),
+                         "false_alarm_rate_per_step": cal.get("false_alarm_rate_per_step"),
+                         "config_version": cal.get("config_version")}
+        else:
+            th["fit"] = (f"not fitted yet: {self._healthy_steps} healthy steps of {self.config.calibrate_after_steps}"
+                         if self.config.calibrate else "calibrate = false: the configured values")
+        finding.evidence["thresholds"] = th
+        return finding
 
     def _rollback_plan(self, anomaly_step: int | None, precise: bool = False, sources: int = 1,
                        exact: bool = False) -> RollbackPlan | None:

@@ -249,6 +249,7 @@ class GPT(nn.Module):
         # `last_sample_loss`; the mean loss it returns is the same value.
         self.track_sample_loss = False
         self.last_sample_loss: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.logit_max: torch.Tensor | None = None   # the last forward's largest |logit| (`_note_logits`)
         if loss_chunk_tokens:
             log.info("tiled LM loss: head + fp32 cross-entropy over chunks of %d local tokens", loss_chunk_tokens)
         # Selective recompute: the first N blocks are checkpointed one by one, the rest keep activations.
@@ -296,12 +297,20 @@ class GPT(nn.Module):
         # when a checkpointed loss chunk re-runs it in backward (see `_linear` on external parameters).
         return self.embed(x, as_head=True) if self.head is None else self.head(x)
 
+    def _note_logits(self, logits: torch.Tensor) -> None:
+        """The largest |logit| of this forward (early warning: logit growth comes before a blow-up), kept on the
+        device (no sync); a checkpointed chunk's recompute in backward sees the same values (max: unchanged)."""
+        m = logits.detach().abs().amax().float()
+        self.logit_max = m if self.logit_max is None else torch.maximum(self.logit_max, m)
+
     def _chunk_loss_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self._logits(x)
+        self._note_logits(logits)
         return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
     def _chunk_token_losses(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self._logits(x)
+        self._note_logits(logits)
         return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
 
     def _keep_sample_loss(self, token_loss: torch.Tensor, labels: torch.Tensor) -> None:
@@ -336,6 +345,7 @@ class GPT(nn.Module):
         return total / (flat_labels != IGNORE_INDEX).sum()
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.logit_max = None
         x = self.embed(input_ids)
         cos, sin = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
         n, k = len(self.blocks), self.checkpoint_every
@@ -370,6 +380,7 @@ class GPT(nn.Module):
         if self.loss_chunk_tokens > 0:
             return self._tiled_loss(x, labels)
         logits = self._logits(x)
+        self._note_logits(logits)
         if self.track_sample_loss:
             tok = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1),
                                   ignore_index=IGNORE_INDEX, reduction="none")
