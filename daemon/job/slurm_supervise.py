@@ -261,6 +261,8 @@ def _shrink(sup: SlurmRun, iid: int, end: sl.SlurmEnd, excluded: list[str], part
     why_not = None
     if slurm.on_node_loss != "shrink":
         why_not = "slurm.on_node_loss = \"stop\""
+    elif sup.spec.job_section.kind != "builtin":
+        why_not = "a command job's checkpoints and batch layout are its own (shrinking is the built-in job's)"
     elif slurm.max_excluded is not None and len(excluded) > slurm.max_excluded:
         why_not = f"slurm.max_excluded={slurm.max_excluded}"
     elif not usable:

@@ -153,3 +153,14 @@ def test_without_grow_back_the_run_stays_small(tmp_path):
             break
     assert sup.attempt == 3
     assert "--nodes=1" in WatchPlan.read(sup.run_dir / "slurm" / "attempt-3.plan.json").sbatch_args
+
+
+def test_a_command_job_is_not_shrunk_the_run_stops_saying_why(tmp_path):
+    fos, fake = WatcherOS(), FakeSlurm(nodes=("n1", "n2"))
+    sup = _slurm_sup(tmp_path, fos, fake)
+    sup.spec.job_section = sup.spec.job_section.model_copy(update={"kind": "command", "command": ["train.py"]})
+    sup.start()
+    _lose_n2(sup, fos, fake)
+    assert sup.state == S.FAILED
+    reason = sup.store.get_run(sup.run_id).state_reason
+    assert "not continuing on fewer nodes: a command job's" in reason, reason
