@@ -1,7 +1,7 @@
 """On the real Slurm test cluster (tests/slurm/conftest.py, 3 nodes): a run on all three nodes loses one with no spare
 left, continues on two (DeepSpeed's universal checkpoint, accumulation 2 -> 3: the global batch of 6 kept), and its
-losses match, step by step, an uninterrupted 2-rank run from the same checkpoint (same samples at every step).
-Slow: three Slurm submissions, a node declared dead after Slurm's timeout, DeepSpeed's start-ups."""
+losses match, step by step, an uninterrupted 2-rank run from the same checkpoint (same samples at every step); with
+the operator's `grow_back`, it grows back to three nodes at the next relaunch once the node is in service. Slow: three Slurm submissions, a node declared dead after Slurm's timeout, DeepSpeed's start-ups."""
 
 from __future__ import annotations
 
@@ -46,14 +46,14 @@ JOB = {
 }
 
 
-def _spec(tmp: Path) -> Path:
+def _spec(tmp: Path, steps: int = 16, slurm: dict | None = None) -> Path:
     sock = Path(tempfile.mkdtemp(prefix="uls-", dir="/tmp")) / "d.sock"
     tmp.mkdir(parents=True, exist_ok=True)
     return write_spec(tmp / "run.toml", {
         "run": {"name": "elastic"},
         "launcher": {"kind": "srun", "nnodes": 3, "nproc_per_node": 1, "env": {"GLOO_SOCKET_IFNAME": "eth0"}},
-        "slurm": {"mode": "submit", "partition": "debug", "poll_s": 1.0, "cancel_grace_s": 30.0},
-        **JOB,
+        "slurm": {"mode": "submit", "partition": "debug", "poll_s": 1.0, "cancel_grace_s": 30.0, **(slurm or {})},
+        **JOB, "train": {**JOB["train"], "steps": steps},
         "detectors": {"warmup_steps": 10, "loss_smooth_records": 50, "loss_spike_min_rel": 1.0, "loss_osc_ratio": 6.0,
                       "slow_step_ratio": 5.0, "slow_step_min_consecutive": 5, "throughput_drop_frac": 0.8,
                       "throughput_persist_steps": 50, "drift_enabled": False, "hang_timeout_floor_s": 120.0},
@@ -122,3 +122,47 @@ def test_three_nodes_lose_one_without_a_spare_and_continue_on_two_with_the_same_
     print(f"ELASTIC_3_TO_2_MAX_REL_LOSS_DIFF vs 2-rank reference={worst_ref:.3e} vs 3-node attempt={worst_3:.3e} "
           f"(from {tag}, killed at step {marks['at_step']}, {time.strftime('%H:%M:%S')})")
     assert worst_ref <= LOSS_RTOL and worst_3 <= LOSS_RTOL
+
+
+def test_the_run_grows_back_to_three_nodes_when_the_node_returns_and_the_operator_allows_it(cluster, tmp_path):
+    import os
+    import signal
+
+    import slurm_cluster as sc
+
+    # The operator allows it. Steps enough that attempt 2 is still training when the node is back (a fast box).
+    steps = 120
+    spec_path = _spec(tmp_path / "run", steps=steps, slurm={"grow_back": True})
+    marks: dict[str, int] = {}
+
+    def scenario(sup):
+        if "lost" not in marks and sup.latest_ckpt is not None and (sup.last_step or 0) >= 6:
+            marks["lost"] = sup.last_step or 0
+            cluster.kill_node("n3")
+        elif "lost" in marks and "restored" not in marks and sup.attempt == 2 and sup.latest_ckpt is not None \
+                and sup.latest_ckpt[1] > marks["lost"]:
+            cluster.restore_node("n3")  # back in service while the run trains on two nodes
+            marks["restored"] = sup.last_step or 0
+            ranks = [p for p in cluster.pids_on("n1") if "ulyssesd.training" in sc._cmdline(p)]
+            if ranks:
+                os.kill(ranks[0], signal.SIGKILL)  # a crash: the next relaunch is where the run may grow
+                marks["crashed"] = ranks[0]
+
+    try:
+        sup = supervise(spec_path, lambda s: s.state in (S.COMPLETED, S.FAILED), 900, during=scenario)
+        assert sup.state == S.COMPLETED, sup.store.get_run(sup.run_id).state_reason
+    finally:
+        cluster.restore_node("n3")
+    assert "crashed" in marks, marks
+    att = sup.store.list_attempts(sup.run_id)
+    assert [a.host.rsplit(" on ", 1)[-1] for a in att] == ["n1,n2,n3", "n1,n2", "n1,n2,n3"], [a.host for a in att]
+    acts = [a.parameters["resize"] for a in sup.store.list_actions(run_id=sup.run_id) if (a.parameters or {}).get("resize")]
+    assert acts == ["shrink", "grow"] and elastic.read_resize(sup.run_dir) is None and sl.read_exclusions(sup.run_dir) == []
+    recs = [json.loads(x) for x in (sup.run_dir / "telemetry.jsonl").read_text().splitlines()]
+    worlds = [(r["from_world"], r["to_world"]) for r in recs if r.get("event") == "checkpoint_resharded"]
+    assert worlds == [(3, 2), (2, 3)], worlds
+    # Every step, at every size, read the same samples: the next 6 global indices, [start, end) (no skip ranges).
+    by_step = {r["step"]: r["samples"] for r in recs if r.get("kind") == "step"}
+    assert sorted(by_step) == list(range(1, steps + 1))
+    for s, got in by_step.items():
+        assert got == [(s - 1) * 6, s * 6], (s, got)
