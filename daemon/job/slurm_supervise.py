@@ -288,9 +288,11 @@ def _shrink(sup: SlurmRun, iid: int, end: sl.SlurmEnd, excluded: list[str], part
         _then(sup, reason, TerminationPlan(Then.FAIL))  # the exit path fails the run with this reason
         return None
     after = decision.after
-    record = {"nnodes": after.nnodes, "full_nnodes": (elastic.read_resize(sup.run_dir) or {}).get(
-        "full_nnodes", before.nnodes), "full_layout": (elastic.read_resize(sup.run_dir) or {}).get(
-        "full_layout", decision.evidence()["before"]), "lost_nodes": excluded, "since_attempt": sup.attempt + 1, "incident_id": iid}
+    earlier = elastic.read_resize(sup.run_dir) or {}  # a second loss while small: the full size stays the first's
+    record = {"nnodes": after.nnodes, "full_nnodes": earlier.get("full_nnodes", before.nnodes),
+              "full_layout": earlier.get("full_layout", decision.evidence()["before"]),
+              "lost_nodes": [n for n in excluded if n not in slurm.exclude],  # slurm.exclude's were never lost
+              "since_attempt": sup.attempt + 1, "incident_id": iid}
     elastic.write_resize(sup.run_dir, record)
     sup.spec.launcher = sup.spec.launcher.model_copy(update={"nnodes": after.nnodes})
     from_v = sup.config_version

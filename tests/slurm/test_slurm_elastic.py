@@ -164,3 +164,22 @@ def test_a_command_job_is_not_shrunk_the_run_stops_saying_why(tmp_path):
     assert sup.state == S.FAILED
     reason = sup.store.get_run(sup.run_id).state_reason
     assert "not continuing on fewer nodes: a command job's" in reason, reason
+
+
+def test_a_node_the_spec_excludes_is_not_waited_for_by_grow_back(tmp_path):
+    fos, fake = WatcherOS(), FakeSlurm(nodes=("n1", "n2", "n3"))
+    sup = _slurm_sup(tmp_path, fos, fake, slurm={"grow_back": True, "exclude": ["n3"]})  # n3: broken for good
+    sup.start()
+    _lose_n2(sup, fos, fake)
+    assert sup.attempt == 2 and elastic.read_resize(sup.run_dir)["lost_nodes"] == ["n2"]
+    fake.nodes["n2"] = "IDLE"
+    _watcher_ran(sup, fake, "FAILED", code="1:0")
+    fos.advance(30)
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    for _ in range(20):
+        sup.tick()
+        fos.advance(5)
+        if sup.attempt == 3:
+            break
+    plan = WatchPlan.read(sup.run_dir / "slurm" / "attempt-3.plan.json")
+    assert "--nodes=2" in plan.sbatch_args and "--exclude=n3" in plan.sbatch_args, plan.sbatch_args
