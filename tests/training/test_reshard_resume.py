@@ -75,3 +75,32 @@ def test_a_two_rank_tag_resumes_on_one_rank_with_the_same_samples_and_losses(tmp
     ev = grown.events("checkpoint_resharded")
     assert len(ev) == 1 and ev[0]["from_world"] == 1 and ev[0]["to_world"] == 2, ev
     assert sorted(grown.steps()) == [9, 10]
+
+
+def test_a_dp2_sp2_tag_resumes_at_dp1_with_sp_kept(tmp_path) -> None:
+    """Ulysses SP=2 on both sides: 4 ranks (DP 2 x SP 2) save step 2; 2 ranks (DP 1 x SP 2, accumulation 2) go on from
+    it. ZeRO-3 partitions over DP x SP, so the tag holds 4 partitions and is converted for 2."""
+    def spec(accum: int):
+        return tiny_spec(checkpoint={"interval_steps": 2, "keep_last": 5},
+                         train={"steps": 4, "gradient_accumulation_steps": accum})
+
+    full = launch(spec(1), tmp_path / "dp2sp2", nproc=4, timeout=420)
+    assert full.returncode == 0, full.output[-3000:]
+    tag = ckpt.tag_for_step(2)
+    assert reshard.saved_world_size(full.run_dir / "checkpoints" / tag) == 4
+    _from_tag(full.run_dir, tag, tmp_path / "dp1sp2")
+    small = launch(spec(2), tmp_path / "dp1sp2", nproc=2, timeout=420)
+    assert small.returncode == 0, small.output[-3000:]
+    ev = small.events("checkpoint_resharded")
+    assert len(ev) == 1 and ev[0]["from_world"] == 4 and ev[0]["to_world"] == 2, ev
+    started = small.events("started")[0]
+    assert started["sp"] == 2 and started["dp"] == 1 and started["start_step"] == 2
+    a, s = full.steps(), small.steps()
+    assert sorted(s) == [3, 4]
+    worst = 0.0
+    for step in (3, 4):
+        assert s[step]["samples"] == a[step]["samples"], step
+        rel = abs(s[step]["loss"] - a[step]["loss"]) / abs(a[step]["loss"])
+        worst = max(worst, rel)
+        assert rel <= RESHARD_LOSS_RTOL, (step, s[step]["loss"], a[step]["loss"])
+    print(f"RESHARD_DP2SP2_TO_DP1SP2_MAX_REL_LOSS_DIFF={worst:.3e}")
