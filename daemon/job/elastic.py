@@ -187,7 +187,11 @@ def replanner(run_spec: Any, config: dict[str, Any], patch_of: Callable[[Layout]
                                      "(GiB per GPU of the job's nodes)")
         ok, plan = ctl_plan.preflight(patched, cluster)
         if isinstance(plan, ctl_plan.SkippedPlan):
-            return Replan(bool(ok), "; ".join(plan.notes) or "not planned")
+            text = "; ".join(plan.notes) or "not planned"
+            if job.train.device == "auto":  # said, not assumed: the ranks' nodes may have GPUs the daemon cannot see
+                text += ("; NOT planned for GPUs: if the job's nodes have GPUs, set slurm.plan_gpu_mem_gib (or "
+                         "train.device = \"cuda\") so a shrink is planned")
+            return Replan(bool(ok), text)
         gib = float(1 << 30)
         figures = {"gpu_required_gib": round(plan.gpu_required / gib, 2),
                    "gpu_capacity_gib": round(plan.cluster.gpu_mem_gib, 2),

@@ -183,3 +183,15 @@ def test_a_node_the_spec_excludes_is_not_waited_for_by_grow_back(tmp_path):
             break
     plan = WatchPlan.read(sup.run_dir / "slurm" / "attempt-3.plan.json")
     assert "--nodes=2" in plan.sbatch_args and "--exclude=n3" in plan.sbatch_args, plan.sbatch_args
+
+
+def test_fits_on_the_remaining_node_by_the_real_planner_with_its_figures(tmp_path):
+    fos, fake = WatcherOS(), FakeSlurm(nodes=("n1", "n2"))
+    sup = _slurm_sup(tmp_path, fos, fake, slurm={"plan_gpu_mem_gib": 80.0})
+    sup.start()
+    _lose_n2(sup, fos, fake)
+    assert sup.state != S.FAILED and sup.attempt == 2, sup.store.get_run(sup.run_id).state_reason
+    act = next(a for a in sup.store.list_actions(run_id=sup.run_id) if (a.parameters or {}).get("resize") == "shrink")
+    mem = act.parameters["memory"]
+    assert mem["fits"] and mem["gpu_capacity_gib"] == 80.0 and 0 < mem["gpu_required_gib"] < 80.0, mem
+    assert "of 80.0 GiB per GPU" in mem["plan"]
