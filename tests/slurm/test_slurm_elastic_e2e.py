@@ -76,6 +76,7 @@ def test_three_nodes_lose_one_without_a_spare_and_continue_on_two_with_the_same_
     def kill_mid_run(sup):
         if not marks and sup.latest_ckpt is not None and (sup.last_step or 0) >= 6:
             marks["at_step"] = sup.last_step or 0
+            marks["wall"] = int(time.time() * 1000)
             cluster.kill_node("n3")
 
     try:
@@ -119,6 +120,9 @@ def test_three_nodes_lose_one_without_a_spare_and_continue_on_two_with_the_same_
         if s in first:  # a step the 3-node attempt also trained before the kill: same samples, same loss
             assert first[s]["samples"] == want[s]["samples"]
             worst_3 = max(worst_3, abs(first[s]["loss"] - want[s]["loss"]) / abs(want[s]["loss"]))
+    first_small = min(r["time"] for r in recs if r.get("kind") == "step" and r.get("attempt") == att[-1].number)
+    print(f"ELASTIC_NODE_LOSS_TO_STEP_S={first_small - marks['wall'] / 1000:.1f} (conversion "
+          f"{resharded[0]['seconds']:.1f} s)")
     print(f"ELASTIC_3_TO_2_MAX_REL_LOSS_DIFF vs 2-rank reference={worst_ref:.3e} vs 3-node attempt={worst_3:.3e} "
           f"(from {tag}, killed at step {marks['at_step']}, {time.strftime('%H:%M:%S')})")
     assert worst_ref <= LOSS_RTOL and worst_3 <= LOSS_RTOL
