@@ -195,3 +195,29 @@ def test_fits_on_the_remaining_node_by_the_real_planner_with_its_figures(tmp_pat
     mem = act.parameters["memory"]
     assert mem["fits"] and mem["gpu_capacity_gib"] == 80.0 and 0 < mem["gpu_required_gib"] < 80.0, mem
     assert "of 80.0 GiB per GPU" in mem["plan"]
+
+
+def test_a_restarted_daemon_relaunches_a_shrunk_run_at_its_smaller_size(tmp_path):
+    from ulyssesd.daemon.spec import load_run_spec
+    from ulyssesd.daemon.supervisor import Supervisor
+
+    fos, fake = WatcherOS(), FakeSlurm(nodes=("n1", "n2"))
+    sup = _slurm_sup(tmp_path, fos, fake, run_id="r1")
+    sup.start()
+    _lose_n2(sup, fos, fake)
+    assert sup.attempt == 2
+    # The daemon restarts (its spec file still says 2 nodes) and re-adopts attempt 2, which then crashes.
+    sup2 = Supervisor(load_run_spec(tmp_path / "run.toml"), sup.store, fos, run_id="r1")
+    sup2.slurm_commands = fake
+    sup2.start()
+    assert sup2.attempt == 2 and sup2.spec.launcher.nnodes == 2
+    _watcher_ran(sup2, fake, "FAILED", code="1:0")
+    fos.advance(30)
+    fos.die(sup2.job.pid, ExitStatus(1, None, "wait"))
+    for _ in range(20):
+        sup2.tick()
+        fos.advance(5)
+        if sup2.attempt == 3:
+            break
+    assert sup2.attempt == 3 and sup2.config["train"]["gradient_accumulation_steps"] == 2
+    assert "--nodes=1" in WatchPlan.read(sup2.run_dir / "slurm" / "attempt-3.plan.json").sbatch_args
