@@ -14,8 +14,8 @@ Layout, beside the tags (not a tag: retention counts it as "other" and never loa
     {ckpt_dir}/.universal/step-00000100/source.json   written LAST: the source tag, its world size and manifest
                                                       digest; a conversion without it (a crash) is redone
 
-Only the conversion in use is kept: converting a tag removes the older ones (they are derived data; the source
-tags stay where retention keeps them).
+Only the conversion in use is kept: converting a tag removes the older ones, and a resume that needs none removes
+them all (derived data; the source tags stay where retention keeps them).
 """
 
 from __future__ import annotations
@@ -145,8 +145,10 @@ def agree_on_reshard(dist: Any, rank: int, ckpt_dir: str | Path, tag: str, world
     box: list[Any] = [None]
     if rank == 0:
         try:
-            box[0] = convert(ckpt_dir, tag, workers=default_workers()) \
-                if needs_reshard(Path(ckpt_dir) / tag, world) is not None else None
+            if needs_reshard(Path(ckpt_dir) / tag, world) is not None:
+                box[0] = convert(ckpt_dir, tag, workers=default_workers())
+            else:  # a conversion made for an earlier resize is derived data nobody loads any more
+                shutil.rmtree(Path(ckpt_dir) / UNIVERSAL_DIR, ignore_errors=True)
         except ReshardError as exc:
             box[0] = str(exc)
     if world > 1:
