@@ -119,6 +119,16 @@ class SlurmSection(_Section):
     exclude: list[str] = Field(default_factory=list, description="Nodes never used (sbatch --exclude); lost nodes are added.")
     max_excluded: int | None = Field(None, ge=0, description="At most this many excluded nodes (default: as many as "
                                      "leave enough nodes in the partition for the job); beyond it the run stops.")
+    on_node_loss: Literal["shrink", "stop"] = Field(
+        "shrink", description="A lost node with no spare left: shrink = continue on the remaining nodes when the "
+        "global batch can be kept (gradient accumulation) and the memory planner says the model fits; stop = the run "
+        "stops FAILED with the explanation.")
+    min_nnodes: int = Field(1, ge=1, description="shrink never goes below this many nodes (the run stops instead).")
+    grow_back: StrictBool = Field(False, description="After a shrink, the next relaunch goes back to launcher.nnodes "
+                                  "once every lost node is in service again (operator option).")
+    plan_gpu_mem_gib: float | None = Field(None, gt=0, description="GPU memory per rank (GiB) the shrink's memory "
+                                           "re-plan uses where the daemon's host has no GPU (a login node); "
+                                           "default: measured on the daemon's host.")
     sbatch_args: list[str] = Field(default_factory=list, description="Extra sbatch arguments, verbatim (--account=…, --qos=…).")
     srun_args: list[str] = Field(default_factory=list, description="Extra srun arguments for the ranks, verbatim.")
     job_name: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="sbatch --job-name (default: the run id).")

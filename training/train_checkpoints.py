@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
+from .checkpoint import reshard
 from .checkpoint.budget import predicted_tag_bytes, room_for_save
 from .control import set_engine_clip
 from .data.batches import DataCursor, SampleSource
@@ -32,10 +33,8 @@ log = logging.getLogger("ulyssesd.training")
 class CheckpointLoadError(RuntimeError):
     """No usable checkpoint to resume from (exit code 3)."""
 
-
 #: Exit code of a job whose checkpoint save failed (its errno is in the `checkpoint_save_failed` event).
 EXIT_SAVE_FAILED = 4
-
 
 #: How long rank 0's background commit waits for every rank's shards of an async save to be durable.
 ASYNC_COMMIT_TIMEOUT_S = 1800.0
@@ -83,11 +82,11 @@ class TrainerCheckpoints:
     _save_gate_fields: dict[str, Any] = {}  # noqa: RUF012 - set by DeferredSaves, read once by _save
     preload: Any = None  # a warm standby's training.standby.Preload (set by __main__), used once by _resume
 
-    def _event(self, name: str, **fields: Any) -> None:
-        raise NotImplementedError  # Trainer's: one telemetry event at the current step
+    def _event(self, name: str, **fields: Any) -> None:  # Trainer's: one telemetry event at the current step
+        raise NotImplementedError
 
-    def _set_lr(self, step: int) -> float:
-        raise NotImplementedError  # Trainer's: the scheduled lr times the live lr_scale
+    def _set_lr(self, step: int) -> float:  # Trainer's: the scheduled lr times the live lr_scale
+        raise NotImplementedError
 
     @property
     def ckpt_dir(self) -> Path:
@@ -161,21 +160,30 @@ class TrainerCheckpoints:
         preload, self.preload = self.preload, None
         if tag is None:
             return None, 0.0
+        try:  # a tag saved by another number of ranks (nodes lost or back) is loaded in DeepSpeed's universal form
+            uni = reshard.agree_on_reshard(self.dist, self.rank, self.ckpt_dir, tag, self.world)
+        except reshard.ReshardError as exc:  # the tag is fine, its conversion failed: kept, not quarantined
+            raise CheckpointLoadError(str(exc)) from exc
         self._prepare_snapshot_pool(tag)   # built while the tag loads: no training step waits on the driver
         try:
             # The files are mapped, not copied (startup.py mapped_loads); a standby's preload answers first.
-            with mapped_loads(self.engine), (preload.serve(self.engine, self.ckpt_dir, tag, self._event)
-                                             if preload is not None else contextlib.nullcontext()):
-                path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag, load_optimizer_states=True,
-                                                           load_lr_scheduler_states=False)
+            with mapped_loads(self.engine), reshard.universal_load(self.engine, uni is not None), (
+                    preload.serve(self.engine, self.ckpt_dir, tag, self._event)
+                    if preload is not None and uni is None else contextlib.nullcontext()):
+                path, client = self.engine.load_checkpoint(str(uni.load_dir if uni else self.ckpt_dir), tag=tag,
+                                                           load_optimizer_states=True, load_lr_scheduler_states=False)
         except Exception as exc:  # a shard the manifest vouched for still failed to load
-            if self.rank == 0 and (self.ckpt_dir / tag).is_dir() and not getattr(preload, "from_memory", False):
+            if self.rank == 0 and (self.ckpt_dir / tag).is_dir() and not getattr(preload, "from_memory", False) \
+                    and uni is None:  # a converted copy that fails says nothing against the tag itself
                 ckpt.quarantine(self.ckpt_dir / tag)
                 self._event("checkpoint_invalid", tag=tag, reason=f"load failed: {exc}")
             raise CheckpointLoadError(f"loading checkpoint {tag} failed: {exc}") from exc
         if path is None or client is None:
             raise CheckpointLoadError(f"DeepSpeed found no checkpoint {tag} in {self.ckpt_dir}")
         self._adopt_client_state(tag, client)
+        if uni is not None:
+            self._event("checkpoint_resharded", tag=tag, from_world=uni.from_world, to_world=self.world,
+                        seconds=round(uni.seconds, 3), reused=uni.reused)
         return tag, time.time() - t0
 
     def _adopt_client_state(self, tag: str, client: dict[str, Any]) -> None:
@@ -196,10 +204,9 @@ class TrainerCheckpoints:
         self._reapply_config_after_load()
 
     def _reapply_config_after_load(self) -> None:
-        # docs/DEEPSPEED_NOTES.md: the checkpoint wins for lr (we set it every step anyway) and the whole fp16 loss
-        # scaler; the current config must win for everything the operator or the daemon changed.
+        # docs/DEEPSPEED_NOTES.md: the checkpoint wins for lr (set every step anyway) and the whole fp16 loss scaler;
         set_engine_clip(self.engine, self.spec.train.gradient_clipping)
-        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)  # the config wins for what was changed
         ls = self.spec.precision.loss_scale
         if self.spec.precision.dtype == "fp16" and scaler is not None and hasattr(scaler, "min_scale"):
             scaler.min_scale = ls.min_loss_scale
@@ -297,8 +304,8 @@ class TrainerCheckpoints:
         return not os.environ.get("ULYSSESD_RUN_DIR")
 
     def _prune(self) -> None:
-        """The job's own retention (`ckpt.prune` decides what goes). An async save runs it in its writer thread
-        after the commit: deleting a big tag (3.3 s for 17 GB on the H200 host) never stalls training."""
+        """The job's own retention (`ckpt.prune` decides what goes); an async save runs it in its writer thread
+        after the commit (deleting 17 GB took 3.3 s on the H200 host: never on the training thread)."""
         removed = ckpt.prune(self.ckpt_dir, self.spec.checkpoint.keep_last)
         if removed:
             log.info("retention removed %s", ", ".join(removed))

@@ -24,7 +24,7 @@ from ulyssesd.daemon.host import disk, disk_budget
 from ulyssesd.daemon.host.gpu_health import GpuHealth, gpus_needed
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import JobHandle
-from ulyssesd.daemon.job import checkpoint_watch
+from ulyssesd.daemon.job import checkpoint_watch, slurm_supervise
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.job.checkpoint_watch import CheckpointWatchRun
 from ulyssesd.daemon.job.launcher import LaunchPlan, build_launch
@@ -216,6 +216,7 @@ def start_attempt(sup: LaunchRun, reason: str, rollback_to_step: int | None, inc
         sup.latest_ckpt = (tag, step_of_tag(tag) or 0) if tag != "none" else None
         # The set-aside tags' candidacy goes too: a poisoned save must not turn known-good on the new trajectory.
         checkpoint_watch.forget_after(sup.engine, sup.latest_ckpt[1] if sup.latest_ckpt else 0)
+    slurm_supervise.before_launch(sup)  # Slurm: the run's node count; grows back when allowed (job/elastic.py)
     if sup.attempt > 0 and sup.preflight is not None:
         verdict = sup.preflight(sup.config)  # fails closed: a planner error is a refusal too
         if verdict is not None:

@@ -24,6 +24,8 @@ from ulyssesd.daemon.core.relaunch import Relaunch
 from ulyssesd.daemon.core.termination import Termination, TerminationPlan, Then
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus, JobHandle
+from ulyssesd.daemon.job import config as jc
+from ulyssesd.daemon.job import elastic
 from ulyssesd.daemon.job import slurm as sl
 from ulyssesd.daemon.job.slurm_watch import WatchPlan, final_end, read_end, read_job_id
 from ulyssesd.daemon.ports import HostSide, JobConfig, Lifecycle, Records, RunFiles
@@ -167,6 +169,7 @@ def read_attempt_end(sup: SlurmRun) -> sl.SlurmEnd | None:
 
 def before_exit(sup: SlurmRun, status: ExitStatus) -> sl.SlurmEnd | None:
     """Turn the attempt's Slurm end into the request the exit path carries out (see the module doc)."""
+    apply_size(sup)  # a restarted daemon: the size the run has (job/elastic.py)
     if allocation_mode(sup):
         return _allocation_exit(sup)
     if not submit_mode(sup):
@@ -233,9 +236,11 @@ def _node_lost(sup: SlurmRun, end: sl.SlurmEnd, partition: list[str] | None = No
                         summary + (f"; {refused}" if refused else f"; the next attempt excludes {', '.join(new)}"),
                         evidence)
     if refused:
-        reason = f"node lost and no node left to replace it: {refused}"
-        sup.incidents.stopped(iid, reason)
-        _then(sup, reason, TerminationPlan(Then.FAIL))  # the exit path fails the run with this reason
+        # No spare: continue on fewer nodes (job/elastic.py), or stop FAILED with why not.
+        lost_all = list(dict.fromkeys([*current, *end.lost_nodes]))
+        if _shrink(sup, iid, end, lost_all, partition, refused) is not None:
+            sl.write_exclusions(sup.run_dir, lost_all, f"lost in attempt {sup.attempt} (Slurm job {end.job_id}): "
+                                f"{end.why}; no spare, continuing on fewer nodes")
         return
     sl.write_exclusions(sup.run_dir, new, f"lost in attempt {sup.attempt} (Slurm job {end.job_id}): {end.why}")
     sup.incidents.action(iid, ActionKind.restart, {"reason": "node lost: resubmit without it, resume from the latest valid "
@@ -244,6 +249,124 @@ def _node_lost(sup: SlurmRun, end: sl.SlurmEnd, partition: list[str] | None = No
     sup.store.update_incident_status(iid, IncidentStatus.remediating, "resubmitting without the lost node")
     sup.say(f"  node lost: {', '.join(end.lost_nodes) or '?'}; the next attempt runs with --exclude={','.join(new)}")
     _then(sup, summary, TerminationPlan.relaunching(Relaunch(f"node {', '.join(end.lost_nodes) or '?'} lost", iid)))
+
+
+def _shrink(sup: SlurmRun, iid: int, end: sl.SlurmEnd, excluded: list[str], partition: list[str],
+            refused: str) -> str | None:
+    """No spare for the lost node: continue on the remaining nodes when `slurm.on_node_loss = "shrink"`, the global
+    batch can be kept and the planner says the model fits (daemon/job/elastic.py); else stop FAILED with why.
+    Returns None when the run stops, else the decision's text."""
+    slurm = sup.spec.slurm
+    usable = [n for n in partition if n not in excluded] if partition else []
+    why_not = None
+    if slurm.on_node_loss != "shrink":
+        why_not = "slurm.on_node_loss = \"stop\""
+    elif sup.spec.job_section.kind != "builtin":
+        why_not = "a command job's checkpoints and batch layout are its own (shrinking is the built-in job's)"
+    elif slurm.max_excluded is not None and len(excluded) > slurm.max_excluded:
+        why_not = f"slurm.max_excluded={slurm.max_excluded}"
+    elif not usable:
+        why_not = "no usable node left" + (f" ({end.evidence['sinfo_error']})" if "sinfo_error" in end.evidence else "")
+    decision = None
+    if why_not is None:
+        job = sup.spec.job
+        before = elastic.layout_of(_job_of(sup), sup.spec.launcher.nnodes, sup.spec.launcher.nproc_per_node)
+        world_set = jc.get_dotted(sup.config, "parallel.world_size") is not None
+        try:
+            decision = elastic.decide(before, len(usable), min_nnodes=slurm.min_nnodes,
+                                      heads=job.resolved_model().num_attention_heads, seq_len=job.train.seq_len,
+                                      replan=elastic.replanner(sup.spec, sup.config,
+                                                               lambda a: elastic.Decision(True, before, a, "").patch(
+                                                                   world_set)))
+        except Exception as exc:  # noqa: BLE001 - a planner that cannot decide must not let an unplanned run start
+            why_not = f"the re-plan failed: {exc!r}"[:500]
+        else:
+            why_not = None if decision.ok else decision.reason
+    if why_not is not None or decision is None or decision.after is None:
+        reason = f"node lost and no node left to replace it: {refused}; not continuing on fewer nodes: {why_not}"
+        sup.incidents.stopped(iid, reason)
+        _then(sup, reason, TerminationPlan(Then.FAIL))  # the exit path fails the run with this reason
+        return None
+    after = decision.after
+    earlier = elastic.read_resize(sup.run_dir) or {}  # a second loss while small: the full size stays the first's
+    record = {"nnodes": after.nnodes, "full_nnodes": earlier.get("full_nnodes", before.nnodes),
+              "full_layout": earlier.get("full_layout", decision.evidence()["before"]),
+              "lost_nodes": [n for n in excluded if n not in slurm.exclude],  # slurm.exclude's were never lost
+              "since_attempt": sup.attempt + 1, "incident_id": iid}
+    elastic.write_resize(sup.run_dir, record)
+    sup.spec.launcher = sup.spec.launcher.model_copy(update={"nnodes": after.nnodes})
+    from_v = sup.config_version
+    to_v, diff = sup.new_config_version(decision.patch(world_set), f"continue on {after.nnodes} node(s) after "
+                                        f"losing {', '.join(end.lost_nodes)}")
+    summary = (f"no spare for {', '.join(end.lost_nodes)}: continuing on {after.nnodes} node(s), DP {before.dp} -> "
+               f"{after.dp}, SP {before.sp} -> {after.sp}, micro-batch x accumulation {before.micro_batch}x"
+               f"{before.accum} -> {after.micro_batch}x{after.accum}, global batch {after.global_batch} kept")
+    sup.incidents.action(iid, ActionKind.set_config, {"resize": "shrink", "reason": decision.reason,
+                                                      "lost_nodes": end.lost_nodes, "exclude": excluded,
+                                                      **decision.evidence()}, diff, ApplyMode.restart, from_v, to_v)
+    sup.store.update_incident_status(iid, IncidentStatus.remediating, summary)
+    sup.say(f"  {summary}; memory: {decision.memory.text if decision.memory else '?'}")
+    _then(sup, summary, TerminationPlan.relaunching(Relaunch(summary, iid)))
+    return decision.reason
+
+
+def _job_of(sup: SlurmRun) -> Any:
+    """The job spec of the current config version (what the next attempt would run)."""
+    from ulyssesd.training.spec import JobSpec
+
+    return JobSpec.model_validate({k: v for k, v in sup.config.items() if k != "launcher"})
+
+
+def apply_size(sup: SlurmRun) -> None:
+    """The run's current node count (a continuation on fewer nodes, job/elastic.py) into the spec's launcher: a
+    restarted daemon launches at the size the run has."""
+    rec = elastic.read_resize(sup.run_dir)
+    if rec is not None and sup.spec.launcher.nnodes != rec["nnodes"]:
+        sup.spec.launcher = sup.spec.launcher.model_copy(update={"nnodes": rec["nnodes"]})
+
+
+def before_launch(sup: SlurmRun) -> None:
+    """Before every relaunch: the run's size, and with `slurm.grow_back` the full size again once every node it
+    lost answers Slurm in service (not DOWN/DRAIN/not responding): exclusions lifted, the job's layout restored."""
+    if not (submit_mode(sup) or allocation_mode(sup)):
+        return
+    apply_size(sup)
+    rec = elastic.read_resize(sup.run_dir)
+    if rec is None or not sup.spec.slurm.grow_back:
+        return
+    states: dict[str, str] = {}
+    for n in rec.get("lost_nodes", []):
+        try:
+            info = commands(sup).node(n)
+        except sl.SlurmError:
+            info = None
+        states[n] = "" if info is None else info.get("State", "")
+    if not states or any(not st or sl.node_lost(st) or "DRAIN" in st.upper() or "DOWN" in st.upper()
+                         for st in states.values()):
+        sup.say(f"  grow_back: still on {rec['nnodes']} node(s) (lost nodes: "
+                f"{', '.join(f'{n} {st or chr(63)}' for n, st in states.items())})")
+        return
+    full = rec["full_layout"]
+    keep = [n for n in sl.read_exclusions(sup.run_dir) if n not in states]
+    sl.write_exclusions(sup.run_dir, keep, f"grew back: {', '.join(states)} in service again")
+    sup.spec.launcher = sup.spec.launcher.model_copy(update={"nnodes": int(rec["full_nnodes"])})
+    patch = {"train.gradient_accumulation_steps": full["accum"], "train.micro_batch_size": full["micro_batch"],
+             "parallel.sequence_parallel_size": full["sp"]}
+    if jc.get_dotted(sup.config, "parallel.world_size") is not None:
+        patch["parallel.world_size"] = full["world"]
+    from_v = sup.config_version
+    to_v, diff = sup.new_config_version(patch, f"grow back to {rec['full_nnodes']} node(s)")
+    what = (f"grew back to {rec['full_nnodes']} node(s): {', '.join(f'{n} {st}' for n, st in states.items())} in "
+            f"service again (slurm.grow_back); DP, SP and accumulation as before the loss")
+    # The node-loss incident that shrank the run gets its second resize (before/after) and is resolved by it.
+    iid = rec.get("incident_id")
+    sup.incidents.action(iid if isinstance(iid, int) else None, ActionKind.set_config,
+                         {"resize": "grow", "before": {"nnodes": rec["nnodes"]}, "after": full, "node_states": states},
+                         diff, ApplyMode.restart, from_v, to_v)
+    if isinstance(iid, int):
+        sup.store.update_incident_status(iid, IncidentStatus.resolved, what)
+    elastic.write_resize(sup.run_dir, None)
+    sup.say(f"  {what}")
 
 
 def _then(sup: SlurmRun, reason: str, plan: TerminationPlan) -> None:

@@ -329,7 +329,7 @@ def test_a_crash_on_healthy_nodes_excludes_nothing(tmp_path):
 
 def test_no_node_left_to_exclude_stops_the_run_with_the_explanation(tmp_path):
     fos, fake = WatcherOS(), FakeSlurm(nodes=("n1", "n2"))
-    sup = _slurm_sup(tmp_path, fos, fake)
+    sup = _slurm_sup(tmp_path, fos, fake, slurm={"on_node_loss": "stop"})  # shrinking: test_slurm_elastic.py
     sup.start()
     _watcher_ran(sup, fake, "NODE_FAIL", lost=["n2"])
     fos.advance(30)
