@@ -290,6 +290,9 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
             except StepDropped as drop:   # every rank: restore the host tier, or raise (the usual path)
                 self._restart_in_process(drop)
                 continue
+            except Exception as exc:   # after the step's collectives began: rebuild the group, or raise
+                self._recover_mid_step(step, exc)
+                continue
             self.step = step
             self.nvrx.beat()
             self.poll_saves()  # an async save whose manifest is durable is reported now, not at the next save
@@ -362,6 +365,8 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
             tokens = host_tokens.to(self.device, non_blocking=True)
             inputs, labels, positions = slice_for_sp(tokens, self.sp_rank, self.sp)
             loss = eng(inputs, positions, labels)
+            if micro == 0:
+                self.faults.mid_step(step)
             if factor != 1.0:
                 loss = loss * factor
             eng.backward(loss)

@@ -5,9 +5,14 @@ process, with no disk read (docs/TRAINING.md "Host-memory tier and in-process re
 - a step that raises on any rank before the step's first collective (the fault hook, the data loader):
   every rank reaches the step-start agreement (`_agree_step_start`, one all-reduce of a flag) and learns it;
 - a step whose gathered loss is not finite (every rank sees the same all-reduced loss).
-What it does not cover: an exception inside forward/backward on some ranks only. The others are then blocked in
-a collective the failing rank never joins; gloo cannot abort it from outside, so that fault takes the usual
-path (the rank exits, the launcher ends the others, the daemon restarts from disk or the standby).
+- a step that raises after its collectives began, on some ranks (in backward, between the forward's all-to-all
+  and the reduce-scatter), the others blocked in a collective the failing rank never joins: the process group is
+  torn down (which releases them), rebuilt in the same processes within `in_process_rebuild_timeout_s`
+  (`group_restart.py`), the engine is built again on it and loads the host tier (`_recover_mid_step`). When the
+  group cannot be rebuilt in time (a rank died), the fault takes the usual path: the ranks exit and the daemon
+  relaunches, from the shared-memory copy of the tier when it is the newest (`shm_tier.py`).
+An out-of-memory error is not restarted in-process: the same step would fail again; the daemon's memory ladder
+changes the config.
 Each restart is bounded (`checkpoint.in_process_max_restarts` per attempt); when the tier cannot serve
 (no snapshot, its manifest failed, a rank disagrees) the fault takes the usual path too. Every decision is one
 `in_process_restart` telemetry event with `path` = "in_process" or "fallback" (docs/CONTRACTS.md).
@@ -25,6 +30,13 @@ from typing import Any
 import torch
 
 from ..checkpoint import tag_for_step
+from .group_restart import (
+    GroupRebuilder,
+    abort_process_groups,
+    cut_connections,
+    failure_summary,
+    is_collective_error,
+)
 from .host_tier import HostTier
 
 log = logging.getLogger("ulyssesd.training")
@@ -56,15 +68,22 @@ class InProcessRecovery:
     loader: Any
     faults: Any
     tele: Any
+    scalars: Any
+    sp_group: Any
+    mpu: Any
     preload: Any
     _tier: HostTier | None = None
     _save_due_step: int | None = None
     _in_process_restarts = 0
+    _group: Any = None   # group_restart.GroupRebuilder, made at the first mid-step failure
+    _mid_step_fields: dict[str, Any] = {}  # noqa: RUF012 - the group rebuild's figures, reported once
 
     # Provided by Trainer / TrainerCheckpoints (annotations only: this class comes first in the MRO).
     _event: Callable[..., None]
     _client_state: Callable[[], dict[str, Any]]
     _resume: Callable[[str | None], tuple[str | None, float]]
+    _init_distributed: Callable[[], None]
+    _build: Callable[[], None]
     ckpt_dir: Path
 
     # ------------------------------------------------------------------------------- snapshots
@@ -139,6 +158,74 @@ class InProcessRecovery:
             return
         raise StepDropped(step, "nan_loss", f"loss {loss}", [], samples, loss=loss)
 
+    # ------------------------------------------------------------------------- mid-step failures
+    def _recover_mid_step(self, step: int, exc: Exception) -> None:
+        """Every rank whose step `step` raised after its collectives began (its own error, or a collective the
+        failing rank left): rebuild the process group and the engine, then restore the host tier; re-raise
+        `exc` when in-process restart is off or cannot be done (the usual path)."""
+        if not self._in_process_on() or isinstance(exc, torch.OutOfMemoryError):
+            raise exc
+        t0 = time.perf_counter()
+        collective = is_collective_error(exc)
+        own = f"{type(exc).__name__}: {exc}"[:300]
+        log.error("step %d failed on rank %d %s: %s", step, self.rank,
+                  "in a collective" if collective else "mid-step", own)
+        if self._in_process_restarts >= self.spec.checkpoint.in_process_max_restarts:
+            raise exc   # no restart left: as if off (the agreement would need the group that just failed)
+        if self._group is None:
+            self._group = GroupRebuilder(self.rank, self.world, self.dist.get_backend(),
+                                         self.spec.checkpoint.in_process_rebuild_timeout_s)
+        log.error("step %d: the failure, before the process group is torn down", step, exc_info=exc)
+        exc.__traceback__ = None   # its frames hold the engine, the batch and the autograd graph
+        cut = cut_connections(self._group.keep_ports)   # releases the peers still waiting in a collective
+        self._drop_engine()
+        abort_s = abort_process_groups()
+        try:
+            rebuild_s = self._group.rebuild()
+        except Exception as rebuild_exc:  # noqa: BLE001 - any failure here means: not in this process
+            why = (f"process group not rebuilt within checkpoint.in_process_rebuild_timeout_s="
+                   f"{self._group.rebuild_timeout_s:g}: {type(rebuild_exc).__name__}: {rebuild_exc}"[:400])
+            self._report("fallback", step, "exception_mid_step", own, fallback_reason=why)
+            raise exc from rebuild_exc
+        errors: list[Any] = [None] * self.world
+        self.dist.all_gather_object(errors, (own, collective))
+        failed, cause = failure_summary(errors)
+        cannot = self._cannot_restore()
+        if cannot is not None:   # before the engine is built again for nothing
+            self._report("fallback", step, "exception_mid_step", cause, fallback_reason=cannot)
+            raise exc
+        t1 = time.perf_counter()
+        self._rebuild_engine()   # its hooks, buffers and groups belonged to the torn-down group
+        self._mid_step_fields = {"group_rebuilt": True, "abort_seconds": round(abort_s, 4),
+                                 "rebuild_seconds": round(rebuild_s, 4), "connections_cut": cut,
+                                 "engine_seconds": round(time.perf_counter() - t1, 4),
+                                 "fault_to_group_seconds": round(t1 - t0, 4)}
+        self._restart_in_process(StepDropped(step, "exception_mid_step", cause, failed, None, own=exc))
+
+    def _drop_engine(self) -> None:
+        """Forget the engine and what holds it: its process groups' last references (gloo's connections close
+        only then), and a GPU holds one engine's memory, not two."""
+        import gc
+
+        if self.loader is not None:   # its thread built batches from the abandoned cursor
+            self.loader.close()
+            self.loader = None
+        if self.engine is not None:
+            try:   # its autograd hooks hold it from C++, out of the collector's sight, until removed
+                self.engine.destroy()
+            except Exception as exc:  # noqa: BLE001 - a half-failed step may leave it half-built; drop it anyway
+                log.warning("engine.destroy() failed: %s", exc)
+        self.engine = self.scalars = self.sp_group = self.mpu = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _rebuild_engine(self) -> None:
+        """The DeepSpeed engine again, on the new process group (same config and seed); the host tier then
+        loads into it."""
+        self._init_distributed()   # the group exists: only the sequence-parallel groups are made again
+        self._build()
+
     # ------------------------------------------------------------------------------------ restart
     def _cannot_restore(self) -> str | None:
         """Collective: None when every rank's host tier holds the same restorable snapshot and this attempt
@@ -162,6 +249,7 @@ class InProcessRecovery:
         """Every rank: restore the host tier (no disk read) and go on from its step; raise when that cannot be
         done (the usual path: this rank exits, the daemon restarts the job)."""
         why = None if drop.reason == "nan_loss" else self._cannot_restore()  # nan: agreed in _check_loss
+        mid_step, self._mid_step_fields = self._mid_step_fields, {}
         if why is not None:
             self._report("fallback", drop.step, drop.reason, drop.error, fallback_reason=why)
             if drop.own is not None:
@@ -202,7 +290,8 @@ class InProcessRecovery:
                      seconds=round(time.perf_counter() - t0, 4), verify_seconds=round(verify_s, 4),
                      load_seconds=round(load_s, 4), from_memory=tier.hits, disk_reads=0,
                      skipped_samples=list(drop.samples) if drop.reason == "nan_loss" and drop.samples else None,
-                     loss=None if drop.loss is None else str(drop.loss), restarts=self._in_process_restarts)
+                     loss=None if drop.loss is None else str(drop.loss), restarts=self._in_process_restarts,
+                     failed_ranks=drop.failed_ranks, **mid_step)
         log.warning("step %d dropped (%s); restored %s from host memory in-process", drop.step, drop.reason, tier.tag)
 
     def _report(self, path: str, step: int, reason: str, error: str, **fields: Any) -> None:
