@@ -266,7 +266,7 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
         self.faults.at_start()
         chosen = self._start_choosing_tag()  # rank 0 hashes the resume tag in a thread while the model is built
         self._build()
-        tag = self._agree_on_tag(chosen)
+        tag = self._prefer_shm_copy(self._agree_on_tag(chosen))   # a host snapshot newer than the disk's
         STARTUP.mark("tag_agreed")  # rank 0 chose and verified it; every rank knows it
         self.control = ControlPoller(self.run_dir / "control.json", self.rank, self.world)
         resumed_from, load_s = self._resume(tag)
@@ -308,11 +308,13 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
                 elif saved_at != step:
                     self._save()
                 self.finish_saves()  # an async save is durable (or its failure agreed on) before exiting
+                self._clean_shm()
                 self._event("exiting", reason="sigterm", saved=not self.control.state.suspect)
                 return 0
         if saved_at != self.step and spec.checkpoint.save_at_end:
             self._save()
         self.finish_saves()
+        self._clean_shm()
         self._event("exiting", reason="completed")
         return 0
 

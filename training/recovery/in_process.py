@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import tag_for_step
+from ..checkpoint import step_of_tag, tag_for_step
 from .group_restart import (
     GroupRebuilder,
     abort_process_groups,
@@ -38,6 +38,9 @@ from .group_restart import (
     is_collective_error,
 )
 from .host_tier import HostTier
+from .shm_tier import ShmCopy
+from .shm_tier import choose as shm_choose
+from .shm_tier import summary as shm_summary
 
 log = logging.getLogger("ulyssesd.training")
 
@@ -75,6 +78,7 @@ class InProcessRecovery:
     _tier: HostTier | None = None
     _save_due_step: int | None = None
     _in_process_restarts = 0
+    _shm: ShmCopy | None = None
     _group: Any = None   # group_restart.GroupRebuilder, made at the first mid-step failure
     _mid_step_fields: dict[str, Any] = {}  # noqa: RUF012 - the group rebuild's figures, reported once
 
@@ -85,6 +89,7 @@ class InProcessRecovery:
     _init_distributed: Callable[[], None]
     _build: Callable[[], None]
     ckpt_dir: Path
+    run_dir: Path
 
     # ------------------------------------------------------------------------------- snapshots
     def _in_process_on(self) -> bool:
@@ -99,14 +104,65 @@ class InProcessRecovery:
     def _memory_snapshot(self, with_disk_save: bool) -> None:
         """Collective: the newest snapshot of every rank into its host tier (replacing the previous one)."""
         tier = self._tier = self._tier or HostTier(self.rank)
+        shm = self._shm_copy()
+        shm_wait_s = shm.join() if shm is not None else 0.0   # it reads the buffers the capture reuses
         tag = tag_for_step(self.step)
         prev_digest_s, prev_bytes = tier.digest_s, tier.nbytes
         meta = {"loss": self.last_loss, "samples_seen": self.cursor.next_sample, "world": self.world,
                 "config_version": getattr(self, "config_version", None)}
         held = tier.capture(self.engine, self.ckpt_dir, tag, self.step, self._client_state(), meta)
         shared_s = self._share_model_states(tier)
-        self._event("memory_snapshot", tag=tag, seconds=round(held + shared_s, 4), with_disk_save=with_disk_save,
-                    previous_digest_seconds=round(prev_digest_s, 4), previous_bytes=prev_bytes)
+        previous_shm = dict(shm.last) if shm is not None else None
+        if shm is not None:
+            shm.publish_async(tier, self.ckpt_dir)
+        self._event("memory_snapshot", tag=tag, seconds=round(held + shared_s + shm_wait_s, 4),
+                    with_disk_save=with_disk_save, previous_digest_seconds=round(prev_digest_s, 4),
+                    previous_bytes=prev_bytes, shm_wait_seconds=round(shm_wait_s, 4), previous_shm=previous_shm)
+
+    # ------------------------------------------------------------------- across processes (shm)
+    def _shm_copy(self) -> ShmCopy | None:
+        cs = self.spec.checkpoint
+        if not (cs.memory_tier and cs.memory_shm):
+            return None
+        if self._shm is None:
+            self._shm = ShmCopy(self.run_dir, self.rank, self.world, int(cs.memory_shm_max_gib * (1 << 30)))
+        return self._shm
+
+    def _prefer_shm_copy(self, disk_tag: str | None) -> str | None:
+        """Collective, at the start of an attempt: the tag to resume from, the shared-memory copy's when it is
+        newer than `disk_tag` and passes every check (shm_tier.py); its host tier then serves the load."""
+        shm = self._shm_copy()
+        if shm is None:
+            return disk_tag
+        t0 = time.perf_counter()
+        mine = shm.copies()
+        box: list[Any] = [None] * self.world
+        self.dist.all_gather_object(box, [shm_summary(m) for m in mine])
+        disk_step = (step_of_tag(disk_tag) or 0) if disk_tag else 0
+        tag, why = shm_choose(box, self.world, disk_step, str(self.spec.checkpoint.load))
+        loaded: HostTier | str | None = None
+        if tag is not None:
+            loaded = shm.load(next(m for m in mine if m["tag"] == tag))
+        whys: list[Any] = [None] * self.world
+        self.dist.all_gather_object(whys, loaded if isinstance(loaded, str) else None)
+        if tag is not None and any(w is not None for w in whys):
+            why = next(f"rank {r}: {w}" for r, w in enumerate(whys) if w is not None)
+            tag = None
+        if tag is None:
+            if any(box):   # a copy was there and is not used: say why
+                self._event("memory_snapshot_unused", disk_tag=disk_tag, reason=why)
+            return disk_tag
+        assert isinstance(loaded, HostTier)
+        self._tier, self.preload = loaded, _TierPreload(loaded)
+        self._event("memory_snapshot_restored", tag=tag, restored_step=loaded.step, disk_tag=disk_tag, source="shm",
+                    seconds=round(time.perf_counter() - t0, 4), bytes=loaded.nbytes)
+        log.warning("resuming from the shared-memory copy %s (newest durable tag: %s)", tag, disk_tag)
+        return tag
+
+    def _clean_shm(self) -> None:
+        """An orderly exit: this rank's shared-memory copy goes (the owner cleans up)."""
+        if self._shm is not None:
+            self._shm.clean()
 
     def _share_model_states(self, tier: HostTier) -> float:
         """A model-states file this rank's load reads but another rank wrote (ZeRO-1/2: rank 0's
