@@ -153,6 +153,8 @@ class InProcessRecovery:
                 self._event("memory_snapshot_unused", disk_tag=disk_tag, reason=why)
             return disk_tag
         assert isinstance(loaded, HostTier)
+        if self.preload is not None and hasattr(self.preload, "release"):
+            self.preload.release()   # a promoted standby's bytes of the older disk tag: not needed now
         self._tier, self.preload = loaded, _TierPreload(loaded)
         self._event("memory_snapshot_restored", tag=tag, restored_step=loaded.step, disk_tag=disk_tag, source="shm",
                     seconds=round(time.perf_counter() - t0, 4), bytes=loaded.nbytes)
