@@ -25,10 +25,13 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("ulyssesd.training")
 
+#: Seconds between two looks at the rebuild's arrivals.
+POLL_S = 0.02
 #: The rendezvous store's key prefix of the groups this module makes.
 STORE_PREFIX = "ulyssesd-in-process"
 #: Words of the errors a collective raises when a peer left it (gloo, NCCL, torch's c10d).
@@ -126,9 +129,10 @@ class GroupRebuilder:
 
         self.pg_timeout = default_pg_timeout   # the timeout DeepSpeed made the first group with
 
-    def rebuild(self) -> float:
+    def rebuild(self, should_stop: Callable[[], bool]) -> float:
         """Collective over a new group: every rank makes it and passes one barrier, within the bound; raises
-        when that fails (a rank never came). Returns the seconds it took."""
+        when that fails (a rank never came) or `should_stop` says so (a SIGTERM: the launcher ends the job and
+        waits for this process). Returns the seconds it took."""
         import torch.distributed as dist
 
         t0 = time.perf_counter()
@@ -136,6 +140,17 @@ class GroupRebuilder:
         self.generation += 1
         bound = datetime.timedelta(seconds=self.rebuild_timeout_s)
         store = dist.PrefixStore(f"{STORE_PREFIX}/{self.restart}/{self.generation}", self.store)
+        # Every rank checks in first, in short polls: a signal is handled between them (a wait in the store's
+        # C++ would hold it off until the bound), and a missing rank is named by the count.
+        store.add("arrived", 1)
+        deadline = time.monotonic() + self.rebuild_timeout_s
+        while (arrived := store.add("arrived", 0)) < self.world:
+            if should_stop():
+                raise RuntimeError("SIGTERM during the process group's rebuild: the launcher is ending the job")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{arrived} of {self.world} ranks came to the rebuild within "
+                                   f"{self.rebuild_timeout_s:g} s")
+            time.sleep(POLL_S)
         # The rendezvous and the first barrier wait for a missing rank `bound` at most; the group's collectives
         # then get the timeout DeepSpeed gave the first group.
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world, timeout=bound)

@@ -239,7 +239,7 @@ class InProcessRecovery:
         self._drop_engine()
         abort_s = abort_process_groups()
         try:
-            rebuild_s = self._group.rebuild()
+            rebuild_s = self._group.rebuild(lambda: bool(getattr(self, "stop_signal", False)))
         except Exception as rebuild_exc:  # noqa: BLE001 - any failure here means: not in this process
             why = (f"process group not rebuilt within checkpoint.in_process_rebuild_timeout_s="
                    f"{self._group.rebuild_timeout_s:g}: {type(rebuild_exc).__name__}: {rebuild_exc}"[:400])
