@@ -80,3 +80,20 @@ def test_who_failed_a_step_mid_way() -> None:
         [1], "rank 1: InjectedFault: boom")
     failed, why = failure_summary([("RuntimeError: closed", True)] * 2)
     assert failed == [] and "every rank" in why
+
+
+def test_raise_mid_step_fires_once_on_its_rank_and_not_on_a_replay() -> None:
+    from ulyssesd.training.faults import FaultInjector, InjectedFault
+    from ulyssesd.training.spec import FaultSpec
+
+    emitted: list[tuple] = []
+    spec = [FaultSpec(kind="raise_mid_step", at_step=5, rank=1)]
+    mine = FaultInjector(spec, 1, 1, 1, 0, torch.device("cpu"), lambda *a, **k: emitted.append(a))
+    other = FaultInjector(spec, 0, 0, 1, 0, torch.device("cpu"), lambda *a, **k: None)
+    mine.mid_step(4)
+    other.mid_step(5)   # another rank only announces it
+    with pytest.raises(InjectedFault, match="raise_mid_step"):
+        mine.mid_step(5)
+    mine.replayed_through = 5   # after an in-process restart, step 5 is redone
+    mine.mid_step(5)
+    assert emitted == [("raise_mid_step", 5)]
