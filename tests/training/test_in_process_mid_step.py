@@ -45,3 +45,28 @@ def test_a_mid_step_exception_with_nothing_to_restore_takes_the_usual_path_and_s
     assert ev["path"] == "fallback" and ev["reason"] == "exception_mid_step"
     assert "no snapshot in host memory" in ev["fallback_reason"] and "rank 0: InjectedFault" in ev["error"]
     assert run.events("exiting")[-1]["reason"] == "error"
+
+
+def test_a_rank_killed_mid_run_ends_the_survivors_rebuild_and_the_relaunch_resumes_from_shared_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from ulyssesd.training.recovery.shm_tier import SHM_DIR_ENV, run_shm_dir
+
+    env = {SHM_DIR_ENV: str(tmp_path / "shm")}
+    monkeypatch.setenv(SHM_DIR_ENV, env[SHM_DIR_ENV])
+    spec = tiny_spec(train={"steps": 9}, checkpoint={**TIER, **NO_DISK, "memory_shm": True, "memory_interval_steps": 3},
+                     faults=[{"kind": "sigkill", "at_step": 7, "rank": 1}])
+    first = launch(spec, tmp_path / "run", env=env)
+    assert first.returncode != 0
+    # Rank 0 saw its collective fail and tried to rebuild the group; rank 1 never came: the fallback is recorded
+    # (torchrun's SIGTERM, or the bound, whichever came first) and the attempt ended.
+    (ev,) = first.events("in_process_restart", 1)
+    assert ev["path"] == "fallback" and ev["reason"] == "exception_mid_step", ev
+    assert "process group not rebuilt" in ev["fallback_reason"]
+    assert first.events("exiting", 1)[-1]["reason"] == "error"
+    second = launch(spec, tmp_path / "run", attempt=2, env=env)
+    assert second.returncode == 0, second.output[-3000:]
+    (restored,) = second.events("memory_snapshot_restored", 2)
+    # step-6's copy runs in the background: rank 1 may die before it completes; then both share step-3.
+    assert restored["tag"] in ("step-00000003", "step-00000006") and restored["disk_tag"] is None, restored
+    assert sorted(second.steps(2)) == list(range(restored["restored_step"] + 1, 10))
+    assert not run_shm_dir(tmp_path / "run").exists()
