@@ -271,8 +271,9 @@ class InProcessRecovery:
         if self.engine is not None:
             try:   # its autograd hooks hold it from C++, out of the collector's sight, until removed
                 self.engine.destroy()
+                _release_tensors(self.engine)
             except Exception as exc:  # noqa: BLE001 - a half-failed step may leave it half-built; drop it anyway
-                log.warning("engine.destroy() failed: %s", exc)
+                log.warning("releasing the old engine failed: %s", exc)
         self.engine = self.scalars = self.sp_group = self.mpu = None
         gc.collect()
         if self.device.type == "cuda":
@@ -358,6 +359,26 @@ class InProcessRecovery:
                       fields.get("fallback_reason"))
         self.tele.event("in_process_restart", step, path=path, reason=reason, error=error[:500],
                         failed_step=step, **{k: v for k, v in fields.items() if v is not None})
+
+
+def _release_tensors(engine: Any) -> None:
+    """Empty the old engine's parameters, their ZeRO partitions and its optimizer's tensors: its objects are not
+    all collected (its parameters keep references the collector cannot clear), and on a GPU they would keep one
+    engine's device memory per restart. The host tier's snapshot is a copy: nothing it holds is touched."""
+    def empty(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+    for p in engine.module.parameters():
+        empty(getattr(p, "ds_tensor", None))
+        empty(p)
+    opt = getattr(engine, "optimizer", None)
+    inner = getattr(opt, "optimizer", None)
+    if inner is not None and hasattr(inner, "state"):
+        inner.state.clear()
+    for value in (vars(opt).values() if opt is not None else ()):
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            empty(t)
 
 
 class _TierPreload:
