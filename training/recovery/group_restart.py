@@ -14,8 +14,10 @@ the stale-address trap of a shared rendezvous store), bounded by `rebuild_timeou
 (SIGKILLed, wedged) makes the others' rebuild fail, and they take the usual path (exit, the daemon relaunches).
 DeepSpeed's own group caches (its `groups` module, the sequence-parallel groups) are released by its
 `destroy_process_group`, so the engine built next makes its groups on the new one.
-NCCL: a collective blocked on a GPU is not released by a peer's teardown; the backends are aborted first
-(`backend.abort()`, as NVRx does), which this module does where the backend has it.
+NCCL: this process's NCCL backends are aborted before the teardown (`backend.abort()`, as NVRx does), but a
+peer blocked in an NCCL kernel is not released by this rank's socket shutdown (NVLink / shared-memory
+transports): that needs the peer's own abort, from a thread watching the store for the fault, not built (the
+fault then ends on NCCL's timeout and the usual path). Checked with gloo on the CPU only.
 """
 
 from __future__ import annotations
