@@ -114,6 +114,16 @@ class FaultInjector:
             if f.kind == "memory_spike":
                 self._spike(f, step)
 
+    def mid_step(self, step: int) -> None:
+        """Called on every rank after the first micro-batch's forward (its ZeRO-3 all-gathers and Ulysses
+        all-to-alls done), before its backward: `raise_mid_step` raises there on its rank while the others go
+        on into the backward's collectives and wait for it."""
+        for i, f in enumerate(self.faults):
+            if f.kind == "raise_mid_step" and self._due(i, f, step):
+                self._announce(f, step)
+                if self.rank == f.rank:
+                    raise InjectedFault(f"injected fault 'raise_mid_step' at step {step}")
+
     def _spike(self, f: FaultSpec, step: int) -> None:
         if self.device.type == "cuda":
             self._held = torch.ones(int(f.magnitude * (1 << 30)), dtype=torch.uint8, device=self.device)

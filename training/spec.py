@@ -305,8 +305,8 @@ class ScalarsSpec(_Section):
 
 # --------------------------------------------------------------------------------------- faults
 class FaultSpec(_Section):
-    kind: Literal["raise", "sigkill", "hang", "nan_loss", "loss_spike", "lr_spike", "memory_spike", "slow_rank",
-                  "cuda_oom", "enospc_on_save", "corrupt_checkpoint", "exit_at_start", "disk_full", "read_only_fs"] = Field(
+    kind: Literal["raise", "raise_mid_step", "sigkill", "hang", "nan_loss", "loss_spike", "lr_spike", "memory_spike",
+                  "slow_rank", "cuda_oom", "enospc_on_save", "corrupt_checkpoint", "exit_at_start", "disk_full", "read_only_fs"] = Field(
         ..., description="What to inject.")
     at_step: int | None = Field(None, ge=0, description="Step at which it fires (None = every step, by probability).")
     probability: float = Field(1.0, ge=0, le=1, description="Chance per eligible step.")

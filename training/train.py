@@ -266,7 +266,7 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
         self.faults.at_start()
         chosen = self._start_choosing_tag()  # rank 0 hashes the resume tag in a thread while the model is built
         self._build()
-        tag = self._agree_on_tag(chosen)
+        tag = self._prefer_shm_copy(self._agree_on_tag(chosen))   # a host snapshot newer than the disk's
         STARTUP.mark("tag_agreed")  # rank 0 chose and verified it; every rank knows it
         self.control = ControlPoller(self.run_dir / "control.json", self.rank, self.world)
         resumed_from, load_s = self._resume(tag)
@@ -290,6 +290,9 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
             except StepDropped as drop:   # every rank: restore the host tier, or raise (the usual path)
                 self._restart_in_process(drop)
                 continue
+            except Exception as exc:   # after the step's collectives began: rebuild the group, or raise
+                self._recover_mid_step(step, exc)
+                continue
             self.step = step
             self.nvrx.beat()
             self.poll_saves()  # an async save whose manifest is durable is reported now, not at the next save
@@ -305,11 +308,13 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
                 elif saved_at != step:
                     self._save()
                 self.finish_saves()  # an async save is durable (or its failure agreed on) before exiting
+                self._clean_shm()
                 self._event("exiting", reason="sigterm", saved=not self.control.state.suspect)
                 return 0
         if saved_at != self.step and spec.checkpoint.save_at_end:
             self._save()
         self.finish_saves()
+        self._clean_shm()
         self._event("exiting", reason="completed")
         return 0
 
@@ -363,6 +368,8 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
             tokens = host_tokens.to(self.device, non_blocking=True)
             inputs, labels, positions = slice_for_sp(tokens, self.sp_rank, self.sp)
             loss = eng(inputs, positions, labels)
+            if micro == 0:
+                self.faults.mid_step(step)
             if factor != 1.0:
                 loss = loss * factor
             eng.backward(loss)
