@@ -276,6 +276,17 @@ def test_i30_every_listed_fix_replans_to_a_fit_on_the_h100(i30: dict[str, Any]) 
         assert js["gpu_required_gib"] == pytest.approx(f["gpu_required_gib"], abs=0.05), f["changes"]
 
 
+@pytest.mark.parametrize("gpu", ["a100-80g", "h200-141g"])
+def test_first_listed_change_keeps_experiment_and_gpu_on_other_presets(i30: dict[str, Any], gpu: str) -> None:
+    """The same spec for the other GPU presets: still a preserving fix first, every fix a memory lever."""
+    rc, js = plan_json(i30["path"], "--gpu", gpu, "--host-mem", "512")
+    assert rc == 1 and js["fixes"], js["fix_search"]
+    for f in js["fixes"]:
+        assert all(MEMORY_LEVER_KEYS.match(k) for k in f["overrides"]), f["overrides"]
+        assert f["gpu_required_gib"] <= js["gpu_capacity_gib"]
+    assert [f["step_cost"] for f in js["fixes"]] == sorted(f["step_cost"] for f in js["fixes"])
+
+
 def test_expert_fix_fits_the_h100_with_room(tmp_path: Path) -> None:
     """The issue's expert fix: micro-batch 1 x accumulation 4, every layer recomputed, tiled loss."""
     path = write_spec(gpt_spec(mb=1, accum=4, recompute=1, train={"loss_chunk_tokens": 4096}), tmp_path / "e.toml")
@@ -633,6 +644,19 @@ def test_preflight_refusal_says_what_to_change(tmp_path: Path) -> None:
     assert p.returncode == 11
     err = p.stdout + p.stderr
     assert "ulyssesctl plan" in err or "micro-batch 4 -> 1" in err or "recompute" in err, err[-1500:]
+
+
+def test_preflight_fails_closed_on_an_unreadable_gpu_memory(tmp_path: Path) -> None:
+    """docs/PLANNER.md: a planner that raises refuses the launch like a plan that does not fit."""
+    bindir = tmp_path / "nabin"
+    bindir.mkdir()
+    (bindir / "nvidia-smi").write_text("#!/bin/sh\necho \"NVIDIA H100 80GB HBM3, [N/A]\"\n")
+    (bindir / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    path = write_spec(_daemon_spec(gpt_spec(seq=2048, mb=1)), tmp_path / "run.toml")
+    p = run([ULYSSESD, "run", "--spec", str(path), "--state-dir", str(tmp_path / "state")], env=env, timeout=180)
+    assert p.returncode == 11, (p.returncode, p.stderr[-1500:])
+    assert "preflight refused the run" in p.stdout + p.stderr
 
 
 def test_preflight_reads_this_hosts_ram(tmp_path: Path) -> None:
