@@ -1,6 +1,6 @@
 """A telemetry backlog (the daemon was down, or the job outran it) is read on within a tick, batch after batch,
 each batch's cursor stored after its records were acted upon; a daemon SIGKILLed inside a batch loses no record
-and doubles none when the next one adopts the run."""
+and doubles none when the next one adopts the run (resuming from the engine snapshot the killed one saved)."""
 
 from __future__ import annotations
 
@@ -99,8 +99,10 @@ def test_a_daemon_killed_inside_a_batch_loses_and_doubles_nothing(tmp_path):
     store.close()
     again = subprocess.run([*worker, "again", "0"], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.splitlines()[-1].split()[:4] == ["DONE", str(tel.stat().st_size), str(tel.stat().st_size),
-                                                         str(n)]
+    done = again.stdout.splitlines()[-1].split()
+    assert done[:4] == ["DONE", str(tel.stat().st_size), str(tel.stat().st_size), str(n)]
+    # The adopting daemon resumed from the engine snapshot the killed one saved (at a stored cursor, before it).
+    assert done[5] != "None" and 0 < int(done[5]) <= cursor.offset, done
     store = open_store(db, readonly=True)
     steps = sorted(i.step for i in store.list_incidents(run.id, symptom="checkpoint_corrupt"))
     assert steps == list(range(every, n + 1, every))  # every one, each once
