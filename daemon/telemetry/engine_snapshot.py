@@ -42,10 +42,10 @@ TRACKED = ("last_step", "last_step_record", "latest_ckpt", "last_exiting", "save
 
 @dataclass(frozen=True)
 class SnapshotPolicy:
-    """When a snapshot is written (after a batch's cursor is stored)."""
+    """When a snapshot is written (after a batch's cursor is stored). Counted in records, not seconds: a
+    restart replays at most `every_records` (a few seconds), and a simulated week writes a handful."""
 
     every_records: int = 50_000  # records read since the last snapshot that make the next one due
-    every_s: float = 300.0  # daemon seconds after which any new record makes one due (a slow job's run)
     after_backlog_records: int = 1_000  # a drained backlog of at least this many records is saved at its end
 
 
@@ -58,7 +58,6 @@ class SnapshotRun(Protocol):
     engine: Any
     reader: TelemetryReader | None
     attempt: int
-    os: Any
     snapshots: EngineSnapshots
 
 
@@ -105,7 +104,7 @@ class EngineSnapshots:
     policy: SnapshotPolicy = dataclasses.field(default_factory=SnapshotPolicy)
     key: str | None = None  # the fresh engine's `engine_key`; None: snapshots off for this engine
     records_since: int = 0  # records read since the last snapshot
-    saved_at: float | None = None  # daemon time of the last snapshot (None: none yet by this daemon)
+    draining: bool = False  # the last batch stopped at the reader's byte bound: a backlog is being read
     failed: bool = False  # a write failed: said once, tried again on the next due batch
     restored_from: int | None = None  # the offset a re-adoption resumed from (None: replayed from the start)
 
@@ -113,13 +112,13 @@ class EngineSnapshots:
         """A fresh engine was built for the run (create or adopt): remember what built it."""
         self.key = engine_key(engine)
 
-    def due(self, behind: bool, now: float) -> bool:
+    def due(self, behind: bool) -> bool:
+        """After a batch (`behind`: more of the file waits): whether to save now."""
+        drained, self.draining = self.draining and not behind, behind
         p, n = self.policy, self.records_since
         if n <= 0 or self.key is None:
             return False
-        if self.saved_at is None:
-            self.saved_at = now  # the clock starts at this daemon's first batch
-        return n >= p.every_records or now - self.saved_at >= p.every_s or (not behind and n >= p.after_backlog_records)
+        return n >= p.every_records or (drained and n >= p.after_backlog_records)
 
 
 def path_of(run: SnapshotRun) -> Path:
@@ -130,7 +129,7 @@ def after_batch(run: SnapshotRun, records: int) -> None:
     """Called right after a batch's cursor was stored: save the engine when a snapshot is due."""
     snaps, reader = run.snapshots, run.reader
     snaps.records_since += records
-    if reader is None or run.engine is None or not snaps.due(reader.behind, run.os.time()):
+    if reader is None or run.engine is None or not snaps.due(reader.behind):
         return
     save(run, reader.cursor.inode, reader.cursor.offset)
 
@@ -161,7 +160,7 @@ def save(run: SnapshotRun, inode: int, offset: int) -> bool:
             log.warning("engine snapshot could not be written; the previous one stays", error=repr(exc))
         snaps.failed = True
         return False
-    snaps.failed, snaps.records_since, snaps.saved_at = False, 0, run.os.time()
+    snaps.failed, snaps.records_since = False, 0
     log.info("engine snapshot saved", offset=offset, bytes=len(head) + len(body))
     return True
 

@@ -39,7 +39,7 @@ def _run_with_snapshot(tmp_path, steps: int = 600, after: int = 150):
     fos = FakeOS()
     sup = _sup(tmp_path, fos, steps=100_000, interval=100_000, detectors=DETECTORS)
     sup.start()
-    sup.snapshots.policy = SnapshotPolicy(every_records=steps + 1, every_s=1e9, after_backlog_records=10**9)
+    sup.snapshots.policy = SnapshotPolicy(every_records=steps + 1, after_backlog_records=10**9)
     _emit(sup, kind="event", event="started", step=0)
     sup.tick()
     for s in range(1, steps + after + 1):
@@ -147,10 +147,28 @@ def test_no_snapshot_is_ever_ahead_of_the_stored_cursor_and_a_drained_backlog_is
         return real(run, inode, offset)
 
     monkeypatch.setattr(engine_snapshot, "save", watched)
-    sup.snapshots.policy = SnapshotPolicy(every_records=400, every_s=1e9, after_backlog_records=50)
+    sup.snapshots.policy = SnapshotPolicy(every_records=400, after_backlog_records=50)
     with open(sup.telemetry_path, "a") as fh:  # ~360 records a batch: saved every second batch, and at the end
         fh.write("".join(_line(fos, sup.attempt, s, _healthy_loss(s)) for s in range(1, 2001)))
     while sup.reader.cursor.offset < sup.telemetry_path.stat().st_size:
         sup.tick()
     assert len(seen) >= 3 and all(offset == stored for offset, stored in seen)
     assert seen[-1][0] == sup.telemetry_path.stat().st_size  # the drained backlog's end is saved
+
+
+def test_a_steady_run_saves_every_n_records_not_on_every_small_batch(tmp_path, monkeypatch):
+    # A job read a few records a tick (never a backlog): saved once per `every_records`, whatever the ticks.
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, steps=100_000, interval=100_000, detectors=DETECTORS)
+    sup.start()
+    saved = []
+    real = engine_snapshot.save
+    monkeypatch.setattr(engine_snapshot, "save", lambda run, inode, offset: saved.append(offset) or real(run, inode,
+                                                                                                         offset))
+    sup.snapshots.policy = SnapshotPolicy(every_records=250, after_backlog_records=50)
+    for s in range(1, 601, 3):
+        fos.advance(1.5)
+        with open(sup.telemetry_path, "a") as fh:
+            fh.write("".join(_line(fos, sup.attempt, k, _healthy_loss(k)) for k in range(s, s + 3)))
+        sup.tick()
+    assert sup.last_step == 600 and len(saved) == 2  # at 252 and 504 records (3 a batch)
