@@ -274,7 +274,7 @@ def report(run_id: str = typer.Argument(None, metavar="RUN",
            telemetry: Path = typer.Option(None, "--telemetry",
                                           help="telemetry file (default: the run directory's)"),
            full_telemetry: bool = typer.Option(False, "--full-telemetry",
-                                               help="read all of a telemetry file over 64 MiB (default: evenly "
+                                               help="read all of a telemetry file over 32 MiB (default: evenly "
                                                     "spaced windows of it, said on the page)")) -> None:
     """Write an HTML postmortem of a run. Curves with incidents and actions, timeline, goodput; self-contained."""
     from ulyssesd.daemon.operator.report import render_report  # the page builder (it never imports ctl)

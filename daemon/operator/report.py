@@ -14,8 +14,8 @@ goodput breakdown of the wall-clock time from the first launch to the end:
 
 The page is one file with inline SVG and a few lines of inline JS (hover values): no network, no CDN.
 Telemetry is read twice, streaming (the second pass samples at most MAX_POINTS points per attempt and
-MAX_TOTAL_POINTS in all), so a multi-day run's file is never held in memory. A file over 64 MiB is read in
-evenly spaced windows of 64 MiB in all, the attempts' boundaries found exactly (telemetry/step_sample.py): the
+MAX_TOTAL_POINTS in all), so a multi-day run's file is never held in memory. A file over 32 MiB is read in
+evenly spaced windows of 32 MiB in all, the attempts' boundaries found exactly (telemetry/step_sample.py): the
 page then says that its curves and goodput come from that sample (`--full-telemetry` reads it all).
 """
 

@@ -28,7 +28,7 @@ MAX_PROBES = 200_000  # bisection probes in all (10^3 attempt changes take ~30 e
 class SampleConfig:
     """How much of a telemetry file a whole-run view reads."""
 
-    max_bytes: int = 64 << 20  # a file up to this size is read whole; a larger one is sampled to this much
+    max_bytes: int = 32 << 20  # a file up to this size is read whole; a larger one is sampled to this much
     windows: int = 2048  # evenly spaced windows a larger file is read in (each max_bytes / windows long)
 
 
@@ -42,7 +42,7 @@ class Sampled:
     probes: int = 0  # bisection probes that placed the attempts' boundaries
 
 
-@dataclass
+@dataclass(slots=True)
 class Line:
     """One step line of the sample: its record, what it stands for, and whether it follows the previous one."""
 
