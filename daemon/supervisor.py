@@ -339,8 +339,6 @@ class Supervisor:
             self.scheduler.shutdown()
         return self.state
 
-    # ------------------------------------------------------------------------ telemetry
-    # ---------------------------------------------------------------- remediation outputs
     # ---------------------------------------------------------------------- termination
     def begin_termination(self, reason: str, plan: TerminationPlan, grace: float, dump_stacks: bool = False,
                            on_stacks: Callable[[str], None] | None = None) -> None:
@@ -423,6 +421,8 @@ class Supervisor:
         confirmed = status if self.unrecorded_exit else liveness.confirm(self, status, self.gone_check)
         if confirmed is None:
             return  # "gone" needs more than one sign (safety/liveness.py)
+        if not attempt_log.output_read(self):
+            return  # its output is read to its end first, tick after tick (safety/attempt_log.py)
         status, self.unrecorded_exit = confirmed, None
         job, term = self.job, self.term
         # The job's last words (exiting event, final checkpoint); a bug there must not keep the exit unhandled.
