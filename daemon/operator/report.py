@@ -447,8 +447,9 @@ def _sampled_note(info: Sampled | None) -> str:
     if info is None:
         return ""
     return (f"<p><b>Sampled telemetry:</b> the file is {info.file_bytes / 1e6:,.0f} MB; "
-            f"{info.read_bytes / 1e6:,.0f} MB of it were read, in {info.windows} evenly spaced windows, and "
-            f"{info.probes} probes placed every attempt's first and last step. The curves show the sampled steps; "
+            f"{info.read_bytes / 1e6:,.0f} MB of it were read, in {info.windows} evenly spaced windows, and every "
+            f"attempt's first and last step were found exactly ({info.probes} bisection probes). The curves show "
+            "the sampled steps; "
             "the step-time parts of the goodput are estimates scaled from the sample (the wall time and the time "
             "lost between attempts are exact). <code>ulyssesctl report --full-telemetry</code> reads it all.</p>")
 

@@ -148,6 +148,9 @@ def rotate_if_big(sup: AttemptLogRun) -> bool:
     size = _size(path)
     if size <= cap or cap <= 0:
         return False
+    src = getattr(sup, "_log_source", None)
+    if src is not None and src.attempt == sup.attempt and src.job_ended:
+        return False  # ended, its exit waiting for the pump: `trim_ended` bounds it, keeping its tail live
     # The pump reads what is there first (no step line is lost to the rotation); while it has not caught up
     # the rotation waits for a later tick (the pump reads 4 MiB per read).
     if not drain_pump(sup, ROTATE_DRAIN_S):
