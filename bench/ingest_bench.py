@@ -7,6 +7,9 @@ Two cases, each `n` step records (the run's store first filled with `incidents` 
 - `adopt_replay_s`: a fresh daemon adopting that run: `start()` warms the engine on the `n` records already
   processed (the daemon's restart path) before it supervises again.
 Then `idle_tick_ms`: the mean of 50 ticks with nothing new to read (the daemon's steady cost per tick).
+Each phase is timed in wall seconds and in this process's CPU seconds (`*_cpu_s`: comparable across the shared
+box's load, which stretches the wall figures); `adopt_from_snapshot` says whether the adoption restored the
+engine snapshot (daemon/telemetry/engine_snapshot.py) instead of replaying every record.
 
     .venv/bin/python bench/ingest_bench.py [N=1000000] [DIR] [INCIDENTS=0]
 """
@@ -73,13 +76,15 @@ def ingest_backlog(root: Path, n: int, incidents: int = 0) -> dict[str, object]:
                              "time": fos.time() - n * 0.1 - 1}) + "\n")
     _write_backlog(sup.telemetry_path, n, fos.time(), sup.attempt)
     size = sup.telemetry_path.stat().st_size
-    start, ticks = time.perf_counter(), 0
+    start, cpu, ticks = time.perf_counter(), time.process_time(), 0
     while sup.reader is not None and sup.reader.cursor.offset < size:
         sup.tick()
         ticks += 1
-    live = time.perf_counter() - start
+    live, live_cpu = time.perf_counter() - start, time.process_time() - cpu
     cursor = sup.store.get_telemetry_cursor(sup.run_id)
     result: dict[str, object] = {"records": n, "file_mb": round(size / 1e6, 1), "live_backlog_s": round(live, 1),
+                                 "live_backlog_cpu_s": round(live_cpu, 1),
+                                 "us_per_record_cpu": round(live_cpu / n * 1e6, 1),
                                  "ticks": ticks, "last_step": sup.last_step, "cursor_at_end": cursor.offset == size,
                                  "state": sup.state.value, "incidents_in_store": incidents}
     start = time.perf_counter()
@@ -87,10 +92,12 @@ def ingest_backlog(root: Path, n: int, incidents: int = 0) -> dict[str, object]:
         sup.tick()
     result["idle_tick_ms"] = round((time.perf_counter() - start) / 50 * 1e3, 2)
     sup.store.close()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     again = Supervisor(spec, open_store(spec.daemon.resolved_db_path()), fos)
     again.start()
     result["adopt_replay_s"] = round(time.perf_counter() - start, 1)
+    result["adopt_replay_cpu_s"] = round(time.process_time() - cpu, 1)
+    result["adopt_from_snapshot"] = getattr(getattr(again, "snapshots", None), "restored_from", None) is not None
     result["adopted_last_step"] = again.last_step
     again.store.close()
     return result

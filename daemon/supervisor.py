@@ -55,6 +55,7 @@ from ulyssesd.daemon.safety import attempt_log, hung_stop, liveness, store_healt
 from ulyssesd.daemon.spec import RunSpec, engine_job_values
 from ulyssesd.daemon.store.enums import IncidentStatus, RunState, Severity, Symptom
 from ulyssesd.daemon.telemetry import log_source
+from ulyssesd.daemon.telemetry.engine_snapshot import EngineSnapshots
 from ulyssesd.daemon.telemetry.telemetry_reader import TelemetryReader
 from ulyssesd.remediation.records import StepRecord, finite_or_none
 from ulyssesd.training.control import STACK_DUMP_DIR, stack_dump_files
@@ -72,8 +73,7 @@ class Supervisor:
                  metrics: Any = None, alerts: Any = None,
                  run_lock: Callable[[Path, str], None] | None = None, gpu_reader: Any = None) -> None:
         self.spec = spec
-        # Takes the per-run supervisor lock (ulyssesd.daemon.host.locks) once the run is known; raises LockHeld.
-        # None in in-process tests, which simulate a dead daemon by starting a second Supervisor.
+        # The per-run lock (host/locks.py), taken once the run is known; None in in-process tests (a dead daemon).
         self.run_lock = run_lock
         self.store = store
         self.os = os_
@@ -86,8 +86,7 @@ class Supervisor:
         self.incidents = IncidentLog(store, self._position, alert=self.alert, say=self.say)
         self.gpu_health = gpu_health.build(spec.gpu_health, spec.launcher.kind, reader=gpu_reader, say=self.say,
                                            report=gpu_health.incident_reporter(self.incidents))
-        # The planner's check of a job config (None = fits, else why not); run before every relaunch with the
-        # patched config, as cli.py runs it before the first launch. None: no preflight (CPU/command jobs, tests).
+        # The planner's check of a config (None = fits, else why not) before each relaunch (cli.py: the first).
         self.preflight = preflight
         self.engine_factory = engine_factory or default_engine_factory
         self.dcfg = spec.daemon
@@ -101,6 +100,7 @@ class Supervisor:
         self.launch_env: dict[str, str] = {}  # launcher.env.* overrides from remediation (e.g. allocator conf)
         self.job: JobHandle | None = None
         self.reader: TelemetryReader | None = None
+        self.snapshots = EngineSnapshots()  # the engine's learned state, saved with the cursor
         self.record_errors = 0  # telemetry records whose handling raised (logged and skipped)
         self.engine: Any = None
         self.term: Termination | None = None  # the pending shutdown of the attempt and what follows its exit
@@ -339,8 +339,6 @@ class Supervisor:
             self.scheduler.shutdown()
         return self.state
 
-    # ------------------------------------------------------------------------ telemetry
-    # ---------------------------------------------------------------- remediation outputs
     # ---------------------------------------------------------------------- termination
     def begin_termination(self, reason: str, plan: TerminationPlan, grace: float, dump_stacks: bool = False,
                            on_stacks: Callable[[str], None] | None = None) -> None:
@@ -423,6 +421,8 @@ class Supervisor:
         confirmed = status if self.unrecorded_exit else liveness.confirm(self, status, self.gone_check)
         if confirmed is None:
             return  # "gone" needs more than one sign (safety/liveness.py)
+        if not attempt_log.output_read(self):
+            return  # its output is read to its end first, tick after tick (safety/attempt_log.py)
         status, self.unrecorded_exit = confirmed, None
         job, term = self.job, self.term
         # The job's last words (exiting event, final checkpoint); a bug there must not keep the exit unhandled.
@@ -491,7 +491,7 @@ class Supervisor:
             "standby": self.standby.describe(self),  # the warm next attempt, or None (daemon/job/standby.py)
         }
 
-    # -------------------------------------------------------------------- scheduler jobs
+
 def default_engine_factory(spec: RunSpec, config: dict[str, Any]) -> Any:
     from ulyssesd.daemon.job.command import job_reach
     from ulyssesd.remediation.engine import RemediationEngine

@@ -25,7 +25,8 @@ from ulyssesd.daemon.job.checkpoint_watch import CheckpointWatchRun
 from ulyssesd.daemon.job.early_warning import early_warnings
 from ulyssesd.daemon.job.slurm_supervise import SlurmRun
 from ulyssesd.daemon.store.enums import ActionKind, ApplyMode, IncidentStatus, RunState, Severity, Symptom
-from ulyssesd.daemon.telemetry import log_source
+from ulyssesd.daemon.telemetry import engine_snapshot, log_source
+from ulyssesd.daemon.telemetry.engine_snapshot import EngineSnapshots
 from ulyssesd.daemon.telemetry.telemetry_reader import DRAIN_BUDGET_S
 from ulyssesd.remediation.detectors import Finding
 from ulyssesd.remediation.engine import Decision
@@ -47,6 +48,7 @@ class DecisionsRun(RelaunchRun, HousekeepingRun, CheckpointWatchRun, SlurmRun, P
     attempt_progress: bool
     last_exiting: str | None
     inner: InnerRestartWatch  # restarts an inner launcher made (daemon/coexist/)
+    snapshots: EngineSnapshots  # the engine's learned state saved with the cursor (telemetry/engine_snapshot.py)
 
 
 def track(sup: DecisionsRun, rec: Record) -> None:
@@ -105,6 +107,7 @@ def read_batch(sup: DecisionsRun) -> bool:
     cur = sup.reader.cursor
     sup.store.set_telemetry_cursor(sup.run_id, path=str(sup.telemetry_path), inode=cur.inode,
                                     offset=cur.offset, last_step=sup.last_step)
+    engine_snapshot.after_batch(sup, len(batch))  # exact at the cursor just stored: a restart resumes there
     return True
 
 

@@ -27,6 +27,8 @@ from ulyssesd.daemon.spec import RunSpec, engine_job_values
 from ulyssesd.daemon.store.enums import RunState
 from ulyssesd.daemon.store.permissions import private_dir
 from ulyssesd.daemon.store.recovery import refuse_unknown_run_dirs
+from ulyssesd.daemon.telemetry import engine_snapshot
+from ulyssesd.daemon.telemetry.engine_snapshot import EngineSnapshots
 from ulyssesd.daemon.telemetry.telemetry_reader import Cursor, TelemetryReader
 from ulyssesd.remediation.engine import LadderState
 from ulyssesd.remediation.learned.fit_version import job_part
@@ -44,6 +46,7 @@ class StartupRun(ExitRun, Protocol):
     requested_run_id: str | None
     engine_factory: Callable[[RunSpec, dict], Any]
     attempt_started_mono: float
+    snapshots: EngineSnapshots  # the engine's learned state saved with the cursor
 
 
 def find_existing_run(sup: StartupRun) -> Any:
@@ -113,6 +116,7 @@ def create_run(sup: StartupRun) -> None:
     jc.write_json_atomic(sup.run_dir / "configs" / "v1.json", sup.config)
     sup.config_version = 1
     sup.engine = sup.engine_factory(sup.spec, sup.config)
+    sup.snapshots.bind(sup.engine)
     sup.engine.replanner = lambda: exits._memory_replanner(sup)   # memory spikes re-plan as OOMs do
     sup.reader = TelemetryReader(sup.telemetry_path)
     log.info("run created", run_id=rid, run_dir=str(sup.run_dir))
@@ -136,6 +140,7 @@ def adopt(sup: StartupRun, run: Any) -> None:
     v1 = dict(min(cv, key=lambda c: c.version).config)
     v1.pop("launcher", None)
     sup.engine = sup.engine_factory(sup.spec, v1)
+    sup.snapshots.bind(sup.engine)  # what built it: a snapshot of another engine is not restored
     attempts = sup.store.list_attempts(run.id)
     now = sup.os.time()
     # The last hour's restart budget as the previous daemon spent it: operator relaunches were never in it.
@@ -301,9 +306,11 @@ def warm_engine(sup: StartupRun, attempt: int) -> int | None:
     limit = sup.reader.cursor.offset
     if limit <= 0 or not sup.telemetry_path.exists():
         return None
-    warm = TelemetryReader(sup.telemetry_path)
+    # The engine's snapshot at or before the cursor (telemetry/engine_snapshot.py): only the records after it
+    # are replayed. Without a usable one, every record from the start.
+    start, reported = engine_snapshot.restore(sup, sup.reader.cursor.inode, limit)
+    warm = TelemetryReader(sup.telemetry_path, Cursor(sup.reader.cursor.inode, start) if start else None)
     fed = 0
-    reported: int | None = None
     while warm.cursor.offset < limit:
         scanned = warm.scanned_to
         batch = warm.read()
@@ -324,6 +331,6 @@ def warm_engine(sup: StartupRun, attempt: int) -> int | None:
             except Exception as exc:  # noqa: BLE001
                 log.warning("engine warm-up failed on a record", error=repr(exc))
             fed += 1
-    log.info("engine warmed from telemetry", records=fed, up_to_offset=limit, attempt=attempt,
+    log.info("engine warmed from telemetry", records=fed, from_offset=start, up_to_offset=limit, attempt=attempt,
              reported_config_version=reported)
     return reported

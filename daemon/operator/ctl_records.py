@@ -286,9 +286,13 @@ def report(run_id: str = typer.Argument(None, metavar="RUN",
                                         help="run id (default: the --run option, else the latest run)"),
            out_path: Path = typer.Option(None, "--out", "-o", help="HTML file to write (default: report-RUN.html)"),
            telemetry: Path = typer.Option(None, "--telemetry",
-                                          help="telemetry file (default: the run directory's)")) -> None:
+                                          help="telemetry file (default: the run directory's)"),
+           full_telemetry: bool = typer.Option(False, "--full-telemetry",
+                                               help="read all of a telemetry file over 32 MiB (default: evenly "
+                                                    "spaced windows of it, said on the page)")) -> None:
     """Write an HTML postmortem of a run. Curves with incidents and actions, timeline, goodput; self-contained."""
     from ulyssesd.daemon.operator.report import render_report  # the page builder (it never imports ctl)
+    from ulyssesd.daemon.telemetry.step_sample import SampleConfig
 
     store = open_ro_store(False)
     try:
@@ -297,7 +301,8 @@ def report(run_id: str = typer.Argument(None, metavar="RUN",
         run = current_run(store, False)
         if telemetry is not None and not telemetry.is_file():
             die(f"--telemetry {telemetry}: no such file", EXIT_USAGE, False)
-        page = render_report(store, run.id, telemetry)
+        page = render_report(store, run.id, telemetry,
+                             SampleConfig(max_bytes=1 << 62) if full_telemetry else SampleConfig())
     finally:
         store.close()
     target = out_path or Path(f"report-{run.id}.html")

@@ -14,7 +14,9 @@ goodput breakdown of the wall-clock time from the first launch to the end:
 
 The page is one file with inline SVG and a few lines of inline JS (hover values): no network, no CDN.
 Telemetry is read twice, streaming (the second pass samples at most MAX_POINTS points per attempt and
-MAX_TOTAL_POINTS in all), so a multi-day run's file is never held in memory.
+MAX_TOTAL_POINTS in all), so a multi-day run's file is never held in memory. A file over 32 MiB is read in
+evenly spaced windows of 32 MiB in all, the attempts' boundaries found exactly (telemetry/step_sample.py): the
+page then says that its curves and goodput come from that sample (`--full-telemetry` reads it all).
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from __future__ import annotations
 import html
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ulyssesd.daemon.telemetry.step_scan import timed_steps
+from ulyssesd.daemon.telemetry.step_sample import SampleConfig, Sampled, step_lines
 from ulyssesd.remediation.records import finite_or_none
 
 #: Points kept per attempt and series in the plots (steps are sampled evenly beyond this).
@@ -59,6 +61,7 @@ class Goodput:
     redone_rollback_s: float = 0.0
     redone_restart_s: float = 0.0
     restart_downtime_s: float = 0.0
+    sampled: Sampled | None = None  # the telemetry was read in windows: the step-time sums are estimates
 
     @property
     def other_s(self) -> float:
@@ -79,12 +82,6 @@ class Series:
     points: list[tuple[float, float | None, float | None, float | None]] = field(default_factory=list)
 
 
-def _steps(path: Path) -> Iterator[Any]:
-    """Step records of a telemetry file with a time; lines that do not parse (a torn last line, events) are
-    skipped. Decoded by `step_scan` (nine fields of a step, not twenty): a long run's file is 10^7 lines."""
-    return timed_steps(path)
-
-
 def _duration(rec: Any, prev_time: float | None) -> float:
     for d in (rec.step_time_max_s, rec.step_time_s):
         if d is not None and math.isfinite(d) and d >= 0:
@@ -100,8 +97,10 @@ def _known(values: Iterable[float | None]) -> list[float]:
     return [v for v in values if v is not None]
 
 
-def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]) -> tuple[list[Series], Goodput]:
-    """Two streaming passes over the telemetry file: the curves (sampled) and the goodput breakdown."""
+def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any],
+                      sample: SampleConfig = SampleConfig()) -> tuple[list[Series], Goodput]:
+    """Two streaming passes over the telemetry file: the curves (sampled) and the goodput breakdown. A file
+    over `sample.max_bytes` is read in windows (telemetry/step_sample.py): `good.sampled` says so."""
     good = Goodput()
     starts = _known(_ts(a.started_at) for a in attempts)
     ends = _known(_ts(a.ended_at) for a in attempts)
@@ -109,10 +108,12 @@ def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]
         if starts:
             good.wall_s = max(0.0, (max(ends) if ends else max(starts)) - min(starts))
         return [], good
+    lines, good.sampled = step_lines(path, sample)
     per: dict[int, _AttemptSteps] = {}
-    for rec in _steps(path):
+    for line in lines:
+        rec = line.rec
         a = per.setdefault(rec.attempt or 0, _AttemptSteps())
-        t = rec.time or 0.0  # never None here: _steps yields timed records only
+        t = rec.time or 0.0  # never None here: step_lines yields timed records only
         if a.first_step is None:
             a.first_step, a.first_time = rec.step, t
         a.last_time = t
@@ -146,12 +147,13 @@ def analyse_telemetry(path: Path | None, attempts: list[Any], actions: list[Any]
     stride = {n: max(1, math.ceil(per[n].count / budget)) for n in numbers}
     seen = dict.fromkeys(numbers, 0)
     prev_time: dict[int, float | None] = dict.fromkeys(numbers)
-    for rec in _steps(path):
+    for line in (lines if good.sampled is not None else step_lines(path, sample)[0]):
+        rec = line.rec
         n = rec.attempt or 0
         if n not in per:  # appended between the passes
             continue
         t = rec.time or 0.0
-        d = _duration(rec, prev_time[n])
+        d = _duration(rec, prev_time[n] if line.follows else None) * line.weight
         prev_time[n] = t
         cut = cutoff.get(n)
         if cut is not None and rec.step >= cut[0]:
@@ -356,7 +358,8 @@ def _last_loss(point: tuple[float, float | None, float | None, float | None] | N
     return f" (last loss {point[1]:.4g})" if point[1] is not None else " (last loss not finite or not reported)"
 
 
-def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str:
+def render_report(store: Any, run_id: str, telemetry: Path | None = None,
+                  sample: SampleConfig = SampleConfig()) -> str:
     """The postmortem page of `run_id` as one HTML string (see module doc)."""
     run = store.get_run(run_id)
     attempts = store.list_attempts(run_id)
@@ -367,7 +370,8 @@ def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str
     n_inc, n_act = store.count_incidents(run_id), store.count_actions(run_id)
     versions = store.list_config_versions(run_id)
     path = telemetry or telemetry_path_of(run)
-    series, good = analyse_telemetry(path, attempts, store.list_actions(run_id, rollbacks=True))
+    series, good = analyse_telemetry(path, attempts, store.list_actions(run_id, rollbacks=True), sample)
+    sampled = _sampled_note(good.sampled)
 
     times = [p[0] for s in series for p in s.points]
     stamps = _known([_ts(a.started_at) for a in attempts] + [_ts(a.ended_at) for a in attempts])
@@ -422,9 +426,9 @@ def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str
 <body><div id="hover"></div>
 <h1>Postmortem of run {_e(run.id)}</h1>{summary}
 <h2>Timeline</h2>{_timeline(transitions, t0, t1, marks)}
-<h2>Curves</h2><p class="legend">{legend}</p>{no_tele}
+<h2>Curves</h2><p class="legend">{legend}</p>{no_tele}{sampled}
 {''.join(plots)}
-<h2>Goodput</h2>{_goodput_bar(good)}
+<h2>Goodput</h2>{sampled}{_goodput_bar(good)}
 <h2>Attempts</h2><table><tr><th>#</th><th>started</th><th>ended</th><th>exit</th><th>diagnosis</th><th>config</th>
 <th>resumed from</th></tr>{rows_att}</table>
 <h2>States</h2><table><tr><th>at</th><th>transition</th><th>attempt</th><th>reason</th></tr>{rows_tr}</table>
@@ -436,6 +440,18 @@ def render_report(store: Any, run_id: str, telemetry: Path | None = None) -> str
 </tr>{rows_cfg}</table>
 <script>{_JS}</script></body></html>
 """
+
+
+def _sampled_note(info: Sampled | None) -> str:
+    """What a page drawn from a sample of its telemetry says about it (telemetry/step_sample.py)."""
+    if info is None:
+        return ""
+    return (f"<p><b>Sampled telemetry:</b> the file is {info.file_bytes / 1e6:,.0f} MB; "
+            f"{info.read_bytes / 1e6:,.0f} MB of it were read, in {info.windows} evenly spaced windows, and every "
+            f"attempt's first and last step were found exactly ({info.probes} bisection probes). The curves show "
+            "the sampled steps; "
+            "the step-time parts of the goodput are estimates scaled from the sample (the wall time and the time "
+            "lost between attempts are exact). <code>ulyssesctl report --full-telemetry</code> reads it all.</p>")
 
 
 def _cut(shown: int, total: int, what: str) -> str:

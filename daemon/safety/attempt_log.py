@@ -9,9 +9,11 @@ output is then at most 1.5 times the cap, and the newest output is always kept. 
 log pump is drained first (through its interface: `pump()` until it has read what was there), so no step line
 is lost to a rotation.
 
-`drain_before_exit`: the pump reads 4 MiB per tick; a job that printed more than that before it exited had
-its step lines judged after its exit ("COMPLETED at step None"). Before the exit is handled the pump is run
-until it has caught up (bounded: `DRAIN_MAX_S`), then an ended attempt's log over the cap keeps its last half.
+`output_read` / `drain_before_exit`: the pump reads 4 MiB per tick; a job that printed more than that before it
+exited had its step lines judged after its exit ("COMPLETED at step None"). The exit waits, tick after tick
+(the control socket answered between), while the pump makes progress on the ended attempt's output
+(bounded: `EXIT_WAIT_MAX_S`), then the pump is run until it has caught up (bounded: `DRAIN_MAX_S`), then an
+ended attempt's log over the cap keeps its last half.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from ulyssesd.daemon.telemetry import log_source
 
 log = get_logger("ulyssesd.supervisor")
 
-#: Longest time spent reading a job's remaining output before its exit is handled.
+#: Longest time spent reading a job's remaining output in the tick its exit is handled.
 DRAIN_MAX_S = 30.0
+#: Longest an ended attempt's exit waits, tick after tick, for its output to be read while reading progresses.
+EXIT_WAIT_MAX_S = 900.0
 #: Time one tick may spend reading a big log before rotating it (the rotation waits while the pump is behind).
 ROTATE_DRAIN_S = 2.0
 _COPY_CHUNK = 1 << 20
@@ -71,6 +75,31 @@ def drain_pump(sup: AttemptLogRun, budget_s: float) -> bool:
         src = getattr(sup, "_log_source", None)
         if src is None or src.offset == before:
             return False  # no progress (a partial last line, an unreadable log): not caught up
+
+
+def output_read(sup: AttemptLogRun) -> bool:
+    """Before an ended attempt's exit is judged: has its output been read to its end (a stdout-telemetry job)?
+    Each call reads on for up to ROTATE_DRAIN_S; False while output is left and that call made progress, so the
+    loop answers the control socket between calls and the exit is judged at a later tick (a job that printed
+    100 MiB before its step lines, on a loaded box, had them judged after its exit: "COMPLETED at step None").
+    True once caught up, when reading makes no progress, or after EXIT_WAIT_MAX_S (then said in the log)."""
+    src = getattr(sup, "_log_source", None)
+    if src is not None and src.attempt == sup.attempt:
+        src.job_ended = True  # its unterminated last line (a `\r`-only progress bar) is read now
+    before = src.offset if src is not None else None
+    if drain_pump(sup, ROTATE_DRAIN_S):
+        return True
+    src = getattr(sup, "_log_source", None)
+    if src is None or src.offset == before:
+        return True  # no progress (a partial last line, an unreadable log): judge with what was read
+    now = SYSTEM.monotonic()
+    if src.exit_wait_since is None:
+        src.exit_wait_since = now
+    if now - src.exit_wait_since < EXIT_WAIT_MAX_S:
+        return False
+    log.warning("ended attempt's output not read to its end in time; its exit is judged now", attempt=sup.attempt,
+                waited_s=round(now - src.exit_wait_since, 1), read_to=src.offset)
+    return True
 
 
 def drain_before_exit(sup: AttemptLogRun) -> None:
@@ -119,6 +148,9 @@ def rotate_if_big(sup: AttemptLogRun) -> bool:
     size = _size(path)
     if size <= cap or cap <= 0:
         return False
+    src = getattr(sup, "_log_source", None)
+    if src is not None and src.attempt == sup.attempt and src.job_ended:
+        return False  # ended, its exit waiting for the pump: `trim_ended` bounds it, keeping its tail live
     # The pump reads what is there first (no step line is lost to the rotation); while it has not caught up
     # the rotation waits for a later tick (the pump reads 4 MiB per read).
     if not drain_pump(sup, ROTATE_DRAIN_S):

@@ -124,6 +124,7 @@ class LogSource:
         #: Set once the attempt's process has exited: nothing more will be written, so an unterminated last
         #: line (a `\r`-only progress redraw, a last print without newline) is read as the last line.
         self.job_ended = False
+        self.exit_wait_since: float | None = None  # when the ended attempt's exit began waiting for this output
         #: The attempt's log, held open across pumps: a removed log is read on from it (`_stat_log`).
         self._held: BinaryIO | None = None
         self._log_unlinked = False

@@ -151,7 +151,9 @@ def split_modes(values: list[float], min_share: float = 0.15, min_gap: float = 0
     unimodal loss never passes (its "modes" touch)."""
     xs = sorted(math.log(v) for v in values if v > 0 and math.isfinite(v))
     n = len(xs)
-    if n < 30:
+    if n < 30 or xs[-1] - xs[0] < min_gap:
+        # Every mode's median lies within [xs[0], xs[-1]]: no two can be `min_gap` apart, whatever the split
+        # (the same None the search below reaches, without its O(n^2): a steady loss's usual window).
         return None
     ps, pq = [0.0], [0.0]
     for x in xs:

@@ -22,6 +22,7 @@ from test_daemon_unit_fakeos import FakeOS  # noqa: E402
 from ulyssesd.daemon.spec import load_run_spec  # noqa: E402
 from ulyssesd.daemon.store import open_store  # noqa: E402
 from ulyssesd.daemon.supervisor import Supervisor  # noqa: E402
+from ulyssesd.daemon.telemetry.engine_snapshot import SnapshotPolicy  # noqa: E402
 
 
 def main(spec_path: str, mode: str, stop_after: int) -> None:
@@ -37,6 +38,7 @@ def main(spec_path: str, mode: str, stop_after: int) -> None:
             fh.write(backlog)
         assert sup.reader is not None
         sup.reader.max_batch_bytes = 8192  # many batches: the kill lands inside one of them
+        sup.snapshots.policy = SnapshotPolicy(every_records=100)  # engine snapshots before the kill, too
         stored = [0]
         store_cursor, record = sup.store.set_telemetry_cursor, sup.store.record_incident
 
@@ -58,7 +60,8 @@ def main(spec_path: str, mode: str, stop_after: int) -> None:
         sup.tick()
         if sup.reader is not None and sup.reader.cursor.offset >= size:
             break
-    print("DONE", sup.reader.cursor.offset if sup.reader else None, size, sup.last_step, sup.state.value, flush=True)
+    print("DONE", sup.reader.cursor.offset if sup.reader else None, size, sup.last_step, sup.state.value,
+          sup.snapshots.restored_from, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A telemetry backlog (the daemon was down, or the job outran it) is read on within a tick, batch after batch,
 each batch's cursor stored after its records were acted upon; a daemon SIGKILLed inside a batch loses no record
-and doubles none when the next one adopts the run."""
+and doubles none when the next one adopts the run (resuming from the engine snapshot the killed one saved)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import pytest
 from test_daemon_unit_fakeos import FakeOS, _sup
 from uls_daemon_helpers import fake_spec
 
-from ulyssesd.daemon.core import decisions
+from ulyssesd.daemon.core import commands, decisions
 from ulyssesd.daemon.store import open_store
+from ulyssesd.daemon.store.enums import RunState
 
 HERE = Path(__file__).resolve().parent
 
@@ -69,6 +70,39 @@ def test_without_a_drain_budget_a_tick_reads_one_batch(tmp_path, monkeypatch):
     assert sup.last_step == 400  # nothing lost at the slower pace either
 
 
+class _BusyClock(FakeOS):
+    """Each monotonic read is 0.25 s later: a backlog's batches take time, so the tick's drain budget ends."""
+
+    def monotonic(self):
+        self.m += 0.25
+        return self.m
+
+
+def test_status_answers_and_stop_works_while_a_backlog_drains(tmp_path):
+    fos = _BusyClock()
+    fos.term_behaviour = "exit0"  # the job saves and exits on the stop's SIGTERM
+    sup = _sup(tmp_path, fos, steps=10**6, interval=10**6, detectors={"hang_timeout_floor_s": 600.0})
+    sup.start()
+    with sup.telemetry_path.open("a") as fh:
+        fh.write(json.dumps({"v": 1, "kind": "event", "event": "started", "step": 0, "attempt": 1,
+                             "time": 1_000_000.0}) + "\n" + _backlog(3000))
+    sup.reader.max_batch_bytes = 8 << 10  # ~50 records a batch: 60 batches, a few a tick
+    size = sup.telemetry_path.stat().st_size
+    answers = []
+
+    def poll(timeout):  # the control socket's turn between ticks: a status, then a stop while behind
+        st = commands.handle(sup, {"cmd": "status"})
+        answers.append((st["ok"], st["status"]["step"], sup.reader.cursor.offset))
+        if len(answers) == 4:
+            answers.append(commands.handle(sup, {"cmd": "stop"}))
+
+    assert sup.run_forever(poll) == RunState.STOPPED
+    during = [a for a in answers[:4] if a[2] < size]
+    assert len(during) == 4 and all(ok for ok, _, _ in during)  # answered between batches of the backlog
+    assert [step for _, step, _ in during] == sorted(step for _, step, _ in during) and during[-1][1] > 0
+    assert answers[4]["ok"], answers[4]  # the stop was taken while records were still unread
+
+
 @pytest.mark.slow
 def test_a_daemon_killed_inside_a_batch_loses_and_doubles_nothing(tmp_path):
     spec = fake_spec(tmp_path, steps=10**6, interval=10**6, detectors={"hang_timeout_floor_s": 600.0})
@@ -99,8 +133,10 @@ def test_a_daemon_killed_inside_a_batch_loses_and_doubles_nothing(tmp_path):
     store.close()
     again = subprocess.run([*worker, "again", "0"], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.splitlines()[-1].split()[:4] == ["DONE", str(tel.stat().st_size), str(tel.stat().st_size),
-                                                         str(n)]
+    done = again.stdout.splitlines()[-1].split()
+    assert done[:4] == ["DONE", str(tel.stat().st_size), str(tel.stat().st_size), str(n)]
+    # The adopting daemon resumed from the engine snapshot the killed one saved (at a stored cursor, before it).
+    assert done[5] != "None" and 0 < int(done[5]) <= cursor.offset, done
     store = open_store(db, readonly=True)
     steps = sorted(i.step for i in store.list_incidents(run.id, symptom="checkpoint_corrupt"))
     assert steps == list(range(every, n + 1, every))  # every one, each once

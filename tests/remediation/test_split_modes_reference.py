@@ -1,5 +1,5 @@
-"""`split_modes` (inlined sums, run on every engine's quarter window) answers exactly what its plain O(n^2)
-form answered, ties included: the reference below is that form, unchanged."""
+"""`split_modes` (inlined sums and a range shortcut, run on every engine's quarter window) answers exactly
+what its plain O(n^2) form answered, ties included: the reference below is that form, unchanged."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_split_modes_matches_its_plain_form_on_mixtures_ties_and_noise():
     found = 0
     for trial in range(400):
         n = rnd.choice([29, 30, 31, 45, 60, 100])
-        shape = trial % 5
+        shape = trial % 6
         if shape == 0:
             vals = [rnd.lognormvariate(1, 0.1) for _ in range(n)]                        # one mode
         elif shape == 1:
@@ -62,8 +62,11 @@ def test_split_modes_matches_its_plain_form_on_mixtures_ties_and_noise():
             vals = [rnd.choice([2.0, 2.0, 2.5]) for _ in range(n)]                       # exact ties
         elif shape == 3:
             vals = [rnd.choice([1.0, 5.0]) * (1 + rnd.random() * 0.01) for _ in range(n)]  # two
-        else:
+        elif shape == 4:
             vals = [rnd.choice([1.0, float("nan"), -1.0, 4.0, math.inf]) for _ in range(n)]  # bad values dropped
+        else:  # two modes whose log range is just below, at or just above min_gap (the range shortcut's edge)
+            gap = rnd.choice([0.2999, 0.3, 0.3001, 0.35])
+            vals = [rnd.choice([1.0, math.exp(gap)]) for _ in range(n)]
         for share in (0.05, 0.15, 0.4):
             got = split_modes(vals, min_share=share)
             assert got == reference(vals, min_share=share), (trial, share)
