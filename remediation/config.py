@@ -64,10 +64,10 @@ class DetectorsConfig(_Section):
     drift_min_baseline: int = Field(200, ge=10, description="Records the drift baseline needs before (and after each alarm, again before) the CUSUM runs.")
     drift_min_effect: float = Field(0.10, gt=0, lt=1, description="Floor of the drift CUSUM's effect size (smallest sustained relative slowdown it reports); the run's own step-time history may raise it.")
     drift_effect_margin: float = Field(1.5, ge=1, description="The learned effect size is the smallest at which the CUSUM over the baseline's own history stays below h / this margin.")
-    drift_detect_steps: int = Field(50, ge=5, description="A slowdown of the effect size is found after about this many steps (h = steps × effect / 2); twice the effect after a third of it.")
-    drift_allowance: float = Field(0.015, gt=0, description="Floor of the CUSUM allowance k (k = half the effect size): relative slowdown per step that never accumulates.")
+    drift_detect_steps: int = Field(50, ge=5, description="A slowdown of twice the effect size or more is found after about this many steps (h = steps × effect / 4); one of the effect size later, one below 3/4 of it never.")
+    drift_allowance: float = Field(0.015, gt=0, description="Floor of the CUSUM allowance k (k = 3/4 of the effect size): relative slowdown per step that never accumulates.")
     drift_threshold: float = Field(0.6, gt=0, description="Floor of the CUSUM alarm h (relative slowdown × steps).")
-    drift_clip: float = Field(0.10, gt=0, description="One step counts at most this relative slowdown, or twice the effect size if larger (a checkpoint/eval/GC step is not a drift).")
+    drift_clip: float = Field(0.10, gt=0, description="One step counts at most this relative slowdown, or the effect size if larger (a checkpoint/eval/GC step is not a drift).")
     drift_noise_factor: float = Field(6.0, gt=0, description="h is at least this × per-step variance / allowance (noisier step times need a longer drift).")
     drift_rank_share: float = Field(0.6, gt=0, le=1, description="A drift is attributed to a rank that was the slowest on at least this share of its records.")
     # --- hang

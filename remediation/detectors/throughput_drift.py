@@ -6,11 +6,13 @@ a user would act on (clock and data-dependent phases: ±5 % between 50-step wind
 steps on the H100). So δ is learned from the run: the smallest effect size (never below drift_min_effect, never
 above _EFFECT_CEILING: a fit makes the detector neither trigger-happy nor blind) at which this CUSUM, replayed
 over the baseline's own step times in order, stays below h / drift_effect_margin; the largest δ the run has
-needed so far is kept. From δ: the allowance k = max(drift_allowance, δ/2), the clip c = max(drift_clip, 2δ),
-and h = max(drift_threshold, drift_detect_steps × (δ - k), the noise term below). A slowdown of δ is then
-found after about drift_detect_steps steps, 2δ or more after a third of that. With δ = 3 %
-(drift_min_effect = 0.03, drift_detect_steps = 40 on a quiet run) this is the classic setting: k 1.5 %, h 0.6,
-a 3 % drift after ~40 steps, 5 % after ~17.
+needed so far is kept. From δ: the allowance k = max(drift_allowance, 0.75 δ), the clip c = max(drift_clip, δ),
+and h = max(drift_threshold, drift_detect_steps × (δ - k), the noise term below). A slowdown of 2δ or more is then
+found after about drift_detect_steps steps (every step counts at most c - k; measured at the defaults: 20-30 %
+after 49-65 steps), one of δ later (10 %: 92-136 steps at 2 % step-time noise, 214-267 or later at 5 %), one
+below 0.75 δ never (a shared box whose speed follows its neighbours by a few percent for hundreds of
+steps is not a drift). With drift_min_effect = 0.02 (a quiet run whose user asks for few-percent drifts) this is
+the classic setting: k 1.5 %, clip 10 %, h 0.6, a 3 % drift after ~40 steps, 5 % after ~17.
 
 x = clip(t / baseline - 1, ±c) per training step (a record at log interval n stands for n steps);
 S = max(0, S + n·(x - k)). Clipping keeps one checkpoint/eval/GC step from counting more than c; the record
@@ -35,6 +37,9 @@ from ulyssesd.remediation.records import EventRecord, Record
 
 _MAD_TO_SIGMA = 1.4826
 _EFFECT_CEILING = 0.5   # the learned effect size never exceeds this (a 50 % slowdown is always a drift)
+# k as a share of the effect size: a slowdown below 3/4 of it never accumulates, however long (a shared box
+# whose speed follows its neighbours by a few percent for hundreds of steps is not a drift to report).
+_ALLOWANCE_OF_EFFECT = 0.75
 
 
 class ThroughputDriftDetector(EpisodeDetector):
@@ -71,7 +76,7 @@ class ThroughputDriftDetector(EpisodeDetector):
         return self._effect
 
     def _allowance_clip(self, effect: float) -> tuple[float, float]:
-        return max(self.cfg.drift_allowance, effect / 2), max(self.cfg.drift_clip, 2 * effect)
+        return max(self.cfg.drift_allowance, _ALLOWANCE_OF_EFFECT * effect), max(self.cfg.drift_clip, effect)
 
     def _cusum_h(self, effect: float) -> tuple[float, float, float]:
         """Allowance k, clip c and the effect's own alarm h (before the noise term) of an effect size."""
