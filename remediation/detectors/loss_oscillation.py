@@ -22,7 +22,6 @@ from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
 from ulyssesd.remediation.detectors.loss_spike import LossSpikeDetector
 from ulyssesd.remediation.records import Record, StepRecord
 
-
 # A deviation updates its source's noise scale by at most this many times the scale (one jump or an
 # oscillation raises it slowly: at the window's EMA rate, x(1 + 2 alpha) per observation at most).
 _SCALE_CLIP = 3.0

@@ -18,7 +18,6 @@ from rem_helpers import healthy  # noqa: E402
 from ulyssesd.remediation.config import DetectorsConfig  # noqa: E402
 from ulyssesd.remediation.detectors.throughput_drift import ThroughputDriftDetector  # noqa: E402
 
-
 FEW_PERCENT = DetectorsConfig(drift_min_effect=0.02)
 
 
