@@ -100,7 +100,7 @@ class ThroughputDriftDetector(EpisodeDetector):
     def _run_effect(self, span: int) -> float:
         """The run's own effect size: the smallest one (>= drift_min_effect, <= _EFFECT_CEILING) at which the
         CUSUM replayed over the baseline's step times in order (its window-to-window phases, short excursions)
-        stays below h / drift_effect_margin. Monotone in the effect (k and h grow with it): a bisection."""
+        stays below h / drift_effect_margin. Close to monotone in the effect (k, c and h grow with it): a bisection."""
         med = self._base.med
         lo = self.cfg.drift_min_effect
         if not med:
