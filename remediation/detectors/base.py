@@ -138,6 +138,10 @@ class RollingMedian:
     def median(self) -> float:
         return math.nan if self.med is None else self.med
 
+    def in_order(self) -> list[float]:
+        """The window's values, oldest first."""
+        return list(self._fifo)
+
     def values(self) -> list[float]:
         """Sorted values (fresh)."""
         if self._stale:

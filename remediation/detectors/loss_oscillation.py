@@ -2,9 +2,15 @@
 spike) is several times the run's own baseline swing, and the loss keeps reversing direction.
 
 A record with `loss_by_source` is first de-mixed: the value followed is the mean over its sources of
-log(loss / that source's own running level), so steps that alternate between an easy and a hard source
-(a healthy mixed run at micro-batch 1) swing by their within-source noise only, not by the gap between
-the sources' levels."""
+log(loss / that source's own running level) divided by that source's own running noise scale, so steps that
+alternate between an easy and a hard source (a healthy mixed run at micro-batch 1) swing by their within-source
+noise only, and in units of each source's own noise: a steady source (log noise 0.02) and one whose small loss
+is itself bimodal (log jumps of 2-3 when it has fallen to 0.01-0.05) weigh the same, and the baseline swing
+learned while losses were larger still holds when they have fallen. The scale is an EMA of |deviation| whose
+updates are clipped to `_SCALE_CLIP` x the scale, so an oscillation does not absorb itself quickly; a source
+with fewer than `loss_source_min_history` observations has no scale yet and contributes nothing. A loss that
+alternates up and down beyond its own source's noise is still an oscillation (the unlabelled path de-mixes by
+the loss's own modes the same way)."""
 
 from __future__ import annotations
 
@@ -15,6 +21,10 @@ from ulyssesd.remediation.config import DetectorsConfig
 from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
 from ulyssesd.remediation.detectors.loss_spike import LossSpikeDetector
 from ulyssesd.remediation.records import Record, StepRecord
+
+# A deviation updates its source's noise scale by at most this many times the scale (one jump or an
+# oscillation raises it slowly: at the window's EMA rate, x(1 + 2 alpha) per observation at most).
+_SCALE_CLIP = 3.0
 
 
 class LossOscillationDetector(EpisodeDetector):
@@ -37,10 +47,12 @@ class LossOscillationDetector(EpisodeDetector):
         self._since_sample = 0
         self._base: float | None = None
         self._levels: dict[str, float] = {}   # per source: running mean of log loss (EMA)
+        self._scales: dict[str, float] = {}   # per source: running mean |log loss - level| (EMA, clipped updates)
+        self._seen: dict[str, int] = {}       # per source: deviations observed
 
     def _demix(self, by_source: dict[str, float]) -> float | None:
-        """Mean over the record's sources of log(loss) minus that source's running level; None until a
-        source has a level (its first loss only starts it)."""
+        """Mean over the record's sources of (log(loss) - that source's running level) / its running noise
+        scale; None until a source has a level and a scale (`loss_source_min_history` observations)."""
         alpha = 2.0 / (self.cfg.window + 1)
         parts = []
         for name, val in by_source.items():
@@ -51,8 +63,19 @@ class LossOscillationDetector(EpisodeDetector):
             if lvl is None:
                 self._levels[name] = x
                 continue
-            parts.append(x - lvl)
-            self._levels[name] = lvl + alpha * (x - lvl)
+            dev = x - lvl
+            self._levels[name] = lvl + alpha * dev
+            seen = self._seen.get(name, 0) + 1
+            self._seen[name] = seen
+            scale = self._scales.get(name)
+            a = abs(dev)
+            if scale is None:   # the first deviations: a plain mean, then the EMA
+                self._scales[name] = a
+                continue
+            if seen > self.cfg.loss_source_min_history and scale > 0:
+                parts.append(dev / scale)
+            rate = max(alpha, 1.0 / seen)
+            self._scales[name] = scale + rate * (min(a, _SCALE_CLIP * scale) if scale > 0 else a) - rate * scale
         return sum(parts) / len(parts) if parts else None
 
     def observe(self, rec: Record, now: float) -> list[Finding]:
