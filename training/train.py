@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from .checkpoint.digests import DIGEST_MODE_ENV, digest_mode
-from .checkpoint.exit_guard import ExitSaveGuard
 from .control import ControlPoller, engine_clip, set_engine_clip
 from .data.batches import DataCursor, SampleSource, slice_for_sp
 from .data.loader import PrefetchLoader
@@ -29,6 +28,7 @@ from .ds_config import build_ds_config
 from .faults import FaultInjector
 from .model.gpt import GPT
 from .planner.inputs import GPU_MEMORY_CAP_ENV
+from .recovery.exit_guard import ExitSaveGuard
 from .recovery.in_process import InProcessRecovery, StepDropped
 from .recovery.save_gate import DeferredSaves
 from .scalars import ScalarWriter, check_monitor_dependencies, drop_unwritable_monitors, mfu, step_scalars
@@ -106,7 +106,7 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
         self.stop_signal = False
         self.last_loss: float | None = None
         self.step = 0
-        self.exit_guard = ExitSaveGuard()   # no exit save after a non-finite step (checkpoint/exit_guard.py)
+        self.exit_guard = ExitSaveGuard()   # no exit save after a non-finite step (recovery/exit_guard.py)
 
     # ---------------------------------------------------------------------------- setup
     def _init_distributed(self) -> None:

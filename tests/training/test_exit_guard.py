@@ -1,4 +1,4 @@
-"""The job's exit (SIGTERM) save is refused after a step the daemon would judge non-finite (training/checkpoint/
+"""The job's exit (SIGTERM) save is refused after a step the daemon would judge non-finite (training/recovery/
 exit_guard.py), on the job's own knowledge: the daemon's `suspect` may be written after the job's last poll
 (issue 38's r3 on the H100: step-00000121 written one step after a NaN). The real-process case (a NaN, then
 SIGTERM, no control file) is tests/training/test_train_job.py; the daemon run is tests/daemon/test_rollback_safety_e2e.py."""
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from train_job_helpers import tiny_spec
 
-from ulyssesd.training.checkpoint.exit_guard import ExitSaveGuard, nonfinite_what
+from ulyssesd.training.recovery.exit_guard import ExitSaveGuard, nonfinite_what
 from ulyssesd.training.train import Trainer
 
 
