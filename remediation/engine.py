@@ -62,6 +62,7 @@ class Decision:
     hot_control: dict[str, Any] = field(default_factory=dict)
     rollback_to_step: int | None = None
     rollback_tag: str | None = None
+    rollback_onset: int | None = None   # the onset the rollback handles: tags saved at or after it are never used
     skip_ranges: list[tuple[int, int]] = field(default_factory=list)
     procedure: tuple[str, ...] = ()
     would_apply: Apply | None = None   # observe-only: what would have been applied
@@ -466,9 +467,8 @@ class RemediationEngine(LearnedParts):
             d.config_patch = {**reverted, **patch}
             d.previous = {**{k: self.values.get(k) for k in reverted}, **previous}
         if plan is not None and apply == "rollback_skip":
-            d.rollback_to_step, d.rollback_tag, d.skip_ranges = plan.to_step, plan.tag, list(plan.skip_ranges)
-        # Bookkeeping happens in both modes, so observe-only shows the whole escalation it would have run.
-        self.values.update(d.config_patch)
+            self._rollback_decided(d, plan)   # its target, skip and onset; tags after the onset tainted
+        self.values.update(d.config_patch)   # bookkeeping in both modes: observe-only shows the whole escalation
         st.uses += 1
         st.last = d
         st.verify_left = self.policy.verify_steps

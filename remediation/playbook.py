@@ -56,6 +56,7 @@ class RollbackPlan:
     skip_steps: tuple[int, int]
     estimated: bool
     note: str = ""   # why the target is older than the onset suggests (a resumed checkpoint found suspect)
+    onset: int | None = None   # the onset step the target precedes (tags saved at or after it are tainted)
 
 
 @dataclass

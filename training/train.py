@@ -28,6 +28,7 @@ from .ds_config import build_ds_config
 from .faults import FaultInjector
 from .model.gpt import GPT
 from .planner.inputs import GPU_MEMORY_CAP_ENV
+from .recovery.exit_guard import ExitSaveGuard
 from .recovery.in_process import InProcessRecovery, StepDropped
 from .recovery.save_gate import DeferredSaves
 from .scalars import ScalarWriter, check_monitor_dependencies, drop_unwritable_monitors, mfu, step_scalars
@@ -105,6 +106,7 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
         self.stop_signal = False
         self.last_loss: float | None = None
         self.step = 0
+        self.exit_guard = ExitSaveGuard()   # no exit save after a non-finite step (recovery/exit_guard.py)
 
     # ---------------------------------------------------------------------------- setup
     def _init_distributed(self) -> None:
@@ -299,17 +301,19 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
             disk_due = step % spec.checkpoint.interval_steps == 0 or (step == tr.steps and spec.checkpoint.save_at_end)
             if self._memory_snapshot_due(step, disk_due):
                 self._memory_snapshot(disk_due)   # the host tier first; the disk copy is written behind it
-            if self._save_now(step, disk_due, final=step == tr.steps or stop):   # may defer a save that would block
+            refused = self._exit_save_refused() if stop else None
+            if refused is None and self._save_now(step, disk_due, final=step == tr.steps or stop):  # may defer
                 self._save()
                 saved_at = step
             if stop:
-                if self.control.state.suspect:
-                    log.warning("SIGTERM with control suspect=true: exiting WITHOUT saving")
+                if refused is not None:
+                    log.warning("SIGTERM: exiting WITHOUT saving: %s", refused)
                 elif saved_at != step:
                     self._save()
                 self.finish_saves()  # an async save is durable (or its failure agreed on) before exiting
                 self._clean_shm()
-                self._event("exiting", reason="sigterm", saved=not self.control.state.suspect)
+                self._event("exiting", reason="sigterm", saved=refused is None,
+                            **({"not_saved": refused} if refused else {}))
                 return 0
         if saved_at != self.step and spec.checkpoint.save_at_end:
             self._save()
@@ -398,9 +402,28 @@ class Trainer(InProcessRecovery, DeferredSaves, TrainerCheckpoints):
         stats = gather_step_stats(local_loss, step_time, max_alloc, self.stop_signal, self.device, extra)
         self._check_loss(step, stats.loss, samples)   # a NaN drops the step when the host tier can serve it
         self.last_loss = stats.loss
+        self._guard_exit_save(step, stats.loss)
         if step % tr.log_every == 0 or stats.stop_requested or step == tr.steps:
             self._record_step(step, stats, lr, step_time, tokens_per_step, samples, alloc, max_alloc, reserved)
         return stats.stop_requested
+
+    def _guard_exit_save(self, step: int, loss: float) -> None:
+        """A step that kept its update (not dropped by the host tier) with a non-finite loss or grad norm: no exit
+        save from now on. Every rank sees the same gathered loss and global grad norm, so all agree."""
+        if self.exit_guard.first_bad_step is not None:
+            return
+        gn = self.engine.get_global_grad_norm() if math.isfinite(loss) else None   # cached by the step: no collective
+        fp16 = self.spec.precision.dtype == "fp16"
+        self.exit_guard.observe(step, loss, None if gn is None else float(gn),
+                                skipped=fp16 and not self.engine.was_step_applied())
+
+    def _exit_save_refused(self) -> str | None:
+        """Collective (every rank stops at the same step): why the exit save must not be written, else None. The
+        daemon writes `suspect` before its SIGTERM; the job may have polled just before that write, so read again."""
+        self._poll_control()
+        if self.control.state.suspect:
+            return "control suspect=true (the daemon is rolling back)"
+        return self.exit_guard.refusal()
 
     def _start_failure(self, exc: Exception) -> Exception:
         if not self._in_process_on():

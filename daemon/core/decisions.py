@@ -404,9 +404,14 @@ def apply_decision(sup: DecisionsRun, dec: Decision, step: int) -> None:
     rollback = dec.rollback_to_step if apply == "rollback_skip" else None
     to_v, diff = sup.new_config_version(patch, f"{symptom.value}: {reason}") if patch else (from_v, {})
     suspect = apply == "rollback_skip" or bool((dec.hot_control or {}).get("suspect"))
+    onset = None
+    if rollback is not None:   # before the SIGTERM: retention keeps the target, no tag past the onset is used
+        onset = pending_rollback(sup, dec, rollback, dstep, iid)
     if suspect:
         jc.write_control(sup.run_dir, suspect=True)
     params.update(rollback_to_step=rollback, skip_ranges=dec.skip_ranges, suspect=suspect)
+    if onset is not None:
+        params["rollback_onset_step"] = onset
     sup.incidents.action(iid, kind, params, diff, ApplyMode.restart, from_v, to_v)
     sup.store.update_incident_status(iid, IncidentStatus.remediating, reason)
     sup.say(f"  action: {params['rung']} ({apply})" + (f", rollback to <= step {rollback}" if rollback is not None else "")
@@ -418,6 +423,21 @@ def apply_decision(sup: DecisionsRun, dec: Decision, step: int) -> None:
                                grace=sup.dcfg.stop_grace_s)
     else:
         schedule_relaunch(sup, relaunch)
+
+
+def pending_rollback(sup: DecisionsRun, dec: Decision, rollback: int, step: int, iid: int | None) -> int:
+    """Record the decided rollback (training/checkpoint/rollback_guard.py) until its relaunch chooses a tag; returns
+    the onset. The engine's onset, else the decision's step; never at or before the target (a target is a save
+    before the onset)."""
+    from ulyssesd.training.checkpoint import rollback_guard as rg
+
+    onset = dec.rollback_onset if dec.rollback_onset is not None else step
+    if onset <= rollback:
+        log.warning("rollback onset not after its target: the target's next step is taken", onset=onset,
+                    target=rollback)
+        onset = rollback + 1
+    rg.write_pending(sup.run_dir, rg.PendingRollback(onset, rollback, dec.rollback_tag, iid))
+    return onset
 
 
 def host_evidence(sup: DecisionsRun) -> dict[str, Any]:

@@ -55,12 +55,15 @@ class LaunchError(RuntimeError):
 
 def choose_checkpoint(ckpt_dir: Path, rollback_to_step: int | None, *, verify: bool, verify_max_gib: float,
                       store: Any, run_id: str, clock: Callable[[], float],
-                      say: Callable[[str], None], threads: int | None = None) -> tuple[str, list[str]]:
+                      say: Callable[[str], None], threads: int | None = None,
+                      onset: int | None = None) -> tuple[str, list[str]]:
     """Validate tags newest -> oldest, quarantine bad ones; return (tag or "none", notes).
 
     `verify`: checksum verification (checkpoint.verify_checksums), skipped for tags over `verify_max_gib`,
     hashed by `threads` workers (checkpoint.verify_threads; None: the job's default, min(CPU cores, 8));
-    invalid and set-aside tags are recorded in `store` for `run_id`."""
+    invalid and set-aside tags are recorded in `store` for `run_id`. `onset`: the first step of the incident a
+    pending rollback handles (rollback_guard.py): a tag saved at or after it is set aside, never chosen; a
+    rollback whose target is gone falls back only to a valid tag between the target and the onset."""
     from ulyssesd.training import checkpoint as ck
 
     notes: list[str] = []
@@ -80,6 +83,18 @@ def choose_checkpoint(ckpt_dir: Path, rollback_to_step: int | None, *, verify: b
         raise PermissionError(f"checkpoint directory {ckpt_dir} is not readable by uid {os.geteuid()}")
     tags = ck.list_tags(ckpt_dir)
 
+    def set_aside(tag: str, why: str) -> None:
+        target = ckpt_dir / f"{tag}.rolledback-{int(clock())}"
+        os.rename(ckpt_dir / tag, target)
+        log.info("checkpoint set aside", tag=tag, to=target.name)
+        say(f"  {tag} set aside as {target.name} ({why})")
+        store.upsert_checkpoint(run_id, tag, step=ck.step_of_tag(tag) or 0, valid=False, invalid_reason=why)
+
+    if onset is not None:   # saved at or after the onset: its weights went through it (never a resume point)
+        for t in [t for t in tags if (ck.step_of_tag(t) or 0) >= onset]:
+            set_aside(t, f"saved at or after the onset at step {onset} of the incident being rolled back")
+        tags = ck.list_tags(ckpt_dir)
+
     def first_valid(candidates: list[str]) -> str | None:
         for tag in candidates:
             gib_ok = tag_gib(ckpt_dir, tag) <= verify_max_gib
@@ -95,23 +110,23 @@ def choose_checkpoint(ckpt_dir: Path, rollback_to_step: int | None, *, verify: b
         older = [t for t in tags if (ck.step_of_tag(t) or 0) <= rollback_to_step]
         chosen = first_valid(list(reversed(older)))
         if chosen is None and rollback_to_step > 0:
-            # The rollback target is gone (pruned, or invalid): the closest valid tag after it beats
-            # starting from scratch and losing the whole run.
-            chosen = first_valid([t for t in tags if (ck.step_of_tag(t) or 0) > rollback_to_step])
-            if chosen is not None:
+            # The rollback target is gone (pruned, or invalid): the valid tag closest after it AND before the
+            # onset beats losing the whole run; one at or after the onset holds the weights the rollback undoes.
+            if onset is None:
+                notes.append(f"no valid checkpoint at or before step {rollback_to_step} (pruned or invalid) and "
+                             f"the incident's onset is not recorded: no later tag is known to precede it")
+            else:
+                between = [t for t in tags if rollback_to_step < (ck.step_of_tag(t) or 0) < onset]
+                chosen = first_valid(between)
                 notes.append(f"no valid checkpoint at or before step {rollback_to_step} (pruned or invalid); "
-                             f"rolled back to the oldest valid one, {chosen}")
+                             + (f"rolled back to the oldest valid one before the onset at step {onset}, {chosen}"
+                                if chosen else f"none between it and the onset at step {onset} either"))
         # Tags after the rollback point belong to the abandoned (bad) trajectory: set them aside so a
         # later plain restart ("latest") can never resume from them. Renamed, not deleted (evidence).
         limit = ck.step_of_tag(chosen) if chosen else rollback_to_step
         for t in ck.list_tags(ckpt_dir):
             if (ck.step_of_tag(t) or 0) > (limit or 0):
-                target = ckpt_dir / f"{t}.rolledback-{int(clock())}"
-                os.rename(ckpt_dir / t, target)
-                log.info("checkpoint set aside", tag=t, to=target.name)
-                say(f"  {t} set aside as {target.name} (after the rollback point)")
-                store.upsert_checkpoint(run_id, t, step=ck.step_of_tag(t) or 0, valid=False,
-                                        invalid_reason=f"rolled back past it (to step {limit})")
+                set_aside(t, f"rolled back past it (to step {limit})")
     if chosen is None:
         return "none", notes
     try:
@@ -136,11 +151,15 @@ def tag_gib(ckpt_dir: Path, tag: str) -> float:
 def checkpoint_for(sup: LaunchRun, rollback_to_step: int | None) -> tuple[str, list[str]]:
     """Validate tags newest -> oldest, quarantine bad ones; return (tag or "none", notes). The hashing uses the
     job's own `[checkpoint] verify_threads`: this check is on the restart's critical path too."""
+    from ulyssesd.training.checkpoint.rollback_guard import read_pending
+
     threads = jc.get_dotted(sup.config, "checkpoint.verify_threads")
+    pending = read_pending(sup.run_dir)   # a decided rollback (decisions.py): no tag at or after its onset
     return choose_checkpoint(
         sup.ckpt_dir, rollback_to_step, verify=bool(jc.get_dotted(sup.config, "checkpoint.verify_checksums", True)),
         verify_max_gib=sup.dcfg.verify_max_gib, store=sup.store, run_id=sup.run_id, clock=sup.os.time,
-        say=sup.say, threads=threads if type(threads) is int and threads >= 1 else None)
+        say=sup.say, threads=threads if type(threads) is int and threads >= 1 else None,
+        onset=pending.onset_step if pending is not None else None)
 
 
 def launch(sup: LaunchRun, reason: str, rollback_to_step: int | None = None, incident_id: int | None = None) -> bool:
@@ -192,6 +211,9 @@ def start_attempt(sup: LaunchRun, reason: str, rollback_to_step: int | None, inc
         sup.store.update_incident_status(sid, IncidentStatus.failed, "no valid checkpoint left")
         sup.fail(f"no valid checkpoint left in {sup.ckpt_dir}: {'; '.join(notes)[:300]}")
         return False
+    if tag == "none" and rollback_to_step and not command_job:
+        return rollback_target_lost(sup, rollback_to_step, notes)
+    clear_pending_rollback(sup)   # chosen, and every tag past it set aside: the record is done
     # "latest" = the newest valid tag, which is `tag` now that invalid ones are quarantined; an explicit
     # tag (or "none") only for a rollback; the user's own choice stands on the first attempt.
     want_load = "latest" if rollback_to_step is None else tag
@@ -281,6 +303,28 @@ def start_attempt(sup: LaunchRun, reason: str, rollback_to_step: int | None, inc
              config_version=sup.config_version, **({"resume_step": resume_step} if resume_step is not None else {}))
     sup.say(f"attempt {sup.attempt} launched (pid {job.pid}, config v{sup.config_version}, resume {tag}): {reason}")
     return True
+
+
+def rollback_target_lost(sup: LaunchRun, rollback_to_step: int, notes: list[str]) -> bool:
+    """A rollback with no valid tag at or before its target and none between it and the onset: stop loudly with what
+    was tried; never step 0 once the run has made progress, never a tag past the onset (issue 39)."""
+    why = (f"rollback to <= step {rollback_to_step}: no valid checkpoint to resume from; not resuming from a tag "
+           f"saved after the incident's onset nor from step 0")
+    sid = sup.incidents.incident(Symptom.checkpoint_corrupt, sup.last_step or 0, Severity.critical, why,
+                                 {"tried": notes, "ckpt_dir": str(sup.ckpt_dir)}, attempt=sup.attempt + 1)
+    sup.incidents.action(sid, ActionKind.stop, {"reason": why, "tried": notes}, {}, ApplyMode.none)
+    sup.store.update_incident_status(sid, IncidentStatus.failed, why)
+    sup.fail(f"{why}: {'; '.join(notes)[:300]}")
+    return False
+
+
+def clear_pending_rollback(sup: LaunchRun) -> None:
+    from ulyssesd.training.checkpoint.rollback_guard import clear_pending
+
+    try:
+        clear_pending(sup.run_dir)
+    except OSError as exc:   # the next launch's choice honours it again; retention keeps the target meanwhile
+        log.warning("could not remove the pending rollback record", error=repr(exc))
 
 
 def spawn_with_retries(sup: LaunchRun, plan: LaunchPlan) -> JobHandle:

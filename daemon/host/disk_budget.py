@@ -15,6 +15,7 @@ from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.ports import JobConfig, Records, RunFiles
 from ulyssesd.training.checkpoint import budget as bd
+from ulyssesd.training.checkpoint.rollback_guard import read_pending
 
 log = get_logger("ulyssesd.supervisor")
 
@@ -67,7 +68,8 @@ def predicted_from_config(config: dict[str, Any]) -> int:
 
 
 def classify_run(sup: BudgetRun) -> bd.DirBudget:
-    return bd.classify(sup.ckpt_dir, policy_of(sup.dcfg, sup.config), known_good(sup))
+    return bd.classify(sup.ckpt_dir, policy_of(sup.dcfg, sup.config), known_good(sup),
+                       pending=read_pending(sup.run_dir))   # a decided rollback: its target kept (rollback_guard.py)
 
 
 def next_save_bytes(budget: bd.DirBudget, predicted: int) -> int:
@@ -300,7 +302,8 @@ def disk_status(store: Any, run: Any) -> dict[str, Any] | None:
         return None
     kg = [c.tag for c in store.list_checkpoints(run.id) if getattr(c, "known_good", False)]
     try:
-        return bd.classify(root, policy_of(dcfg, config), kg, recognise=command_recogniser(run, root)).to_dict()
+        return bd.classify(root, policy_of(dcfg, config), kg, recognise=command_recogniser(run, root),
+                           pending=read_pending(run.run_dir)).to_dict()
     except (OSError, ValueError) as exc:
         return {"dir": str(root), "error": str(exc)}
 

@@ -68,6 +68,7 @@ class LearnedParts:
     saved: list[tuple[str, int]]
     max_ckpt_step: int | None
     last_step: int | None
+    attempt: int | None
     failed: bool
     _samples: deque[tuple[int, tuple[int, int]]]
     _by_symptom: dict[str, Any]
@@ -84,6 +85,8 @@ class LearnedParts:
         # before the onset holds that step's weights however late its write ends (the job makes it durable
         # before it exits, suspect or not), so it is a rollback target too.
         self.saving: dict[str, int] = {}
+        # (onset, attempt) of the last rollback decided: that attempt's later saves at or after the onset are tainted.
+        self.taint_from: tuple[int, int | None] | None = None
         self._clean_through = -1   # the last step with a finite loss and no weight symptom active
         self._last_loss_finite = True
         self.no_rollback_why = ""   # why the last rollback plan found no target
@@ -135,7 +138,13 @@ class LearnedParts:
     def _is_tainted(self, step: int) -> bool:
         """A tag holds suspect weights when its snapshot was taken after the last clean step while a weight
         symptom is active or the loss is non-finite: by the tag's step, not by when its (async) write ended."""
-        return (self._weight_symptom_active() or not self._last_loss_finite) and step > self._clean_through
+        if (self._weight_symptom_active() or not self._last_loss_finite) and step > self._clean_through:
+            return True
+        # A rollback decided in this attempt and its restart still awaited: a save at or after its onset holds
+        # weights past it (the next attempt redoes those steps from the target; an unapplied decision expires).
+        t = self.taint_from
+        return (t is not None and step >= t[0] and t[1] == self.attempt
+                and any(st.await_left > 0 for st in self.ladders.values()))
 
     def _watch_grad(self, record: StepRecord) -> None:
         assert self.grad_watch is not None
@@ -284,7 +293,18 @@ class LearnedParts:
         # A job the skip cannot reach (a command job) is claimed none: the rollback alone applies.
         skips = [] if self._skip_unreached() else [(start, end)]
         return RollbackPlan(to_step=to_step, tag=tag, skip_ranges=skips, skip_steps=(first, last),
-                            estimated=est1 or est2, note=note)
+                            estimated=est1 or est2, note=note, onset=a)
+
+    def _rollback_decided(self, d: Any, plan: RollbackPlan) -> None:
+        """A rollback to `plan` was decided (engine.Decision `d`): its fields, and every tag of this attempt saved at
+        or after the onset is tainted from now on - also one whose `checkpoint_saved` comes later (the job's exit
+        save after the SIGTERM: H100 r3, step-00000121 after a NaN at 120, whose own loss was finite again)."""
+        d.rollback_to_step, d.rollback_tag, d.skip_ranges = plan.to_step, plan.tag, list(plan.skip_ranges)
+        d.rollback_onset = plan.onset
+        if plan.onset is None:
+            return
+        self.taint_from = (plan.onset, self.attempt)
+        self.tainted.update(t for t, s in [*self.saved, *self.saving.items()] if s >= plan.onset)
 
 
     def _skip_unreached(self) -> str:

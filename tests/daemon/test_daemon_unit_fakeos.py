@@ -274,10 +274,14 @@ def test_rollback_picks_newest_valid_tag_at_or_before_target_and_sets_newer_asid
 
 
 def test_rollback_target_pruned_falls_back_to_oldest_valid_not_scratch(tmp_path):
+    from ulyssesd.training.checkpoint import rollback_guard as rg
+
     sup = _sup(tmp_path, FakeOS())
     sup.start()
     for s in (10, 15):
         _make_tag(sup.ckpt_dir, s)
+    # Only before the onset (tests/daemon/test_rollback_pending_fakeos.py has the tags after it).
+    rg.write_pending(sup.run_dir, rg.PendingRollback(onset_step=13, target_step=7))
     tag, notes = checkpoint_for(sup, rollback_to_step=7)
     assert tag == "step-00000010"
     assert "no valid checkpoint at or before step 7" in notes[0]

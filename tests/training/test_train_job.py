@@ -87,9 +87,30 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(sp1_sigterm):
     assert run.returncode == 0, run.output[-4000:]
     exiting = run.events("exiting")
     assert [e["reason"] for e in exiting] == ["sigterm"] and exiting[0]["step"] == 4
+    assert exiting[0]["saved"] is True and "not_saved" not in exiting[0]
     assert max(run.steps()) == 4
     tag = run.run_dir / "checkpoints" / "step-00000004"  # not an interval step (every 5): saved for SIGTERM
     assert validate_tag(tag) == (True, "ok")
+
+
+def test_sigterm_after_a_nan_exits_without_saving_on_its_own_knowledge(tmp_path):
+    # The counter-case of the test above: a NaN at step 3, SIGTERM during step 4, and NO control file saying
+    # `suspect` (the daemon's write can land after the job's poll): the job itself refuses the exit save.
+    spec = tiny_spec(parallel={"sequence_parallel_size": 1}, checkpoint={"interval_steps": 2},
+                     faults=[{"kind": "nan_loss", "at_step": 3}, {"kind": "slow_rank", "at_step": 4, "magnitude": 3.0}])
+    proc = start(spec, tmp_path, nproc=1)
+    run = JobRun(tmp_path, None, "")
+    wait_for(lambda: 3 in run.steps() if (tmp_path / "telemetry.jsonl").exists() else False, 120, "step 3", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-4000:]
+    assert run.steps()[3]["loss"] == "nan" and max(run.steps()) == 4
+    exiting = run.events("exiting")
+    assert [(e["reason"], e["saved"]) for e in exiting] == [("sigterm", False)]
+    assert "at step 3" in exiting[0]["not_saved"] and "nan" in exiting[0]["not_saved"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-00000002"]
+    for rec in run.records():
+        assert validate_record(rec) == [], rec
 
 
 def test_telemetry_validates_against_the_contract(baseline, sp1_sigterm):

@@ -14,7 +14,8 @@ DeepSpeed loads (or half-loads) a bad tag. All ranks' files must be complete bef
 
 Modules: `files` (tags, manifests, validation, quarantine, `latest`), `retention` (what to keep, pruning,
 disk guard, known-good anchors), `budget` (the directory's one budget: every entry in a category, the order
-room is made in, the job's check before a save; docs/CHECKPOINT_DISK.md), `saving` (failed-write descriptions, the asynchronous writer), `snapshot`
+room is made in, the job's check before a save; docs/CHECKPOINT_DISK.md), `rollback_guard` (a decided
+rollback until its relaunch: its target kept, the tags after its onset never used), `saving` (failed-write descriptions, the asynchronous writer), `snapshot`
 (its host-memory copies, pinned buffers and registered snapshot pool), `shard_io` (how it writes one shard: hash on the way, O_DIRECT), `digests` (the writer's digest mode, manifest v3's
 `chunk_list_sha256`, the streaming check of a file against its entry). The package
 namespace is the public import path the daemon, `ulyssesctl` and `ulyssesd.client.manifest` use

@@ -4,6 +4,8 @@ retention removes, the order a save that does not fit makes room in, and how man
 Categories (docs/CHECKPOINT_DISK.md):
 
     newest_valid  the newest tag with a valid manifest: never removed
+    rollback_target  the tag a decided rollback will load (rollback_guard.py): never removed while it is pending
+    tainted       valid tags saved at or after a pending rollback's onset: never the newest valid, the first to go
     keep_last     the other valid tags of the `keep_last` window
     anchor        known-good tags kept outside the window for rollbacks: at most `max_anchors`, spaced at least
                   `anchor_spacing_steps` apart; the newest known-good one is never removed
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterable
@@ -34,9 +35,13 @@ from typing import Any
 from ..durable import atomic_write_text
 from .entries import SET_ASIDE_ANY_RE, SET_ASIDE_RE, Recogniser, entry_kind
 from .files import DELETING_PREFIX, MANIFEST_NAME, step_of_tag
-from .retention import remove_dir, tree_bytes
+from .retention import held_entries, remove_dir, tree_bytes
+from .rollback_guard import PendingRollback, holds, read_pending
 
-CATEGORIES = ("newest_valid", "keep_last", "anchor", "in_flight", "set_aside", "surplus", "deleting", "other")
+CATEGORIES = ("newest_valid", "rollback_target", "keep_last", "anchor", "in_flight", "tainted", "set_aside", "surplus",
+              "deleting", "other")
+#: Tags kept for the run to go on from (what the directory holds besides the next save and set-aside copies).
+KEPT = ("newest_valid", "rollback_target", "keep_last", "anchor")
 #: The file the daemon publishes its budget in ({run_dir}/checkpoint_budget.json), read by the job before a save.
 BUDGET_FILE = "checkpoint_budget.json"
 #: The fewest tags a run can go on with: the newest valid one plus room for the next save.
@@ -108,6 +113,7 @@ class DirBudget:
     newest_valid: str | None
     newest_known_good: str | None
     tag_bytes: int  # what the next save needs: the newest valid tag's bytes (0 when there is none)
+    rollback_target: str | None = None  # the tag a pending rollback will load (never removed)
 
     def by_category(self) -> dict[str, dict[str, int]]:
         out = {c: {"count": 0, "bytes": 0} for c in CATEGORIES}
@@ -166,10 +172,12 @@ def set_aside_time(name: str, mtime: float) -> float:
 
 
 def classify(ckpt_dir: str | Path, policy: BudgetPolicy, known_good: Iterable[str] = (),
-             free: Callable[[Path], int | None] = free_bytes, recognise: Recogniser | None = None) -> DirBudget:
+             free: Callable[[Path], int | None] = free_bytes, recognise: Recogniser | None = None,
+             pending: PendingRollback | None = None) -> DirBudget:
     """Every entry of `ckpt_dir` in its category (module doc); `known_good`: tag names followed by a clean
     window (the daemon's store). Validity is judged on sizes (no checksums): cheap enough to run at every save.
-    `recognise`: what a checkpoint is in a command job's own naming (files too); default the built-in's tags."""
+    `recognise`: what a checkpoint is in a command job's own naming (files too); default the built-in's tags.
+    `pending`: a decided rollback (rollback_guard.py): its target is kept, the tags after its onset are tainted."""
     root = Path(ckpt_dir)
     entries: list[Entry] = []
     if not root.is_dir():
@@ -191,7 +199,8 @@ def classify(ckpt_dir: str | Path, policy: BudgetPolicy, known_good: Iterable[st
         else:
             entries.append(Entry(p.name, "other", None, size, st.st_mtime))
     tags.sort()
-    valid = [t for t in tags if t[2]]
+    tainted, target = holds([(t[0], t[1]) for t in tags if t[2]], pending)
+    valid = [t for t in tags if t[2] and t[1] not in tainted]
     newest = valid[-1] if valid else None
     window = {t[1] for t in valid[-policy.keep_last:]}
     kg_names = {Path(k).name for k in known_good}
@@ -199,7 +208,9 @@ def classify(ckpt_dir: str | Path, policy: BudgetPolicy, known_good: Iterable[st
     anchors = set(select_anchors(kg_steps, policy.max_anchors, policy.anchor_spacing_steps))
     newest_kg = next((t[1] for t in reversed(valid) if t[1] in kg_names), None)
     for step, name, ok, size, mtime in tags:
-        if ok:
+        if name == target or name in tainted:
+            cat = "rollback_target" if name == target else "tainted"
+        elif ok:
             cat = ("newest_valid" if newest and name == newest[1] else "keep_last" if name in window
                    else "anchor" if step in anchors else "surplus")
         else:
@@ -214,7 +225,7 @@ def classify(ckpt_dir: str | Path, policy: BudgetPolicy, known_good: Iterable[st
             kept_n, kept_b = kept_n + 1, kept_b + e.bytes
         else:
             e.doomed = True
-    return DirBudget(root, policy, entries, free(root), newest[1] if newest else None, newest_kg, tag_bytes)
+    return DirBudget(root, policy, entries, free(root), newest[1] if newest else None, newest_kg, tag_bytes, target)
 
 
 def _remove(root: Path, name: str) -> bool:
@@ -275,46 +286,21 @@ def room_order(budget: DirBudget, include_in_flight: bool) -> list[Entry]:
     """The stated order a save that does not fit makes room in: what routine retention would remove; the failed
     save's partial (`include_in_flight`: only once its job has exited); set-aside copies oldest first; anchors
     beyond the newest known-good, oldest first; the keep_last window oldest first, down to the newest valid.
-    Never the newest valid tag nor the newest known-good one."""
-    protected = {budget.newest_valid, budget.newest_known_good}
+    Tainted tags (after a pending rollback's onset) go with the partials. Never the newest valid tag, the newest
+    known-good one nor a pending rollback's target."""
+    protected = {budget.newest_valid, budget.newest_known_good, budget.rollback_target}
     by_step = sorted((e for e in budget.entries if e.name not in protected),
                      key=lambda e: (e.step if e.step is not None else -1, e.mtime))
     order = [e for e in budget.entries if e.doomed and e.category != "set_aside"]
     if include_in_flight:
         order += [e for e in by_step if e.category == "in_flight"]
+    order += [e for e in by_step if e.category == "tainted"]
     order += sorted((e for e in budget.entries if e.category == "set_aside"),
                     key=lambda e: set_aside_time(e.name, e.mtime))
     order += [e for e in by_step if e.category == "anchor"]
     order += [e for e in by_step if e.category == "keep_last"]
     seen: set[str] = set()
     return [e for e in order if not (e.name in seen or seen.add(e.name))]  # type: ignore[func-returns-value]
-
-
-def held_entries(root: Path, proc: Path = Path("/proc")) -> set[str]:
-    """Entries of `root` with a file some process on this host has mapped or open (/proc/*/maps, /proc/*/fd):
-    removing one frees nothing until that process lets go (a job resumed from a tag whose CPU tensors were
-    loaded with mmap). Empty where /proc cannot be read."""
-    prefix = str(root.resolve()) + os.sep
-    held: set[str] = set()
-    try:
-        pids = [p for p in proc.iterdir() if p.name.isdigit()]
-    except OSError:
-        return held
-    def add(path: str) -> None:
-        i = path.find(prefix)
-        if i >= 0:
-            held.add(path[i + len(prefix):].split(os.sep, 1)[0].rstrip("\n"))
-
-    for p in pids:
-        try:
-            with open(p / "maps", errors="replace") as fh:
-                for line in fh:
-                    add(line)
-            for fd in (p / "fd").iterdir():
-                add(os.readlink(fd))
-        except OSError:
-            continue  # gone, or not ours to read
-    return held
 
 
 def make_room(budget: DirBudget, need_bytes: int, *, include_in_flight: bool = False,
@@ -356,8 +342,7 @@ def make_room(budget: DirBudget, need_bytes: int, *, include_in_flight: bool = F
 
 
 def _kept_tag_bytes(budget: DirBudget, gone: set[str]) -> int:
-    return sum(e.bytes for e in budget.entries if e.name not in gone and e.step is not None
-               and e.category in ("newest_valid", "keep_last", "anchor"))
+    return sum(e.bytes for e in budget.entries if e.name not in gone and e.step is not None and e.category in KEPT)
 
 
 def tags_that_fit(available_bytes: int, kept_tag_bytes: int, tag_bytes: int, margin_bytes: int = 0) -> int | None:
@@ -394,7 +379,6 @@ def describe_bytes(n: int | None) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
-
 
 
 # ------------------------------------------------------------------------------------ the job's check
@@ -458,7 +442,7 @@ def _room_once(ckpt_dir: str | Path, run_dir: str | Path, tag: str, keep_last: i
             log.warning("no readable %s in %s: checking checkpoint %s with keep_last %d and no margin, removing only "
                         "set-aside and surplus entries", BUDGET_FILE, run_dir, tag, keep_last)
         policy, known_good, predicted = published or (BudgetPolicy(keep_last=keep_last), [], 0)
-        budget = classify(root, policy, known_good)
+        budget = classify(root, policy, known_good, pending=read_pending(run_dir))
         if budget.free_bytes is None:
             return None  # no reading (the directory's filesystem cannot be asked): the write says what happens
         tag_bytes = budget.tag_bytes or predicted or max(0, predicted_bytes)

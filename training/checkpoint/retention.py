@@ -222,3 +222,30 @@ def prune_for_space(ckpt_dir: str | Path, anchors: Iterable[str | int] = (),
             remove_dir(root / tag)
         removed.append(tag)
     return removed, freed, valid[-1]
+
+
+def held_entries(root: Path, proc: Path = Path("/proc")) -> set[str]:
+    """Entries of `root` with a file some process on this host has mapped or open (/proc/*/maps, /proc/*/fd):
+    removing one frees nothing until that process lets go (a job resumed from a tag whose CPU tensors were
+    loaded with mmap). Empty where /proc cannot be read."""
+    prefix = str(root.resolve()) + os.sep
+    held: set[str] = set()
+    try:
+        pids = [p for p in proc.iterdir() if p.name.isdigit()]
+    except OSError:
+        return held
+    def add(path: str) -> None:
+        i = path.find(prefix)
+        if i >= 0:
+            held.add(path[i + len(prefix):].split(os.sep, 1)[0].rstrip("\n"))
+
+    for p in pids:
+        try:
+            with open(p / "maps", errors="replace") as fh:
+                for line in fh:
+                    add(line)
+            for fd in (p / "fd").iterdir():
+                add(os.readlink(fd))
+        except OSError:
+            continue  # gone, or not ours to read
+    return held
