@@ -102,7 +102,8 @@ class Daemon:
             raise AssertionError(f"ulyssesd run still running after {timeout:.0f}s; log:\n{self.output()[-3000:]}") from exc
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return Path(self.log.name).read_text(errors="replace")
 
     def ctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -207,3 +207,228 @@ def test_step_counter_running_backwards_then_jump_is_not_a_completion_short(tmp:
     st = status(tmp / "state")
     assert st["state"] == "COMPLETED" and st["step"] == 30, (st.get("state_reason"), st["telemetry_health"])
     assert "before its declared total" not in (st.get("state_reason") or "")
+
+
+# ---------------------------------------------------------------- process trouble
+
+
+def test_double_forked_daemon_of_the_job_does_not_outlive_the_run(tmp: Path) -> None:
+    """The job starts a setsid'd, double-forked helper (a metrics pusher) and exits 0: it must not survive.
+
+    docs/DAEMON.md: after every attempt the daemon checks that none of the attempt's processes survives.
+    """
+    spec = job_spec(tmp, """
+        import os, sys, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                for fd in (0, 1, 2):
+                    os.close(fd)
+                open(os.environ["R7_PROBE"] + "/helper.pid", "w").write(str(os.getpid()))
+                time.sleep(600)
+            os._exit(0)
+        for s in range(1, 21):
+            print(f"step {s}/20 loss {3.0 - s * 0.01:.4f}", flush=True)
+            time.sleep(0.05)
+    """)
+    rc, _ = run_to_end(spec, tmp / "state")
+    assert state_of(tmp / "state") == "COMPLETED"
+    helper = int((tmp / "helper.pid").read_text())
+    wait_for(lambda: not Path(f"/proc/{helper}").exists() or "Z" in Path(f"/proc/{helper}/stat").read_text().split(")")[1][:3],
+             20, f"the job's double-forked helper {helper} to be gone")
+
+
+def test_grandchild_holding_stdout_open_does_not_hold_the_run(tmp: Path) -> None:
+    """The job exits 0 but a child it started keeps its stdout open (and quiet): the run still ends."""
+    spec = job_spec(tmp, """
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        for s in range(1, 21):
+            print(f"step {s}/20 loss {3.0 - s * 0.01:.4f}", flush=True)
+            time.sleep(0.05)
+    """)
+    rc, _ = run_to_end(spec, tmp / "state", 150)
+    assert state_of(tmp / "state") == "COMPLETED"
+    wait_for(lambda: not probe_pids(tmp), 20, "no process of the job left")
+
+
+def test_job_ignoring_sigterm_is_stopped_within_its_grace(tmp: Path) -> None:
+    """`ulyssesctl stop` on a job that ignores SIGTERM: STOPPED after stop_grace_s (then SIGKILL), no process left."""
+    spec = job_spec(tmp, """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for s in range(1, 100000):
+            print(f"step {s} loss {3.0 - s * 1e-5:.5f}", flush=True)
+            time.sleep(0.1)
+    """, daemon="preflight = false\nstop_grace_s = 5")
+    d = Daemon(spec, tmp / "state")
+    try:
+        wait_for(lambda: (status(tmp / "state").get("step") or 0) >= 5, 60, "step 5")
+        p = d.ctl("stop")
+        assert p.returncode == 0, p.stdout + p.stderr
+        rc = d.wait(60)
+    finally:
+        d.stop()
+    assert rc == 0 and state_of(tmp / "state") == "STOPPED"
+    wait_for(lambda: not probe_pids(tmp), 10, "the SIGTERM-ignoring job to be gone")
+
+
+def test_sigstopped_job_is_a_hang_and_is_relaunched(tmp: Path) -> None:
+    """The job is SIGSTOPped at step 10 (a frozen process: cgroup freezer, a debugger left attached).
+
+    The hang detector must fire, SIGTERM cannot reach a stopped process, so it must end in SIGKILL; the next
+    attempt completes.
+    """
+    spec = job_spec(tmp, """
+        import os, signal, time
+        for s in range(1, 31):
+            print(f"step {s}/30 loss {3.0 - s * 0.01:.4f}", flush=True)
+            time.sleep(0.05)
+            if s == 10 and os.environ.get("ULYSSESD_ATTEMPT") == "1":
+                os.kill(os.getpid(), signal.SIGSTOP)
+    """, detectors="warmup_steps = 3\nhang_timeout_floor_s = 8", daemon="preflight = false\nhang_grace_s = 3\nstop_grace_s = 5")
+    rc, _ = run_to_end(spec, tmp / "state", 180)
+    st = status(tmp / "state")
+    kinds = [i.get("symptom") for i in incidents(tmp / "state")]
+    assert st["state"] == "COMPLETED" and st["step"] == 30, (st.get("state_reason"), kinds)
+    assert "hang" in kinds and st["attempt"] == 2, kinds
+
+
+def test_unreaped_zombie_children_do_not_confuse_the_rank_watch(tmp: Path) -> None:
+    """The job leaves 30 zombie children (never waited for) and trains on: the run completes, no crash found."""
+    spec = job_spec(tmp, """
+        import os, time
+        kids = []
+        for i in range(30):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            kids.append(pid)
+        for s in range(1, 31):
+            print(f"step {s}/30 loss {3.0 - s * 0.01:.4f}", flush=True)
+            time.sleep(0.1)
+    """)
+    rc, _ = run_to_end(spec, tmp / "state")
+    st = status(tmp / "state")
+    kinds = [i.get("symptom") for i in incidents(tmp / "state")]
+    assert st["state"] == "COMPLETED" and st["step"] == 30 and st["attempt"] == 1, (st.get("state_reason"), kinds)
+
+
+# ---------------------------------------------------------------- operator mistakes
+
+
+def test_second_daemon_on_the_same_state_dir_exits_12_and_leaves_the_first_alone(tmp: Path) -> None:
+    spec = job_spec(tmp, STEPS_JOB.format(total=60, sleep=0.1))
+    d = Daemon(spec, tmp / "state")
+    try:
+        wait_for(lambda: (status(tmp / "state").get("step") or 0) >= 3, 60, "step 3")
+        p = subprocess.run([ULYSSESD, "run", "--spec", str(spec), "--state-dir", str(tmp / "state")],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 12, p.stdout[-2000:] + p.stderr[-2000:]
+        assert d.wait(120) == 0
+    finally:
+        d.stop()
+    assert state_of(tmp / "state") == "COMPLETED"
+
+
+def test_readopting_with_an_edited_spec_never_runs_two_jobs(tmp: Path) -> None:
+    """Detach the daemon (SIGTERM), edit the spec (a detector value), start it again.
+
+    Whatever the daemon decides (re-adopt, or a new run), two copies of the job must never train at once:
+    they would write the same checkpoint_dir. The job takes an exclusive flock and records a clash.
+    """
+    spec = job_spec(tmp, """
+        import fcntl, os, time
+        fd = os.open(os.environ["R7_PROBE"] + "/job.lock", os.O_CREAT | os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            open(os.environ["R7_PROBE"] + "/CLASH", "a").write(f"{os.getpid()}\\n")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        for s in range(1, 81):
+            print(f"step {s}/80 loss {3.0 - s * 0.01:.4f}", flush=True)
+            time.sleep(0.1)
+    """)
+    d = Daemon(spec, tmp / "state")
+    try:
+        wait_for(lambda: (status(tmp / "state").get("step") or 0) >= 5, 60, "step 5")
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.wait(60) == 0
+    finally:
+        d.stop()
+    spec.write_text(spec.read_text().replace("warmup_steps = 3", "warmup_steps = 4"))
+    d2 = Daemon(spec, tmp / "state")
+    try:
+        d2.wait(150)
+    finally:
+        d2.stop()
+    assert not (tmp / "CLASH").exists(), "a second copy of the job was started while the first still trained"
+
+
+def test_operator_commands_in_odd_orders(tmp: Path) -> None:
+    """resume while RUNNING, pause twice, restart while PAUSED, ack of a missing incident, stop while PAUSED."""
+    spec = job_spec(tmp, STEPS_JOB.format(total=100000, sleep=0.1), daemon="preflight = false\nstop_grace_s = 5")
+    d = Daemon(spec, tmp / "state")
+    try:
+        wait_for(lambda: (status(tmp / "state").get("step") or 0) >= 3, 60, "step 3")
+        assert d.ctl("resume").returncode == 5
+        assert d.ctl("ack", "999999").returncode in (4, 5)
+        p1 = d.ctl("pause")
+        p2 = d.ctl("pause")
+        assert p1.returncode == 0, p1.stdout + p1.stderr
+        assert p2.returncode in (0, 5), p2.stdout + p2.stderr
+        wait_for(lambda: state_of(tmp / "state") == "PAUSED", 60, "PAUSED")
+        r = d.ctl("restart")
+        assert r.returncode in (0, 5), r.stdout + r.stderr
+        wait_for(lambda: state_of(tmp / "state") in ("PAUSED", "RUNNING"), 60, "PAUSED or RUNNING after restart")
+        assert d.ctl("stop").returncode == 0
+        assert d.wait(60) == 0
+    finally:
+        d.stop()
+    assert state_of(tmp / "state") == "STOPPED"
+    kinds = [i.get("symptom") for i in incidents(tmp / "state")]
+    assert "internal_error" not in kinds, kinds
+
+
+def test_concurrent_ctl_calls_leave_a_consistent_run(tmp: Path) -> None:
+    """Twelve ctl calls at once (pause, resume, restart, status, ack): every answer a documented code, no
+    internal error, and after a final resume the run completes."""
+    spec = job_spec(tmp, STEPS_JOB.format(total=150, sleep=0.1), daemon="preflight = false\nstop_grace_s = 5")
+    d = Daemon(spec, tmp / "state")
+    try:
+        wait_for(lambda: (status(tmp / "state").get("step") or 0) >= 3, 60, "step 3")
+        cmds = ["pause", "resume", "restart", "status", "pause", "ack", "resume", "status", "restart", "pause",
+                "runs", "resume"]
+        procs = [subprocess.Popen([ULYSSESCTL, "--state-dir", str(tmp / "state"), c, *(["1"] if c == "ack" else [])],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+        codes = [(c, p.wait(90), p.stderr.read()[-300:]) for c, p in zip(cmds, procs)]
+        assert all(rc in (0, 4, 5, 7) for _, rc, _ in codes), codes
+        assert not any("Traceback" in err for _, _, err in codes), codes
+        def settle() -> bool:
+            s = state_of(tmp / "state")
+            if s == "PAUSED":
+                d.ctl("resume")
+            return s in ("RUNNING", *FINAL)
+        wait_for(settle, 90, "the run back to RUNNING", every=1.0)
+        rc = d.wait(240)
+    finally:
+        d.stop()
+    kinds = [i.get("symptom") for i in incidents(tmp / "state")]
+    assert rc == 0 and state_of(tmp / "state") == "COMPLETED", kinds
+    assert "internal_error" not in kinds, kinds
+
+
+def test_missing_program_fails_bounded_and_named(tmp: Path) -> None:
+    """`command = ["trian.py"]` (a typo): the run ends FAILED in bounded time and the record names the file."""
+    spec = job_spec(tmp, STEPS_JOB.format(total=10, sleep=0.01),
+                    daemon="preflight = false\nbackoff_base_s = 0.5\nbackoff_max_s = 2")
+    spec.write_text(spec.read_text().replace('command = ["job.py"]', 'command = ["/nonexistent/trian.py"]'))
+    d = Daemon(spec, tmp / "state")
+    try:
+        rc = d.wait(240)
+    finally:
+        d.stop()
+    st = status(tmp / "state")
+    text = json.dumps(incidents(tmp / "state")) + (st.get("state_reason") or "") + d.output()
+    assert rc in (2, 10), d.output()[-2000:]
+    assert "trian.py" in text
