@@ -175,3 +175,13 @@ def kill_probe(tmp: Path) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def mount_tmpfs(path: Path, size: str, *opts: str) -> None:
+    """A small tmpfs at `path` (root only); `umount_lazy` undoes it."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *opts]), "tmpfs", str(path)], check=True)
+
+
+def umount_lazy(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
