@@ -86,13 +86,14 @@ command = ["job.py"]
 class Daemon:
     """One `ulyssesd run` process on a state dir, with the `ulyssesctl` calls a probe makes."""
 
-    def __init__(self, spec: Path, state: Path, *args: str) -> None:
+    def __init__(self, spec: Path, state: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.spec, self.state = spec, state
         state.mkdir(parents=True, exist_ok=True)
         self.log = open(state.parent / f"daemon-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [ULYSSESD, "run", "--spec", str(spec), "--state-dir", str(state), *args],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
 
     def wait(self, timeout: float) -> int:
