@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from r7kit import (
     FINAL,
     ULYSSESCTL,
@@ -401,7 +400,7 @@ def test_concurrent_ctl_calls_leave_a_consistent_run(tmp: Path) -> None:
                 "runs", "resume"]
         procs = [subprocess.Popen([ULYSSESCTL, "--state-dir", str(tmp / "state"), c, *(["1"] if c == "ack" else [])],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
-        codes = [(c, p.wait(90), p.stderr.read()[-300:]) for c, p in zip(cmds, procs)]
+        codes = [(c, p.wait(90), p.stderr.read()[-300:]) for c, p in zip(cmds, procs, strict=True)]
         assert all(rc in (0, 4, 5, 7) for _, rc, _ in codes), codes
         assert not any("Traceback" in err for _, _, err in codes), codes
         def settle() -> bool:
@@ -522,18 +521,15 @@ def test_symlinked_checkpoint_entry_never_deletes_outside(tmp: Path) -> None:
     ck.mkdir()
     os.symlink(victim, ck / "step_000001")
     spec = job_spec(tmp, f"""
-        import os, time, torch_like
+        import os, time
+        for s in range(1, 41):
+            print(f"step {{s}}/40 loss {{3.0 - s * 0.01:.4f}}", flush=True)
+            if s % 5 == 0:
+                d = "{ck}/step_%06d" % s
+                os.makedirs(d, exist_ok=True)
+                open(d + "/model.bin", "wb").write(b"x" * 1000)
+            time.sleep(0.15)
     """, job=f'checkpoint_dir = "{ck}"', extra="[checkpoint]\nkeep_last = 1\n")
-    (tmp / "job.py").write_text(f"""
-import os, time
-for s in range(1, 41):
-    print(f"step {{s}}/40 loss {{3.0 - s * 0.01:.4f}}", flush=True)
-    if s % 5 == 0:
-        d = "{ck}/step_%06d" % s
-        os.makedirs(d, exist_ok=True)
-        open(d + "/model.bin", "wb").write(b"x" * 1000)
-    time.sleep(0.15)
-""")
     rc, d = run_to_end(spec, tmp / "state", 120, "--no-preflight")
     assert state_of(tmp / "state") == "COMPLETED", d.output()[-2000:]
     assert (victim / "shard-0.bin").exists(), "retention deleted files outside checkpoint_dir through a symlink"
@@ -590,7 +586,7 @@ def test_stdout_telemetry_file_replaced_by_a_directory_mid_run(tmp: Path) -> Non
         tel = run / "telemetry-stdout.jsonl"
         tel.unlink()
         tel.mkdir()
-        rc = d.wait(120)
+        d.wait(120)
     finally:
         d.stop()
     st = status(tmp / "state")
