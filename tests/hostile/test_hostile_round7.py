@@ -769,6 +769,9 @@ def test_bad_spec_values_are_refused_with_the_key(tmp: Path, case: str) -> None:
     assert not probe_pids(tmp)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "`[checkpoint] memory_tier = true` + `in_process_restart = true` on a command job is accepted without a word "
+    "(exit 0, the run completes): the operator believes in-process restart is on for a job it cannot reach"))
 def test_memory_tier_on_a_command_job_is_not_silently_ignored(tmp: Path) -> None:
     """`[checkpoint] memory_tier = true` is the built-in job's feature; on a command job it cannot take effect.
 
@@ -778,7 +781,7 @@ def test_memory_tier_on_a_command_job_is_not_silently_ignored(tmp: Path) -> None
                     extra="[checkpoint]\nmemory_tier = true\nin_process_restart = true\n")
     p = subprocess.run([ULYSSESD, "run", "--spec", str(spec), "--state-dir", str(tmp / "state")],
                        capture_output=True, text=True, timeout=120)
-    out = p.stdout + p.stderr
+    out = (p.stdout + p.stderr).replace(str(tmp), "TMP")  # the tmp dir's name holds the test's name
     assert p.returncode == 2 or "memory_tier" in out, out[-3000:]
 
 
@@ -903,7 +906,7 @@ def test_plan_of_a_command_job_does_not_claim_it_fits(tmp: Path) -> None:
     spec = job_spec(tmp, STEPS_JOB.format(total=5, sleep=0.01))
     rc, out = _cli(ULYSSESCTL, "plan", "--spec", str(spec), "--gpu", "h100-80g", timeout=120)
     assert rc == 2, f"exit {rc}: {out[:600]}"
-    assert "command" in out
+    assert "command" in out.replace(str(tmp), "TMP")
 
 
 # ---------------------------------------------------------------- more of a week: the daemon itself stalls, the
