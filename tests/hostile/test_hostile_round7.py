@@ -317,17 +317,19 @@ def test_unreaped_zombie_children_do_not_confuse_the_rank_watch(tmp: Path) -> No
 
 
 def test_second_daemon_on_the_same_state_dir_exits_12_and_leaves_the_first_alone(tmp: Path) -> None:
-    spec = job_spec(tmp, STEPS_JOB.format(total=60, sleep=0.1))
+    spec = job_spec(tmp, STEPS_JOB.format(total=100000, sleep=0.1), daemon="preflight = false\nstop_grace_s = 5")
     d = Daemon(spec, tmp / "state")
     try:
         wait_for(lambda: (status(tmp / "state").get("step") or 0) >= 3, 60, "step 3")
         p = subprocess.run([ULYSSESD, "run", "--spec", str(spec), "--state-dir", str(tmp / "state")],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 12, p.stdout[-2000:] + p.stderr[-2000:]
+        assert state_of(tmp / "state") == "RUNNING" and d.proc.poll() is None
+        assert d.ctl("stop").returncode == 0
         assert d.wait(120) == 0
     finally:
         d.stop()
-    assert state_of(tmp / "state") == "COMPLETED"
+    assert state_of(tmp / "state") == "STOPPED"
 
 
 def test_readopting_with_an_edited_spec_never_runs_two_jobs(tmp: Path) -> None:
