@@ -392,7 +392,7 @@ def test_operator_commands_in_odd_orders(tmp: Path) -> None:
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "intermittent (1 of 3 runs): among 12 concurrent ctl calls a `pause` was answered exit 3 'ulyssesd is not "
+    "intermittent (failed 2 of 3 runs): among 12 concurrent ctl calls a `pause` was answered exit 3 'ulyssesd is not "
     "running: no control socket at STATE/ulyssesd.sock (this command needs a running daemon)' while the daemon "
     "ran and answered the others"))
 def test_concurrent_ctl_calls_leave_a_consistent_run(tmp: Path) -> None:
@@ -492,7 +492,7 @@ def test_state_disk_full_for_a_while_is_survived(tmp: Path, mounts) -> None:
 
 @needs_root
 @pytest.mark.xfail(strict=False, reason=(
-    "intermittent (1 of 2 runs): the run ends FAILED naming the read-only file system, but only after 3 "
+    "intermittent (failed 2 of 3 runs): the run ends FAILED naming the read-only file system, but only after 3 "
     "daemon restarts into the same read-only disk (the other run stopped after the first attempt)"))
 def test_read_only_checkpoint_dir_of_a_command_job_stops_cleanly(tmp: Path, mounts) -> None:
     """The command job's checkpoint_dir is on a read-only mount; its save at step 5 raises EROFS.
