@@ -57,7 +57,8 @@ class Cluster:
         return f"usl{self.instance}-{node}"
 
     def slurmd_pid(self, node: str) -> int:
-        out = subprocess.run(["pgrep", "-f", f"slurmd -D -N {node} "], capture_output=True, text=True)
+        # the conf path tells this cluster's slurmd from another cluster's on the same box
+        out = subprocess.run(["pgrep", "-f", f"slurmd -D -N {node} -f {self.conf}"], capture_output=True, text=True)
         pids = [int(p) for p in out.stdout.split()]
         assert pids, f"no slurmd for {node}"
         return pids[0]
@@ -279,29 +280,6 @@ def node_loss_incident(run: Run, node: str) -> dict[str, Any]:
     return run.ctl("incident", str(hits[-1]["id"]))
 
 
-def resize_actions(incident: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every action (any nesting) that carries a `resize` key."""
-    found: list[dict[str, Any]] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, dict):
-            if "resize" in x:
-                found.append(x)
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-        elif isinstance(x, str) and '"resize"' in x:
-            try:
-                walk(json.loads(x))
-            except json.JSONDecodeError:
-                pass
-
-    walk(incident)
-    return found
-
-
 def assert_same_sample_order(steps: list[dict[str, Any]], global_batch: int) -> None:
     """Step k (of any attempt) reads samples [(k-1)*G, k*G): the order never depends on the node count."""
     assert steps
@@ -316,37 +294,59 @@ def wait_step(run: Run, n: int) -> None:
 # ------------------------------------------------------------------ the checks
 
 
-def test_node_loss_shrinks_to_two_nodes_same_global_batch(fresh: Cluster, tmp_path: Path) -> None:
-    run = Run(tmp_path, fresh.env, spec_text(steps=240))
+_SHRUNK: dict[str, Any] = {}
+
+
+def shrunk_run(cluster: Cluster, tmp_path: Path) -> dict[str, Any]:
+    """Run 240 steps on n1..n3, kill n3 at step >= 15; what the run left (cached: one run serves two checks)."""
+    if _SHRUNK:
+        return _SHRUNK
+    run = Run(tmp_path, cluster.env, spec_text(steps=240))
     try:
         wait_step(run, 15)
-        fresh.kill_node("n3")
-        st = run.wait("attempt 2 training on two nodes",
-                      lambda s: (s.get("attempt") or 0) >= 2 and s.get("state") == "RUNNING", 600)
-        plan2 = run.plan(2)
-        assert "--nodes=2" in plan2 and "n3" in plan2, plan2  # 2 nodes, n3 excluded
-        resize = json.loads((run.run_dir / "slurm" / "resize.json").read_text())
-        assert "2" in json.dumps(resize) and "3" in json.dumps(resize), resize
-
-        inc = node_loss_incident(run, "n3")
-        text = json.dumps(inc)
-        assert "continuing on 2 node(s)" in text and "global batch 6 kept" in text, text[:3000]
-        acts = resize_actions(inc)
-        shrink = [a for a in acts if a["resize"] == "shrink"]
-        assert shrink, f"no set_config action with resize=shrink: {text[:3000]}"
-        before, after = shrink[0]["before"], shrink[0]["after"]
-        assert before["nodes"] == 3 and after["nodes"] == 2, shrink[0]
-        assert before["global_batch"] == after["global_batch"] == 6, shrink[0]
-        assert after["accumulation"] == 3, shrink[0]
-
-        st = run.wait_end()
-        assert st["state"] == "COMPLETED", st
-        assert st["step"] == 240
-        steps = run.steps()
-        assert {r["attempt"] for r in steps} >= {1, 2}
-        assert_same_sample_order(steps, 6)
+        cluster.kill_node("n3")
+        run.wait("attempt 2 training on two nodes",
+                 lambda s: (s.get("attempt") or 0) >= 2 and s.get("state") == "RUNNING", 600)
+        out: dict[str, Any] = {"plan2": run.plan(2)}
+        out["resize"] = json.loads((run.run_dir / "slurm" / "resize.json").read_text())
+        out["incident"] = node_loss_incident(run, "n3")
+        (tmp_path / "incident.json").write_text(json.dumps(out["incident"], indent=1))
+        out["end"] = run.wait_end()
+        out["steps"] = run.steps()
     finally:
         run.stop()
+    _SHRUNK.update(out)
+    return _SHRUNK
+
+
+def test_node_loss_shrinks_to_two_nodes_same_global_batch(fresh: Cluster, tmp_path: Path) -> None:
+    r = shrunk_run(fresh, tmp_path)
+    assert "--nodes=2" in r["plan2"] and "n3" in r["plan2"], r["plan2"]  # 2 nodes, n3 excluded
+    assert r["resize"]["nnodes"] == 2 and r["resize"]["full_nnodes"] == 3, r["resize"]
+    assert r["resize"]["lost_nodes"] == ["n3"], r["resize"]
+    inc = r["incident"]
+    assert inc["severity"] == "critical" and "n3" in inc["summary"], inc["summary"]
+    shrink = [a for a in inc["actions"] if a["kind"] == "set_config" and a["parameters"].get("resize") == "shrink"]
+    assert len(shrink) == 1, json.dumps(inc["actions"])[:3000]
+    p = shrink[0]["parameters"]
+    before, after = p["before"], p["after"]
+    assert (before["nnodes"], before["dp"], before["accum"]) == (3, 3, 2), p
+    assert (after["nnodes"], after["dp"], after["accum"], after["micro_batch"]) == (2, 2, 3, 1), p
+    assert before["global_batch"] == after["global_batch"] == 6, p
+    assert "memory" in p and p["memory"].get("fits") is True, p
+    assert shrink[0]["config_diff"] == {"train.gradient_accumulation_steps": [2, 3]}, shrink[0]
+    assert r["end"]["state"] == "COMPLETED" and r["end"]["step"] == 240, r["end"]
+    assert {s["attempt"] for s in r["steps"]} >= {1, 2}
+    assert_same_sample_order(r["steps"], 6)  # every step, on 3 nodes and on 2, read the same 6 samples
+
+
+@pytest.mark.xfail(strict=True, reason="product bug: the node-loss incident's summary says 'excluding n3 leaves 2 "
+                   "usable node(s) ... the job needs 3' (reads like the stop) instead of docs/SLURM.md's 'no spare for "
+                   "n3: continuing on 2 node(s), DP 3 -> 2, ... global batch 6 kept'; only the action's reason says it")
+def test_shrink_incident_says_it_continues(fresh: Cluster, tmp_path: Path) -> None:
+    text = shrunk_run(fresh, tmp_path)["incident"]["summary"]
+    assert "no spare for n3: continuing on 2 node(s)" in text and "global batch 6 kept" in text, text
+    assert "DP 3 -> 2" in text, text
 
 
 def test_grow_back_when_node_returns(fresh: Cluster, tmp_path: Path) -> None:
@@ -367,14 +367,15 @@ def test_grow_back_when_node_returns(fresh: Cluster, tmp_path: Path) -> None:
         assert "--nodes=3" in plan3, plan3
         assert not (run.run_dir / "slurm" / "resize.json").exists()
         inc = node_loss_incident(run, "n3")
-        acts = resize_actions(inc)
-        grow = [a for a in acts if a["resize"] == "grow"]
-        assert grow, f"no resize=grow action: {json.dumps(inc)[:3000]}"
-        assert grow[0]["after"]["nodes"] == 3 and grow[0]["before"]["nodes"] == 2, grow[0]
-        assert grow[0]["after"]["global_batch"] == 6
-        assert inc.get("status") == "resolved" or "resolved" in json.dumps(inc.get("incident", inc))[:400], inc
+        (tmp_path / "incident.json").write_text(json.dumps(inc, indent=1))
+        grow = [a["parameters"] for a in inc["actions"] if a["parameters"].get("resize") == "grow"]
+        assert len(grow) == 1 and len(inc["actions"]) >= 2, json.dumps(inc["actions"])[:3000]
+        assert grow[0]["after"]["nnodes"] == 3 and grow[0]["before"]["nnodes"] == 2, grow[0]
+        assert grow[0]["after"]["accum"] == 2 and grow[0]["after"]["global_batch"] == 6, grow[0]
         st = run.wait_end()
         assert st["state"] == "COMPLETED", st
+        inc = node_loss_incident(run, "n3")
+        assert inc["status"] == "resolved", (inc["status"], inc.get("status_reason"))
         steps = run.steps()
         assert {r["attempt"] for r in steps} >= {1, 2, 3}
         assert_same_sample_order(steps, 6)
@@ -426,6 +427,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--ckpt", required=True)
 p.add_argument("--steps", type=int, default=40)
 p.add_argument("--crash-at", type=int, default=15)
+p.add_argument("--tmp-in-dir", action="store_true", help="atomic save through ckpt/.tmp_N (a common idiom)")
 a = p.parse_args()
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -447,7 +449,7 @@ for step in range(start + 1, a.steps + 1):
     if rank == 0:
         print(f"step={step} loss={loss:.5f}", flush=True)
         if step % 5 == 0:
-            tmp = os.path.join(a.ckpt, f".tmp_{step}")
+            tmp = os.path.join(a.ckpt, f".tmp_{step}") if a.tmp_in_dir else a.ckpt.rstrip("/") + ".partial"
             torch.save({"w": w, "step": step}, tmp)
             os.replace(tmp, os.path.join(a.ckpt, f"step_{step:06d}.pt"))
     time.sleep(0.25)
@@ -456,15 +458,13 @@ dist.destroy_process_group()
 '''
 
 
-def test_torchrun_max_restarts_crash_restarted_once_recorded_once(tmp_path: Path) -> None:
-    (tmp_path / "train.py").write_text(TRAIN_SCRIPT)
-    spec = """
+TORCHRUN_SPEC = """
 [run]
 name = "o34-torchrun"
 
 [job]
 kind = "command"
-command = ["train.py", "--ckpt", "{checkpoint_dir}", "--steps", "40", "--crash-at", "15"]
+command = ["train.py", "--ckpt", "{checkpoint_dir}", "--steps", "40", "--crash-at", "15"EXTRA]
 checkpoint_dir = "ckpt"
 total_steps = 40
 
@@ -480,6 +480,15 @@ env = { DS_ACCELERATOR = "cpu", OMP_NUM_THREADS = "1" }
 [daemon]
 preflight = false
 """
+
+
+def test_torchrun_max_restarts_crash_restarted_once_recorded_once(tmp_path: Path) -> None:
+    torchrun_crash_once(tmp_path, [])
+
+
+def torchrun_crash_once(tmp_path: Path, extra: list[str]) -> None:
+    (tmp_path / "train.py").write_text(TRAIN_SCRIPT)
+    spec = TORCHRUN_SPEC.replace("EXTRA", "".join(f', "{e}"' for e in extra))
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     run = Run(tmp_path, env, spec)
     try:
@@ -496,5 +505,27 @@ preflight = false
         assert not [i for i in incidents if i["symptom"] in ("crash", "hang")], json.dumps(incidents)[:3000]
         log = (run.run_dir / "logs" / "attempt-1.log").read_text(errors="replace")
         assert log.count("will restart worker group") == 1, log[-3000:]
+    finally:
+        run.stop()
+
+
+@pytest.mark.xfail(strict=True, reason="product bug: torch.save's '[enforce fail at inline_container.cc:720] . "
+                   "invalid file name: ckpt/.tmp_5' (a refused file name, 52 GB free) is diagnosed disk_full (high "
+                   "confidence); the disk ladder prunes nothing and stops the run; docs/DIAGNOSIS.md lists no such "
+                   "message for disk_full")
+def test_torch_save_bad_file_name_is_not_disk_full(tmp_path: Path) -> None:
+    """The job saves through ckpt/.tmp_N, a name torch's zip writer refuses: a crash at every save (step 5).
+
+    What must hold: the diagnosis is not disk_full (the disk has tens of GB free), the incident names the error."""
+    (tmp_path / "train.py").write_text(TRAIN_SCRIPT)
+    spec = TORCHRUN_SPEC.replace("EXTRA", ', "--tmp-in-dir"')
+    run = Run(tmp_path, dict(os.environ, DS_ACCELERATOR="cpu"), spec)
+    try:
+        st = run.wait_end(600)
+        assert st["state"] == "FAILED", st  # it can never get past step 5: failing is right
+        incidents = run.ctl("incidents", "--limit", "0")
+        crashes = [i for i in incidents if i["symptom"] not in ("inner_restart",)]
+        assert crashes, json.dumps(incidents)[:3000]
+        assert all(i["symptom"] != "disk_full" for i in crashes), [(i["symptom"], i["summary"]) for i in crashes]
     finally:
         run.stop()
