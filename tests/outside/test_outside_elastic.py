@@ -349,7 +349,25 @@ def test_shrink_incident_says_it_continues(fresh: Cluster, tmp_path: Path) -> No
     assert "DP 3 -> 2" in text, text
 
 
+_GROWN: dict[str, Any] = {}
+
+
 def test_grow_back_when_node_returns(fresh: Cluster, tmp_path: Path) -> None:
+    grown_run(fresh, tmp_path)
+
+
+@pytest.mark.xfail(strict=True, reason="product bug: the grow action's `before` is only {'nnodes': 2}; docs/SLURM.md "
+                   "promises before/after with nodes, ranks, SP, DP, micro-batch, accumulation, global batch (the "
+                   "shrink action has them all)")
+def test_grow_action_before_has_the_small_layout(fresh: Cluster, tmp_path: Path) -> None:
+    before = grown_run(fresh, tmp_path)["grow"]["before"]
+    assert (before.get("nnodes"), before.get("dp"), before.get("accum"), before.get("global_batch")) == (2, 2, 3, 6)
+
+
+def grown_run(fresh: Cluster, tmp_path: Path) -> dict[str, Any]:
+    """Lose n3, train on two nodes, bring n3 back, operator restart: grows back (cached: serves two checks)."""
+    if _GROWN:
+        return _GROWN
     run = Run(tmp_path, fresh.env, spec_text(steps=300, grow_back=True))
     try:
         wait_step(run, 15)
@@ -379,8 +397,10 @@ def test_grow_back_when_node_returns(fresh: Cluster, tmp_path: Path) -> None:
         steps = run.steps()
         assert {r["attempt"] for r in steps} >= {1, 2, 3}
         assert_same_sample_order(steps, 6)
+        _GROWN["grow"] = grow[0]
     finally:
         run.stop()
+    return _GROWN
 
 
 @pytest.mark.parametrize("setting", [{"min_nnodes": 3}, {"on_node_loss": "stop"}], ids=["min3", "stop"])
@@ -398,6 +418,10 @@ def test_no_shrink_setting_stops_with_reason(fresh: Cluster, tmp_path: Path, set
         run.stop()
 
 
+@pytest.mark.xfail(strict=False, reason="product bug, a race: with the default 20 s hang floor the hang path can claim "
+                   "the attempt after the watcher already cancelled it for node_lost (seen: 'Slurm job 2 lost node n3 "
+                   "... CANCELLED' only inside a hang incident's stacks); it then resubmits on 3 nodes without "
+                   "--exclude and the job pends on the DOWN node (STARTING for minutes). Passed 1 run of 2 here")
 def test_node_loss_with_default_hang_floor_still_shrinks(fresh: Cluster, tmp_path: Path) -> None:
     """The spec as a user writes it (no [detectors] block): a dead node must still end on two nodes.
 
