@@ -177,7 +177,7 @@ class SimRun:
         if sup.term is not None or sup.state == S.STOPPING:
             return cfg.busy_tick_s
         if sup.state == S.BACKOFF and sup.backoff_until is not None:
-            return max(0.5, min(cfg.tick_s, sup.backoff_until - self.os.time() + 0.1))
+            return max(0.5, min(cfg.tick_s, sup.backoff_until - sup.steady.now() + 0.1))
         live = self.os.live_jobs()
         if sup.state in (S.STARTING, S.RESTARTING, S.REMEDIATING) and live:
             return max(1.0, min(cfg.tick_s, live[0].next_m - self.os.m + 0.1))

@@ -86,3 +86,25 @@ def test_early_deaths_back_off_on_the_fake_clock_alone(tmp_path, host_clock_read
             fos.advance(0.5)
     assert sup.state == S.FAILED and len(fos.spawns) >= 3
     assert set(host_clock_reads) <= STORE_STAMPS, host_clock_reads
+
+
+def test_wall_clock_steps_are_no_hang_and_a_real_stall_still_is(tmp_path):
+    """The engine's clock is the steady wall clock (daemon/clock.SteadyWall): an hour's forward step of the wall
+    clock while the job trains is no hang, nor a backward one that would delay the hang finding; a stall of the
+    monotonic clock past the timeout still is (simulator seed 118)."""
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, detectors={"hang_timeout_floor_s": 60.0})
+    sup.start()
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 10)
+    fos.t += 3600.0  # NTP or an operator steps the wall clock; monotonic time does not move
+    for _ in range(5):
+        fos.advance(1.0)
+        sup.tick()
+    assert sup.attempt == 1 and sup.state == S.RUNNING
+    assert not [i for i in sup.store.list_incidents(sup.run_id) if i.symptom == "hang"]
+    fos.t -= 7200.0  # a backward step: the silence that follows is still measured on monotonic time
+    for _ in range(90):
+        fos.advance(1.0)
+        sup.tick()
+    assert [i for i in sup.store.list_incidents(sup.run_id) if i.symptom == "hang"]
