@@ -196,6 +196,22 @@ def test_checkpoints_last_and_known_good(store, run_id):
     assert store.latest_checkpoint(run_id).tag == "step-00000100"
 
 
+def test_a_retention_pass_marks_its_removals_in_one_call_and_unknown_runs_stay_errors(store, run_id):
+    for step in (100, 200, 300):
+        store.upsert_checkpoint(run_id, f"step-{step:08d}", step)
+    # Tags without a row and tags already pruned are skipped; the rest are marked, once.
+    assert store.mark_checkpoints_pruned(run_id, ["step-00000100", "step-00000200", "step-00000999"]) == 2
+    assert store.mark_checkpoints_pruned(run_id, ["step-00000100"]) == 0
+    assert [c.tag for c in store.list_checkpoints(run_id)] == ["step-00000300"]
+    assert store.mark_checkpoints_pruned(run_id, []) == 0
+    # The run-exists check is cached per run id; another id is still looked up and refused.
+    store.set_telemetry_cursor(run_id, path="t", inode=1, offset=5)
+    with pytest.raises(LookupError):
+        store.set_telemetry_cursor("no-such-run", path="t", inode=1, offset=5)
+    with pytest.raises(LookupError):
+        store.upsert_checkpoint("no-such-run", "step-00000001", 1)
+
+
 def test_to_dict_is_strict_json(store, run_id):
     inc = store.record_incident(run_id, attempt=1, symptom="nan_loss", step=5,
                                 evidence={"loss": float("nan"), "scale": float("inf")})

@@ -67,6 +67,7 @@ class StoreBase:
         # (st_dev, st_ino) of the file this store writes: a file deleted or replaced under the daemon is
         # noticed by `file_problem()` before history goes to an inode nobody can read any more.
         self.file_id = file_id_of(self.path)
+        self._runs_seen: set[str] = set()  # run ids this engine's file is known to hold (rows are never deleted)
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -90,3 +91,11 @@ class StoreBase:
         if run is None:
             raise NotFoundError(f"no run {run_id!r}")
         return run
+
+    def _require_run(self, s: Session, run_id: str) -> None:
+        """NotFoundError unless the run exists; asked of the file once per run (a daemon's every cursor, checkpoint
+        and incident write names its run: loading the run's row, its spec included, each time was a tick's largest
+        store cost in the simulator's profile)."""
+        if run_id not in self._runs_seen:
+            self._run_row(s, run_id)
+            self._runs_seen.add(run_id)

@@ -92,7 +92,7 @@ class IncidentsRepository(StoreBase):
                       severity=parse_enum(Severity, severity), summary=summary, evidence=evidence or {},
                       status=parse_enum(IncidentStatus, status), detected_at=now, updated_at=now)
         with self._write() as s:
-            self._run_row(s, run_id)
+            self._require_run(s, run_id)
             stmt = sqlite_insert(Incident).values(**values).on_conflict_do_nothing(
                 index_elements=["run_id", "attempt", "symptom", "step"], index_where=text(INCIDENT_KEY_WHERE)
             )
@@ -264,7 +264,7 @@ class IncidentsRepository(StoreBase):
         if config_diff is None:
             config_diff = flat_diff(config_before or {}, config_after or {})
         with self._write() as s:
-            self._run_row(s, run_id)
+            self._require_run(s, run_id)
             if incident_id is not None:
                 self._incident_row(s, incident_id)
             act = Action(run_id=run_id, incident_id=incident_id, kind=kind, parameters=parameters or {},

@@ -70,7 +70,7 @@ class ProgressRepository(StoreBase):
         if offset < 0:
             raise InvalidValueError(f"telemetry offset must be >= 0, got {offset}")
         with self._write() as s:
-            self._run_row(s, run_id)
+            self._require_run(s, run_id)
             cur = s.get(TelemetryCursor, run_id)
             if cur is None:
                 cur = TelemetryCursor(run_id=run_id)
@@ -104,7 +104,7 @@ class ProgressRepository(StoreBase):
         known-good."""
         now = utcnow()
         with self._write() as s:
-            self._run_row(s, run_id)
+            self._require_run(s, run_id)
             ck = self._checkpoint_row(s, run_id, tag)
             if ck is None:
                 ck = Checkpoint(run_id=run_id, tag=tag, saved_at=to_utc(saved_at), known_good=False)
@@ -137,6 +137,20 @@ class ProgressRepository(StoreBase):
             ck.pruned_at = ck.updated_at = utcnow()
             s.flush()
             return CheckpointRecord.from_row(ck)
+
+    def mark_checkpoints_pruned(self, run_id: str, tags: list[str]) -> int:
+        """`mark_checkpoint_pruned` for several tags in one transaction (a retention pass's removals); tags with
+        no row are skipped. Returns how many rows it marked."""
+        if not tags:
+            return 0
+        with self._write() as s:
+            now = utcnow()
+            rows = list(s.scalars(select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.tag.in_(tags),
+                                                          Checkpoint.pruned_at.is_(None))))
+            for ck in rows:
+                ck.pruned_at = ck.updated_at = now
+            s.flush()
+            return len(rows)
 
     def list_checkpoints(self, run_id: str, *, include_pruned: bool = False) -> list[CheckpointRecord]:
         """Tags by step, oldest first."""

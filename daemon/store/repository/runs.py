@@ -115,7 +115,7 @@ class RunsRepository(StoreBase):
         """The attempts after the first, oldest first, each with whether an operator command led to it: one
         did when an operator command's transition lies between the previous attempt's start and its own."""
         with self._read() as s:
-            self._run_row(s, run_id)
+            self._require_run(s, run_id)
             starts = s.execute(select(Attempt.number, Attempt.started_at).where(Attempt.run_id == run_id)
                                .order_by(Attempt.number)).all()
             reasons = s.execute(select(StateTransition.at, StateTransition.reason)
@@ -149,7 +149,7 @@ class RunsRepository(StoreBase):
     ) -> AttemptRecord:
         """Record a launch. `number` defaults to the run's last attempt number + 1 (first is 1)."""
         with self._write() as s:
-            self._run_row(s, run_id)
+            self._require_run(s, run_id)
             if number is None:
                 last = s.scalar(select(func.max(Attempt.number)).where(Attempt.run_id == run_id))
                 number = (last or 0) + 1
@@ -218,3 +218,10 @@ class RunsRepository(StoreBase):
                  .order_by(Attempt.number.desc()).limit(1))
             att = s.scalars(q).first()
             return AttemptRecord.from_row(att) if att else None
+
+    def list_open_attempts(self, run_id: str) -> list[AttemptRecord]:
+        """The run's attempts without `ended_at`, oldest first: what the stale-attempt sweep looks at (a long run's
+        thousand ended attempts are not read on every sweep)."""
+        with self._read() as s:
+            q = select(Attempt).where(Attempt.run_id == run_id, Attempt.ended_at.is_(None)).order_by(Attempt.number)
+            return [AttemptRecord.from_row(a) for a in s.scalars(q)]
