@@ -152,7 +152,7 @@ class SimRun:
         from ulyssesd.daemon.supervisor import Supervisor
 
         self.scheduler = self.scheduler_cls(use_thread=False)
-        store = open_store(self.spec.daemon.resolved_db_path())
+        store = open_store(self.spec.daemon.resolved_db_path(), clock=self.os)  # rows stamped on simulated time
         self.sup = Supervisor(self.spec, store, self.os, scheduler=self.scheduler)
         self.sup.start()
         d = self.spec.daemon
@@ -318,7 +318,7 @@ def run_seed(seed: int, cfg: SimConfig = SimConfig(), faults: list[Fault] | None
                                  else None)) if work is None else work
     try:
         sim = SimRun(seed, cfg, work, faults)
-        with sim.disk.patched(), sim.os.store_clock(), no_open_file_scan():
+        with sim.disk.patched(), no_open_file_scan():
             result = sim.run()
     finally:
         if own:
