@@ -1,8 +1,8 @@
 """The supervisor's loop keeps time only through its OS seam: on a fake OS it never reads the host's monotonic
 clock and never sleeps on the host (what a simulated week in a minute needs). The host clock
 (daemon/clock.SystemClock) is replaced by one that records who read it and refuses a sleep; the fake OS
-advances its own clock. The one host wall-clock reader left is the store's row stamps (`store/models.utcnow`,
-the default of created_at/detected_at/...): the store does not take a clock yet."""
+advances its own clock. The store is opened with the fake OS as its clock (`open_store(..., clock=)`), so its row
+stamps read no host clock either."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_the_seam_is_what_the_finder_patches(host_clock_reads):
         clock.SYSTEM.sleep(0.0)
 
 
-STORE_STAMPS = {("time", "ulyssesd.daemon.store.models")}  # rows' created_at etc. (module doc)
+STORE_STAMPS: set[tuple[str, str]] = set()  # the store stamps rows on the clock it was opened with: the fake one
 
 
 def test_a_hang_and_its_relaunch_run_on_the_fake_clock_alone(tmp_path, host_clock_reads):
