@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: venv demo test test-slow test-extended test-all lint clean
+.PHONY: venv demo test test-slow test-extended test-all lint clean sim-nightly
 
 venv: $(STAMP)
 
@@ -34,6 +34,15 @@ test-slow: $(STAMP)
 # The long hostile probe rounds (tests/hostile/test_hostile_round6.py, ~20 min): before a release, not in CI.
 test-extended: $(STAMP)
 	$(PY) -m pytest -q -m extended --durations=10 tests
+
+# The nightly simulation (docs/SIMULATION.md): SIM_RUNS seeded simulated weeks in one process per CPU; the summary
+# and each violation's replayable trace go to SIM_OUT (summary.json, violation-seed-N.json). Exit 1 on a violation.
+SIM_RUNS ?= 100000
+SIM_SEED ?= $(shell date +%j)00000
+SIM_OUT  ?= sim-nightly
+SIM_JOBS ?= $(shell nproc)
+sim-nightly: $(STAMP)
+	$(VENV)/bin/ulyssesd simulate --seed $(SIM_SEED) --runs $(SIM_RUNS) --days 7 --jobs $(SIM_JOBS) --out $(SIM_OUT)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests

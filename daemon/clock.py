@@ -37,3 +37,18 @@ SYSTEM: Clock = SystemClock()
 def utc_now(clock: Clock = SYSTEM) -> datetime:
     """The clock's wall time as an aware UTC datetime (store rows, `ulyssesctl` ages)."""
     return datetime.fromtimestamp(clock.time(), tz=timezone.utc)
+
+
+class SteadyWall:
+    """Wall-clock seconds that never step: the wall time when it was made plus the monotonic time since. The
+    daemon's intervals (a hang's silence, the restart budget's hour, a backoff) are measured on it, so an NTP or
+    operator step of the wall clock is neither a hang nor a spent budget (simulator seed 118); its values stay in
+    the wall clock's epoch, so they compare with the job's record stamps and the store's rows (off by at most the
+    steps since the daemon started)."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._offset = clock.time() - clock.monotonic()
+
+    def now(self) -> float:
+        return self._clock.monotonic() + self._offset

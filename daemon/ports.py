@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from ulyssesd.daemon.clock import SteadyWall
 from ulyssesd.daemon.core.incident_log import IncidentLog
 from ulyssesd.daemon.core.termination import Termination, TerminationPlan
 from ulyssesd.daemon.host.process import JobHandle, OSInterface
@@ -63,6 +64,7 @@ class HostSide(Protocol):
     """The OS seam (clock + processes) and the current attempt's job."""
 
     os: OSInterface
+    steady: SteadyWall  # the wall clock without its steps: intervals and the engine's `now` (daemon/clock.py)
     job: JobHandle | None
 
 

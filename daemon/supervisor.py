@@ -21,9 +21,8 @@ collaborators: `incidents` (`core/incident_log.py`: every incident and action, s
 verified there) and `term` (`core/termination.py`: the phases, and the typed `TerminationPlan` that says
 what follows the exit). `core/startup.py` creates or re-adopts the run, `core/launch.py` starts an attempt
 (checkpoint choice, preflight, spawn), `core/decisions.py` runs the telemetry -> engine -> decisions path,
-`core/exits.py` an attempt's exit, `core/relaunch.py` the restart budget and backoff, `core/commands.py`
-the control-socket requests and signals, `core/housekeeping.py` the periodic jobs and the store's health
-(docs/ARCHITECTURE.md).
+`core/exits.py` an attempt's exit, `core/relaunch.py` the restart budget and backoff, `core/commands.py` the
+control-socket requests and signals, `core/housekeeping.py` the periodic jobs and the store's health (ARCHITECTURE).
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ulyssesd.daemon.clock import SteadyWall
 from ulyssesd.daemon.coexist.watch import InnerRestartWatch
 from ulyssesd.daemon.core import commands, decisions, exits, housekeeping, startup, termination
 from ulyssesd.daemon.core import launch as launching
@@ -129,7 +129,7 @@ class Supervisor:
         self.ckpt_watch_incident: int | None = None
         self.ckpt_watch_warned = False
         self.ready_sent = False
-        self.started_wall = self.os.time()
+        self.started_wall, self.steady = self.os.time(), SteadyWall(self.os)  # steady: intervals, engine's clock
         # Every tick step runs through it: a bug in one is logged, recorded and bounded (core/housekeeping.py).
         self.guard = StepGuard(self, self.dcfg.step_error_limit)
         self.store_health = store_health.StoreHealth()  # the store cannot be written: degraded mode (safety/store_health.py)
@@ -251,10 +251,10 @@ class Supervisor:
             step("checkpoints", lambda: checkpoint_watch.tick(self, decisions.on_record))
             step("telemetry", lambda: decisions.read_telemetry(self))
             step("inner_restarts", lambda: self.inner.tick(self.attempt, self.log_path, self.last_step or 0,
-                 self.incidents.incident, lambda r: decisions.on_record(self, r, self.os.time()), self.say))
+                 self.incidents.incident, lambda r: decisions.on_record(self, r, self.steady.now()), self.say))
             if self.engine is not None and self.term is None and self.state in (S.RUNNING, S.STARTING) \
                     and not health.failing:
-                step("engine", lambda: decisions.handle_outputs(self, self.engine.tick(self.os.time()),
+                step("engine", lambda: decisions.handle_outputs(self, self.engine.tick(self.steady.now()),
                                                                 step=self.last_step or 0))
         if self.job is not None and writes:
             step("attempt_log", lambda: attempt_log.rotate_if_big(self))  # bounded attempt logs
@@ -267,7 +267,7 @@ class Supervisor:
                 and not self.inner.defers_rank_watch(self.attempt):
             step("rank_watch", self._watch_ranks)
         if self.state == S.BACKOFF and self.job is None and self.backoff_until is not None and writes \
-                and self.os.time() >= self.backoff_until:
+                and self.steady.now() >= self.backoff_until:
             step("relaunch", self._relaunch_after_backoff)
         if writes and health.failing and health.failures == failures_before and not health.pending_states \
                 and step("store_probe", lambda: store_health.probe_state_dir(self.dcfg.state_dir)):
@@ -283,7 +283,7 @@ class Supervisor:
             self.launch(relaunch.reason, relaunch.rollback_to_step, relaunch.incident_id)
         except Exception:
             if self.job is None and self.state == S.BACKOFF and self.backoff_until is None:
-                self.pending_relaunch, self.backoff_until = relaunch, self.os.time()  # retried next tick
+                self.pending_relaunch, self.backoff_until = relaunch, self.steady.now()  # retried next tick
             raise
 
     def _publish(self) -> None:

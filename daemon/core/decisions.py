@@ -89,7 +89,7 @@ def read_batch(sup: DecisionsRun) -> bool:
     batch = sup.reader.read()
     if not batch and sup.reader.cursor.offset == offset_before:
         return False
-    now = sup.os.time()
+    now = sup.steady.now()  # the engine's clock: a wall-clock step is no hang (daemon/clock.py)
     saved = False
     for rec, _off in batch:
         if rec.attempt is not None and rec.attempt != sup.attempt:

@@ -241,7 +241,7 @@ def on_exit(sup: ExitRun, status: ExitStatus) -> None:
             label = "sigkill_unexplained"
         this_crash.add(ladder_for_crash(label)[1])
         replan = _memory_replanner(sup) if label == "cuda_oom" else None
-        _, decisions = _split_outputs(sup.engine.on_crash(label, diag_evidence or [], sup.os.time(), replan=replan))
+        _, decisions = _split_outputs(sup.engine.on_crash(label, diag_evidence or [], sup.steady.now(), replan=replan))
     relaunch = Relaunch(f"crash: {diag_label}" if diag_label else "crash", iid)  # quoted as "launched (crash: x)"
     acted = False
     for dec in decisions:

@@ -30,6 +30,7 @@ import queue
 import signal
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -414,19 +415,32 @@ def check_store_damage(sup: HousekeepingRun) -> None:
     sup.say(f"WARNING: {got['problem']}; recovered from {got['recovered_from']}")
 
 
+# Supervisor -> its attempt number when a sweep last found no other open attempt. Only a daemon before this one
+# leaves one open (this one ends each attempt it launched), so the store is asked again only once the attempt
+# changed (an end this daemon failed to write): not on every sweep of a week-long run.
+_swept_clean: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
 def sweep_stale_attempts(sup: HousekeepingRun) -> None:
     """Attempts the store thinks are live but whose process is gone (e.g. left by a crashed daemon
     for another run) are closed with what their exit file says."""
     from ulyssesd.daemon.host.process import read_exit_file
 
-    for a in sup.store.list_attempts(sup.run_id):
+    if _swept_clean.get(sup) == sup.attempt:
+        return
+    others = 0
+    for a in sup.store.list_open_attempts(sup.run_id):
         if a.ended_at is not None or a.number == sup.attempt or not a.pid or not a.proc_start_time:
             continue
+        others += 1
         h = JobHandle(a.pid, a.proc_start_time)
         if not sup.os.is_alive(h):
+            others -= 1
             st = read_exit_file(sup.run_dir / "attempts" / f"{a.number}.exit") or ExitStatus(None, None, "unknown")
             sup.store.end_attempt(sup.run_id, a.number, returncode=st.returncode, signal=st.signal)
             log.info("stale attempt closed", attempt=a.number, status=st.describe())
+    if not others:
+        _swept_clean[sup] = sup.attempt
 
 
 def status_summary(sup: HousekeepingRun) -> None:

@@ -294,7 +294,7 @@ def start_attempt(sup: LaunchRun, reason: str, rollback_to_step: int | None, inc
             from ulyssesd.training.checkpoint import step_of_tag
             resume_step = step_of_tag(tag)
         # What the attempt resumed: a NaN right after it makes that checkpoint suspect (engine_parts.py).
-        sup.engine.on_restart(sup.os.time(), attempt=sup.attempt,
+        sup.engine.on_restart(sup.steady.now(), attempt=sup.attempt,
                               resumed=(tag, resume_step) if tag != "none" and resume_step is not None else None)
     if sup.state != S.STARTING:
         sup.set_state(S.STARTING, f"attempt {sup.attempt} launched ({reason}) from "

@@ -31,7 +31,7 @@ class RelaunchRun(DiskRun, HostSide, Protocol):
 
     counters: Counters
     pending_relaunch: Relaunch | None  # what starts when the backoff is over
-    backoff_until: float | None  # wall time the backoff ends
+    backoff_until: float | None  # steady wall time the backoff ends (daemon/clock.SteadyWall)
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Counters:
 
 def schedule_relaunch(sup: RelaunchRun, relaunch: Relaunch, early: bool = False) -> None:
     """Budget checks, then relaunch now or after a backoff."""
-    now = sup.os.time()
+    now = sup.steady.now()  # the budget's hour and the backoff: no wall-clock steps
     rcfg = sup.spec.remediation
     ckpt_step = sup.latest_ckpt[1] if sup.latest_ckpt else None
     if relaunch.counts_against_budget:
@@ -145,7 +145,7 @@ def own_write_failed(sup: RelaunchRun, exc: BaseException, relaunch: Relaunch) -
         sup.store.update_incident_status(iid, IncidentStatus.remediating, "retrying the launch later")
     delay = min(sup.dcfg.backoff_max_s, max(sup.dcfg.backoff_base_s, 1.0) * 2 ** (n - 1))
     sup.pending_relaunch = relaunch
-    sup.backoff_until = sup.os.time() + delay
+    sup.backoff_until = sup.steady.now() + delay
     if sup.state == S.PAUSED:
         sup.pending_relaunch, sup.backoff_until = None, None  # an operator resume: they can resume again
         return False

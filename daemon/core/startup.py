@@ -142,7 +142,7 @@ def adopt(sup: StartupRun, run: Any) -> None:
     sup.engine = sup.engine_factory(sup.spec, v1)
     sup.snapshots.bind(sup.engine)  # what built it: a snapshot of another engine is not restored
     attempts = sup.store.list_attempts(run.id)
-    now = sup.os.time()
+    now = sup.steady.now()
     # The last hour's restart budget as the previous daemon spent it: operator relaunches were never in it.
     sup.counters.restarts = [r.started_at.timestamp() for r in sup.store.list_relaunches(run.id)
                              if not r.by_operator and now - r.started_at.timestamp() < 3600]
@@ -327,7 +327,7 @@ def warm_engine(sup: StartupRun, attempt: int) -> int | None:
             # Every attempt's records, at their own timestamps: restart history (budget), known-good
             # tags and baselines come back as they were; `started` events re-run the engine's restarts.
             try:
-                sup.engine.observe(rec, rec.time if rec.time is not None else sup.os.time())
+                sup.engine.observe(rec, rec.time if rec.time is not None else sup.steady.now())
             except Exception as exc:  # noqa: BLE001
                 log.warning("engine warm-up failed on a record", error=repr(exc))
             fed += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import re
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -225,6 +226,9 @@ def _base_interval(sup: DiskRun) -> int | None:
 
 #: The evidence key of a skipped-save incident (one per episode: open from the first skip to the next save).
 SKIP_EVIDENCE = "checkpoint_skipped"
+# Runs (per store object) known to have no open skipped-save episode: only `save_skipped` opens one, so a written
+# save asks the store nothing until then (one incident query per save was a tick's cost: docs/SIMULATION.md).
+_no_episode: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 _SKIP_COUNT = re.compile(r"^(\d+) saves? skipped")
 
 
@@ -256,6 +260,7 @@ def save_skipped(sup: DiskRun, step: int, fields: dict[str, Any]) -> None:
     (`save_written`). A disk that stays full is one incident, not one per save."""
     need, avail = fields.get("need_bytes"), fields.get("available_bytes")
     log.warning("checkpoint skipped for lack of space", tag=fields.get("tag"), need=need, available=avail)
+    _no_episode.get(sup.store, set()).discard(sup.run_id)
     episode = open_skip_episode(sup)
     if episode is not None:
         count = _skips_of(episode) + 1
@@ -274,7 +279,9 @@ def save_skipped(sup: DiskRun, step: int, fields: dict[str, Any]) -> None:
 def save_written(sup: DiskRun, tag: str, step: int) -> None:
     """A save was written: the skipped-save episode in progress (if any) is resolved, saying how many saves it
     skipped."""
-    episode = open_skip_episode(sup)
+    known_none = _no_episode.setdefault(sup.store, set())
+    episode = None if sup.run_id in known_none else open_skip_episode(sup)
+    known_none.add(sup.run_id)
     if episode is None:
         return
     count = _skips_of(episode)

@@ -67,8 +67,8 @@ def predicted_from_config(config: dict[str, Any]) -> int:
         return 0
 
 
-def classify_run(sup: BudgetRun) -> bd.DirBudget:
-    return bd.classify(sup.ckpt_dir, policy_of(sup.dcfg, sup.config), known_good(sup),
+def classify_run(sup: BudgetRun, kg: list[str] | None = None) -> bd.DirBudget:
+    return bd.classify(sup.ckpt_dir, policy_of(sup.dcfg, sup.config), known_good(sup) if kg is None else kg,
                        pending=read_pending(sup.run_dir))   # a decided rollback: its target kept (rollback_guard.py)
 
 
@@ -93,9 +93,13 @@ def run_retention(sup: BudgetRun) -> RetentionResult:
     out = RetentionResult()
     if not sup.ckpt_dir.is_dir():
         return out
-    budget = classify_run(sup)
+    # The store's rows once per pass (known-good anchors, what to mark pruned): a pass is the daemon's most
+    # frequent store read after the telemetry cursor (simulator profile, docs/SIMULATION.md).
+    rows = sup.store.list_checkpoints(sup.run_id)
+    kg = [c.tag for c in rows if getattr(c, "known_good", False)]
+    budget = classify_run(sup, kg)
     out.removed = [e.name for e in bd.apply_retention(budget)]
-    budget = classify_run(sup) if out.removed else budget
+    budget = classify_run(sup, kg) if out.removed else budget
     predicted = predicted_from_config(sup.config)
     need = next_save_bytes(budget, predicted) + budget.policy.margin_bytes
     writing = budget.by_category()["in_flight"]["count"] > 0  # its bytes are still arriving: the job checks itself
@@ -108,13 +112,15 @@ def run_retention(sup: BudgetRun) -> RetentionResult:
         if not out.room.fits:
             warn_no_room(sup, out.room, budget)
         cut = [n for n in out.room.removed if budget.by_name()[n].category in ("keep_last", "anchor")]
-        budget = classify_run(sup)
+        budget = classify_run(sup, kg)
         if cut:
             warn_window_cut(sup, budget, cut)
     out.budget = budget
-    mark_pruned(sup, out.removed)
-    try:
-        bd.write_budget_file(sup.run_dir, budget.policy, known_good(sup), predicted)
+    on_disk = set(budget.by_name())
+    mark_pruned(sup, out.removed, rows, on_disk)
+    try:  # the known-good tags still there (the rows marked pruned just now are not)
+        bd.write_budget_file(sup.run_dir, budget.policy, [t for t in kg if t in on_disk and t not in out.removed],
+                             predicted)
     except OSError as exc:  # a full disk fails this small write too: the job keeps the one written at launch
         log.warning("could not publish the checkpoint budget", error=repr(exc))
     return out
@@ -162,19 +168,20 @@ def warn_window_cut(sup: BudgetRun, budget: bd.DirBudget, cut: list[str]) -> Non
     sup.alert("incident", text, tags_held=tags, free_bytes=budget.free_bytes, removed=cut)
 
 
-def mark_pruned(sup: BudgetRun, removed: list[str]) -> None:
+def mark_pruned(sup: BudgetRun, removed: list[str], rows: list[Any] | None = None,
+                on_disk: set[str] | None = None) -> None:
     """Tell the store which tags are gone: those just removed and those another remover (the job's own room
-    making) removed, so that `status` never names a tag that is not on disk."""
-    on_disk = set(bd.classify(sup.ckpt_dir, policy_of(sup.dcfg, sup.config)).by_name()) \
-        if sup.ckpt_dir.is_dir() else set()
-    for c in sup.store.list_checkpoints(sup.run_id):
-        if c.tag in removed or c.tag not in on_disk:
-            if c.tag in removed:
-                log.info("checkpoint pruned", tag=c.tag)
-            try:
-                sup.store.mark_checkpoint_pruned(sup.run_id, c.tag)
-            except LookupError:
-                pass
+    making) removed, so that `status` never names a tag that is not on disk. `rows` (the store's unpruned
+    checkpoints) and `on_disk` (the directory's entries) when the caller has just read them."""
+    if on_disk is None:
+        on_disk = set(bd.classify(sup.ckpt_dir, policy_of(sup.dcfg, sup.config)).by_name()) \
+            if sup.ckpt_dir.is_dir() else set()
+    gone = [c.tag for c in (sup.store.list_checkpoints(sup.run_id) if rows is None else rows)
+            if c.tag in removed or c.tag not in on_disk]
+    for tag in gone:
+        if tag in removed:
+            log.info("checkpoint pruned", tag=tag)
+    sup.store.mark_checkpoints_pruned(sup.run_id, gone)  # one transaction for the pass
 
 
 def interval_for(base_interval: int, tags_fit: int | None, keep_last: int) -> int | None:

@@ -40,7 +40,10 @@ def _quiet() -> None:
 def _one(args: tuple[int, SimConfig]) -> RunResult:
     _quiet()
     seed, cfg = args
-    return run_seed(seed, cfg)
+    r = run_seed(seed, cfg)
+    if r.ok:  # a held run's fault list and trace are not needed again: 10^5 of them would not fit in memory
+        r.faults, r.trace = [], [{}] * len(r.trace)
+    return r
 
 
 def run_many(seed: int, runs: int, cfg: SimConfig, jobs: int = 1) -> list[RunResult]:
@@ -61,7 +64,19 @@ def summary(results: list[RunResult], wall_s: float) -> dict[str, Any]:
             "daemon_restarts": sum(r.daemons - 1 for r in results),
             "faults": sum(len(r.trace) for r in results),
             "end_states": {s: sum(1 for r in results if r.state == s) for s in sorted({r.state for r in results})},
+            **_goodput(results),
             "ended_because": _reasons(results)}
+
+
+def _goodput(results: list[RunResult]) -> dict[str, Any]:
+    """Mean goodput measured and modelled over the runs that trained to the end of their simulated time (a run
+    the daemon ended early, or left paused, is no sample of the productive fraction)."""
+    full = [r for r in results if r.state == "RUNNING"]
+    if not full:
+        return {"goodput_runs": 0}
+    return {"goodput_runs": len(full), "goodput_mean": round(sum(r.goodput for r in full) / len(full), 4),
+            "goodput_model_mean": round(sum(r.goodput_model for r in full) / len(full), 4),
+            "goodput_min": min(r.goodput for r in full)}
 
 
 #: What an early end's reason says, most specific first (the budget's words come before the crash it followed).
@@ -92,8 +107,13 @@ def simulate(seed: int, runs: int, days: float, jobs: int, out: str | None, repl
     cfg = replace(SimConfig(), days=days)
     t0 = SYSTEM.monotonic()
     results = run_many(seed, runs, cfg, jobs)
-    say(json.dumps(summary(results, SYSTEM.monotonic() - t0)))
+    doc = summary(results, SYSTEM.monotonic() - t0)
     bad = [r for r in results if not r.ok]
+    doc["violating_seeds"] = [{"seed": r.seed, "invariant": r.violations[0].invariant} for r in bad]
+    say(json.dumps(doc))
+    if out:  # the nightly's record (`make sim-nightly`): the summary beside the violations' traces
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "summary.json").write_text(json.dumps({**doc, "first_seed": seed, "days": days}, indent=1) + "\n")
     for r in bad[:5]:
         faults = minimise(r, cfg)
         text = describe(r, faults, cfg)

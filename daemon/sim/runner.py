@@ -48,6 +48,10 @@ CRASH_TEXT = {
 }
 
 
+#: Faults that end or restart the attempt (the goodput model's interruptions).
+INTERRUPTING = frozenset({*CRASH_TEXT, "lost_node", "hang", "nan", "op_restart"})
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """One simulated run's settings (the seed draws the faults; these shape the world)."""
@@ -77,6 +81,8 @@ class RunResult:
     daemons: int = 1
     wall_s: float = 0.0
     end_reason: str = ""  # the last state transition's reason when the run ended before the simulated time
+    goodput: float = 0.0  # the furthest step trained x a healthy step's time / simulated time (redone work is lost)
+    goodput_model: float = 0.0  # 1 - interruptions x (half a save interval + half a tick + start-up) / time
 
 
     @property
@@ -152,7 +158,7 @@ class SimRun:
         from ulyssesd.daemon.supervisor import Supervisor
 
         self.scheduler = self.scheduler_cls(use_thread=False)
-        store = open_store(self.spec.daemon.resolved_db_path())
+        store = open_store(self.spec.daemon.resolved_db_path(), clock=self.os)  # rows stamped on simulated time
         self.sup = Supervisor(self.spec, store, self.os, scheduler=self.scheduler)
         self.sup.start()
         d = self.spec.daemon
@@ -177,7 +183,7 @@ class SimRun:
         if sup.term is not None or sup.state == S.STOPPING:
             return cfg.busy_tick_s
         if sup.state == S.BACKOFF and sup.backoff_until is not None:
-            return max(0.5, min(cfg.tick_s, sup.backoff_until - self.os.time() + 0.1))
+            return max(0.5, min(cfg.tick_s, sup.backoff_until - sup.steady.now() + 0.1))
         live = self.os.live_jobs()
         if sup.state in (S.STARTING, S.RESTARTING, S.REMEDIATING) and live:
             return max(1.0, min(cfg.tick_s, live[0].next_m - self.os.m + 0.1))
@@ -218,6 +224,7 @@ class SimRun:
             self.checker.settled(self.os.m, self.sup)
         r = self.result
         r.sim_s, r.ticks = round(self.os.m, 1), ticks
+        self._goodput(r)
         if self.sup is not None:
             r.state, r.attempts = self.sup.state.value, self.sup.attempt
             r.incidents = len(self.sup.store.list_incidents(self.sup.run_id))
@@ -228,6 +235,24 @@ class SimRun:
             self.sup.store.close()
         self.checker.db.close()
         return r
+
+    def _goodput(self, r: RunResult) -> None:
+        """The run's productive fraction and what a first-order model predicts for the interruptions it saw:
+        each loses the work since the last save (half an interval on average), the time until the next tick
+        notices it (half a tick) and a start-up. Pauses, backoffs and hangs' timeouts are not in the model."""
+        if r.sim_s <= 0:
+            return
+        from ulyssesd.daemon.sim.job import recorded_curve
+
+        m, curve = self.cfg.job, recorded_curve()
+        # A healthy step's time: the trace's slowest rank (what the job runs at) plus its share of a save.
+        step_s = sum(c.step_time_max_s for c in curve) / len(curve) / 0.1426 * m.step_time_s \
+            + m.save_s / self.cfg.interval_steps
+        best = max((j.step for j in self.os.jobs.values()), default=0)
+        r.goodput = round(min(1.0, best * step_s / r.sim_s), 4)
+        hits = sum(1 for t in r.trace if t.get("kind") in INTERRUPTING and not t.get("note"))
+        per = self.cfg.interval_steps * m.step_time_s / 2 + self.cfg.tick_s / 2 + m.startup_s
+        r.goodput_model = round(max(0.0, 1.0 - hits * per / r.sim_s), 4)
 
     def _next_seq(self) -> int:
         self.seq += 1
@@ -318,7 +343,7 @@ def run_seed(seed: int, cfg: SimConfig = SimConfig(), faults: list[Fault] | None
                                  else None)) if work is None else work
     try:
         sim = SimRun(seed, cfg, work, faults)
-        with sim.disk.patched(), sim.os.store_clock(), no_open_file_scan():
+        with sim.disk.patched(), no_open_file_scan():
             result = sim.run()
     finally:
         if own:

@@ -6,9 +6,6 @@ as NTP does. `sleep` advances both. Nothing here reads the real clock.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 
 from ulyssesd.daemon.host.process import ExitStatus, HostLoad, JobHandle
@@ -98,24 +95,3 @@ class SimOS:
             owner.signal(sig, self.m)
             sent.append(pid)
         return sent
-
-    # ------------------------------------------------------------------ the store's clock
-    @contextlib.contextmanager
-    def store_clock(self) -> Iterator[None]:
-        """The store stamps rows with `datetime.now` (store/models.py: utcnow), which bypasses the OS seam; the
-        re-adopting daemon restores its restart budget from those stamps. Under simulation they read this clock."""
-        from ulyssesd.daemon.store import models
-
-        sim = self
-
-        class SimDatetime(datetime):
-            @classmethod
-            def now(cls, tz: object = None) -> datetime:  # type: ignore[override]
-                return datetime.fromtimestamp(sim.time(), timezone.utc)
-
-        saved = models.datetime
-        models.datetime = SimDatetime  # type: ignore[misc]
-        try:
-            yield
-        finally:
-            models.datetime = saved  # type: ignore[misc]

@@ -50,6 +50,13 @@ def utcnow() -> datetime:
     return utc_now()
 
 
+def row_now(context: Any) -> datetime:
+    """A column default: the stamp of the store's clock (`StoreBase.clock`, carried as the connection's
+    `ulyssesd_clock` execution option), else the system clock's (a session opened without the store)."""
+    clock = context.execution_options.get("ulyssesd_clock") if context is not None else None
+    return utc_now(clock) if clock is not None else utc_now()
+
+
 class UTCDateTime(TypeDecorator[datetime]):
     """Stores naive UTC, returns aware UTC; rejects naive inputs (ambiguous local time)."""
 
@@ -100,8 +107,8 @@ class Run(Base):
     state: Mapped[RunState] = mapped_column(text_enum(RunState, "state"))
     state_reason: Mapped[str | None] = mapped_column(Text)
     config_version: Mapped[int | None] = mapped_column(Integer)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=row_now)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=row_now)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
@@ -123,7 +130,7 @@ class Attempt(Base):
     pgid: Mapped[int | None] = mapped_column(Integer)
     proc_start_time: Mapped[float | None] = mapped_column(Float)
     resumed_from: Mapped[str | None] = mapped_column(String(64))
-    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=row_now)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     returncode: Mapped[int | None] = mapped_column(Integer)
     signal: Mapped[int | None] = mapped_column(Integer)
@@ -154,8 +161,8 @@ class Incident(Base):
     evidence: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     status: Mapped[IncidentStatus] = mapped_column(text_enum(IncidentStatus, "status"), index=True)
     status_reason: Mapped[str | None] = mapped_column(Text)
-    detected_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
-    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    detected_at: Mapped[datetime] = mapped_column(UTCDateTime, default=row_now, index=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=row_now)
     closed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     acknowledged_by: Mapped[str | None] = mapped_column(String(128))
     acknowledged_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -177,7 +184,7 @@ class Action(Base):
     from_config_version: Mapped[int | None] = mapped_column(Integer)
     to_config_version: Mapped[int | None] = mapped_column(Integer)
     observe_only: Mapped[bool] = mapped_column(Boolean, default=False)
-    applied_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    applied_at: Mapped[datetime] = mapped_column(UTCDateTime, default=row_now)
     outcome: Mapped[ActionOutcome] = mapped_column(text_enum(ActionOutcome, "outcome"))
     outcome_detail: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     verified_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -195,7 +202,7 @@ class ConfigVersion(Base):
     parent_version: Mapped[int | None] = mapped_column(Integer)
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     reason: Mapped[str] = mapped_column(Text, default="")
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=row_now)
 
 
 class StateTransition(Base):
@@ -209,7 +216,7 @@ class StateTransition(Base):
     to_state: Mapped[RunState] = mapped_column(text_enum(RunState, "to_state"))
     reason: Mapped[str] = mapped_column(Text, default="")
     attempt: Mapped[int | None] = mapped_column(Integer)
-    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=row_now)
 
 
 class Checkpoint(Base):
@@ -228,8 +235,8 @@ class Checkpoint(Base):
     invalid_reason: Mapped[str | None] = mapped_column(Text)
     attempt: Mapped[int | None] = mapped_column(Integer)
     config_version: Mapped[int | None] = mapped_column(Integer)
-    saved_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    saved_at: Mapped[datetime] = mapped_column(UTCDateTime, default=row_now)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=row_now)
     pruned_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
@@ -243,4 +250,4 @@ class TelemetryCursor(Base):
     inode: Mapped[int] = mapped_column(Integer)
     offset: Mapped[int] = mapped_column(Integer)
     last_step: Mapped[int | None] = mapped_column(Integer)
-    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=row_now)

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ulyssesd.daemon.clock import SYSTEM, Clock
+
 from .engine import make_engine
 from .errors import CorruptStoreError, NoDatabaseError, SchemaMismatchError, classify
 from .migrate import current_revision, head_revision, known_revisions, upgrade_to_head
 from .repository.store import Store
 
 
-def open_store(db_path: str | Path, readonly: bool = False, *, migrate: bool = True) -> Store:
+def open_store(db_path: str | Path, readonly: bool = False, *, migrate: bool = True, clock: Clock = SYSTEM) -> Store:
     """Open the store at `db_path`.
 
     Writer (daemon): creates the file if needed and, with `migrate`, upgrades it to head first.
     Read-only (ulyssesctl): the file must exist and be at this code's head revision; works while the
-    daemon writes (WAL) and while it is down. Errors name the path and what to do.
+    daemon writes (WAL) and while it is down. Errors name the path and what to do. `clock` stamps its rows (the
+    daemon's clock seam: `ulyssesd simulate` passes the simulated one).
     """
     path = Path(db_path).expanduser().resolve()
     try:
@@ -40,7 +43,7 @@ def open_store(db_path: str | Path, readonly: bool = False, *, migrate: bool = T
         else:
             hint = "it was written by a newer ulyssesd; upgrade this installation"
         raise SchemaMismatchError(f"database at {path} is at revision {rev}, this code expects {head}: {hint}")
-    return Store(make_engine(path, readonly=readonly), path, readonly=readonly)
+    return Store(make_engine(path, readonly=readonly), path, readonly=readonly, clock=clock)
 
 
 def _check_file(path: Path) -> None:

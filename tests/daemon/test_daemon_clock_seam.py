@@ -1,8 +1,8 @@
 """The supervisor's loop keeps time only through its OS seam: on a fake OS it never reads the host's monotonic
 clock and never sleeps on the host (what a simulated week in a minute needs). The host clock
 (daemon/clock.SystemClock) is replaced by one that records who read it and refuses a sleep; the fake OS
-advances its own clock. The one host wall-clock reader left is the store's row stamps (`store/models.utcnow`,
-the default of created_at/detected_at/...): the store does not take a clock yet."""
+advances its own clock. The store is opened with the fake OS as its clock (`open_store(..., clock=)`), so its row
+stamps read no host clock either."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_the_seam_is_what_the_finder_patches(host_clock_reads):
         clock.SYSTEM.sleep(0.0)
 
 
-STORE_STAMPS = {("time", "ulyssesd.daemon.store.models")}  # rows' created_at etc. (module doc)
+STORE_STAMPS: set[tuple[str, str]] = set()  # the store stamps rows on the clock it was opened with: the fake one
 
 
 def test_a_hang_and_its_relaunch_run_on_the_fake_clock_alone(tmp_path, host_clock_reads):
@@ -86,3 +86,25 @@ def test_early_deaths_back_off_on_the_fake_clock_alone(tmp_path, host_clock_read
             fos.advance(0.5)
     assert sup.state == S.FAILED and len(fos.spawns) >= 3
     assert set(host_clock_reads) <= STORE_STAMPS, host_clock_reads
+
+
+def test_wall_clock_steps_are_no_hang_and_a_real_stall_still_is(tmp_path):
+    """The engine's clock is the steady wall clock (daemon/clock.SteadyWall): an hour's forward step of the wall
+    clock while the job trains is no hang, nor a backward one that would delay the hang finding; a stall of the
+    monotonic clock past the timeout still is (simulator seed 118)."""
+    fos = FakeOS()
+    sup = _sup(tmp_path, fos, detectors={"hang_timeout_floor_s": 60.0})
+    sup.start()
+    _emit(sup, kind="event", event="started", step=0)
+    _steps(sup, 1, 10)
+    fos.t += 3600.0  # NTP or an operator steps the wall clock; monotonic time does not move
+    for _ in range(5):
+        fos.advance(1.0)
+        sup.tick()
+    assert sup.attempt == 1 and sup.state == S.RUNNING
+    assert not [i for i in sup.store.list_incidents(sup.run_id) if i.symptom == "hang"]
+    fos.t -= 7200.0  # a backward step: the silence that follows is still measured on monotonic time
+    for _ in range(90):
+        fos.advance(1.0)
+        sup.tick()
+    assert [i for i in sup.store.list_incidents(sup.run_id) if i.symptom == "hang"]

@@ -132,7 +132,7 @@ class FakeOS:
 
 def _sup(tmp_path, fos, **kw):
     spec = load_run_spec(fake_spec(tmp_path, **kw))
-    store = open_store(spec.daemon.resolved_db_path())
+    store = open_store(spec.daemon.resolved_db_path(), clock=fos)  # rows stamped on the fake clock too
     return Supervisor(spec, store, fos)
 
 

@@ -196,6 +196,55 @@ def test_checkpoints_last_and_known_good(store, run_id):
     assert store.latest_checkpoint(run_id).tag == "step-00000100"
 
 
+def test_a_retention_pass_marks_its_removals_in_one_call_and_unknown_runs_stay_errors(store, run_id):
+    for step in (100, 200, 300):
+        store.upsert_checkpoint(run_id, f"step-{step:08d}", step)
+    # Tags without a row and tags already pruned are skipped; the rest are marked, once.
+    assert store.mark_checkpoints_pruned(run_id, ["step-00000100", "step-00000200", "step-00000999"]) == 2
+    assert store.mark_checkpoints_pruned(run_id, ["step-00000100"]) == 0
+    assert [c.tag for c in store.list_checkpoints(run_id)] == ["step-00000300"]
+    assert store.mark_checkpoints_pruned(run_id, []) == 0
+    # The run-exists check is cached per run id; another id is still looked up and refused.
+    store.set_telemetry_cursor(run_id, path="t", inode=1, offset=5)
+    with pytest.raises(LookupError):
+        store.set_telemetry_cursor("no-such-run", path="t", inode=1, offset=5)
+    with pytest.raises(LookupError):
+        store.upsert_checkpoint("no-such-run", "step-00000001", 1)
+
+
+def test_rows_are_stamped_by_the_stores_clock(db_path):
+    """The store's clock (the daemon's seam; the simulator's clock under `ulyssesd simulate`) stamps every row:
+    the repository's own stamps and the models' column defaults alike, never the host's clock."""
+    class Clock:
+        def __init__(self):
+            self.t = 1_000_000_000.0  # 2001-09-09, far from the host's now
+
+        def time(self):
+            return self.t
+
+        def monotonic(self):
+            return 0.0
+
+        def sleep(self, s):
+            raise AssertionError("no sleep")
+
+    clock = Clock()
+    st = open_store(db_path, clock=clock)
+    run = st.create_run("run-c", spec={})
+    st.add_attempt(run.id, command=["train"], pid=1, proc_start_time=1.0)
+    inc = st.record_incident(run.id, attempt=1, symptom="nan_loss", step=5)
+    clock.t += 3600.0
+    st.upsert_checkpoint(run.id, "step-00000010", 10)
+    st.set_run_state(run.id, "RUNNING", "progress")
+    want0 = datetime.fromtimestamp(1_000_000_000.0, timezone.utc)
+    assert st.get_run(run.id).created_at == want0
+    assert st.list_attempts(run.id)[0].started_at == want0
+    assert st.get_incident(inc).detected_at == want0
+    assert st.list_checkpoints(run.id)[0].saved_at == want0 + timedelta(hours=1)
+    assert st.get_run(run.id).updated_at == want0 + timedelta(hours=1)
+    st.close()
+
+
 def test_to_dict_is_strict_json(store, run_id):
     inc = store.record_incident(run_id, attempt=1, symptom="nan_loss", step=5,
                                 evidence={"loss": float("nan"), "scale": float("inf")})

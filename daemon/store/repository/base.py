@@ -13,8 +13,10 @@ from typing import TypeVar
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from ulyssesd.daemon.clock import SYSTEM, Clock, utc_now
+
 from ..errors import InvalidValueError, NotFoundError, ReadOnlyStoreError
-from ..models import Run, utcnow
+from ..models import Run
 
 Timestamp = datetime | float | int | None
 _E = TypeVar("_E", bound=enum.Enum)
@@ -28,10 +30,10 @@ def parse_enum(enum_cls: type[_E], value: _E | str) -> _E:
         raise InvalidValueError(str(e)) from None
 
 
-def to_utc(value: Timestamp) -> datetime:
-    """None → now; epoch seconds (telemetry's `time`) or aware datetime → aware UTC datetime."""
+def to_utc(value: Timestamp, clock: Clock = SYSTEM) -> datetime:
+    """None → the clock's now; epoch seconds (telemetry's `time`) or aware datetime → aware UTC datetime."""
     if value is None:
-        return utcnow()
+        return utc_now(clock)
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise InvalidValueError(f"naive datetime {value!r}: pass a timezone-aware datetime (UTC)")
@@ -53,20 +55,30 @@ def file_id_of(path: Path) -> tuple[int, int] | None:
 class StoreBase:
     """Sessions over one SQLite engine; the table groups' query mixins build on it."""
 
-    def __init__(self, engine: Engine, path: Path, *, readonly: bool) -> None:
+    def __init__(self, engine: Engine, path: Path, *, readonly: bool, clock: Clock = SYSTEM) -> None:
         self._engine = engine
         self.path = path
         self.readonly = readonly
+        self.clock = clock  # what stamps rows (the daemon's clock seam; a simulated clock in `ulyssesd simulate`)
         self._bind(engine)
+
+    def _now(self) -> datetime:
+        return utc_now(self.clock)
+
+    def _to_utc(self, value: Timestamp) -> datetime:
+        return to_utc(value, self.clock)
 
     def _bind(self, engine: Engine) -> None:
         self._engine = engine
-        self._write_session = sessionmaker(engine, expire_on_commit=False)
+        # The clock rides on the connection: the models' column defaults (`row_now`) stamp rows with it too.
+        stamped = engine.execution_options(ulyssesd_clock=self.clock)
+        self._write_session = sessionmaker(stamped, expire_on_commit=False)
         # Reads use a plain (deferred) BEGIN even on the writer engine: no write lock for a SELECT.
-        self._read_session = sessionmaker(engine.execution_options(ulyssesd_read=True), expire_on_commit=False)
+        self._read_session = sessionmaker(stamped.execution_options(ulyssesd_read=True), expire_on_commit=False)
         # (st_dev, st_ino) of the file this store writes: a file deleted or replaced under the daemon is
         # noticed by `file_problem()` before history goes to an inode nobody can read any more.
         self.file_id = file_id_of(self.path)
+        self._runs_seen: set[str] = set()  # run ids this engine's file is known to hold (rows are never deleted)
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -90,3 +102,11 @@ class StoreBase:
         if run is None:
             raise NotFoundError(f"no run {run_id!r}")
         return run
+
+    def _require_run(self, s: Session, run_id: str) -> None:
+        """NotFoundError unless the run exists; asked of the file once per run (a daemon's every cursor, checkpoint
+        and incident write names its run: loading the run's row, its spec included, each time was a tick's largest
+        store cost in the simulator's profile)."""
+        if run_id not in self._runs_seen:
+            self._run_row(s, run_id)
+            self._runs_seen.add(run_id)

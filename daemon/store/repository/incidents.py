@@ -23,7 +23,7 @@ from ..enums import (
 from ..errors import InvalidValueError, NotFoundError
 from ..models import INCIDENT_KEY_WHERE, Action, Incident
 from ..records import ActionRecord, IncidentRecord
-from .base import StoreBase, Timestamp, parse_enum, to_utc
+from .base import StoreBase, Timestamp, parse_enum
 
 _P = ParamSpec("_P")
 
@@ -87,12 +87,12 @@ class IncidentsRepository(StoreBase):
         remediation. An `internal_error` or `inner_restart` is always inserted (the step guard, the coexist watch deduplicate their own). `step` is the step the symptom was seen at (the last telemetry step for crashes; 0 if
         none). `record_incident` is the same call answering only the id."""
         sym = parse_enum(Symptom, symptom)
-        now = to_utc(detected_at)
+        now = self._to_utc(detected_at)
         values = dict(run_id=run_id, attempt=int(attempt), step=int(step), symptom=sym,
                       severity=parse_enum(Severity, severity), summary=summary, evidence=evidence or {},
                       status=parse_enum(IncidentStatus, status), detected_at=now, updated_at=now)
         with self._write() as s:
-            self._run_row(s, run_id)
+            self._require_run(s, run_id)
             stmt = sqlite_insert(Incident).values(**values).on_conflict_do_nothing(
                 index_elements=["run_id", "attempt", "symptom", "step"], index_where=text(INCIDENT_KEY_WHERE)
             )
@@ -126,7 +126,7 @@ class IncidentsRepository(StoreBase):
     ) -> IncidentRecord:
         """open → remediating → resolved | escalated | failed; resolved/failed are final."""
         new = parse_enum(IncidentStatus, status)
-        now = to_utc(at)
+        now = self._to_utc(at)
         with self._write() as s:
             inc = self._incident_row(s, incident_id)
             if inc.status != new:
@@ -147,7 +147,7 @@ class IncidentsRepository(StoreBase):
         with self._write() as s:
             inc = self._incident_row(s, incident_id)
             if inc.acknowledged_at is None:
-                inc.acknowledged_by, inc.acknowledged_at = by.strip(), to_utc(at)
+                inc.acknowledged_by, inc.acknowledged_at = by.strip(), self._to_utc(at)
             s.flush()
             return IncidentRecord.from_row(inc)
 
@@ -162,7 +162,7 @@ class IncidentsRepository(StoreBase):
         if status is not None:
             q = q.where(Incident.status == parse_enum(IncidentStatus, status))
         if since is not None:
-            q = q.where(Incident.detected_at >= to_utc(since))
+            q = q.where(Incident.detected_at >= self._to_utc(since))
         if unacknowledged:
             q = q.where(Incident.acknowledged_at.is_(None))
         if before_id is not None:
@@ -264,13 +264,13 @@ class IncidentsRepository(StoreBase):
         if config_diff is None:
             config_diff = flat_diff(config_before or {}, config_after or {})
         with self._write() as s:
-            self._run_row(s, run_id)
+            self._require_run(s, run_id)
             if incident_id is not None:
                 self._incident_row(s, incident_id)
             act = Action(run_id=run_id, incident_id=incident_id, kind=kind, parameters=parameters or {},
                          config_diff=config_diff, mode=mode, from_config_version=from_config_version,
                          to_config_version=to_config_version, observe_only=observe_only,
-                         applied_at=to_utc(applied_at), outcome=ActionOutcome.pending)
+                         applied_at=self._to_utc(applied_at), outcome=ActionOutcome.pending)
             s.add(act)
             s.flush()
             return ActionRecord.from_row(act)
@@ -288,7 +288,7 @@ class IncidentsRepository(StoreBase):
             act = s.get(Action, action_id)
             if act is None:
                 raise NotFoundError(f"no action {action_id}")
-            act.outcome, act.outcome_detail, act.verified_at = result, detail, to_utc(at)
+            act.outcome, act.outcome_detail, act.verified_at = result, detail, self._to_utc(at)
             s.flush()
             return ActionRecord.from_row(act)
 

@@ -9,9 +9,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ..errors import InvalidValueError, NotFoundError
-from ..models import Checkpoint, ConfigVersion, TelemetryCursor, utcnow
+from ..models import Checkpoint, ConfigVersion, TelemetryCursor
 from ..records import CheckpointRecord, ConfigVersionRecord, TelemetryCursorRecord
-from .base import StoreBase, Timestamp, to_utc
+from .base import StoreBase, Timestamp
 
 
 class ProgressRepository(StoreBase):
@@ -37,11 +37,11 @@ class ProgressRepository(StoreBase):
                 last = s.scalar(select(func.max(ConfigVersion.version)).where(ConfigVersion.run_id == run_id))
                 version = (last or 0) + 1
             cv = ConfigVersion(run_id=run_id, version=version, parent_version=parent_version, config=config,
-                               reason=reason, created_at=to_utc(at))
+                               reason=reason, created_at=self._to_utc(at))
             s.add(cv)
             if make_current:
                 run.config_version = version
-                run.updated_at = to_utc(at)
+                run.updated_at = self._to_utc(at)
             s.flush()
             return ConfigVersionRecord.from_row(cv)
 
@@ -70,13 +70,13 @@ class ProgressRepository(StoreBase):
         if offset < 0:
             raise InvalidValueError(f"telemetry offset must be >= 0, got {offset}")
         with self._write() as s:
-            self._run_row(s, run_id)
+            self._require_run(s, run_id)
             cur = s.get(TelemetryCursor, run_id)
             if cur is None:
                 cur = TelemetryCursor(run_id=run_id)
                 s.add(cur)
             cur.path, cur.inode, cur.offset, cur.last_step, cur.updated_at = (
-                str(path), int(inode), int(offset), last_step, utcnow())
+                str(path), int(inode), int(offset), last_step, self._now())
             s.flush()
             return TelemetryCursorRecord.from_row(cur)
 
@@ -102,12 +102,12 @@ class ProgressRepository(StoreBase):
     ) -> CheckpointRecord:
         """Insert or update a seen tag. `known_good=None` keeps the stored flag; an invalid tag is never
         known-good."""
-        now = utcnow()
+        now = self._now()
         with self._write() as s:
-            self._run_row(s, run_id)
+            self._require_run(s, run_id)
             ck = self._checkpoint_row(s, run_id, tag)
             if ck is None:
-                ck = Checkpoint(run_id=run_id, tag=tag, saved_at=to_utc(saved_at), known_good=False)
+                ck = Checkpoint(run_id=run_id, tag=tag, saved_at=self._to_utc(saved_at), known_good=False)
                 s.add(ck)
             ck.step, ck.valid, ck.updated_at = int(step), bool(valid), now
             if loss is not None:
@@ -134,9 +134,23 @@ class ProgressRepository(StoreBase):
             ck = self._checkpoint_row(s, run_id, tag)
             if ck is None:
                 raise NotFoundError(f"no checkpoint {tag!r} of run {run_id!r}")
-            ck.pruned_at = ck.updated_at = utcnow()
+            ck.pruned_at = ck.updated_at = self._now()
             s.flush()
             return CheckpointRecord.from_row(ck)
+
+    def mark_checkpoints_pruned(self, run_id: str, tags: list[str]) -> int:
+        """`mark_checkpoint_pruned` for several tags in one transaction (a retention pass's removals); tags with
+        no row are skipped. Returns how many rows it marked."""
+        if not tags:
+            return 0
+        with self._write() as s:
+            now = self._now()
+            rows = list(s.scalars(select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.tag.in_(tags),
+                                                          Checkpoint.pruned_at.is_(None))))
+            for ck in rows:
+                ck.pruned_at = ck.updated_at = now
+            s.flush()
+            return len(rows)
 
     def list_checkpoints(self, run_id: str, *, include_pruned: bool = False) -> list[CheckpointRecord]:
         """Tags by step, oldest first."""

@@ -12,7 +12,7 @@ from ..enums import TERMINAL_RUN_STATES, RunState
 from ..errors import InvalidValueError, NotFoundError
 from ..models import Attempt, Run, StateTransition
 from ..records import AttemptRecord, RelaunchCounts, RelaunchRecord, RunRecord, StateTransitionRecord
-from .base import StoreBase, Timestamp, parse_enum, to_utc
+from .base import StoreBase, Timestamp, parse_enum
 
 #: The reason of the state transition an operator command causes starts with this ("operator pause by uid
 #: 1000", "operator restart", "operator stop by uid 0"): the supervisor writes them so, and the store tells an
@@ -49,7 +49,7 @@ class RunsRepository(StoreBase):
     ) -> RunRecord:
         """Insert a run and its first state transition (from None). Fails if the id exists."""
         state = parse_enum(RunState, state)
-        now = to_utc(at)
+        now = self._to_utc(at)
         with self._write() as s:
             if s.get(Run, run_id) is not None:
                 raise InvalidValueError(f"run {run_id!r} already exists")
@@ -93,7 +93,7 @@ class RunsRepository(StoreBase):
         Legality of the move is the supervisor's state machine's business, not the store's.
         """
         new = parse_enum(RunState, to_state)
-        now = to_utc(at)
+        now = self._to_utc(at)
         with self._write() as s:
             run = self._run_row(s, run_id)
             if run.state == new and not allow_same:
@@ -115,7 +115,7 @@ class RunsRepository(StoreBase):
         """The attempts after the first, oldest first, each with whether an operator command led to it: one
         did when an operator command's transition lies between the previous attempt's start and its own."""
         with self._read() as s:
-            self._run_row(s, run_id)
+            self._require_run(s, run_id)
             starts = s.execute(select(Attempt.number, Attempt.started_at).where(Attempt.run_id == run_id)
                                .order_by(Attempt.number)).all()
             reasons = s.execute(select(StateTransition.at, StateTransition.reason)
@@ -149,13 +149,13 @@ class RunsRepository(StoreBase):
     ) -> AttemptRecord:
         """Record a launch. `number` defaults to the run's last attempt number + 1 (first is 1)."""
         with self._write() as s:
-            self._run_row(s, run_id)
+            self._require_run(s, run_id)
             if number is None:
                 last = s.scalar(select(func.max(Attempt.number)).where(Attempt.run_id == run_id))
                 number = (last or 0) + 1
             att = Attempt(run_id=run_id, number=number, command=list(command), config_version=config_version,
                           host=host, pid=pid, pgid=pgid, proc_start_time=proc_start_time,
-                          resumed_from=resumed_from, started_at=to_utc(started_at))
+                          resumed_from=resumed_from, started_at=self._to_utc(started_at))
             s.add(att)
             s.flush()
             return AttemptRecord.from_row(att)
@@ -173,7 +173,7 @@ class RunsRepository(StoreBase):
         if unknown:
             raise InvalidValueError(f"unknown attempt field(s) {sorted(unknown)}; allowed: {sorted(_ATTEMPT_FIELDS)}")
         if "ended_at" in changes and changes["ended_at"] is not None:
-            changes["ended_at"] = to_utc(changes["ended_at"])
+            changes["ended_at"] = self._to_utc(changes["ended_at"])
         with self._write() as s:
             att = self._attempt_row(s, run_id, number)
             for k, v in changes.items():
@@ -193,7 +193,7 @@ class RunsRepository(StoreBase):
         ended_at: Timestamp = None,
     ) -> AttemptRecord:
         return self.update_attempt(run_id, number, returncode=returncode, signal=signal, diagnosis=diagnosis,
-                                   diagnosis_evidence=diagnosis_evidence, ended_at=to_utc(ended_at))
+                                   diagnosis_evidence=diagnosis_evidence, ended_at=self._to_utc(ended_at))
 
     def get_attempt(self, run_id: str, number: int) -> AttemptRecord:
         with self._read() as s:
@@ -218,3 +218,10 @@ class RunsRepository(StoreBase):
                  .order_by(Attempt.number.desc()).limit(1))
             att = s.scalars(q).first()
             return AttemptRecord.from_row(att) if att else None
+
+    def list_open_attempts(self, run_id: str) -> list[AttemptRecord]:
+        """The run's attempts without `ended_at`, oldest first: what the stale-attempt sweep looks at (a long run's
+        thousand ended attempts are not read on every sweep)."""
+        with self._read() as s:
+            q = select(Attempt).where(Attempt.run_id == run_id, Attempt.ended_at.is_(None)).order_by(Attempt.number)
+            return [AttemptRecord.from_row(a) for a in s.scalars(q)]
