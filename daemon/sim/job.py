@@ -4,7 +4,7 @@ It reads its launch (`--config configs/vN.json`, `$ULYSSESD_RUN_DIR`, `$ULYSSESD
 checkpoint the config names, writes telemetry (one step record per `record_every` steps: loss from a real
 recorded curve, step times from its real trace), saves checkpoints as real files with manifests (the job's own
 room check before each save, `budget.room_for_save`), obeys SIGTERM (save, then exit 0; no save when control.json
-says `suspect`), SIGUSR1 (stacks into its log) and SIGKILL, and acts out the faults the runner injects.
+says `suspect` or once it has reported a non-finite loss, as the real job does), SIGUSR1 (stacks into its log) and SIGKILL, and acts out the faults the runner injects.
 Everything it does is a function of the simulated clock and the run's seed: no wall clock, no threads.
 """
 
@@ -109,6 +109,7 @@ class SimJob:
     spike_records: int = 0  # records left of a loss spike
     slow_factor: float = 1.0  # a slow rank: its step time times this
     exit_after_save: bool = False  # a SIGTERM's save: exit 0 once written
+    saw_nonfinite: bool = False  # it reported a non-finite loss this attempt: no exit save (training/recovery/exit_guard.py)
     saving_tag: str | None = None
     resumes: list[tuple[str, bool]] = field(default_factory=list)  # (tag, poisoned) this attempt loaded
     was_hung: bool = False  # a hang fault stopped it (the truth a hang incident is checked against)
@@ -211,6 +212,7 @@ class SimJob:
         loss: Any = row.loss * (1.0 + loss_noise(self.model.seed, self.step))
         if self.poisoned:
             loss = "nan"
+            self.saw_nonfinite = True
         elif self.spike_records > 0:
             self.spike_records -= 1
             loss = row.loss * 12.0 + 3.0
@@ -305,7 +307,7 @@ class SimJob:
             self.exit_after_save = True
             if self.phase == "saving":
                 return  # the save in flight is the final one
-            if self.phase == "starting" or self._suspect():
+            if self.phase == "starting" or self._suspect() or self.saw_nonfinite:
                 self._emit(now_m, {"kind": "event", "event": "exiting", "reason": "sigterm", "step": self.step})
                 self._exit(now_m, 0)
                 return
