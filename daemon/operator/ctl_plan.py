@@ -288,7 +288,7 @@ class MemoryReplanner:
         base = plan(job, self.cluster, ds, search=True, allocator_headroom=headroom, restart=restart)
         advice = tuple(" + ".join(sg.changes) + f" (GPU {sg.gpu_required_gib:.1f} GiB)"
                        for sg in base.suggestions if is_advice(sg.overrides))
-        return FixSearchView(tuple(fixes), found.describe(), advice)
+        return FixSearchView(tuple(fixes), found.describe(), advice, found.complete)
 
 
 def memory_replanner(run_spec: Any, config: dict[str, Any], launch_env: dict[str, Any],

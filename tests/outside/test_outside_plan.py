@@ -489,10 +489,6 @@ def test_a_30_gib_gpu_fits_my_4k_run_with_the_optimizer_on_the_host(tmp_path: Pa
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the fix search stops at its 20,000-plan cap before reaching optimizer "
-                   "offload (+50 %) and then says 'No fix that keeps the experiment and the hardware fits'; only "
-                   "advice that shortens the sequence or changes the GPU is listed, though micro-batch 2 x 16 + "
-                   "optimizer offload fits at 26 GiB")
 def test_a_fit_beyond_the_search_cap_is_found_or_not_called_impossible(tmp_path: Path) -> None:
     path = _offload_case(tmp_path, offload=False)
     p = plan(path, "--gpu-mem", "30", "--host-mem", "128")
