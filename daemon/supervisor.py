@@ -496,5 +496,7 @@ def default_engine_factory(spec: RunSpec, config: dict[str, Any]) -> Any:
     from ulyssesd.daemon.job.command import job_reach
     from ulyssesd.remediation.engine import RemediationEngine
 
-    return RemediationEngine(spec.detectors, spec.remediation, engine_job_values(config),
+    # The spec's own launcher env is part of what the rungs read (a rung already at its bound is skipped, as
+    # `ulyssesctl replay --spec` does): expandable_segments set in [launcher] env is not applied again.
+    return RemediationEngine(spec.detectors, spec.remediation, engine_job_values(config, spec.launcher.env),
                              reach=job_reach(spec.job_section, config))

@@ -815,10 +815,6 @@ def test_cpu_job_oom_mid_run_far_above_its_peak_relaunches_unchanged(tmp_path: P
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="an OOM at step 1 of a CPU job (no planner) takes the "
-                   "expandable_segments rung although the spec already sets it: config v2 = v1 "
-                   "('expandable_segments:True' -> 'expandable_segments:True'), a restart that changes nothing; "
-                   "the replayed spike path skips that rung")
 def test_cpu_job_oom_at_first_step_takes_the_first_rung_that_changes_something(tmp_path: Path) -> None:
     state = tmp_path / "state"
     zero = {"stage3_param_persistence_threshold": 1e6, "stage3_max_live_parameters": 1e7,
