@@ -71,6 +71,7 @@ class SkippedPlan:
     fits: bool = True
     problems: list[str] = field(default_factory=list)
     suggestions: list[Any] = field(default_factory=list)
+    unknown: bool = False   # a GPU run left unplanned (not a CPU run): said loudly before the launch
 
     def render(self) -> str:
         return "VERDICT: not planned\n" + "\n".join(f"  - {n}" for n in self.notes)
@@ -181,8 +182,11 @@ def preflight(run_spec: Any, cluster: Cluster | None = None) -> tuple[bool, Plan
         if cluster is None:
             if run_spec.job.train.device == "auto":
                 return True, SkippedPlan(["CPU run: no GPU memory plan (device=auto and no GPU found)"])
-            return True, SkippedPlan(["no GPU detected on this host (nvidia-smi): memory plan skipped; "
-                                      "pass a cluster to plan for other hardware"])
+            return True, SkippedPlan([
+                f"memory plan skipped: no GPU detected on this host (nvidia-smi failed or found none) although "
+                f"train.device = {run_spec.job.train.device!r}; the run is launched UNPLANNED. Fix the driver, or plan "
+                f"for the target hardware with `ulyssesctl plan --spec SPEC --gpu NAME`, or set train.device = "
+                f"\"auto\" (or [daemon] preflight = false) to say no plan is wanted"], unknown=True)
     result = plan(run_spec.job, cluster, effective_ds_config(run_spec, cluster.world_size),
                   allocator_headroom=allocator_headroom(run_spec), restart=_restart(run_spec),
                   alloc_conf=(launcher.env or {}).get("PYTORCH_CUDA_ALLOC_CONF"))

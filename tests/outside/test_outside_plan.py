@@ -646,9 +646,6 @@ def test_preflight_on_an_h100_host_refuses_a_run_over_the_edge(tmp_path: Path) -
     assert "preflight refused the run" in err and re.search(r"GPU: needs [\d.]+ GiB .* short by", err), err[-800:]
 
 
-@pytest.mark.xfail(strict=True, reason="the memory preflight's refusal says only the shortfall and 'use "
-                   "--no-preflight to override' (a sure OOM); it names no fix and not `ulyssesctl plan`, "
-                   "although the disk preflight's refusal says 'What fits'")
 def test_preflight_refusal_says_what_to_change(tmp_path: Path) -> None:
     p = _daemon_run(_over_the_edge(), tmp_path, _fake_h100_path(tmp_path))
     assert p.returncode == 11
@@ -700,9 +697,6 @@ def test_preflight_lets_the_plans_first_fix_through(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="with nvidia-smi failing (driver not loaded) the memory preflight of a "
-                   "train.device = 'cuda' run is skipped without a word: no log line, event or incident says the "
-                   "plan was not made (docs: 'skips the plan ... with a note')")
 def test_preflight_skipped_for_want_of_a_gpu_is_said(tmp_path: Path) -> None:
     bindir = tmp_path / "badbin"
     bindir.mkdir()
