@@ -491,12 +491,10 @@ class Supervisor:
             "standby": self.standby.describe(self),  # the warm next attempt, or None (daemon/job/standby.py)
         }
 
-    # -------------------------------------------------------------------- scheduler jobs
 def default_engine_factory(spec: RunSpec, config: dict[str, Any]) -> Any:
+    """The engine over v1 and the spec's [launcher] env (so a rung already at its bound is skipped)."""
     from ulyssesd.daemon.job.command import job_reach
     from ulyssesd.remediation.engine import RemediationEngine
 
-    # The spec's own launcher env is part of what the rungs read (a rung already at its bound is skipped, as
-    # `ulyssesctl replay --spec` does): expandable_segments set in [launcher] env is not applied again.
     return RemediationEngine(spec.detectors, spec.remediation, engine_job_values(config, spec.launcher.env),
                              reach=job_reach(spec.job_section, config))
