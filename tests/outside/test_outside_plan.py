@@ -385,8 +385,6 @@ def test_host_bound_plan_lists_the_host_switch_first(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="advice 'H200-141GB GPUs' silently also sets host RAM to the H200 preset's "
-                   "2048 GiB although --host-mem 16 was given and the H200 plan fits that 16 GiB host")
 def test_gpu_advice_keeps_the_host_ram_i_gave(i30: dict[str, Any]) -> None:
     rc, js = plan_json(i30["path"], "--gpu-mem", "0.5", "--host-mem", "16")
     h200 = [s for s in js["suggestions"] if s["overrides"].get("cluster.gpu") == "h200-141g"]
