@@ -153,7 +153,7 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
             return EXIT_PREFLIGHT
     preflight = preflight and spec.daemon.preflight and spec.job_section.kind == "builtin"  # built-in GPT only
     if preflight:
-        verdict = _preflight(spec)
+        verdict = _preflight(spec, spec_path)
         if verdict is not None:
             print(f"ulyssesd: preflight refused the run: {verdict}\n(use --no-preflight to override)", file=sys.stderr)
             locks.release()
@@ -307,7 +307,7 @@ def _preflight_config(spec, config: dict) -> str | None:
     return _preflight(patched)
 
 
-def _preflight(spec) -> str | None:
+def _preflight(spec, spec_path: str | None = None) -> str | None:
     """None if the planner says the run fits, else why it refused. Fails closed: a planner that cannot be
     imported or raises refuses the run with its error (the operator overrides with --no-preflight)."""
     from ulyssesd.daemon.operator.ctl_plan import preflight
@@ -318,11 +318,21 @@ def _preflight(spec) -> str | None:
         get_logger("ulyssesd").warning("preflight errored; refusing the run", error=repr(exc))
         return f"the planner failed: {exc!r}"
     if ok:
+        if getattr(plan, "unknown", False):   # unknown is loud: a GPU run without a plan is said, not passed
+            note = "; ".join(plan.notes)
+            get_logger("ulyssesd").warning("preflight: memory plan skipped", reason=note)
+            print(f"ulyssesd: WARNING: {note}", file=sys.stderr)
         return None
     problems = getattr(plan, "problems", None)
-    if problems:
-        return "; ".join(str(p) for p in problems)
-    return plan.render() if hasattr(plan, "render") else str(plan)
+    said = "; ".join(str(p) for p in problems) if problems else (
+        plan.render() if hasattr(plan, "render") else str(plan))
+    fixes = getattr(plan, "fixes", None)
+    if fixes:   # what `ulyssesctl plan` lists first: the cheapest fix that keeps the experiment and the hardware
+        said += (f"\nfirst fix that fits: {fixes[0].describe()}\n(overrides: {fixes[0].overrides}; "
+                 f"`ulyssesctl plan --spec {spec_path or 'SPEC'}` lists every fix)")
+    else:
+        said += f"\n(`ulyssesctl plan --spec {spec_path or 'SPEC'}` shows the memory plan and what would fit)"
+    return said
 
 if __name__ == "__main__":
     sys.exit(main())

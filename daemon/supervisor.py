@@ -496,5 +496,5 @@ def default_engine_factory(spec: RunSpec, config: dict[str, Any]) -> Any:
     from ulyssesd.daemon.job.command import job_reach
     from ulyssesd.remediation.engine import RemediationEngine
 
-    return RemediationEngine(spec.detectors, spec.remediation, engine_job_values(config),
+    return RemediationEngine(spec.detectors, spec.remediation, engine_job_values(config, spec.launcher.env),
                              reach=job_reach(spec.job_section, config))

@@ -77,6 +77,7 @@ class FixSearchView:
     fixes: tuple[FixView, ...]
     searched: str
     advice: tuple[str, ...] = ()
+    complete: bool = True      # False: the plan budget stopped the search (a fit may exist beyond it)
 
 
 # The memory ladder's move when the planner can search: the cheapest fitting combination (not a rung of the
@@ -123,8 +124,12 @@ def _search_choice(search: Callable[[float, float | None], FixSearchView], cause
     expl = f"{found.searched}; planner: " + ("; ".join([*base.problems, *problems]) or (
         f"needs {base.required_gib + under:.1f} GiB of {base.capacity_gib:.1f} GiB"))
     verb = "stop: " if no_fit is STOP else "no blind change: "
+    evidence["search_complete"] = found.complete
+    claim = ("no combination of memory levers that keeps the experiment and the hardware is predicted to fit"
+             if found.complete else "SEARCH INCOMPLETE: the fix search ran out of plans before finding a fit (one "
+             "may exist; `ulyssesctl plan` shows the search)")
     return MemoryChoice(cause, no_fit, Proposal(what=(
-        f"{verb}no combination of memory levers that keeps the experiment and the hardware is predicted to fit "
+        f"{verb}{claim} "
         f"({said}; {expl}){advice}" + ("" if no_fit is STOP else "; the run continues unchanged"))), False, evidence)
 
 

@@ -100,10 +100,10 @@ class ModelSpec(_Section):
         missing = [k for k in ("hidden_size", "num_layers", "num_attention_heads", "vocab_size") if k not in base]
         if missing:
             raise ValueError(f"model: no preset given and {', '.join('model.' + m for m in missing)} missing")
-        base.setdefault("max_seq_len", 4096)
-        base.setdefault("mlp", "gelu")
-        base.setdefault("tie_embeddings", False)
-        if "ffn_hidden_size" not in base or (self.mlp is not None and self.ffn_hidden_size is None):
+        for key, default in (("max_seq_len", 4096), ("mlp", "gelu"), ("tie_embeddings", False)):
+            base.setdefault(key, default)
+        new_h = self.preset is not None and self.hidden_size not in (None, PRESETS[self.preset]["hidden_size"])  # own MLP
+        if "ffn_hidden_size" not in base or (self.ffn_hidden_size is None and (self.mlp is not None or new_h)):
             h = base["hidden_size"]
             base["ffn_hidden_size"] = 4 * h if base["mlp"] == "gelu" else 256 * ((8 * h // 3 + 255) // 256)
         own = set(ResolvedModel.model_fields) - set(base)  # bias, rope, init and the speed/long-sequence levers

@@ -71,6 +71,7 @@ class SkippedPlan:
     fits: bool = True
     problems: list[str] = field(default_factory=list)
     suggestions: list[Any] = field(default_factory=list)
+    unknown: bool = False   # a GPU run left unplanned (not a CPU run): said loudly before the launch
 
     def render(self) -> str:
         return "VERDICT: not planned\n" + "\n".join(f"  - {n}" for n in self.notes)
@@ -181,8 +182,11 @@ def preflight(run_spec: Any, cluster: Cluster | None = None) -> tuple[bool, Plan
         if cluster is None:
             if run_spec.job.train.device == "auto":
                 return True, SkippedPlan(["CPU run: no GPU memory plan (device=auto and no GPU found)"])
-            return True, SkippedPlan(["no GPU detected on this host (nvidia-smi): memory plan skipped; "
-                                      "pass a cluster to plan for other hardware"])
+            return True, SkippedPlan([
+                f"memory plan skipped: no GPU detected on this host (nvidia-smi failed or found none) although "
+                f"train.device = {run_spec.job.train.device!r}; the run is launched UNPLANNED. Fix the driver, or plan "
+                f"for the target hardware with `ulyssesctl plan --spec SPEC --gpu NAME`, or set train.device = "
+                f"\"auto\" (or [daemon] preflight = false) to say no plan is wanted"], unknown=True)
     result = plan(run_spec.job, cluster, effective_ds_config(run_spec, cluster.world_size),
                   allocator_headroom=allocator_headroom(run_spec), restart=_restart(run_spec),
                   alloc_conf=(launcher.env or {}).get("PYTORCH_CUDA_ALLOC_CONF"))
@@ -288,7 +292,7 @@ class MemoryReplanner:
         base = plan(job, self.cluster, ds, search=True, allocator_headroom=headroom, restart=restart)
         advice = tuple(" + ".join(sg.changes) + f" (GPU {sg.gpu_required_gib:.1f} GiB)"
                        for sg in base.suggestions if is_advice(sg.overrides))
-        return FixSearchView(tuple(fixes), found.describe(), advice)
+        return FixSearchView(tuple(fixes), found.describe(), advice, found.complete)
 
 
 def memory_replanner(run_spec: Any, config: dict[str, Any], launch_env: dict[str, Any],
@@ -323,7 +327,7 @@ def _cluster_from_flags(run_spec: Any, gpu: str | None, gpus: int | None, nodes:
             + (f"--host-mem {host_mem:g} GiB" if host_mem is not None else f"{preset['host_mem_gib']:.0f} GiB host RAM")
             + "; pass --gpu (or --gpu-mem) and --host-mem for the machine the run is for")
     name = None if gpu_mem is None else f"{gpu_mem:g} GiB GPU"
-    preset_name = gpu or DEFAULT_GPU
+    preset_name = DEFAULT_GPU if gpu is None else gpu   # `--gpu ""` is an unknown preset, not the default
     cl = Cluster.preset(preset_name, gpus_per_node=gpn, nodes=nn, gpu_mem_gib=gpu_mem, host_mem_gib=host_mem,
                         nvme_gib=nvme, gpu_name=name)
     gpu_src = (f"GPU memory {gpu_mem:g} GiB (--gpu-mem)" if gpu_mem is not None
@@ -350,7 +354,24 @@ def _load_for_layout(load: Any, spec: Path, gpus: int | None, nodes: int | None)
             f"{'--gpus' if gpus is not None else 'launcher.nproc_per_node'}")
     run_spec = load(spec, layout=(nn, gpn, said))
     run_spec.launcher = run_spec.launcher.model_copy(update={"nproc_per_node": gpn, "nnodes": nn})
+    from ulyssesd.daemon.spec import standby_problems
+
+    # The same checks as the spec's own launcher values: a warm standby never runs on more than one node.
+    problems = [f"{p} (with {said} = {nn} x {gpn})"
+                for p in standby_problems(run_spec.restart, run_spec.launcher, run_spec.job_section)]
+    if problems:
+        raise SpecError(str(spec), problems)
     return run_spec
+
+
+def _model_unknown(run_spec: Any) -> str | None:
+    """Why the planner cannot plan a `[job] kind = "command"` spec (the script's model is not in the spec), else
+    None. A command spec that gives `[model]` (and `[train]`) is planned with them."""
+    if run_spec.job_section.kind == "builtin" or "model" in (run_spec.raw or {}):
+        return None
+    return (f"[job] kind = {run_spec.job_section.kind!r}: the planner does not know your script's model, sequence "
+            "length or batch, so it cannot say whether it fits; describe them in the spec's [model] and [train] "
+            "sections (as for the built-in job) to plan them")
 
 
 def register_plan(app: typer.Typer) -> None:
@@ -381,6 +402,9 @@ def register_plan(app: typer.Typer) -> None:
 
         try:
             run_spec = _load_for_layout(load_run_spec, spec, gpus, nodes)
+            unknown = _model_unknown(run_spec)
+            if unknown:
+                raise PlanInputError(unknown)
             cluster = _cluster_from_flags(run_spec, gpu, gpus, nodes, gpu_mem, host_mem, nvme)
             result = plan(run_spec.job, cluster, effective_ds_config(run_spec, cluster.world_size),
                           allocator_headroom=allocator_headroom(run_spec), restart=_restart(run_spec),

@@ -385,8 +385,6 @@ def test_host_bound_plan_lists_the_host_switch_first(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="advice 'H200-141GB GPUs' silently also sets host RAM to the H200 preset's "
-                   "2048 GiB although --host-mem 16 was given and the H200 plan fits that 16 GiB host")
 def test_gpu_advice_keeps_the_host_ram_i_gave(i30: dict[str, Any]) -> None:
     rc, js = plan_json(i30["path"], "--gpu-mem", "0.5", "--host-mem", "16")
     h200 = [s for s in js["suggestions"] if s["overrides"].get("cluster.gpu") == "h200-141g"]
@@ -460,8 +458,6 @@ def test_micro_batch_split_costs_follow_the_lever_table(tmp_path: Path) -> None:
     assert levers["tiled loss"] > 0.0118  # gpt-1b at 32K: +1.2 %
 
 
-@pytest.mark.xfail(strict=True, reason="a model given by explicit dims (no preset) keeps the tiny preset's MLP "
-                   "width and is labelled 'tiny': hidden 3072 x 28 layers plans as 1.20B params, not ~3.3B")
 def test_explicit_dims_without_preset_are_planned_as_written(tmp_path: Path) -> None:
     model = {"hidden_size": 3072, "num_layers": 28, "num_attention_heads": 24, "vocab_size": 32000,
              "max_seq_len": 32768}
@@ -489,10 +485,6 @@ def test_a_30_gib_gpu_fits_my_4k_run_with_the_optimizer_on_the_host(tmp_path: Pa
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the fix search stops at its 20,000-plan cap before reaching optimizer "
-                   "offload (+50 %) and then says 'No fix that keeps the experiment and the hardware fits'; only "
-                   "advice that shortens the sequence or changes the GPU is listed, though micro-batch 2 x 16 + "
-                   "optimizer offload fits at 26 GiB")
 def test_a_fit_beyond_the_search_cap_is_found_or_not_called_impossible(tmp_path: Path) -> None:
     path = _offload_case(tmp_path, offload=False)
     p = plan(path, "--gpu-mem", "30", "--host-mem", "128")
@@ -525,17 +517,12 @@ def test_bad_flags_exit_2_naming_the_flag(i30: dict[str, Any], flags: list[str],
     assert named in p.stdout + p.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="`--gpu ''` (e.g. an unset shell variable) is not refused: it plans "
-                   "silently for the a100-80g preset, exit 1, as if that GPU had been asked for")
 def test_empty_gpu_name_is_refused(i30: dict[str, Any]) -> None:
     p = plan(i30["path"], "--gpu", "")
     assert p.returncode == 2
     assert "GPU preset" in p.stdout + p.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="`plan` on a `[job] kind = \"command\"` spec (my own script) plans the "
-                   "built-in job's defaults instead: 'tiny (0.00B params), seq 256', VERDICT: FITS, exit 0, with "
-                   "no word that my script's model is unknown to the planner")
 def test_plan_of_my_own_script_does_not_claim_it_fits(tmp_path: Path) -> None:
     (tmp_path / "ds_config.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 4,
                                                          "zero_optimization": {"stage": 3}}))
@@ -581,9 +568,6 @@ def test_sp_must_divide_the_world_the_flags_ask_for(i30: dict[str, Any], tmp_pat
     assert "--gpus" in p.stdout + p.stderr and "sequence_parallel_size=2" in p.stdout + p.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="`plan --nodes 2` on a spec with [restart] standby = true says VERDICT: "
-                   "FITS, exit 0, though the same spec with launcher.nnodes = 2 is refused (restart.standby needs "
-                   "one node) and the daemon never runs a standby on two nodes")
 def test_nodes_flag_with_a_standby_is_not_planned_as_fitting(tmp_path: Path) -> None:
     spec = gpt_spec(seq=8192, mb=1, extra={"restart": {"standby": True}})
     path = write_spec(spec, tmp_path / "standby.toml")
@@ -650,9 +634,6 @@ def test_preflight_on_an_h100_host_refuses_a_run_over_the_edge(tmp_path: Path) -
     assert "preflight refused the run" in err and re.search(r"GPU: needs [\d.]+ GiB .* short by", err), err[-800:]
 
 
-@pytest.mark.xfail(strict=True, reason="the memory preflight's refusal says only the shortfall and 'use "
-                   "--no-preflight to override' (a sure OOM); it names no fix and not `ulyssesctl plan`, "
-                   "although the disk preflight's refusal says 'What fits'")
 def test_preflight_refusal_says_what_to_change(tmp_path: Path) -> None:
     p = _daemon_run(_over_the_edge(), tmp_path, _fake_h100_path(tmp_path))
     assert p.returncode == 11
@@ -704,9 +685,6 @@ def test_preflight_lets_the_plans_first_fix_through(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="with nvidia-smi failing (driver not loaded) the memory preflight of a "
-                   "train.device = 'cuda' run is skipped without a word: no log line, event or incident says the "
-                   "plan was not made (docs: 'skips the plan ... with a note')")
 def test_preflight_skipped_for_want_of_a_gpu_is_said(tmp_path: Path) -> None:
     bindir = tmp_path / "badbin"
     bindir.mkdir()
@@ -819,10 +797,6 @@ def test_cpu_job_oom_mid_run_far_above_its_peak_relaunches_unchanged(tmp_path: P
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="an OOM at step 1 of a CPU job (no planner) takes the "
-                   "expandable_segments rung although the spec already sets it: config v2 = v1 "
-                   "('expandable_segments:True' -> 'expandable_segments:True'), a restart that changes nothing; "
-                   "the replayed spike path skips that rung")
 def test_cpu_job_oom_at_first_step_takes_the_first_rung_that_changes_something(tmp_path: Path) -> None:
     state = tmp_path / "state"
     zero = {"stage3_param_persistence_threshold": 1e6, "stage3_max_live_parameters": 1e7,

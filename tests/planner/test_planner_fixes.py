@@ -226,3 +226,22 @@ def test_plan_json_carries_the_fixes_the_advice_and_the_lever_costs(oom_spec):
     assert all(not is_advice(f["overrides"]) for f in data["fixes"])
     assert any(s["advice"] for s in data["suggestions"])
     assert {r["lever"] for r in data["lever_costs"]} >= {"recompute every block", "tiled loss", "TiledMLP"}
+
+
+def test_pruning_never_removes_a_fit_and_the_cap_is_said_not_called_no_fit(oom_spec):
+    """Memory-monotone pruning on a GPU where most settings cannot fit (micro-batch 2, a 20 GiB card): the same
+    fits as the unpruned exhaustive search; a plan budget that runs out says so instead of 'nothing fits'."""
+    rs = load_run_spec(oom_spec)
+    rs = rs.model_copy(update={"job": JobSpec.model_validate({**rs.job.model_dump(mode="json"), "train": {
+        **rs.job.model_dump(mode="json")["train"], "micro_batch_size": 2}})})
+    small = Cluster.preset("h100-80g", gpus_per_node=1, nodes=1, gpu_mem_gib=20)
+    pruned, _ = _search(rs, small, exhaustive_max=10**9)
+    full, _ = _search(rs, small, exhaustive_max=10**9, prune=False)
+    assert pruned.pruned > 0 and pruned.plans < full.plans, (pruned.describe(), full.describe())
+    assert [(round(f.step_cost, 9), f.overrides) for f in pruned.fixes] == \
+           [(round(f.step_cost, 9), f.overrides) for f in full.fixes]
+    capped, _ = _search(rs, small, exhaustive_max=0, max_plans=3, prune=False)
+    assert not capped.complete and "SEARCH INCOMPLETE" in capped.describe()
+    tiny = Cluster.preset("h100-80g", gpus_per_node=1, nodes=1, gpu_mem_gib=4)
+    none, _ = _search(rs, tiny)
+    assert none.complete and not none.fixes and none.proven_none and none.plans < 500, none.describe()

@@ -63,6 +63,7 @@ def plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any] | None = None
                              restart=restart, alloc_conf=alloc_conf,
                              headroom_lever=allocator_headroom > EXPANDABLE_HEADROOM)
         result.fixes, result.fix_search = found.fixes, found.describe()
+        result.fix_search_complete = found.complete
         result.suggestions = search_suggestions(job, cluster, ds, result, allocator_headroom=allocator_headroom,
                                                 cuda_context_gib=cuda_context_gib, restart=restart)
     return result

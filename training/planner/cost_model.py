@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..spec import JobSpec, ResolvedModel
+from ..spec import PRESETS, JobSpec, ResolvedModel
 from .host_extras import NO_STANDBY, RestartLike, async_snapshot_items, host_problem, standby_items
 from .inputs import (
     DTYPE_BYTES,
@@ -434,7 +434,7 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
     notes += standby_gpu_notes(restart, n)
 
     summary = {
-        "model": job.model.preset or "custom", "params": st.total, "largest_module": st.largest_module,
+        "model": _label(job), "params": st.total, "largest_module": st.largest_module,
         "largest_module_name": st.largest_module_name, "dtype": dtype, "seq_len": job.train.seq_len, "sp": sp,
         "seq_local": job.train.seq_len // sp, "micro_batch": job.train.micro_batch_size,
         "grad_accum": job.train.gradient_accumulation_steps,
@@ -447,3 +447,12 @@ def compute_plan(job: JobSpec, cluster: Cluster, ds_config: dict[str, Any], *,
                 gpu_peak_allocated=peak, gpu_required=required, host_required=host_required,
                 nvme_required=nvme_required, fits=not problems, problems=problems, notes=notes,
                 deepspeed_view=_deepspeed_view(c))
+
+
+def _label(job: JobSpec) -> str:
+    """The preset's name when its dimensions are kept, else "custom" (explicit dims over the default preset)."""
+    m, presets = job.model, PRESETS
+    if m.preset is None or any(getattr(m, k) not in (None, presets[m.preset].get(k)) for k in
+                               ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size")):
+        return "custom"
+    return m.preset

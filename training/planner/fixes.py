@@ -105,11 +105,18 @@ class FixSearch:
     exhaustive: bool           # every combination was planned
     complete: bool             # the fixes are provably the cheapest by the model (False: MAX_PLANS hit first)
     levers: list[str] = field(default_factory=list)
+    pruned: int = 0            # lever settings removed before the search (cannot fit with every other lever saving)
+    proven_none: bool = False  # the most memory-saving combination does not fit the GPU: no combination does
 
     def describe(self) -> str:
+        if self.proven_none:
+            return (f"{self.plans} of {self.space} lever combinations planned: even every lever at its most "
+                    "memory-saving setting does not fit the GPU, so none does")
         how = "exhaustive" if self.exhaustive else ("best-first, provably cheapest by the cost model"
-                                                     if self.complete else f"stopped after {self.plans} plans")
-        return f"{self.plans} of {self.space} lever combinations planned ({how})"
+                                                     if self.complete else f"SEARCH INCOMPLETE: stopped after "
+                                                     f"{self.plans} plans, a fit may exist beyond them")
+        cut = f", {self.pruned} lever settings pruned as unable to fit" if self.pruned else ""
+        return f"{self.plans} of {self.space} lever combinations planned ({how}{cut})"
 
 
 # ------------------------------------------------------------------------------------------------ levers
@@ -249,13 +256,14 @@ def search_fixes(job: JobSpec, cluster: Cluster, ds: dict[str, Any], *, allocato
                  cuda_context_gib: float, restart: RestartLike = NO_STANDBY, alloc_conf: str | None = None,
                  under_gib: float = 0.0, peak_limit_gib: float | None = None, k: int = MAX_FIXES,
                  max_plans: int = MAX_PLANS, exhaustive_max: int = EXHAUSTIVE_MAX,
-                 headroom_lever: bool = True, daemon_levers: bool = True) -> FixSearch:
+                 headroom_lever: bool = True, daemon_levers: bool = True, prune: bool = True) -> FixSearch:
     """The `k` cheapest fitting lever combinations (by predicted step time, then distance), none dominated by a
     cheaper one that changes a subset of its levers. `under_gib`: what the planner is known to miss (an OOM's
     allocated + requested, or a measured peak, above its prediction), added to every candidate; `peak_limit_gib`:
     the calibrated peak must also stay below it (a memory spike's threshold). `alloc_conf`: the run's
     PYTORCH_CUDA_ALLOC_CONF (the allocator lever); `allocator_headroom` is the user's current one.
-    `daemon_levers`: also the host-memory switches `host_levers` (`restart.*`, `checkpoint.async_save`)."""
+    `daemon_levers`: also the host-memory switches `host_levers` (`restart.*`, `checkpoint.async_save`).
+    `prune`: remove the settings that cannot fit first (`_prune`; off only to check it against the full space)."""
     lv = levers(job, ds, alloc_conf, headroom_lever)
     hv = host_levers(job, restart) if daemon_levers else []
     # The host switches are tried per planned combination (only where they can help), not multiplied into the
@@ -263,15 +271,10 @@ def search_fixes(job: JobSpec, cluster: Cluster, ds: dict[str, Any], *, allocato
     host_options = sorted(itertools.product(*(range(len(x.settings)) for x in hv)),
                           key=lambda o: (sum(x.settings[i].cost for x, i in zip(hv, o, strict=True)),
                                          sum(x.settings[i].distance for x, i in zip(hv, o, strict=True))))
-    all_levers = lv + hv
-    base_cost = sum(s.cost for lever in all_levers for s in lever.settings if s.distance == 0)
-    sizes = [len(lever.settings) for lever in lv]
-    space = math.prod(sizes) * max(1, len(host_options))
+    base_cost = sum(s.cost for lever in lv + hv for s in lever.settings if s.distance == 0)
+    space = math.prod(len(lever.settings) for lever in lv) * max(1, len(host_options))
     plans = visited = 0   # plans made; lattice combinations planned (each may add host-switch plans)
     found: list[tuple[float, int, tuple[int, ...], Fix]] = []
-
-    def cost(idx: tuple[int, ...]) -> float:
-        return sum(lever.settings[i].cost for lever, i in zip(lv, idx, strict=True))
 
     def plan_of(ov: dict[str, Any]) -> Plan | None:
         nonlocal plans
@@ -283,6 +286,18 @@ def search_fixes(job: JobSpec, cluster: Cluster, ds: dict[str, Any], *, allocato
                                 restart=_restart_with(restart, ov))
         except (PlanInputError, ValueError):
             return None   # a combination the job rejects (e.g. activation offload without recompute)
+
+    # Memory-monotone pruning before the search: a setting that does not fit the GPU even with every other
+    # lever at its most memory-saving setting can fit in no combination; when the all-saving combination
+    # itself does not fit, no combination does (proven without planning them).
+    lv, pruned, none_fit = _prune(lv, hv, plan_of, under_gib, peak_limit_gib) if prune else (lv, 0, False)
+    all_levers = lv + hv
+    sizes = [len(lever.settings) for lever in lv]
+    if none_fit:
+        return FixSearch([], plans, space, False, True, [x.name for x in all_levers], pruned, proven_none=True)
+
+    def cost(idx: tuple[int, ...]) -> float:
+        return sum(lever.settings[i].cost for lever, i in zip(lv, idx, strict=True))
 
     def evaluate(idx: tuple[int, ...]) -> tuple[tuple[int, ...], Fix] | None:
         nonlocal visited
@@ -370,7 +385,51 @@ def search_fixes(job: JobSpec, cluster: Cluster, ds: dict[str, Any], *, allocato
                         heapq.heappush(frontier, (cost(nxt), nxt))
     # A best-first search that planned every combination (nothing fitted early) was exhaustive too.
     return FixSearch(_undominated(found, all_levers)[:k], plans, space, exhaustive or visited == lattice,
-                     complete, [x.name for x in all_levers])
+                     complete, [x.name for x in all_levers], pruned)
+
+
+def gpu_fits(p: Plan, under_gib: float = 0.0, peak_limit_gib: float | None = None) -> bool:
+    """The GPU half of `fits` (the quantity every lever lowers or leaves alone; host RAM is not monotone)."""
+    return (p.gpu_required / GiB + under_gib <= p.cluster.gpu_mem_gib
+            and (peak_limit_gib is None or p.gpu_peak_allocated / GiB + under_gib < peak_limit_gib))
+
+
+def _prune(lv: list[Lever], hv: list[Lever], plan_of: Any, under_gib: float,
+           peak_limit_gib: float | None) -> tuple[list[Lever], int, bool]:
+    """(levers with the settings that cannot fit removed, settings removed, no combination can fit).
+
+    The floor is each lever's most GPU-saving setting (two rounds of coordinate descent, the host switches at
+    their most saving); a setting is removed when it does not fit the GPU with every other lever at the floor.
+    This relies on the model being monotone per lever (another lever moved off its floor never lowers the GPU's
+    need), which tests/planner/test_planner_fixes.py checks against the exhaustive search."""
+    host_floor: dict[str, Any] = {}
+    for x in hv:
+        host_floor.update(x.settings[-1].overrides)
+    floor = [next(i for i, s in enumerate(x.settings) if s.distance == 0) for x in lv]
+
+    def need(choice: list[int]) -> tuple[float, Plan | None]:
+        ov = dict(host_floor)
+        for x, i in zip(lv, choice, strict=True):
+            ov.update(x.settings[i].overrides)
+        p = plan_of(ov)
+        return (math.inf, None) if p is None else (p.gpu_required / GiB, p)
+
+    for _round in range(2):
+        for li, x in enumerate(lv):
+            floor[li] = min(range(len(x.settings)), key=lambda i: need(floor[:li] + [i] + floor[li + 1:])[0])
+    _n, p = need(floor)
+    if p is not None and not gpu_fits(p, under_gib, peak_limit_gib):
+        return lv, 0, True
+    out, removed = [], 0
+    for li, x in enumerate(lv):
+        keep = []
+        for i, st in enumerate(x.settings):
+            _n, q = need(floor[:li] + [i] + floor[li + 1:])
+            if q is None or gpu_fits(q, under_gib, peak_limit_gib):
+                keep.append(st)   # an invalid combination proves nothing: kept
+        removed += len(x.settings) - len(keep)
+        out.append(Lever(x.name, tuple(keep)) if keep else x)
+    return out, removed, False
 
 
 def fits(p: Plan, under_gib: float = 0.0, peak_limit_gib: float | None = None) -> bool:

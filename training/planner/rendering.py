@@ -84,6 +84,7 @@ class Plan:
     suggestions: list[Suggestion] = field(default_factory=list)   # search.py: every kind of change (advice too)
     fixes: Sequence[FixLike] = field(default_factory=list)   # fixes.py: experiment- and hardware-preserving, cheapest first
     fix_search: str = ""                             # how the fixes were searched (plans, exhaustive or not)
+    fix_search_complete: bool = True                 # False: the plan budget stopped it (a fit may exist beyond)
 
     @property
     def peak_phase(self) -> str:
@@ -131,6 +132,7 @@ class Plan:
             "deepspeed_view": self.deepspeed_view,
             "fixes": [f.to_dict() for f in self.fixes],
             "fix_search": self.fix_search,
+            "fix_search_complete": self.fix_search_complete,
             "suggestions": [{**s.to_dict(), "advice": is_advice(s.overrides)} for s in self.suggestions],
         }
 
@@ -182,6 +184,9 @@ class Plan:
                              f"then fewest changes; each re-planned; {self.fix_search}):")
                 for n, fx in enumerate(self.fixes, 1):
                     lines.append(f"  {n}. {fx.describe()}")
+            elif self.fix_search and not self.fix_search_complete:
+                lines.append(f"SEARCH INCOMPLETE: no fix found before the plan budget ran out, but one may exist "
+                             f"({self.fix_search}); do not read this as 'nothing fits'.")
             elif self.fix_search:
                 lines.append(f"No fix that keeps the experiment and the hardware fits ({self.fix_search}).")
             # With fixes found, the other list shows only what they cannot: hardware or experiment changes (the

@@ -188,10 +188,10 @@ def _mv_bigger_gpu(sc: _Scenario, base: Plan):
     big = GPU_PRESETS["h200-141g"]
     if sc.cluster.gpu_mem_gib >= big["gpu_mem_gib"]:
         return None
-    cl = replace(sc.cluster, gpu_mem_gib=big["gpu_mem_gib"], gpu_name=big["gpu_name"],
-                 host_mem_gib=max(sc.cluster.host_mem_gib, big["host_mem_gib"]))
-    return (replace(sc, cluster=cl), [f"H200-141GB GPUs with {cl.host_mem_gib:.0f} GiB host RAM per node"],
-            {"cluster.gpu": "h200-141g", "cluster.host_mem_gib": cl.host_mem_gib}, MOVE_COSTS["bigger_gpu"])
+    # Only the GPU changes: the host keeps the RAM planned for (the user's --host-mem or this host's); where host
+    # RAM is what is short, the search's "host" step adds it as its own change.
+    cl = replace(sc.cluster, gpu_mem_gib=big["gpu_mem_gib"], gpu_name=big["gpu_name"])
+    return (replace(sc, cluster=cl), ["H200-141GB GPUs"], {"cluster.gpu": "h200-141g"}, MOVE_COSTS["bigger_gpu"])
 
 
 def _apply_host_ram(sc: _Scenario, plan_now: Plan):
