@@ -83,7 +83,7 @@ def build_app() -> typer.Typer:
     def simulate_cmd(
         seed: int = typer.Option(0, "--seed", help="first seed (runs use seed .. seed+runs-1)"),
         runs: int = typer.Option(100, "--runs", min=1, help="simulated runs"),
-        days: float = typer.Option(7.0, "--days", min=0.01, help="simulated days per run"),
+        days: float = typer.Option(7.0, "--days", min=0.01, max=366.0, help="simulated days per run"),
         jobs: int = typer.Option(1, "--jobs", min=1, help="worker processes"),
         out: str = typer.Option(None, "--out", metavar="DIR", help="write each violation's replayable trace here"),
         replay: str = typer.Option(None, "--replay", metavar="FILE", help="replay one violation's trace"),
@@ -237,9 +237,12 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
             print(f"ulyssesd: {exc}", file=sys.stderr)
             return EXIT_SPEC
         # Tells ulyssesctl where this daemon listens (the spec may put the socket anywhere).
-        write_json_atomic(info, {"pid": os.getpid(), "socket": str(spec.daemon.resolved_socket_path()),
-                                 "run_id": sup.run_id, "db": str(spec.daemon.resolved_db_path()),
-                                 "started": SYSTEM.time()})
+        try:
+            write_json_atomic(info, {"pid": os.getpid(), "socket": str(spec.daemon.resolved_socket_path()),
+                                     "run_id": sup.run_id, "db": str(spec.daemon.resolved_db_path()),
+                                     "started": SYSTEM.time()})
+        except OSError as exc:  # e.g. a directory at its path: ulyssesctl then finds the default socket
+            log.warning("could not write the daemon info file", path=str(info), error=repr(exc))
         try:
             final = sup.run_forever(poll=server.poll)
         except Exception as exc:  # a damaged page found by a write: restart into the start-up recovery
@@ -258,7 +261,10 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
         except ValueError:
             pass
         server.close()
-        info.unlink(missing_ok=True)
+        try:
+            info.unlink(missing_ok=True)
+        except OSError as exc:  # a directory put at its path: not ours to remove; the exit stays the run's own
+            log.warning("could not remove the daemon info file", path=str(info), error=repr(exc))
         metrics.close()
         if alerts is not None:
             alerts.close()

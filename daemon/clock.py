@@ -37,3 +37,20 @@ SYSTEM: Clock = SystemClock()
 def utc_now(clock: Clock = SYSTEM) -> datetime:
     """The clock's wall time as an aware UTC datetime (store rows, `ulyssesctl` ages)."""
     return datetime.fromtimestamp(clock.time(), tz=timezone.utc)
+
+
+class SteadyWall:
+    """Wall-clock seconds that never step: the wall time at the first read plus the monotonic time since.
+    The remediation engine's timeouts (the hang detector's silence) are measured on it, so that an NTP step or
+    a VM resume that sets the wall clock back an hour does not blind them for that hour (nor a step forward
+    call a healthy job hung). Its reading drifts from the wall clock by the steps taken since the first read."""
+
+    def __init__(self, clock: Clock = SYSTEM) -> None:
+        self.clock = clock
+        self._offset: float | None = None  # wall - monotonic at the first read
+
+    def time(self) -> float:
+        mono = self.clock.monotonic()
+        if self._offset is None:
+            self._offset = self.clock.time() - mono
+        return mono + self._offset

@@ -254,7 +254,7 @@ class Supervisor:
                  self.incidents.incident, lambda r: decisions.on_record(self, r, self.os.time()), self.say))
             if self.engine is not None and self.term is None and self.state in (S.RUNNING, S.STARTING) \
                     and not health.failing:
-                step("engine", lambda: decisions.handle_outputs(self, self.engine.tick(self.os.time()),
+                step("engine", lambda: decisions.handle_outputs(self, self.engine.tick(decisions.engine_now(self)),
                                                                 step=self.last_step or 0))
         if self.job is not None and writes:
             step("attempt_log", lambda: attempt_log.rotate_if_big(self))  # bounded attempt logs

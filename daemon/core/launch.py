@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import tenacity
 
-from ulyssesd.daemon.core import relaunch
+from ulyssesd.daemon.core import decisions, relaunch
 from ulyssesd.daemon.core.relaunch import Relaunch, RelaunchRun
 from ulyssesd.daemon.core.termination import RankWatch
 from ulyssesd.daemon.host import disk, disk_budget
@@ -294,7 +294,7 @@ def start_attempt(sup: LaunchRun, reason: str, rollback_to_step: int | None, inc
             from ulyssesd.training.checkpoint import step_of_tag
             resume_step = step_of_tag(tag)
         # What the attempt resumed: a NaN right after it makes that checkpoint suspect (engine_parts.py).
-        sup.engine.on_restart(sup.os.time(), attempt=sup.attempt,
+        sup.engine.on_restart(decisions.engine_now(sup), attempt=sup.attempt,
                               resumed=(tag, resume_step) if tag != "none" and resume_step is not None else None)
     if sup.state != S.STARTING:
         sup.set_state(S.STARTING, f"attempt {sup.attempt} launched ({reason}) from "

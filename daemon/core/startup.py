@@ -327,7 +327,7 @@ def warm_engine(sup: StartupRun, attempt: int) -> int | None:
             # Every attempt's records, at their own timestamps: restart history (budget), known-good
             # tags and baselines come back as they were; `started` events re-run the engine's restarts.
             try:
-                sup.engine.observe(rec, rec.time if rec.time is not None else sup.os.time())
+                sup.engine.observe(rec, rec.time if rec.time is not None else decisions.engine_now(sup))
             except Exception as exc:  # noqa: BLE001
                 log.warning("engine warm-up failed on a record", error=repr(exc))
             fed += 1

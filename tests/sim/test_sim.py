@@ -85,8 +85,6 @@ def test_hang_timeout_after_a_restart_counts_the_steps_since_the_resume():
     assert det.check(690.0 + 6100.0) is not None  # 10 x 600 s of silence is
 
 
-@pytest.mark.xfail(strict=True, reason="known bug, seed 118: the engine's hang clock is the wall clock "
-                   "(daemon/core/decisions.py passes sup.os.time()); a forward step calls a starting job hung")
 def test_forward_wall_clock_step_is_no_hang():
     """Seed 118's last two faults (found in a 40-seed batch, day 2.9): a node is lost and the attempt relaunched;
     9.7 minutes later, before its first step record, the wall clock steps 38 minutes forward (monotonic time does
