@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -260,26 +261,31 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
             signal.set_wakeup_fd(-1)  # before the pipe closes: a later signal must not hit a reused fd
         except ValueError:
             pass
-        server.close()
-        try:
-            info.unlink(missing_ok=True)
-        except OSError as exc:  # a directory put at its path: not ours to remove; the exit stays the run's own
-            log.warning("could not remove the daemon info file", path=str(info), error=repr(exc))
-        metrics.close()
+        # Each step on its own: one that raises (a directory at the info file's path, a closed socket) must not
+        # turn the run's own exit code into a traceback and 1, which systemd's Restart=on-failure would answer.
+        _quietly("control socket", server.close)
+        _quietly("daemon info file", lambda: info.unlink(missing_ok=True))
+        _quietly("metrics", metrics.close)
         if alerts is not None:
-            alerts.close()
-        notifier.stopping("ulyssesd exiting")
+            _quietly("alerts", alerts.close)
+        _quietly("sd_notify", lambda: notifier.stopping("ulyssesd exiting"))
         if supervising and store.file_problem() is None:  # the clean-shutdown backup (never of a lost file)
-            try:
-                write_backup(store, state / BACKUP_DIR_NAME, keep=spec.daemon.backups_keep)
-            except Exception as exc:  # noqa: BLE001 - a failed backup must not turn an exit into a crash
-                log.warning("shutdown backup failed", error=repr(exc))
-        store.close()
-        locks.release()
+            _quietly("shutdown backup", lambda: write_backup(store, state / BACKUP_DIR_NAME,
+                                                             keep=spec.daemon.backups_keep))
+        _quietly("store", store.close)
+        _quietly("locks", locks.release)
     log.info("daemon exiting", run_id=sup.run_id, state=final.value, detached=sup.detach)
     if sup.detach:
         return EXIT_OK
     return EXIT_FAILED if final.value == "FAILED" else EXIT_OK
+
+
+def _quietly(what: str, step: Callable[[], object]) -> None:
+    """One step of the daemon's shutdown: its failure is logged, never raised over the run's exit code."""
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - the exit code is the run's; the log says what was left undone
+        get_logger("ulyssesd").warning("shutdown step failed", step=what, error=repr(exc))
 
 
 def _checkpoint_dir_problem(spec) -> str | None:

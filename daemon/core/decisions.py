@@ -56,10 +56,10 @@ class DecisionsRun(RelaunchRun, HousekeepingRun, CheckpointWatchRun, SlurmRun, P
 def engine_now(sup: Any) -> float:
     """The time the remediation engine is given: the run's clock on a scale that never steps (clock.SteadyWall),
     so the hang detector's silence is measured on monotonic time whatever the wall clock does."""
-    steady = getattr(sup, "_engine_clock", None)
+    steady = getattr(sup, "engine_clock", None)
     if steady is None or steady.clock is not sup.os:
         steady = SteadyWall(sup.os)
-        sup._engine_clock = steady
+        sup.engine_clock = steady
     return steady.time()
 
 

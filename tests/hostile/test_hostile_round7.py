@@ -491,9 +491,6 @@ def test_state_disk_full_for_a_while_is_survived(tmp: Path, mounts) -> None:
 
 
 @needs_root
-@pytest.mark.xfail(strict=False, reason=(
-    "intermittent (failed 2 of 3 runs): the run ends FAILED naming the read-only file system, but only after 3 "
-    "daemon restarts into the same read-only disk (the other run stopped after the first attempt)"))
 def test_read_only_checkpoint_dir_of_a_command_job_stops_cleanly(tmp: Path, mounts) -> None:
     """The command job's checkpoint_dir is on a read-only mount; its save at step 5 raises EROFS.
 
