@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -83,7 +84,7 @@ def build_app() -> typer.Typer:
     def simulate_cmd(
         seed: int = typer.Option(0, "--seed", help="first seed (runs use seed .. seed+runs-1)"),
         runs: int = typer.Option(100, "--runs", min=1, help="simulated runs"),
-        days: float = typer.Option(7.0, "--days", min=0.01, help="simulated days per run"),
+        days: float = typer.Option(7.0, "--days", min=0.01, max=366.0, help="simulated days per run"),
         jobs: int = typer.Option(1, "--jobs", min=1, help="worker processes"),
         out: str = typer.Option(None, "--out", metavar="DIR", help="write each violation's replayable trace here"),
         replay: str = typer.Option(None, "--replay", metavar="FILE", help="replay one violation's trace"),
@@ -237,9 +238,12 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
             print(f"ulyssesd: {exc}", file=sys.stderr)
             return EXIT_SPEC
         # Tells ulyssesctl where this daemon listens (the spec may put the socket anywhere).
-        write_json_atomic(info, {"pid": os.getpid(), "socket": str(spec.daemon.resolved_socket_path()),
-                                 "run_id": sup.run_id, "db": str(spec.daemon.resolved_db_path()),
-                                 "started": SYSTEM.time()})
+        try:
+            write_json_atomic(info, {"pid": os.getpid(), "socket": str(spec.daemon.resolved_socket_path()),
+                                     "run_id": sup.run_id, "db": str(spec.daemon.resolved_db_path()),
+                                     "started": SYSTEM.time()})
+        except OSError as exc:  # e.g. a directory at its path: ulyssesctl then finds the default socket
+            log.warning("could not write the daemon info file", path=str(info), error=repr(exc))
         try:
             final = sup.run_forever(poll=server.poll)
         except Exception as exc:  # a damaged page found by a write: restart into the start-up recovery
@@ -257,23 +261,31 @@ def run_daemon(spec_path: str, *, state_dir: str | None = None, run_id: str | No
             signal.set_wakeup_fd(-1)  # before the pipe closes: a later signal must not hit a reused fd
         except ValueError:
             pass
-        server.close()
-        info.unlink(missing_ok=True)
-        metrics.close()
+        # Each step on its own: one that raises (a directory at the info file's path, a closed socket) must not
+        # turn the run's own exit code into a traceback and 1, which systemd's Restart=on-failure would answer.
+        _quietly("control socket", server.close)
+        _quietly("daemon info file", lambda: info.unlink(missing_ok=True))
+        _quietly("metrics", metrics.close)
         if alerts is not None:
-            alerts.close()
-        notifier.stopping("ulyssesd exiting")
+            _quietly("alerts", alerts.close)
+        _quietly("sd_notify", lambda: notifier.stopping("ulyssesd exiting"))
         if supervising and store.file_problem() is None:  # the clean-shutdown backup (never of a lost file)
-            try:
-                write_backup(store, state / BACKUP_DIR_NAME, keep=spec.daemon.backups_keep)
-            except Exception as exc:  # noqa: BLE001 - a failed backup must not turn an exit into a crash
-                log.warning("shutdown backup failed", error=repr(exc))
-        store.close()
-        locks.release()
+            _quietly("shutdown backup", lambda: write_backup(store, state / BACKUP_DIR_NAME,
+                                                             keep=spec.daemon.backups_keep))
+        _quietly("store", store.close)
+        _quietly("locks", locks.release)
     log.info("daemon exiting", run_id=sup.run_id, state=final.value, detached=sup.detach)
     if sup.detach:
         return EXIT_OK
     return EXIT_FAILED if final.value == "FAILED" else EXIT_OK
+
+
+def _quietly(what: str, step: Callable[[], object]) -> None:
+    """One step of the daemon's shutdown: its failure is logged, never raised over the run's exit code."""
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - the exit code is the run's; the log says what was left undone
+        get_logger("ulyssesd").warning("shutdown step failed", step=what, error=repr(exc))
 
 
 def _checkpoint_dir_problem(spec) -> str | None:

@@ -47,8 +47,12 @@ class SteadyWall:
     steps since the daemon started)."""
 
     def __init__(self, clock: Clock) -> None:
-        self._clock = clock
+        self._clock = self.clock = clock
         self._offset = clock.time() - clock.monotonic()
 
     def now(self) -> float:
         return self._clock.monotonic() + self._offset
+
+    def time(self) -> float:
+        """The same reading as now() (the name Clock-like callers use)."""
+        return self.now()

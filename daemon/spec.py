@@ -194,6 +194,9 @@ class JobSection(_Section):
 
         if self.kind == "command" and not self.command:
             raise ValueError("command is required for kind='command' (the program and its arguments)")
+        if self.kind == "command" and not self.command[0].strip():
+            raise ValueError(f"command's program (its first element) is empty ({self.command[0]!r}): give the "
+                             f"program to run, e.g. command = [\"train.py\", \"--resume\", \"{{resume}}\"]")
         if self.kind == "builtin" and self.command:
             raise ValueError("command is only used with kind='command'")
         if self.kind == "builtin" and self.exit_codes != "none":
@@ -360,6 +363,7 @@ def run_spec_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: P
         if job.parallel.world_size is not None and job.parallel.world_size != launched:
             problems.append(f"parallel.world_size={job.parallel.world_size} does not match {where}={launched}")
         problems.extend(standby_problems(dspec.restart, dspec.launcher, job_section))
+        problems.extend(builtin_only_problems(data, job_section))
         problems.extend(coexist_problems(dspec.launcher, dspec.detectors, dspec.restart.standby))
         problems.extend(file_source_problems(job.telemetry.source, dspec.detectors.hang_timeout_floor_s))
         sp = job.parallel.sequence_parallel_size
@@ -385,6 +389,19 @@ def standby_problems(restart: RestartSection, launcher: LauncherSection, job: Jo
     if job.kind != "builtin":
         problems.append("restart.standby needs job.kind 'builtin' (only the built-in job waits at a standby gate)")
     return problems
+
+
+def builtin_only_problems(data: Mapping[str, Any], job: JobSection) -> list[str]:
+    """`[checkpoint]` keys only the built-in job reads (its host-memory snapshots, in-process restart, deferred
+    saves), given to a command job: refused, each named, since they could not take effect (unknown is loud)."""
+    from ulyssesd.training.recovery.options import RecoveryOptions
+
+    ck = data.get("checkpoint")
+    if job.kind != "command" or not isinstance(ck, Mapping):
+        return []
+    return [f"checkpoint.{key} is the built-in job's (ulyssesd's own snapshots and restarts inside the job); a "
+            f"command job (job.kind = 'command') cannot apply it: remove it from [checkpoint]"
+            for key in sorted(k for k in ck if k in RecoveryOptions.model_fields)]
 
 
 def load_run_spec(path: str | Path, layout: tuple[int, int, str] | None = None) -> RunSpec:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from ulyssesd.daemon import calibration_record
 from ulyssesd.daemon.calibration_record import carried_fit  # noqa: F401 - the supervisor calls decisions.carried_fit
+from ulyssesd.daemon.clock import SteadyWall
 from ulyssesd.daemon.coexist.watch import InnerRestartWatch
 from ulyssesd.daemon.core.housekeeping import HousekeepingRun
 from ulyssesd.daemon.core.relaunch import Relaunch, RelaunchRun, schedule_relaunch
@@ -50,6 +51,17 @@ class DecisionsRun(RelaunchRun, HousekeepingRun, CheckpointWatchRun, SlurmRun, P
     last_exiting: str | None
     inner: InnerRestartWatch  # restarts an inner launcher made (daemon/coexist/)
     snapshots: EngineSnapshots  # the engine's learned state saved with the cursor (telemetry/engine_snapshot.py)
+
+
+def engine_now(sup: Any) -> float:
+    """The time the remediation engine is given: the run's clock on a scale that never steps (clock.SteadyWall,
+    the supervisor's `steady`), so the hang detector's silence is measured on monotonic time whatever the wall
+    clock does. A run without one (a test's) gets its own, made once."""
+    steady = getattr(sup, "steady", None) or getattr(sup, "engine_clock", None)
+    if steady is None or getattr(steady, "clock", sup.os) is not sup.os:
+        steady = SteadyWall(sup.os)
+        sup.engine_clock = steady
+    return float(steady.now())
 
 
 def track(sup: DecisionsRun, rec: Record) -> None:
@@ -143,7 +155,7 @@ def on_record(sup: DecisionsRun, rec: Record, now: float) -> None:
     if isinstance(rec, EventRecord):
         on_event(sup, rec)
     if sup.engine is not None:
-        handle_outputs(sup, sup.engine.observe(rec, now), step=rec.step if rec.step is not None else (sup.last_step or 0))
+        handle_outputs(sup, sup.engine.observe(rec, engine_now(sup)), step=rec.step if rec.step is not None else (sup.last_step or 0))
         if getattr(sup.engine, "calibration_new", False):
             calibration_record.save_calibration(sup)
         if getattr(sup.engine, "new_warnings", None) or getattr(getattr(sup.engine, "preempt", None), "outcomes", None):

@@ -10,12 +10,19 @@ import traceback
 from typing import Any, Protocol
 
 from ulyssesd.daemon.core import attempt_diagnosis
-from ulyssesd.daemon.core.decisions import DecisionsRun, _split_outputs, action_kind, on_record, patch_of
+from ulyssesd.daemon.core.decisions import (
+    DecisionsRun,
+    _split_outputs,
+    action_kind,
+    on_record,
+    patch_of,
+)
 from ulyssesd.daemon.core.files import _read_tail
 from ulyssesd.daemon.core.relaunch import Relaunch, schedule_relaunch
 from ulyssesd.daemon.core.states import TERMINAL
 from ulyssesd.daemon.core.termination import UNREQUESTED, Termination, TerminationPlan, Then
 from ulyssesd.daemon.host import disk, host_oom
+from ulyssesd.daemon.host.disk_budget import checkpoint_root
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.host.process import ExitStatus
 from ulyssesd.daemon.job import checkpoint_watch
@@ -92,7 +99,7 @@ def on_exit(sup: ExitRun, status: ExitStatus) -> None:
     # A failed checkpoint save: the job's own event names the errno (the log's text may not: torch's C++
     # writer says "basic_ios::clear: iostream error"), so it decides before the log's label.
     save_failure = sup.save_failures.get(sup.attempt)
-    storage = disk.storage_errno(save_failure, diag_label, sup.ckpt_dir) if crashed else None
+    storage = disk.storage_errno(save_failure, diag_label, checkpoint_root(sup)) if crashed else None
     if storage in disk.NO_SPACE:
         diag_label, diag_confidence = "disk_full", "high"
         if save_failure is not None:
@@ -169,7 +176,7 @@ def on_exit(sup: ExitRun, status: ExitStatus) -> None:
     if save_failure is not None:
         evidence["checkpoint_save_failed"] = save_failure
     if storage == disk.READ_ONLY:
-        disk.stop_read_only(sup, str((save_failure or {}).get("path") or sup.ckpt_dir), evidence)
+        disk.stop_read_only(sup, str((save_failure or {}).get("path") or checkpoint_root(sup)), evidence)
         return
     returncode = status.returncode
     meaningless = False

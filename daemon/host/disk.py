@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ulyssesd.daemon.host.disk_budget import BudgetRun
+from ulyssesd.daemon.host.disk_budget import BudgetRun, checkpoint_root
 from ulyssesd.daemon.host.logging import get_logger
 from ulyssesd.daemon.job import config as jc
 from ulyssesd.daemon.ports import Lifecycle
@@ -141,13 +141,13 @@ def prune_for_space(sup: DiskRun, failure: dict[str, Any] | None = None) -> Prun
     from ulyssesd.training.checkpoint import budget as bd
 
     budget = disk_budget.classify_run(sup)
-    tag = disk_budget.next_save_bytes(budget, disk_budget.predicted_from_config(sup.config))
+    tag = disk_budget.next_save_bytes(budget, disk_budget.run_predicted_bytes(sup))
     need = (tag or MIN_FREE_BYTES) + budget.policy.margin_bytes  # unknown size: at least "not nearly full"
     if _reading_trusted(failure, need):
         available = None  # the filesystem's own reading after each removal
     else:
         start = int((failure or {}).get("bytes_free") or 0) if (failure or {}).get("errno") != "EDQUOT" else 0
-        available = lambda freed: min(start + freed, ck.bytes_free(sup.ckpt_dir) or 0)  # noqa: E731
+        available = lambda freed: min(start + freed, ck.bytes_free(budget.root) or 0)  # noqa: E731
     # The failed save's partial and the entries retention dooms go whatever the reading says.
     first = [e for e in bd.room_order(budget, include_in_flight=True) if e.doomed or e.category == "in_flight"]
     removed, freed = [], 0
@@ -205,7 +205,7 @@ def resume_after_no_space(sup: DiskRun, iid: int, failure: dict[str, Any] | None
                                                                                  "next_save_needs_bytes", "tags_fit")})
         return True
     kept = " and ".join(t for t in dict.fromkeys([out.newest_valid, out.newest_known_good]) if t)
-    reason = (f"disk full: {sup.ckpt_dir} cannot hold the newest valid tag plus one more: everything else was "
+    reason = (f"disk full: {checkpoint_root(sup)} cannot hold the newest valid tag plus one more: everything else was "
               f"removed (kept {kept or 'nothing: no valid tag'}), {out.free_bytes} bytes are available and the "
               f"next save needs ~{out.need_bytes} (one tag + daemon.min_free_gib): free space on that filesystem "
               f"or set checkpoint.dir to a larger one, then start the run again")
@@ -269,7 +269,7 @@ def save_skipped(sup: DiskRun, step: int, fields: dict[str, Any]) -> None:
                 f"#{episode.id})")
         return
     text = (f"checkpoint {fields.get('tag')} skipped for lack of space: needs ~{need} bytes, {avail} available in "
-            f"{sup.ckpt_dir} after removing {len(fields.get('removed') or [])} entries; training goes on")
+            f"{checkpoint_root(sup)} after removing {len(fields.get('removed') or [])} entries; training goes on")
     iid = sup.incidents.incident(Symptom.disk_full, step, Severity.warning, text, {SKIP_EVIDENCE: fields})
     sup.store.update_incident_status(iid, IncidentStatus.open, _episode_reason(1, fields, step))
     sup.say(f"WARNING: {text}")

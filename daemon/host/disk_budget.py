@@ -67,8 +67,42 @@ def predicted_from_config(config: dict[str, Any]) -> int:
         return 0
 
 
+def _command_job(sup: Any) -> Any:
+    """The run's `[job]` section when it is a command job (its own checkpoint_dir and names), else None."""
+    job = getattr(getattr(sup, "spec", None), "job_section", None)
+    return job if getattr(job, "kind", None) == "command" else None
+
+
+def checkpoint_root(sup: BudgetRun) -> Path:
+    """Where the run's checkpoints are: a command job's `[job] checkpoint_dir` (job/command.py), else the
+    built-in job's `checkpoint.dir` (`sup.ckpt_dir`)."""
+    job = _command_job(sup)
+    if job is None:
+        return sup.ckpt_dir
+    from ulyssesd.daemon.job.command import checkpoint_root as command_root
+
+    return command_root(job, sup.run_dir)
+
+
+def run_predicted_bytes(sup: BudgetRun) -> int:
+    """The predicted tag size: the built-in model's figure; 0 (unknown: the run's own saves measure it) for a
+    command job, whose model the daemon does not know."""
+    return 0 if _command_job(sup) is not None else predicted_from_config(sup.config)
+
+
 def classify_run(sup: BudgetRun, kg: list[str] | None = None) -> bd.DirBudget:
-    return bd.classify(sup.ckpt_dir, policy_of(sup.dcfg, sup.config), known_good(sup) if kg is None else kg,
+    root, job = checkpoint_root(sup), _command_job(sup)
+    recognise = None
+    if job is not None:  # its own names, files and folders (job/checkpoint_files.py), as the status counts them
+        from ulyssesd.daemon.job.checkpoint_files import classify as recognise_one
+
+        requires = tuple(job.resume_requires or ())
+
+        def recognise(p: Path) -> tuple[int, bool] | None:
+            f = recognise_one(p, root, requires)
+            return None if f is None else (f.step, f.marker_ok)
+    return bd.classify(root, policy_of(sup.dcfg, sup.config), known_good(sup) if kg is None else kg,
+                       recognise=recognise,
                        pending=read_pending(sup.run_dir))   # a decided rollback: its target kept (rollback_guard.py)
 
 
@@ -91,7 +125,7 @@ def run_retention(sup: BudgetRun) -> RetentionResult:
     job runs (not while a save is being written: the free space is then still falling, and the job makes room
     itself before its next save), the store told what went, and the budget published for the job."""
     out = RetentionResult()
-    if not sup.ckpt_dir.is_dir():
+    if not checkpoint_root(sup).is_dir():
         return out
     # The store's rows once per pass (known-good anchors, what to mark pruned): a pass is the daemon's most
     # frequent store read after the telemetry cursor (simulator profile, docs/SIMULATION.md).
@@ -100,7 +134,7 @@ def run_retention(sup: BudgetRun) -> RetentionResult:
     budget = classify_run(sup, kg)
     out.removed = [e.name for e in bd.apply_retention(budget)]
     budget = classify_run(sup, kg) if out.removed else budget
-    predicted = predicted_from_config(sup.config)
+    predicted = run_predicted_bytes(sup)
     need = next_save_bytes(budget, predicted) + budget.policy.margin_bytes
     writing = budget.by_category()["in_flight"]["count"] > 0  # its bytes are still arriving: the job checks itself
     if budget.free_bytes is not None and need > budget.policy.margin_bytes and budget.free_bytes < need \
@@ -130,8 +164,7 @@ def publish_budget(sup: BudgetRun) -> None:
     """The budget file the job checks before every save, written before each attempt is launched, so that its
     first save is checked with the run's own settings (the margin, the predicted tag size) whatever the
     retention timer did. An OSError goes to the caller: the launch path retries the daemon's own failed writes."""
-    bd.write_budget_file(sup.run_dir, policy_of(sup.dcfg, sup.config), known_good(sup),
-                         predicted_from_config(sup.config))
+    bd.write_budget_file(sup.run_dir, policy_of(sup.dcfg, sup.config), known_good(sup), run_predicted_bytes(sup))
 
 
 _warned: dict[str, str] = {}
@@ -174,8 +207,7 @@ def mark_pruned(sup: BudgetRun, removed: list[str], rows: list[Any] | None = Non
     making) removed, so that `status` never names a tag that is not on disk. `rows` (the store's unpruned
     checkpoints) and `on_disk` (the directory's entries) when the caller has just read them."""
     if on_disk is None:
-        on_disk = set(bd.classify(sup.ckpt_dir, policy_of(sup.dcfg, sup.config)).by_name()) \
-            if sup.ckpt_dir.is_dir() else set()
+        on_disk = set(classify_run(sup).by_name()) if checkpoint_root(sup).is_dir() else set()
     gone = [c.tag for c in (sup.store.list_checkpoints(sup.run_id) if rows is None else rows)
             if c.tag in removed or c.tag not in on_disk]
     for tag in gone:

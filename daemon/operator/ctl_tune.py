@@ -15,6 +15,8 @@ from pathlib import Path
 import typer
 
 from ulyssesd.daemon.operator.ctl_common import CTX, EXIT_NOT_FOUND, current_run, die, open_ro_store, out
+from ulyssesd.daemon.safety.regular_file import open_regular
+from ulyssesd.daemon.telemetry.log_source import telemetry_file_of
 
 
 def tune_run(telemetry: Path, spec: Path | None, rate: float | None, write_to: Path | None,
@@ -59,9 +61,14 @@ def register_tune(app: typer.Typer) -> None:
             store = open_ro_store(json_out)
             run = current_run(store, json_out)
             run_dir = Path(run.run_dir)
-            telemetry = run_dir / "telemetry.jsonl"
-        if not telemetry.is_file():
+            # Where the daemon reads the run's records: telemetry-stdout.jsonl for a job that prints its logs.
+            telemetry = telemetry_file_of(run_dir, run.spec)
+        try:
+            open_regular(telemetry).close()  # never blocks: a FIFO or a device is named, not read
+        except FileNotFoundError:
             die(f"telemetry file {telemetry} does not exist", EXIT_NOT_FOUND, json_out)
+        except OSError as exc:  # NotRegularFile: "is a FIFO, not a regular file; not read"
+            die(f"telemetry file {telemetry} {exc.strerror or exc}: give a telemetry .jsonl file", 2, json_out)
         try:
             fit = tune_run(telemetry, spec, rate, (run_dir or telemetry.parent) / "calibration.json" if write else None,
                            json_out)

@@ -25,6 +25,7 @@ from typing import Protocol
 from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.core.decisions import DecisionsRun
 from ulyssesd.daemon.host.logging import get_logger
+from ulyssesd.daemon.safety.regular_file import is_regular
 from ulyssesd.daemon.telemetry import log_source
 
 log = get_logger("ulyssesd.supervisor")
@@ -49,6 +50,19 @@ def _size(path: Path) -> int:
         return -1
 
 
+def _log_size(sup: AttemptLogRun) -> int:
+    """The size of what the pump reads: the log at its path, or, when that is gone or no regular file (a tmp
+    cleaner's `rm`, a `mkdir -p` there), the file the pump holds open, which the job still writes."""
+    if is_regular(sup.log_path):
+        return _size(sup.log_path)
+    src = getattr(sup, "_log_source", None)
+    held = getattr(src, "_held", None) if src is not None and src.attempt == sup.attempt else None
+    try:
+        return os.fstat(held.fileno()).st_size if held is not None and not held.closed else -1
+    except OSError:
+        return -1
+
+
 def _pump_caught_up(sup: AttemptLogRun, size: int) -> bool:
     src = getattr(sup, "_log_source", None)
     return src is None or src.attempt != sup.attempt or src.offset >= size
@@ -64,7 +78,7 @@ def drain_pump(sup: AttemptLogRun, budget_s: float) -> bool:
 
     deadline = SYSTEM.monotonic() + budget_s
     while True:
-        size = _size(sup.log_path)
+        size = _log_size(sup)
         src = getattr(sup, "_log_source", None)
         if size <= 0 or (src is not None and src.attempt == sup.attempt and src.offset >= size):
             return True

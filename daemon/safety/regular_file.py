@@ -59,3 +59,25 @@ def is_regular(path: Path) -> bool:
         return stat.S_ISREG(path.stat().st_mode)
     except (OSError, ValueError):
         return False
+
+
+def set_aside_if_not_regular(path: Path, now: float) -> tuple[bool, str | None]:
+    """Make `path` usable as a file the daemon itself appends to (its derived telemetry): when something that is
+    no regular file sits there (a directory a bad restore script made, a FIFO), it is renamed aside to
+    `<name>.not-a-file-<time>` (nothing is deleted) so the file can be created again. Returns (usable, what to
+    say): (True, None) when the path is absent or a regular file; (False, why) when it could not be set aside."""
+    try:
+        st_mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return True, None
+    except OSError as exc:
+        return False, f"{path} cannot be stat'ed ({type(exc).__name__}: {exc})"
+    if stat.S_ISREG(st_mode):
+        return True, None
+    aside = path.with_name(f"{path.name}.not-a-file-{int(now)}")
+    try:
+        os.rename(path, aside)
+    except OSError as exc:
+        return False, (f"{path} is {_kind(st_mode)}, not a regular file, and could not be moved aside "
+                       f"({type(exc).__name__}: {exc}): remove it; nothing is written there until then")
+    return True, f"{path} was {_kind(st_mode)}, not a regular file: moved aside to {aside.name} and created again"

@@ -94,13 +94,47 @@ def _reasons(results: list[RunResult]) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+#: A violation's trace is a few KiB; anything far larger is not one (and is not read whole into memory).
+MAX_TRACE_BYTES = 16 << 20
+#: The longest simulated run (`--days`): a year; more is a typo (`inf` never ends).
+MAX_DAYS = 366.0
+
+
+def load_trace(path: str) -> tuple[int, Any, list[Any]]:
+    """(seed, config, faults) of a violation's trace (`--out`'s JSON); ValueError/TypeError/OSError naming what
+    is wrong: not a regular file (a FIFO would block), too big, not JSON, a field of the wrong type."""
+    from ulyssesd.daemon.safety.regular_file import open_regular
+
+    with open_regular(path, "rb") as fh:
+        raw = fh.read(MAX_TRACE_BYTES + 1)
+    if len(raw) > MAX_TRACE_BYTES:
+        raise ValueError(f"over {MAX_TRACE_BYTES >> 20} MiB: not a trace written by `ulyssesd simulate --out`")
+    doc = json.loads(raw)  # binary: UnicodeDecodeError, a ValueError
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object (a trace written by `ulyssesd simulate --out`)")
+    seed, faults = doc.get("seed"), doc.get("faults")
+    if type(seed) is not int:
+        raise ValueError(f"seed {seed!r} is not an integer")
+    if not isinstance(faults, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("kind"), str) and all(
+                isinstance(f.get(k, 0.0), int | float) and not isinstance(f.get(k, 0.0), bool)
+                and abs(f.get(k, 0.0)) < float("inf") for k in ("at", "arg")) for f in faults):
+        raise ValueError("faults is not a list of {at: number, kind: string, cause, arg: number} objects")
+    if doc.get("config") is not None and not isinstance(doc.get("config"), dict):
+        raise ValueError("config is not a JSON object")
+    return seed, config_from(doc.get("config")), faults_from(doc)
+
+
 def simulate(seed: int, runs: int, days: float, jobs: int, out: str | None, replay: str | None,
              say: Any = print) -> int:
     _quiet()
     if replay:
-        doc = json.loads(Path(replay).read_text())
-        cfg = config_from(doc.get("config"))
-        r = run_seed(int(doc["seed"]), cfg, faults_from(doc))
+        try:
+            seed_of_trace, cfg, faults = load_trace(replay)
+        except (OSError, ValueError, TypeError) as exc:
+            print(f"ulyssesd simulate: cannot replay {replay}: {exc}", file=sys.stderr)
+            return 2
+        r = run_seed(seed_of_trace, cfg, faults)
         say(json.dumps({"seed": r.seed, "ok": r.ok, "violations": [v.__dict__ for v in r.violations],
                         "state": r.state, "sim_days": round(r.sim_s / 86_400, 2)}))
         return 0 if r.ok else 1
@@ -135,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:  # `python -m ulyssesd.daemon.si
     p.add_argument("--out")
     p.add_argument("--replay")
     a = p.parse_args(argv)
+    if not 0.01 <= a.days <= MAX_DAYS:
+        p.error(f"--days {a.days} is not in the range 0.01 to {MAX_DAYS:g}")
     return simulate(a.seed, a.runs, a.days, a.jobs, a.out, a.replay)
 
 

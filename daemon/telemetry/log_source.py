@@ -33,7 +33,7 @@ from typing import Any, BinaryIO, cast
 from ulyssesd.client.contract import encode_record
 from ulyssesd.daemon.clock import SYSTEM
 from ulyssesd.daemon.host.logging import get_logger
-from ulyssesd.daemon.safety.regular_file import NotRegularFile, open_regular
+from ulyssesd.daemon.safety.regular_file import NotRegularFile, open_regular, set_aside_if_not_regular
 from ulyssesd.daemon.telemetry import log_offsets
 from ulyssesd.remediation.log_telemetry import LogTelemetryParser
 from ulyssesd.training.durable import temp_path_for
@@ -128,6 +128,7 @@ class LogSource:
         #: The attempt's log, held open across pumps: a removed log is read on from it (`_stat_log`).
         self._held: BinaryIO | None = None
         self._log_unlinked = False
+        self._out_blocked = False  # the output path holds something that could not be moved aside (said once)
 
     reads_log = True   # the attempt's log is what it reads (its position is kept in the offsets file)
 
@@ -159,8 +160,7 @@ class LogSource:
         return None
 
     def _ends_mid_line(self) -> bool:
-        """Whether the output file ends in a torn record (an append cut short): the next append then starts
-        on a new line, so that the fragment stays one bad line and does not swallow the next record."""
+        """Whether the output file ends in a torn record: the next append starts on a new line (one bad line)."""
         try:
             with open_regular(self.out_path, "rb") as fh:
                 fh.seek(-1, os.SEEK_END)
@@ -169,10 +169,9 @@ class LogSource:
             return False
 
     def log_shortened(self, removed_bytes: int) -> None:
-        """The log's first `removed_bytes` were cut away by the daemon (rotation, or an ended attempt's log
-        trimmed to its tail): what was read stays read. Without this, the shorter file reads as a new one from
-        offset 0 and the kept lines would be parsed a second time. The bytes before the offset are the same
-        text (what is left of it); the file may be a new one (a trim replaces it)."""
+        """The log's first `removed_bytes` were cut away by the daemon (rotation, an ended attempt's log trimmed
+        to its tail): what was read stays read (else the shorter file reads as new and its lines are parsed
+        twice). The bytes before the offset are the same text; the file may be a new one (a trim replaces it)."""
         pos = self.pos
         pos.offset = max(0, pos.offset - removed_bytes)
         pos.tail = pos.tail[len(pos.tail) - min(len(pos.tail), pos.offset):]
@@ -183,11 +182,9 @@ class LogSource:
         self._save_offset()
 
     def _save_offset(self) -> None:
-        """No fsync, though this runs every tick that read lines: the offset only bounds how much is re-read.
-        Should the rename or the write be lost (power loss), the file holds an older offset, the next
-        daemon re-reads those lines and the parser drops them (it starts after this attempt's last step in
-        the output file, see `_last_emitted_step`); only steps whose output append was lost with it are
-        missing, which the telemetry reader and the detectors take as a gap, as after any restart."""
+        """No fsync: the offset only bounds how much is re-read. A lost write leaves an older offset; the next
+        daemon re-reads those lines and the parser drops them (it starts after this attempt's last step in the
+        output file, `_last_emitted_step`); steps whose append was lost too are a gap, as after any restart."""
         log_offsets.save(self._offsets_path(), self.attempt, self.pos)
 
     def _stat_log(self) -> os.stat_result | None:
@@ -196,25 +193,25 @@ class LogSource:
             if not stat.S_ISREG(st.st_mode):  # a FIFO put there would block the read for ever: reported, not read
                 raise NotRegularFile(errno.EINVAL, "is not a regular file; not read", str(self.log_path))
             if self._held is None or os.fstat(self._held.fileno()).st_ino != st.st_ino:
+                fresh = cast(BinaryIO, open_regular(self.log_path, "rb"))  # before the old one is let go
                 if self._held is not None:
                     self._held.close()
-                self._held = None
-                self._held = cast(BinaryIO, open_regular(self.log_path, "rb"))
+                self._held = fresh
             st, self._log_unlinked = os.fstat(self._held.fileno()), False
-        except FileNotFoundError as exc:
+        except OSError as exc:
             if self._held is None:
                 self._unreadable(exc)
                 return None
-            # Removed (a tmp cleaner, logrotate without copytruncate): the job still writes to its open file,
-            # and this reader still holds it open too, so its steps are read on.
+            # Removed (a tmp cleaner, logrotate without copytruncate), or something that is no regular file put
+            # at its path (a `mkdir -p` there): the job still writes to its open file, and this reader still
+            # holds it open too, so its steps are read on from it whatever now sits at the path.
             if not self._log_unlinked:
-                self.notices.append(f"attempt {self.attempt}'s log {self.log_path} was removed; its steps are "
+                what = "was removed" if isinstance(exc, FileNotFoundError) else \
+                    f"cannot be opened ({type(exc).__name__}: {exc})"
+                self.notices.append(f"attempt {self.attempt}'s log {self.log_path} {what}; its steps are "
                                     f"read on from the file the job still writes (it is gone once the job ends)")
             self._log_unlinked = True
             return os.fstat(self._held.fileno())
-        except OSError as exc:
-            self._unreadable(exc)
-            return None
         self._log_missing = False
         return st
 
@@ -224,6 +221,15 @@ class LogSource:
             self.notices.append(f"attempt {self.attempt}'s log {self.log_path} cannot be read "
                                 f"({type(exc).__name__}: {exc}): no step records from it until it is back")
         self._log_missing = True
+
+    def _output_usable(self, now: float) -> bool:
+        """Whether records can be appended: a non-file there is moved aside; one that cannot be blocks reading."""
+        ok, said = set_aside_if_not_regular(self.out_path, now)
+        if said and (ok or not self._out_blocked):
+            self.notices.append(said + ("" if ok else "; the job's log is read on from where it stopped then"))
+        self._torn_tail = self._torn_tail and not said
+        self._out_blocked = not ok
+        return ok
 
     def _start_over(self, why: str, st: os.stat_result) -> None:
         last = self.parser._last_step
@@ -235,7 +241,7 @@ class LogSource:
 
     def pump(self, now: float) -> int:
         """Parse the log lines written since the last call; returns how many records were appended."""
-        st = self._stat_log()
+        st = self._stat_log() if self._output_usable(now) else None
         if st is None:
             return 0
         pos = self.pos
@@ -334,7 +340,7 @@ class FileSource(LogSource):
         else:
             path = newest_trainer_state(self.files)
             found, self.problem = trainer_state_records(path, self.after_step) if path else ([], None)
-        if not found:
+        if not found or not self._output_usable(now):
             return 0
         records = []
         for rec in found:

@@ -491,9 +491,6 @@ def test_state_disk_full_for_a_while_is_survived(tmp: Path, mounts) -> None:
 
 
 @needs_root
-@pytest.mark.xfail(strict=False, reason=(
-    "intermittent (failed 2 of 3 runs): the run ends FAILED naming the read-only file system, but only after 3 "
-    "daemon restarts into the same read-only disk (the other run stopped after the first attempt)"))
 def test_read_only_checkpoint_dir_of_a_command_job_stops_cleanly(tmp: Path, mounts) -> None:
     """The command job's checkpoint_dir is on a read-only mount; its save at step 5 raises EROFS.
 
@@ -553,10 +550,7 @@ def _run_dir(state: Path) -> Path:
 
 @pytest.mark.parametrize("then_mkdir", [
     False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "a directory at logs/attempt-N.log blinds the stdout reader for the rest of the attempt: no step is "
-        "read after it, a long job is killed as hung, a short one is recorded COMPLETED 'before its declared "
-        "total' although it reached it"))),
+    True,
 ], ids=["rm", "rm-then-mkdir"])
 def test_attempt_log_removed_mid_run(tmp: Path, then_mkdir: bool) -> None:
     """A tmp cleaner removes logs/attempt-1.log mid-run (and, in the second case, a careless `mkdir -p` puts a
@@ -580,10 +574,6 @@ def test_attempt_log_removed_mid_run(tmp: Path, then_mkdir: bool) -> None:
     assert rc == 0 and st["state"] == "COMPLETED" and st["step"] == 300, (st.get("state_reason"), kinds)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "telemetry-stdout.jsonl replaced by a directory: 'internal error in telemetry: IsADirectoryError' on every "
-    "tick, step_error_limit ends the healthy run FAILED; the exit handler then raises IllegalTransition "
-    "FAILED -> COMPLETED"))
 def test_stdout_telemetry_file_replaced_by_a_directory_mid_run(tmp: Path) -> None:
     """{run_dir}/telemetry-stdout.jsonl becomes a directory mid-run (a bad restore script): a healthy job must
     not be ended for it; the daemon says so and the run completes at its last step."""
@@ -602,9 +592,6 @@ def test_stdout_telemetry_file_replaced_by_a_directory_mid_run(tmp: Path) -> Non
     assert st["state"] == "COMPLETED", (st.get("state_reason"), [i.get("summary") for i in incidents(tmp / "state")])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ulyssesd.daemon.json replaced by a directory: the run COMPLETES but `ulyssesd run` exits 1 with a traceback "
-    "(IsADirectoryError in run_daemon's info.unlink), which systemd's Restart=on-failure reads as a crash"))
 def test_daemon_json_replaced_by_a_directory_status_still_answers(tmp: Path) -> None:
     """ulyssesd.daemon.json becomes a directory mid-run: status still answers, and the daemon's exit at the
     run's end is its documented 0 (COMPLETED), not a traceback and 1."""
@@ -699,9 +686,7 @@ FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 @pytest.mark.skipif(not FAKETIME_LIB.exists(), reason="libfaketime not installed")
 @pytest.mark.parametrize("jump", [
     "+0",
-    pytest.param("-3600", marks=pytest.mark.xfail(strict=True, reason=(
-        "the hang detector runs on the wall clock: after the daemon's clock steps back 1 h, a job hung since "
-        "the step is not found for an hour (no hang incident in 120 s with an 8 s floor)"))),
+    "-3600",
 ], ids=["no-jump-control", "back-1h"])
 def test_wall_clock_stepped_back_an_hour_does_not_blind_the_hang_detector(tmp: Path, jump: str) -> None:
     """NTP steps the daemon's wall clock back one hour (a VM resumed, a bad time server) at step 10, and the job
@@ -757,13 +742,7 @@ BAD_SPECS = {
 }
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=(
-        "`command = [\"\"]` is accepted; the run launches 4 times (exit 127, 'launcher_error (low confidence)') "
-        "and ends FAILED instead of a spec error naming job.command")))
-    if c == "empty_program" else c
-    for c in sorted(BAD_SPECS)
-])
+@pytest.mark.parametrize("case", sorted(BAD_SPECS))
 def test_bad_spec_values_are_refused_with_the_key(tmp: Path, case: str) -> None:
     """Each wrong value: exit 2 before anything runs, one message naming the key, no traceback."""
     spec = job_spec(tmp, STEPS_JOB.format(total=5, sleep=0.01))
@@ -778,9 +757,6 @@ def test_bad_spec_values_are_refused_with_the_key(tmp: Path, case: str) -> None:
     assert not probe_pids(tmp)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`[checkpoint] memory_tier = true` + `in_process_restart = true` on a command job is accepted without a word "
-    "(exit 0, the run completes): the operator believes in-process restart is on for a job it cannot reach"))
 def test_memory_tier_on_a_command_job_is_not_silently_ignored(tmp: Path) -> None:
     """`[checkpoint] memory_tier = true` is the built-in job's feature; on a command job it cannot take effect.
 
@@ -853,17 +829,12 @@ def test_simulate_short_run_holds_its_invariants(tmp: Path) -> None:
     assert summary.get("violations") in (0, [], None) or not summary.get("violations"), summary
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`ulyssesd simulate --days inf` (or 1e300) is accepted and runs for ever: the range check is x>=0.01 only"))
 @pytest.mark.parametrize("days", ["inf", "1e300"])
 def test_simulate_refuses_an_unbounded_number_of_days(days: str) -> None:
     rc, out = _cli(ULYSSESD, "simulate", "--runs", "1", "--days", days, timeout=30)
     assert rc == 2, f"exit {rc} after 30 s: {out[-500:]}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`ulyssesd simulate --replay` of a damaged trace (truncated JSON, wrong types, binary) ends in a Python "
-    "traceback and exit 1, not one line naming the file and exit 2"))
 @pytest.mark.parametrize("content", [b'{"seed": 1, "faults": [1, 2', b'{"seed": "x", "faults": "no"}',
                                      bytes(range(256)) * 40], ids=["truncated", "wrong-types", "binary"])
 def test_simulate_replay_of_a_damaged_trace_is_one_line(tmp: Path, content: bytes) -> None:
@@ -874,8 +845,6 @@ def test_simulate_replay_of_a_damaged_trace_is_one_line(tmp: Path, content: byte
     assert str(trace) in out or trace.name in out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`ulyssesd simulate --replay FIFO` blocks for ever in open(); every other file surface refuses a FIFO"))
 def test_simulate_replay_of_a_fifo_does_not_block(tmp: Path) -> None:
     fifo = tmp / "trace.json"
     os.mkfifo(fifo)
@@ -883,10 +852,6 @@ def test_simulate_replay_of_a_fifo_does_not_block(tmp: Path) -> None:
     assert rc is not None and rc != 0, "still blocked after 30 s"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`ulyssesctl tune` on a `[telemetry] source = \"stdout\"` run looks only for telemetry.jsonl and says "
-    "'does not exist' (exit 4), although the run's records are in telemetry-stdout.jsonl: a command job "
-    "that prints its logs cannot be tuned"))
 def test_tune_fits_a_stdout_telemetry_run(tmp: Path) -> None:
     spec = job_spec(tmp, STEPS_JOB.format(total=150, sleep=0.02))
     rc, _ = run_to_end(spec, tmp / "state", 120)
@@ -896,9 +861,6 @@ def test_tune_fits_a_stdout_telemetry_run(tmp: Path) -> None:
     assert "150" in p.stdout, p.stdout
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`ulyssesctl tune --telemetry` of a FIFO, /dev/zero or a directory says 'does not exist': wrong "
-    "message (cosmetic; it does not block)"))
 def test_tune_names_what_is_wrong_with_a_non_regular_file(tmp: Path) -> None:
     fifo = tmp / "t.jsonl"
     os.mkfifo(fifo)
@@ -965,11 +927,6 @@ def test_spec_file_broken_while_running_then_operator_restart(tmp: Path) -> None
 
 
 @needs_root
-@pytest.mark.xfail(strict=True, reason=(
-    "a command job's checkpoint_dir is never pruned: status counts 8 `surplus` tags filling the 10 MiB disk, "
-    "retention leaves them; on ENOSPC the prune_and_restart rung looks at {run_dir}/checkpoints instead "
-    "(removed [], bytes_free_after = the run dir's 58 GB, next save 2.5 MB = the built-in tiny model), relaunches "
-    "into the same full disk 3 times and ends the run FAILED"))
 def test_command_job_on_a_small_checkpoint_disk_is_kept_within_it(tmp: Path, mounts) -> None:
     """A command job saves a 1.5 MiB `step_N/` every 5 steps into a 10 MiB tmpfs (keep_last = 2, no margin).
 
