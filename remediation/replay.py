@@ -1,5 +1,9 @@
 """Offline replay: run the engine over a recorded telemetry stream and list what it would have found and
-decided, step by step. The clock is each record's `time` when present, else step × median step time."""
+decided, step by step. The clock is each record's `time` when present, else step × median step time.
+
+A record without `time` cannot show a hang: the gap before it is invented by that synthetic clock (a log
+printed every 50 iterations is not 50 s of silence). The clock-driven hang check runs only before timed
+records; the summary says loudly how many were not timed (CountingRecords)."""
 
 from __future__ import annotations
 
@@ -37,8 +41,10 @@ def replay(records: Iterable[Record], detectors_cfg: DetectorsConfig | None = No
     attempt: int | None = None
     tick, observe = eng.tick, eng.observe
     for rec in records:
-        if rec.time is not None and rec.time == rec.time:
-            now = rec.time
+        t = rec.time
+        timed = t is not None and t == t
+        if t is not None and timed:
+            now = t
         else:
             if isinstance(rec, StepRecord) and rec.step_time_s and rec.step_time_s == rec.step_time_s:
                 times.append(rec.step_time_s)
@@ -54,7 +60,7 @@ def replay(records: Iterable[Record], detectors_cfg: DetectorsConfig | None = No
         new_attempt = rec.attempt is not None and attempt is not None and rec.attempt != attempt
         if rec.attempt is not None:
             attempt = rec.attempt
-        if not new_attempt:
+        if timed and not new_attempt:
             out = tick(now)
             if out:  # rare: most ticks and records produce nothing
                 for item in out:
@@ -65,6 +71,14 @@ def replay(records: Iterable[Record], detectors_cfg: DetectorsConfig | None = No
                 yield ReplayItem(item.step, now, item)
 
 
+def untimed_note(untimed: int, steps: int, no_step_time: int) -> str:
+    """What was not judged on records without timestamps (unknown is loud)."""
+    what = ("hang/step-time not judged for them" if no_step_time == untimed
+            else "hang not judged for them (step time judged from their step_time_s)")
+    return (f"NO TIMESTAMPS on {untimed} of {steps} step record(s): {what}; add a `time` field to each record "
+            f"(docs/CONTRACTS.md)")
+
+
 class CountingRecords:
     """Wraps a record stream and counts what went through (what `ulyssesctl replay` says it parsed)."""
 
@@ -72,14 +86,24 @@ class CountingRecords:
         self._records = records
         self.steps = 0
         self.events = 0
+        self.untimed = 0          # step records without `time`: no hang judgment for them
+        self.untimed_no_step_time = 0   # ...and without `step_time_s`: no step-time judgment either
 
     def __iter__(self) -> Iterator[Record]:
         for rec in self._records:
             if isinstance(rec, StepRecord):
                 self.steps += 1
+                if rec.time is None or rec.time != rec.time:
+                    self.untimed += 1
+                    if not rec.step_time_s:
+                        self.untimed_no_step_time += 1
             else:
                 self.events += 1
             yield rec
+
+    def untimed_note(self) -> str:
+        """The loud line for step records without `time` ('' when every record had one)."""
+        return untimed_note(self.untimed, self.steps, self.untimed_no_step_time) if self.untimed else ""
 
     def summary(self, source: str, log_stats: Any = None) -> str:
         """One line: how many records were parsed; loud when no step record was (detectors saw nothing)."""
@@ -93,6 +117,8 @@ class CountingRecords:
                 extra.append(f"{log_stats.discontinuities} step counter reset(s)/jump(s)")
             if extra:
                 text += ": " + ", ".join(extra)
+        if self.untimed:
+            text += "; " + self.untimed_note()
         if self.steps == 0:
             text = ("NO STEP RECORDS: " + text + ", so nothing was checked (no loss, NaN, spike, slow-step or "
                     "hang detection). ")

@@ -153,6 +153,7 @@ def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,
         out.write(json_text({"telemetry": str(telemetry), "items": collected,
                              "bad_lines": [dataclasses.asdict(b) for b in bad],
                              "parsed": {"step_records": counted.steps, "events": counted.events,
+                                   "untimed_step_records": counted.untimed, "not_judged": counted.untimed_note(),
                                         "summary": counted.summary(str(telemetry), parser.stats if parser else None)}},
                             indent=1))
         out.write("\n")
@@ -160,6 +161,8 @@ def run_replay(telemetry: Path, spec: Path | None = None, as_json: bool = False,
         _print_table(items, out, judged=lambda: counted.steps > 0)
     for b in bad:
         print(f"warning: {telemetry}:{b.line}: skipped: {b.error}", file=err)
+    if as_json and counted.untimed and counted.steps:
+        print("warning: " + counted.untimed_note(), file=err)   # unknown is loud, also beside --json
     if not as_json or counted.steps == 0:
         print(("error: " if counted.steps == 0 else "") + counted.summary(str(telemetry), parser.stats if parser else None),
               file=err)

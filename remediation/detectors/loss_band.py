@@ -190,3 +190,36 @@ def split_modes(values: list[float], min_share: float = 0.15, min_gap: float = 0
                for k in range(len(groups) - 1)):
             return meds
     return None
+
+
+class HeldRise:
+    """A loss that jumps to `factor` x the run's own earlier level (the median of its earlier records) and to
+    `above_max` x every earlier value (a mixture's noisy high mode, once seen, is not a rise), and stays there for `records` records in a row. Never healthy, whatever the warm-up:
+    the warm-up waits to learn a band, and a log that is short (an epoch per row) or starts mid-run never leaves
+    it. Values above the line stay out of the earlier level until the rise breaks; then they join it (a swing the run
+    made and recovered from raises the earlier max, so a mixture's high mode is learned, not re-flagged)."""
+
+    __slots__ = ("factor", "above_max", "records", "_before", "_held")
+
+    def __init__(self, keep: int, factor: float = 3.0, records: int = 3, above_max: float = 1.5):
+        self.factor, self.records, self.above_max = factor, records, above_max
+        self._before: deque[float] = deque(maxlen=keep)
+        self._held: list[tuple[int, float]] = []
+
+    def reset(self) -> None:
+        self._before.clear()
+        self._held.clear()
+
+    def observe(self, step: int, loss: float) -> tuple[int, float, int] | None:
+        """None for a value that is not above the line (it joins the earlier level); else (the step where the
+        rise began, the earlier level, how many records it has held so far)."""
+        if not 0 < loss < math.inf:
+            return None
+        if self._before and loss >= self.factor * _median(list(self._before)) and loss > self.above_max * max(self._before):
+            self._held.append((step, loss))
+            return self._held[0][0], _median(list(self._before)), len(self._held)
+        # A rise that did not hold was the run's own swing: it joins the earlier values (their max) with this one.
+        self._before.extend(v for _, v in self._held)
+        self._held.clear()
+        self._before.append(loss)
+        return None

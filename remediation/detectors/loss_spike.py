@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from ulyssesd.remediation.config import DetectorsConfig
 from ulyssesd.remediation.detectors.base import EpisodeDetector, Finding, fmt
-from ulyssesd.remediation.detectors.loss_band import BandVerdict, SourceBand, split_modes
+from ulyssesd.remediation.detectors.loss_band import BandVerdict, HeldRise, SourceBand, split_modes
 from ulyssesd.remediation.records import Record, StepRecord
 
 _MAD_TO_SIGMA = 1.4826
@@ -58,11 +58,13 @@ class LossSpikeDetector(EpisodeDetector):
         self._noise: deque[float] = deque(maxlen=max(2 * cfg.window, 50))
         self._noise_centre = math.nan
         self._noise_sigma = math.nan   # robust sigma of `_noise` (nan: too few yet)
+        self._rise = HeldRise(cfg.window)   # judges during the warm-up: a jump x3 that holds (loss_band.py)
         super().__init__(cfg)
 
     def reset(self) -> None:
         self._win.clear()
         self._win_steps.clear()
+        self._rise.reset()
         super().reset()
         self._ready = False
         self._ep_severe = False   # the current episode already reported a severe value
@@ -201,8 +203,13 @@ class LossSpikeDetector(EpisodeDetector):
             self._threshold = max(med + self.cfg.loss_spike_mad * sigma, med + rel * abs(med))
         else:
             # A few records (a short or sparse log): a MAD of 2-9 values says little about the noise. Use twice
-            # the relative floor, and never less than the window's own spread above its maximum.
-            self._threshold = max(med + 2 * rel * abs(med), vals[-1] + (vals[-1] - vals[0]))
+            # the relative floor, and never less than the window's own spread above its maximum. One earlier
+            # outlier (a recovered one-step blip) is not the spread: from 5 records a top value beyond 4x the
+            # rest's spread above the rest is left out of it, so it cannot hide a later, larger spike.
+            top = vals[-1]
+            if n >= SPAN_MIN_RECORDS and top > vals[-2] + 4 * (vals[-2] - vals[0]):
+                top = vals[-2]
+            self._threshold = max(med + 2 * rel * abs(med), top + (top - vals[0]))
         noise = list(self._noise)
         if len(noise) >= SIGMA_MIN_RECORDS:
             centre = sorted(noise)[len(noise) // 2]
@@ -359,6 +366,20 @@ class LossSpikeDetector(EpisodeDetector):
             self._any_ready = any(b.last_verdict is not None and b.last_verdict.ready for b in self.bands.values())
         return self._any_ready
 
+    def _held_rise(self, rec: StepRecord, loss: float, rise: tuple[int, float, int], now: float) -> list[Finding]:
+        """A value of a rise above x3 the run's earlier level (HeldRise): a severe spike once it has held."""
+        began, level, held = rise
+        onset = not self._ep.active
+        if not self._ep.anomalous(rec.step):
+            return []
+        if onset:
+            self._ep.started_step = began
+        ev = {"loss": loss, "median": level, "since_step": self._ep.started_step, "severe": True,
+              "held_values": held, "rule": "held_rise"}
+        msg = (f"step {rec.step}: loss {fmt(loss)} has held {held} records at >= {self._rise.factor:g}x the run's "
+               f"earlier level {fmt(level)} (since step {began}): severe, judged before the warm-up ends.")
+        return [Finding(self.symptom, rec.step, "critical", ev, msg, now)]
+
     def _observe_total(self, rec: StepRecord, now: float) -> list[Finding]:
         loss = rec.loss
         if loss - loss != 0.0:  # nan or ±inf (math.isfinite without the call)
@@ -378,6 +399,9 @@ class LossSpikeDetector(EpisodeDetector):
         span = self._clock.advance(rec.step)
         # Once ready, ready until reset (steps and the window only grow): skip the test then.
         ready = self._ready or self._check_ready(rec.step)
+        rise = None if ready or self._smooth is not None else self._rise.observe(rec.step, loss)
+        if rise is not None and rise[2] >= self._rise.records:   # held: a finding, kept out of the baseline
+            return self._held_rise(rec, loss, rise, now)
         if ready:
             self._age += span   # in training steps: a sparse log refreshes on every record
             if self._age >= self._every or loss > self._threshold:
