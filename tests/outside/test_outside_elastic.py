@@ -527,10 +527,6 @@ def torchrun_crash_once(tmp_path: Path, extra: list[str]) -> None:
         run.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: torch.save's '[enforce fail at inline_container.cc:720] . "
-                   "invalid file name: ckpt/.tmp_5' (a refused file name, 52 GB free) is diagnosed disk_full (high "
-                   "confidence); the disk ladder prunes nothing and stops the run; docs/DIAGNOSIS.md lists no such "
-                   "message for disk_full")
 def test_torch_save_bad_file_name_is_not_disk_full(tmp_path: Path) -> None:
     """The job saves through ckpt/.tmp_N, a name torch's zip writer refuses: a crash at every save (step 5).
 
