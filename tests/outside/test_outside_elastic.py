@@ -412,10 +412,6 @@ def test_no_shrink_setting_stops_with_reason(fresh: Cluster, tmp_path: Path, set
         run.stop()
 
 
-@pytest.mark.xfail(strict=False, reason="product bug, a race: with the default 20 s hang floor the hang path can claim "
-                   "the attempt after the watcher already cancelled it for node_lost (seen: 'Slurm job 2 lost node n3 "
-                   "... CANCELLED' only inside a hang incident's stacks); it then resubmits on 3 nodes without "
-                   "--exclude and the job pends on the DOWN node (STARTING for minutes). Passed 1 run of 2 here")
 def test_node_loss_with_default_hang_floor_still_shrinks(fresh: Cluster, tmp_path: Path) -> None:
     """The spec as a user writes it (no [detectors] block): a dead node must still end on two nodes.
 
