@@ -196,6 +196,13 @@ def on_event(sup: DecisionsRun, rec: EventRecord) -> None:
 
 def handle_outputs(sup: DecisionsRun, out: Iterable[Finding | Decision], step: int) -> None:
     findings, decisions = _split_outputs(out)
+    if any(f.symptom == "hang" for f in findings) or any(d.symptom == "hang" for d in decisions):
+        from ulyssesd.daemon.job.slurm_supervise import node_loss_pending
+
+        if lost := node_loss_pending(sup):  # the Slurm watcher is ending the job for a lost node: that path decides
+            sup.say(f"  no progress: node {', '.join(lost)} lost, the Slurm job is being ended; not a hang")
+            findings = [f for f in findings if f.symptom != "hang"]
+            decisions = [d for d in decisions if d.symptom != "hang"]
     for fnd in findings:
         if fnd.symptom == "nan_loss" and fnd.step is not None and sup.spec.job_section.kind == "command":
             from ulyssesd.daemon.job.checkpoint_watch import poisoned_from

@@ -99,6 +99,10 @@ def on_exit(sup: ExitRun, status: ExitStatus) -> None:
     # A failed checkpoint save: the job's own event names the errno (the log's text may not: torch's C++
     # writer says "basic_ios::clear: iostream error"), so it decides before the log's label.
     save_failure = sup.save_failures.get(sup.attempt)
+    refuted = disk.space_refutes(diag_label, diag_confidence, save_failure, checkpoint_root(sup)) if crashed else None
+    if refuted is not None:  # the OS says there is room: a save that failed, not a full disk
+        diag_label, diag_confidence = "python_exception", "medium"
+        diag_evidence = [refuted, *(diag_evidence or [])][:20]
     storage = disk.storage_errno(save_failure, diag_label, checkpoint_root(sup)) if crashed else None
     if storage in disk.NO_SPACE:
         diag_label, diag_confidence = "disk_full", "high"

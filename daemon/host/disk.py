@@ -99,6 +99,46 @@ def storage_errno(save_failure: dict[str, Any] | None, diag_label: str | None, c
     return None
 
 
+#: At least this much free space (and twice what the checkpoint directory holds) and a save's failure was not a
+#: full disk, whatever a low-confidence reading of the log said.
+PLENTY_FREE_BYTES = 1 << 30
+_MAX_WALK = 20_000  # entries of the checkpoint directory summed at most (a bounded look, not a du of a huge tree)
+
+
+def space_refutes(diag_label: str | None, confidence: str | None, save_failure: dict[str, Any] | None,
+                  ckpt_dir: Path) -> str | None:
+    """Evidence line when the OS says a `disk_full` read from the log at less than high confidence (the save
+    context, no space message) is wrong: the checkpoint filesystem's free space is readable and large (at least
+    PLENTY_FREE_BYTES and twice all the checkpoints held: the failed save would have fit even if its partial
+    file was freed after the crash). None when there is nothing to refute or the OS cannot say."""
+    import os
+    import shutil
+
+    if diag_label != "disk_full" or confidence == "high" or (save_failure or {}).get("errno") in NO_SPACE:
+        return None
+    where = ckpt_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return None
+    held, seen = 0, 0
+    for root, _dirs, files in os.walk(ckpt_dir):
+        for name in files:
+            seen += 1
+            try:
+                held += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+        if seen > _MAX_WALK:
+            return None  # too large to size within the bound: the OS cannot say here
+    if free < max(PLENTY_FREE_BYTES, 2 * held):
+        return None
+    return (f"not a full disk: {free / 1e9:.1f} GB free on the filesystem of {where} (checkpoints there hold "
+            f"{held / 1e9:.2f} GB): the checkpoint save failed for another reason")
+
+
 @dataclass
 class PruneOutcome:
     """What making room after a failed save did: removed entries, bytes they held, bytes available after,

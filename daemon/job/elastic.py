@@ -89,12 +89,15 @@ class Decision:
         return out
 
     def evidence(self) -> dict[str, Any]:
-        return {"before": {**asdict(self.before), "world": self.before.world, "dp": self.before.dp,
-                           "global_batch": self.before.global_batch},
-                "after": None if self.after is None else {**asdict(self.after), "world": self.after.world,
-                                                          "dp": self.after.dp, "global_batch": self.after.global_batch},
+        return {"before": record(self.before), "after": None if self.after is None else record(self.after),
                 "memory": None if self.memory is None else {"fits": self.memory.fits, "plan": self.memory.text,
                                                             **self.memory.figures}}
+
+
+def record(layout: Layout) -> dict[str, Any]:
+    """A layout as a resize action's `before`/`after`: nodes, ranks per node, SP, micro-batch, accumulation, and
+    the world size, DP and global batch they make."""
+    return {**asdict(layout), "world": layout.world, "dp": layout.dp, "global_batch": layout.global_batch}
 
 
 def choose_layout(before: Layout, nnodes: int, heads: int, seq_len: int) -> Layout | str:

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -185,7 +186,9 @@ def before_exit(sup: SlurmRun, status: ExitStatus) -> sl.SlurmEnd | None:
         _then(sup, what, TerminationPlan(Then.FAIL))
         return None
     end = read_attempt_end(sup)
-    if end is None or (sup.term is not None and sup.term.plan.then is not Then.CRASH):
+    if end is not None and end.kind == "node_lost" and sup.term is not None and sup.term.plan.relaunch is not None:
+        _loss_wins(sup, end)  # a relaunch on the same nodes (a hang's) would ask for the dead node again
+    elif end is None or (sup.term is not None and sup.term.plan.then is not Then.CRASH):
         return end  # no job (sbatch refused: the log says why), or an end the daemon asked for
     if end.kind == "node_lost":
         _node_lost(sup, end)
@@ -205,6 +208,35 @@ def before_exit(sup: SlurmRun, status: ExitStatus) -> sl.SlurmEnd | None:
         sup.say(f"  {reason}")
         _then(sup, reason, TerminationPlan.relaunching(Relaunch(reason, None, counts_against_budget=stalled)))
     return end
+
+
+def node_loss_pending(sup: SlurmRun) -> list[str]:
+    """The nodes the attempt's watcher saw lost and is ending the job for (`attempt-N.lost.json`, written before
+    its scancel): the hang path leaves such an attempt to the node-loss path. [] when none (or not submit mode)."""
+    import json
+
+    if not submit_mode(sup):
+        return []
+    try:
+        data = json.loads((sup.run_dir / sl.SLURM_DIR / f"attempt-{sup.attempt}.lost.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return []
+    nodes = data.get("nodes") if isinstance(data, dict) and data.get("job_id") == current_job_id(sup) else None
+    return [str(n) for n in nodes] if isinstance(nodes, list) else []
+
+
+def _loss_wins(sup: SlurmRun, end: sl.SlurmEnd) -> None:
+    """The attempt ended with a node lost while a relaunch was pending (the hang path took the attempt before
+    Slurm called the node DOWN): the node loss decides what follows (exclude or shrink); the relaunch's
+    incident says it was this loss."""
+    assert sup.term is not None and sup.term.plan.relaunch is not None
+    was = sup.term.plan.relaunch
+    sup.say(f"  {end.why}: the node loss decides the next attempt, not the pending relaunch ({was.reason})")
+    if isinstance(was.incident_id, int):
+        sup.store.update_incident_status(was.incident_id, IncidentStatus.resolved,
+                                         f"explained by a node loss: {end.why}; handled as a node loss")
+    sup.term = None
+    _node_lost(sup, end)
 
 
 def _refusal(sup: SlurmRun) -> str | None:
@@ -232,16 +264,19 @@ def _node_lost(sup: SlurmRun, end: sl.SlurmEnd, partition: list[str] | None = No
     evidence = {"slurm": end.to_json(), "exclude_before": current, "exclude_after": new,
                 "partition_nodes": partition, "last_step": sup.last_step}
     summary = f"{end.why}; the attempt ended"
-    iid = sup.incidents.incident(Symptom.crash, sup.last_step or 0, Severity.critical,
-                        summary + (f"; {refused}" if refused else f"; the next attempt excludes {', '.join(new)}"),
-                        evidence)
+
+    def incident(what: str) -> int:  # the summary says what is done: exclude, continue smaller, or stop
+        return sup.incidents.incident(Symptom.crash, sup.last_step or 0, Severity.critical, f"{summary}; {what}",
+                                      evidence)
+
     if refused:
         # No spare: continue on fewer nodes (job/elastic.py), or stop FAILED with why not.
         lost_all = list(dict.fromkeys([*current, *end.lost_nodes]))
-        if _shrink(sup, iid, end, lost_all, partition, refused) is not None:
+        if _shrink(sup, incident, end, lost_all, partition, refused) is not None:
             sl.write_exclusions(sup.run_dir, lost_all, f"lost in attempt {sup.attempt} (Slurm job {end.job_id}): "
                                 f"{end.why}; no spare, continuing on fewer nodes")
         return
+    iid = incident(f"the next attempt excludes {', '.join(new)}")
     sl.write_exclusions(sup.run_dir, new, f"lost in attempt {sup.attempt} (Slurm job {end.job_id}): {end.why}")
     sup.incidents.action(iid, ActionKind.restart, {"reason": "node lost: resubmit without it, resume from the latest valid "
                                           "checkpoint", "lost_nodes": end.lost_nodes, "exclude": new},
@@ -251,8 +286,8 @@ def _node_lost(sup: SlurmRun, end: sl.SlurmEnd, partition: list[str] | None = No
     _then(sup, summary, TerminationPlan.relaunching(Relaunch(f"node {', '.join(end.lost_nodes) or '?'} lost", iid)))
 
 
-def _shrink(sup: SlurmRun, iid: int, end: sl.SlurmEnd, excluded: list[str], partition: list[str],
-            refused: str) -> str | None:
+def _shrink(sup: SlurmRun, incident: Callable[[str], int], end: sl.SlurmEnd, excluded: list[str],
+            partition: list[str], refused: str) -> str | None:
     """No spare for the lost node: continue on the remaining nodes when `slurm.on_node_loss = "shrink"`, the global
     batch can be kept and the planner says the model fits (daemon/job/elastic.py); else stop FAILED with why.
     Returns None when the run stops, else the decision's text."""
@@ -284,10 +319,14 @@ def _shrink(sup: SlurmRun, iid: int, end: sl.SlurmEnd, excluded: list[str], part
             why_not = None if decision.ok else decision.reason
     if why_not is not None or decision is None or decision.after is None:
         reason = f"node lost and no node left to replace it: {refused}; not continuing on fewer nodes: {why_not}"
-        sup.incidents.stopped(iid, reason)
+        sup.incidents.stopped(incident(f"{refused}; not continuing on fewer nodes: {why_not}"), reason)
         _then(sup, reason, TerminationPlan(Then.FAIL))  # the exit path fails the run with this reason
         return None
     after = decision.after
+    summary = (f"no spare for {', '.join(end.lost_nodes)}: continuing on {after.nnodes} node(s), DP {before.dp} -> "
+               f"{after.dp}, SP {before.sp} -> {after.sp}, micro-batch x accumulation {before.micro_batch}x"
+               f"{before.accum} -> {after.micro_batch}x{after.accum}, global batch {after.global_batch} kept")
+    iid = incident(summary)
     earlier = elastic.read_resize(sup.run_dir) or {}  # a second loss while small: the full size stays the first's
     record = {"nnodes": after.nnodes, "full_nnodes": earlier.get("full_nnodes", before.nnodes),
               "full_layout": earlier.get("full_layout", decision.evidence()["before"]),
@@ -298,9 +337,6 @@ def _shrink(sup: SlurmRun, iid: int, end: sl.SlurmEnd, excluded: list[str], part
     from_v = sup.config_version
     to_v, diff = sup.new_config_version(decision.patch(world_set), f"continue on {after.nnodes} node(s) after "
                                         f"losing {', '.join(end.lost_nodes)}")
-    summary = (f"no spare for {', '.join(end.lost_nodes)}: continuing on {after.nnodes} node(s), DP {before.dp} -> "
-               f"{after.dp}, SP {before.sp} -> {after.sp}, micro-batch x accumulation {before.micro_batch}x"
-               f"{before.accum} -> {after.micro_batch}x{after.accum}, global batch {after.global_batch} kept")
     sup.incidents.action(iid, ActionKind.set_config, {"resize": "shrink", "reason": decision.reason,
                                                       "lost_nodes": end.lost_nodes, "exclude": excluded,
                                                       **decision.evidence()}, diff, ApplyMode.restart, from_v, to_v)
@@ -347,6 +383,7 @@ def before_launch(sup: SlurmRun) -> None:
                 f"{', '.join(f'{n} {st or chr(63)}' for n, st in states.items())})")
         return
     full = rec["full_layout"]
+    small = elastic.record(elastic.layout_of(_job_of(sup), int(rec["nnodes"]), sup.spec.launcher.nproc_per_node))
     keep = [n for n in sl.read_exclusions(sup.run_dir) if n not in states]
     sl.write_exclusions(sup.run_dir, keep, f"grew back: {', '.join(states)} in service again")
     sup.spec.launcher = sup.spec.launcher.model_copy(update={"nnodes": int(rec["full_nnodes"])})
@@ -358,10 +395,11 @@ def before_launch(sup: SlurmRun) -> None:
     to_v, diff = sup.new_config_version(patch, f"grow back to {rec['full_nnodes']} node(s)")
     what = (f"grew back to {rec['full_nnodes']} node(s): {', '.join(f'{n} {st}' for n, st in states.items())} in "
             f"service again (slurm.grow_back); DP, SP and accumulation as before the loss")
-    # The node-loss incident that shrank the run gets its second resize (before/after) and is resolved by it.
+    # The node-loss incident that shrank the run gets its second resize (before/after); resolved by it, unless the
+    # smaller run's progress resolved it already (then its reason now says it grew back).
     iid = rec.get("incident_id")
     sup.incidents.action(iid if isinstance(iid, int) else None, ActionKind.set_config,
-                         {"resize": "grow", "before": {"nnodes": rec["nnodes"]}, "after": full, "node_states": states},
+                         {"resize": "grow", "before": small, "after": full, "node_states": states},
                          diff, ApplyMode.restart, from_v, to_v)
     if isinstance(iid, int):
         sup.store.update_incident_status(iid, IncidentStatus.resolved, what)

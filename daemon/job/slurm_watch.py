@@ -214,6 +214,11 @@ class Watcher:
                     if info is not None and node_lost(info.get("State", "")) and node not in self.lost:
                         self.lost.append(node)
                 if self.lost:
+                    # Said before the cancel: the daemon's hang path defers to a node loss being handled
+                    # (daemon/job/slurm_supervise.py `node_loss_pending`), whichever notices first.
+                    from ulyssesd.daemon.job.config import write_json_atomic
+
+                    write_json_atomic(self.plan.path("lost.json"), {"job_id": job_id, "nodes": self.lost})
                     # Its peers cannot finish a collective without it: end the job now, not at a timeout.
                     self._cancel(job_id, f"node {', '.join(self.lost)} lost "
                                          f"({', '.join((self.slurm.node(n) or {}).get('State', '?') for n in self.lost)})")

@@ -29,6 +29,9 @@ the OOM killer.
 from __future__ import annotations
 
 import bisect
+import errno as _errno
+import os as _os
+import re
 from dataclasses import replace
 
 from ulyssesd.remediation.diagnosis.facts import NTSTATUS, Fact, phase_at, progressed_after
@@ -36,6 +39,18 @@ from ulyssesd.remediation.diagnosis.model import Diagnosis, DiagnosisConfig
 from ulyssesd.remediation.diagnosis.normalizer import Line
 from ulyssesd.remediation.diagnosis.rules import PRECEDENCE
 from ulyssesd.remediation.diagnosis.scanner import COMPILED
+
+# A save's error that names a cause other than room: an errno of a path/name/permission problem (its number, its
+# name or the strerror text this OS prints for it), or a writer refusing the file name it was given (torch's zip
+# writer: `[enforce fail at inline_container.cc:N] . invalid file name: ckpt/.tmp_5`).
+_PATH_ERRNOS = tuple(getattr(_errno, n) for n in ("ENOENT", "EACCES", "EPERM", "EINVAL", "ENAMETOOLONG", "EISDIR",
+                                                   "ENOTDIR", "EEXIST", "ELOOP") if hasattr(_errno, n))
+_NOT_SPACE = re.compile("|".join([
+    rf"\[Errno (?:{'|'.join(map(str, _PATH_ERRNOS))})\]",
+    *(rf"\b{_errno.errorcode[n]}\b" for n in _PATH_ERRNOS),
+    *(re.escape(_os.strerror(n)) for n in _PATH_ERRNOS),
+    r"invalid (?:file ?name|path)",
+]), re.I)
 
 # Labels the rules reach only as a fallback: the facts may name the cause instead.
 _FALLBACK = ("healthy", "python_exception", "launcher_error")
@@ -147,6 +162,11 @@ def _from_fact(f: Fact, facts: list[Fact], d: Diagnosis) -> Diagnosis | None:
                      f"{etype} was raised while loading a checkpoint (in {_frame_names(f)}): it cannot be resumed from", d)
     if where == "saving":
         os_level = etype.split(".")[-1] in ("OSError", "IOError", "RuntimeError", "PermissionError", "")
+        named = _NOT_SPACE.search(f.text) if os_level else None
+        if named:  # the writer said what is wrong, and it is not room: the save failed, the disk is not full
+            return _diag("python_exception", f, "medium",
+                         f"{etype} was raised while writing a checkpoint (in {_frame_names(f)}): the save failed on "
+                         f"its path or name ({named.group(0)!r}), not for lack of space", d)
         if os_level:
             return _diag("disk_full", f, "low",
                          f"{etype} was raised while writing a checkpoint (in {_frame_names(f)}): the write failed, most "
@@ -203,7 +223,9 @@ def decide_by_cause(d: Diagnosis, lines: list[Line], facts: list[Fact], exit_cod
     if root is not None:
         got = _from_fact(root, facts, d)
         if got is not None:
-            return d if got.label == d.label and d.evidence else got
+            if got.label == d.label and d.evidence:  # the rules' evidence stands; a failed save says so
+                return replace(d, reason=got.reason) if root.get("where") == "saving" else d
+            return got
     over = [f for f in facts if f.kind == "loss_scale"]
     low = [f for f in over if f.get("scale") <= cfg.overflow_low_scale]
     if low and (len(low) >= cfg.overflow_low_scale_min or any(f.get("scale") < 1.0 for f in low)) \

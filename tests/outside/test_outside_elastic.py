@@ -340,9 +340,6 @@ def test_node_loss_shrinks_to_two_nodes_same_global_batch(fresh: Cluster, tmp_pa
     assert_same_sample_order(r["steps"], 6)  # every step, on 3 nodes and on 2, read the same 6 samples
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: the node-loss incident's summary says 'excluding n3 leaves 2 "
-                   "usable node(s) ... the job needs 3' (reads like the stop) instead of docs/SLURM.md's 'no spare for "
-                   "n3: continuing on 2 node(s), DP 3 -> 2, ... global batch 6 kept'; only the action's reason says it")
 def test_shrink_incident_says_it_continues(fresh: Cluster, tmp_path: Path) -> None:
     text = shrunk_run(fresh, tmp_path)["incident"]["summary"]
     assert "no spare for n3: continuing on 2 node(s)" in text and "global batch 6 kept" in text, text
@@ -356,9 +353,6 @@ def test_grow_back_when_node_returns(fresh: Cluster, tmp_path: Path) -> None:
     grown_run(fresh, tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: the grow action's `before` is only {'nnodes': 2}; docs/SLURM.md "
-                   "promises before/after with nodes, ranks, SP, DP, micro-batch, accumulation, global batch (the "
-                   "shrink action has them all)")
 def test_grow_action_before_has_the_small_layout(fresh: Cluster, tmp_path: Path) -> None:
     before = grown_run(fresh, tmp_path)["grow"]["before"]
     assert (before.get("nnodes"), before.get("dp"), before.get("accum"), before.get("global_batch")) == (2, 2, 3, 6)
@@ -418,10 +412,6 @@ def test_no_shrink_setting_stops_with_reason(fresh: Cluster, tmp_path: Path, set
         run.stop()
 
 
-@pytest.mark.xfail(strict=False, reason="product bug, a race: with the default 20 s hang floor the hang path can claim "
-                   "the attempt after the watcher already cancelled it for node_lost (seen: 'Slurm job 2 lost node n3 "
-                   "... CANCELLED' only inside a hang incident's stacks); it then resubmits on 3 nodes without "
-                   "--exclude and the job pends on the DOWN node (STARTING for minutes). Passed 1 run of 2 here")
 def test_node_loss_with_default_hang_floor_still_shrinks(fresh: Cluster, tmp_path: Path) -> None:
     """The spec as a user writes it (no [detectors] block): a dead node must still end on two nodes.
 
@@ -533,10 +523,6 @@ def torchrun_crash_once(tmp_path: Path, extra: list[str]) -> None:
         run.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: torch.save's '[enforce fail at inline_container.cc:720] . "
-                   "invalid file name: ckpt/.tmp_5' (a refused file name, 52 GB free) is diagnosed disk_full (high "
-                   "confidence); the disk ladder prunes nothing and stops the run; docs/DIAGNOSIS.md lists no such "
-                   "message for disk_full")
 def test_torch_save_bad_file_name_is_not_disk_full(tmp_path: Path) -> None:
     """The job saves through ckpt/.tmp_N, a name torch's zip writer refuses: a crash at every save (step 5).
 

@@ -37,3 +37,22 @@ def test_a_disk_that_fills_again_after_a_verified_window_is_pruned_again():
             step, now = step + 1, now + 1.0
             eng.observe(StepRecord(step=step, loss=2.0, time=now, attempt=k + 2), now)
         eng.checkpoint_saved(f"step-{step:08d}", step)
+
+
+def test_a_low_confidence_disk_full_is_dropped_when_the_filesystem_has_room(tmp_path):
+    """The OS decides over a save-context guess: plenty free -> refuted with the numbers; the log's own ENOSPC
+    (high), the job's ENOSPC event, or checkpoints as large as the free space (a sparse file here) -> kept."""
+    from ulyssesd.daemon.host import disk
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "step_000005.pt").write_bytes(b"x" * 4096)
+    line = disk.space_refutes("disk_full", "low", None, ckpt)
+    assert line is not None and line.startswith("not a full disk:") and "GB free" in line
+    assert disk.space_refutes("disk_full", "low", None, tmp_path / "not" / "made") is not None  # nearest parent
+    assert disk.space_refutes("disk_full", "high", None, ckpt) is None
+    assert disk.space_refutes("disk_full", "low", {"errno": "ENOSPC"}, ckpt) is None
+    assert disk.space_refutes("python_exception", "low", None, ckpt) is None
+    with open(ckpt / "huge.pt", "wb") as fh:  # apparent size far beyond any free space
+        fh.truncate(1 << 42)  # 4 TiB apparent, no blocks
+    assert disk.space_refutes("disk_full", "low", None, ckpt) is None

@@ -5,7 +5,9 @@ with the explanation; grow back when the operator allows it and the node is in s
 
 from __future__ import annotations
 
-from test_slurm_faults import FakeSlurm, WatcherOS, _slurm_sup, _watcher_ran
+from pathlib import Path
+
+from test_slurm_faults import FakeSlurm, WatcherOS, _emit, _slurm_sup, _watcher_ran
 
 from ulyssesd.daemon.host.process import ExitStatus
 from ulyssesd.daemon.job import elastic
@@ -221,3 +223,80 @@ def test_a_restarted_daemon_relaunches_a_shrunk_run_at_its_smaller_size(tmp_path
             break
     assert sup2.attempt == 3 and sup2.config["train"]["gradient_accumulation_steps"] == 2
     assert "--nodes=1" in WatchPlan.read(sup2.run_dir / "slurm" / "attempt-3.plan.json").sbatch_args
+
+
+# ------------------------------------------------------------------ a node loss and a hang, both seeing it
+def _training(sup, fos, fake):
+    """Attempt 1's job submitted and stepping (the watcher's part done by hand)."""
+    import json
+
+    plan = WatchPlan.read(sup.run_dir / "slurm" / "attempt-1.plan.json")
+    job_id = fake.sbatch(Path(plan.script), plan.sbatch_args, plan.env)
+    (sup.run_dir / "slurm" / "attempt-1.job.json").write_text(json.dumps({"job_id": job_id}))
+    _emit(sup, kind="event", event="started", step=0)
+    for s in range(1, 8):
+        fos.advance(0.5)
+        _emit(sup, kind="step", step=s, loss=3.0, step_time_s=0.5, samples=[s - 1, s])
+        sup.tick()
+    return job_id
+
+
+def _exit_attempt(sup, fos, fake, job_id, want_attempt):
+    import json
+
+    fake.nodes["n2"] = "DOWN*"
+    fake.end(job_id, "CANCELLED", "0:15")
+    end = sl.classify_end(job_id, fake.job(job_id), [], dict(fake.nodes), 1, False, ["n2"])
+    (sup.run_dir / "slurm" / "attempt-1.end.json").write_text(json.dumps(end.to_json()))
+    fos.die(sup.job.pid, ExitStatus(1, None, "wait"))
+    for _ in range(40):
+        sup.tick()
+        fos.advance(2)
+        if sup.attempt == want_attempt or sup.state == S.FAILED:
+            break
+
+
+def test_a_hang_leaves_an_attempt_the_watcher_is_ending_for_a_lost_node(tmp_path):
+    """The watcher saw n2 lost and said so (attempt-1.lost.json) before its scancel; the job is slow to end: the
+    hang floor passes meanwhile. The hang path must not take the attempt; the node loss shrinks the run."""
+    import json
+
+    fos, fake = WatcherOS(), FakeSlurm(nodes=("n1", "n2"))
+    sup = _slurm_sup(tmp_path, fos, fake)
+    sup.start()
+    job_id = _training(sup, fos, fake)
+    (sup.run_dir / "slurm" / "attempt-1.lost.json").write_text(json.dumps({"job_id": job_id, "nodes": ["n2"]}))
+    fos.advance(120)  # far past the hang floor
+    sup.tick()
+    assert sup.term is None and not fake.cancels("USR1")
+    assert not [i for i in sup.store.list_incidents(sup.run_id) if i.symptom.value == "hang"]
+    _exit_attempt(sup, fos, fake, job_id, 2)
+    assert sup.attempt == 2, sup.store.get_run(sup.run_id).state_reason
+    assert "--nodes=1" in WatchPlan.read(sup.run_dir / "slurm" / "attempt-2.plan.json").sbatch_args
+
+
+def test_a_hang_that_took_the_attempt_first_yields_to_the_node_loss_its_end_shows(tmp_path):
+    """The hang floor passed before Slurm called n2 DOWN (SlurmdTimeout 300 s on a real cluster): the hang path
+    took the attempt; the job then ended with n2 lost. The next attempt must not ask for n2: it shrinks, and the
+    hang incident says the node loss explained it. The healthy case: a loss marker of another job is ignored."""
+    import json
+
+    fos, fake = WatcherOS(), FakeSlurm(nodes=("n1", "n2"))
+    sup = _slurm_sup(tmp_path, fos, fake)
+    sup.start()
+    job_id = _training(sup, fos, fake)
+    (sup.run_dir / "slurm" / "attempt-1.lost.json").write_text(json.dumps({"job_id": "elsewhere", "nodes": ["n2"]}))
+    fos.advance(120)
+    sup.tick()
+    assert sup.term is not None and sup.term.plan.relaunch is not None  # the hang path has it
+    fos.advance(sup.dcfg.stack_dump_wait_s + 0.1)
+    sup.tick()
+    _exit_attempt(sup, fos, fake, job_id, 2)
+    assert sup.attempt == 2, sup.store.get_run(sup.run_id).state_reason
+    args = WatchPlan.read(sup.run_dir / "slurm" / "attempt-2.plan.json").sbatch_args
+    assert "--nodes=1" in args and "--exclude=n2" in args, args
+    incs = sup.store.list_incidents(sup.run_id)
+    hang = [i for i in incs if i.symptom.value == "hang"]
+    assert len(hang) == 1 and hang[0].status.value == "resolved" and "node loss" in hang[0].status_reason
+    loss = [i for i in incs if "lost node n2" in i.summary]
+    assert len(loss) == 1 and "no spare for n2: continuing on 1 node(s)" in loss[0].summary, loss[0].summary
