@@ -84,6 +84,7 @@ def family_levels(recs: list[dict], lo: int, hi: int) -> dict[str, float]:
 
 
 HEALTHY_STEPS = int(os.environ.get("ULYSSESD_TINY_JUDGMENT_STEPS", "400"))
+STEP_TIME_SYMPTOMS = ("slow_step", "throughput_drop", "straggler")
 ONSET = HEALTHY_STEPS - 100
 
 
@@ -107,7 +108,14 @@ def test_tiny_preset_without_detectors_block_healthy_then_lr_blowup(tmp_path):
     assert max(late.values()) > 2 * min(late.values()), late
     incs = store.list_incidents(run.id)
     before = [i for i in incs if i.step is not None and i.step < ONSET]
-    assert before == [], [(i.step, i.symptom.value, i.summary[:200]) for i in before]
+    # The healthy mixed-data part draws no loss finding and nothing that touches the run. A shared, loaded CPU box
+    # can slow real steps (its neighbours' tests): a step-time finding there is an observation of the box, allowed
+    # only with the slow ladder's non-acting rungs (evidence, alert); never a restart or a config change.
+    assert [i for i in before if i.symptom.value not in STEP_TIME_SYMPTOMS] == [], \
+        [(i.step, i.symptom.value, i.summary[:200]) for i in before]
+    acted = [(i.step, a.kind.value) for i in before for a in store.get_incident(i.id).actions
+             if a.kind.value not in ("collect_evidence", "alert", "observe_only_noop")]
+    assert acted == [], acted
     # 0 restarts in the healthy part: attempt 1 trained through to the onset.
     assert max(r["step"] for r in first) >= ONSET
     # The blow-up: found within 20 steps of its onset, never rolled back to step 0.
