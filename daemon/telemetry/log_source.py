@@ -67,8 +67,7 @@ def source_kind(config: dict[str, Any]) -> str:
 
 
 def stdout_source(config: dict[str, Any]) -> bool:
-    """Whether the daemon derives the job's telemetry itself (from its log or its framework's files) into
-    `telemetry-stdout.jsonl`: the job does not write records, nor read control.json."""
+    """The daemon derives the telemetry (log or framework files -> telemetry-stdout.jsonl); no control.json."""
     return source_kind(config) in DERIVED_SOURCES
 
 
@@ -436,7 +435,8 @@ def pump(sup: Any) -> None:
     appended = src.pump(now)
     watch: SilenceWatch = sup._telemetry_watch
     problems = _say_read_problems(sup, src, watch, kind)
-    silent = watch.check(now, appended) and getattr(sup, "job", True) is not None
+    silent = (watch.check(now, appended) if getattr(sup, "job", True) is not None  # ended: keeps its verdict (SILENT)
+              else bool(watch._last_verdict and not appended))
     if stats.bad_lines > bad_before and (bad_before < 5 or stats.bad_lines // 100 > bad_before // 100):
         log.warning("telemetry step line out of the run's progress dropped", run_id=getattr(sup, "run_id", None),
                     attempt=sup.attempt, bad_lines=stats.bad_lines, examples=stats.bad_samples[:3])
