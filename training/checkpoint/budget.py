@@ -5,7 +5,7 @@ Categories (docs/CHECKPOINT_DISK.md):
 
     newest_valid  the newest tag with a valid manifest: never removed
     rollback_target  the tag a decided rollback will load (rollback_guard.py): never removed while it is pending
-    tainted       valid tags saved at or after a pending rollback's onset: never the newest valid, the first to go
+    tainted       valid tags saved at or after a pending rollback's onset: never the newest valid, never removed
     keep_last     the other valid tags of the `keep_last` window
     anchor        known-good tags kept outside the window for rollbacks: at most `max_anchors`, spaced at least
                   `anchor_spacing_steps` apart; the newest known-good one is never removed
@@ -286,15 +286,14 @@ def room_order(budget: DirBudget, include_in_flight: bool) -> list[Entry]:
     """The stated order a save that does not fit makes room in: what routine retention would remove; the failed
     save's partial (`include_in_flight`: only once its job has exited); set-aside copies oldest first; anchors
     beyond the newest known-good, oldest first; the keep_last window oldest first, down to the newest valid.
-    Tainted tags (after a pending rollback's onset) go with the partials. Never the newest valid tag, the newest
-    known-good one nor a pending rollback's target."""
+    Never the newest valid tag, the newest known-good one, a pending rollback's target nor a tainted tag (after
+    its onset: the relaunch sets it aside, evidence kept; a save with no room waits, it never deletes one)."""
     protected = {budget.newest_valid, budget.newest_known_good, budget.rollback_target}
     by_step = sorted((e for e in budget.entries if e.name not in protected),
                      key=lambda e: (e.step if e.step is not None else -1, e.mtime))
     order = [e for e in budget.entries if e.doomed and e.category != "set_aside"]
     if include_in_flight:
         order += [e for e in by_step if e.category == "in_flight"]
-    order += [e for e in by_step if e.category == "tainted"]
     order += sorted((e for e in budget.entries if e.category == "set_aside"),
                     key=lambda e: set_aside_time(e.name, e.mtime))
     order += [e for e in by_step if e.category == "anchor"]
