@@ -133,5 +133,8 @@ def test_hf_trainer_runs_under_the_daemon_as_shipped_and_reports_its_max_steps(t
     st = status_data(sup.store, sup.store.get_run(sup.run_id))
     assert (st["total_steps"], st["total_steps_source"]) == (40, "job telemetry")  # the Trainer's max_steps
     saves = sorted(p.name for p in (sup.run_dir / "checkpoints").iterdir() if p.is_dir())
-    assert saves == [f"checkpoint-{n}" for n in (10, 20, 30, 40)]
+    # Retention applies to a command job's own checkpoints ([checkpoint] keep_last, default 3): the newest three
+    # stay; checkpoint-10 goes once a pass has run after checkpoint-40 (or stays if the run ended first).
+    assert saves[-3:] == [f"checkpoint-{n}" for n in (20, 30, 40)], saves
+    assert set(saves) <= {f"checkpoint-{n}" for n in (10, 20, 30, 40)}, saves
     assert all((sup.run_dir / "checkpoints" / s / "manifest.json").is_file() for s in saves)
