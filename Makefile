@@ -31,7 +31,8 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow and not extended" --durations=10 tests
 
-# The long hostile probe rounds (tests/hostile/test_hostile_round6.py, ~20 min): before a release, not in CI.
+# Before a release, not in CI (its 90-minute budget): the hostile probe rounds 6 and 7 (~20 min each) and the
+# outside-in elastic checks (own 3-node Slurm clusters, ~10 min).
 test-extended: $(STAMP)
 	$(PY) -m pytest -q -m extended --durations=10 tests
 

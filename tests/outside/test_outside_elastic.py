@@ -29,7 +29,9 @@ ULYSSESD = str(BIN / "ulyssesd")
 ULYSSESCTL = str(BIN / "ulyssesctl")
 CLUSTER = [sys.executable, str(REPO / "bench" / "slurm_cluster.py")]
 
-pytestmark = pytest.mark.slow
+# Each test starts its own 3-node Slurm cluster (~1 min each): run with `make test-extended` before a release,
+# not in CI's slow suite (its 90-minute budget); tests/slurm/test_slurm_elastic_e2e.py covers the same in CI.
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def _skip_reason() -> str | None:
